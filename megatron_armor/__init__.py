@@ -1,0 +1,1 @@
+"""megatron-armor: ARMOR RL post-training on Megatron-Core."""

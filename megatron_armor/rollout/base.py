@@ -1,0 +1,74 @@
+"""The rollout-engine interface shared by the in-process engine and the SGLang client."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one `generate` call (SGLang `sampling_params` semantics).
+
+    `top_p` filtering happens after temperature scaling; reported logprobs are taken before it.
+    `seed` makes a call reproducible for a given engine state; None draws from the engine's generator.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Generation:
+    """One sampled completion.
+
+    response_ids: [R] generated token ids, including the stop token when one was emitted.
+    logprobs:     [R] float, log_softmax(logits / T) of each generated token, taken before top-p
+                  (SGLang's `output_token_logprobs`); for greedy (T=0) the unscaled log_softmax.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class RolloutEngine(abc.ABC):
+    """Generates completions from a policy whose weights the trainer pushes in.
+
+    Weights cross this interface in Hugging Face parameter naming, so any HF-compatible server
+    (the in-process engine, SGLang) can receive them.
+    """
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        """Sample one completion per prompt; output order matches `prompts`."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace parameters by HF name; every name must exist and every shape must match."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve requests."""
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None:
+        """Drop cached KV/prefix state (called after a weight update)."""

@@ -1,0 +1,33 @@
+"""megatron-armor: ARMOR / MIPU / OPD RL post-training on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-armor",
+    version="0.1.0",
+    description="Anchor Rollout and Mixed Optimization RL post-training on Megatron-Core",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_armor", "megatron_armor.*"]),
+    install_requires=[
+        "torch==2.14.1",
+        "megatron-core>=0.19,<0.20",
+        "transformers>=5,<6",
+        "triton",
+        "safetensors",
+        "math-verify",
+        "ray",
+        "pytest",
+        "pyyaml",
+        "tqdm",
+        "matplotlib",
+        "tensorboard",
+        "einops",
+    ],
+    extras_require={
+        # Nothing on the CPU path imports these at module import time.
+        # NVIDIA apex is not on the package index under that name; see README for its source install.
+        "gpu": ["transformer-engine[pytorch]", "sglang", "flash-attn"],
+        "wandb": ["wandb"],
+    },
+    entry_points={"console_scripts": ["armor=megatron_armor.cli:main"]},
+)
