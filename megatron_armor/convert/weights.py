@@ -1,0 +1,113 @@
+"""Move weights between HF safetensors checkpoints and (tensor-parallel) Megatron GPTModels."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from safetensors import safe_open
+
+from megatron_armor.convert.mapping import ParamMapping, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings
+from megatron_armor.models.hf_config import ModelShape
+
+# HF buffers that are not parameters of either model.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not match the model it is loaded into."""
+
+
+def stage_mappings(model: GPTModel, shape: ModelShape) -> list[ParamMapping]:
+    """The mappings of the pipeline stage `model` is, with global layer numbering."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    num_local = len(model.decoder.layers)
+    return model_mappings(
+        shape,
+        first_layer=get_transformer_layer_offset(model.config),
+        num_layers=num_local,
+        pre_process=model.pre_process,
+        post_process=model.post_process,
+    )
+
+
+class HFCheckpointReader:
+    """Lazy reader of an HF checkpoint's safetensors files (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.model_dir / "model.safetensors").is_file():
+            with safe_open(self.model_dir / "model.safetensors", "pt") as f:
+                weight_map = {name: "model.safetensors" for name in f.keys()}
+        else:
+            raise CheckpointError(f"{self.model_dir}: no model.safetensors or model.safetensors.index.json found")
+        self.weight_map: dict[str, str] = weight_map
+
+    def names(self) -> set[str]:
+        return {n for n in self.weight_map if not n.endswith(_IGNORED_HF_SUFFIXES)}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} missing from the checkpoint")
+        with safe_open(self.model_dir / self.weight_map[name], "pt") as f:
+            return f.get_tensor(name)
+
+
+def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -> None:
+    """Copy this rank's shard of every parameter from an HF checkpoint into `model`.
+
+    Checks that the checkpoint has exactly the tensors the architecture needs (all stages together)
+    and that every shard has the shape Megatron allocated.
+    """
+    reader = HFCheckpointReader(model_dir)
+    expected = {n for m in model_mappings(shape) for n in m.hf_names}
+    missing, unexpected = expected - reader.names(), reader.names() - expected
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{model_dir}: checkpoint does not match a {shape.arch} model with config.json's shape; "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    params = dict(model.named_parameters())
+    mappings = stage_mappings(model, shape)
+    if {m.megatron_name for m in mappings} != set(params):
+        raise CheckpointError(f"mapping table and model disagree: {sorted(set(params) ^ {m.megatron_name for m in mappings})}")
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for mapping in mappings:
+            param = params[mapping.megatron_name]
+            shard = hf_to_megatron_shard(mapping, [reader.get(n) for n in mapping.hf_names], shape, tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise CheckpointError(
+                    f"{model_dir}: {mapping.hf_names} gives {tuple(shard.shape)} for {mapping.megatron_name}, "
+                    f"model expects {tuple(param.shape)}"
+                )
+            param.copy_(shard)
+
+
+def gather_hf_weights(model: GPTModel, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield this pipeline stage's parameters as full (TP-gathered) HF-named tensors, on every TP rank.
+
+    A collective over the TP group: all TP ranks must iterate it together.
+    """
+    params = dict(model.named_parameters())
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        for mapping in stage_mappings(model, shape):
+            local = params[mapping.megatron_name].detach()
+            if mapping.layout == "replicated" or tp_size == 1:
+                shards = [local] * tp_size
+            else:
+                shards = [torch.empty_like(local) for _ in range(tp_size)]
+                dist.all_gather(shards, local.contiguous(), group=group)
+            yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))

@@ -1,0 +1,107 @@
+"""Adapters that let unmodified Megatron-Core run on CPU-only machines (gloo backend).
+
+Megatron-Core assumes CUDA in a few places that are not on the math path. On a machine without a
+GPU, `enable_cpu_compat()` installs adaptations 2-4 below process-wide and `megatron_device_scope()`
+adds adaptation 1 around calls into Megatron (schedules, DDP construction), so the rest of the
+program (e.g. the in-process rollout engine) pays no per-call overhead. With CUDA both do nothing,
+so GPU runs use Megatron exactly as shipped.
+
+Adaptations (megatron-core 0.19):
+1. Tensor factories called with `device="cuda"` (pipeline schedules allocate loss/num-token
+   accumulators and p2p receive buffers that way; the grad buffer allocates its warm-up tensor so)
+   are redirected to CPU by a `TorchFunctionMode`.
+2. `torch.cuda.current_device()` (asked by p2p communication and the DDP grad buffers to place
+   tensors) returns the CPU device instead of raising "no CUDA GPUs".
+3. `torch.cuda.synchronize()` (called around p2p ops and buffer frees) becomes a no-op: CPU ops
+   are synchronous.
+4. `torch.cuda.current_stream()` (the grad-reduce bucket waits on CUDA-graph events from it) returns
+   a stream stand-in whose waits are no-ops; no CUDA graphs exist on CPU.
+5. `torch.cuda.is_available()` stays False (Megatron then skips CUDA-only fusions); nothing to patch.
+
+Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
+global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_lock = threading.Lock()
+_installed = False
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Adaptation 4: a stream whose synchronisation calls do nothing (CPU work is synchronous)."""
+
+    def wait_event(self, event: object) -> None:
+        del event
+
+    def wait_stream(self, stream: object) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+
+def cpu_compat_needed() -> bool:
+    """True when Megatron must be adapted: this process has no usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+def enable_cpu_compat() -> bool:
+    """Install the CPU adaptations process-wide; idempotent; returns True if they are active.
+
+    Does nothing (returns False) when CUDA is available.
+    """
+    global _installed
+    if not cpu_compat_needed():
+        return False
+    with _lock:
+        if not _installed:
+            torch.cuda.current_device = lambda: _CPU  # adaptation 2
+            torch.cuda.synchronize = lambda device=None: None  # adaptation 3
+            torch.cuda.current_stream = lambda device=None: _NullStream()  # adaptation 4
+            _installed = True
+    return True
+
+
+def cpu_compat_active() -> bool:
+    """True after `enable_cpu_compat()` installed the adaptations in this process."""
+    return _installed
+
+
+@contextlib.contextmanager
+def megatron_device_scope() -> Iterator[None]:
+    """Run a Megatron call with CUDA tensor factories redirected to CPU (adaptation 1).
+
+    Inert (a plain pass-through) when CUDA is available or the adaptations are not enabled.
+    """
+    if not _installed:
+        yield
+        return
+    with _CudaToCpuMode():
+        yield

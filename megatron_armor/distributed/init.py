@@ -1,0 +1,112 @@
+"""Process-group set-up: torchrun environment -> torch.distributed -> Megatron `parallel_state`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_armor.distributed.cpu_compat import enable_cpu_compat
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job. Process groups themselves live in `parallel_state`."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank})"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch. Used instead of `model_parallel_cuda_manual_seed`, which needs
+    CUDA; runs are dropout-free, so TP ranks can share one seed and still build identical state."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def initialize_distributed(
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, *, seed: int = 1234, timeout_minutes: int = 30
+) -> DistributedContext:
+    """Initialise torch.distributed from the torchrun environment (or as a 1-process group) and
+    Megatron's tensor/pipeline/data-parallel groups. gloo on CPU, NCCL on GPU."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    world_size = dist.get_world_size()
+    if world_size % (tensor_parallel_size * pipeline_parallel_size) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_parallel_size ({tensor_parallel_size}) x "
+            f"pipeline_parallel_size ({pipeline_parallel_size}); launch a multiple of "
+            f"{tensor_parallel_size * pipeline_parallel_size} processes"
+        )
+    enable_cpu_compat()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel_size,
+            pipeline_model_parallel_size=pipeline_parallel_size,
+        )
+    seed_everything(seed)
+    return current_context()
+
+
+def current_context() -> DistributedContext:
+    """The `DistributedContext` of this process; requires `initialize_distributed` first."""
+    return DistributedContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

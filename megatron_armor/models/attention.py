@@ -1,0 +1,73 @@
+"""Core attention for the local (non-Transformer-Engine) layer spec, on torch SDPA.
+
+Megatron's local `DotProductAttention` allocates its score matrix from a CUDA-only global memory
+buffer, so it cannot run on CPU. This module takes the same constructor and forward arguments and
+computes causal (GQA-aware) attention with `torch.nn.functional.scaled_dot_product_attention`,
+which dispatches to flash/memory-efficient kernels on GPU and a fused C++ kernel on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in `core_attention` submodule of `SelfAttention` (tensor-parallel heads, no CP)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism; use the Transformer Engine spec")
+        del layer_number, attention_type, cp_comm_type, pg_collection
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """query: [sq, b, heads, d]; key/value: [sk, b, groups, d]; attention_mask: optional bool
+        [b or 1, 1, sq, sk], True = masked out (Megatron convention). Returns [sq, b, heads * d]."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
+        seq_q, batch, heads, head_dim = query.shape
+        groups = key.shape[2]
+        # [s, b, h, d] -> [b, h, s, d]; repeat K/V so each query head sees its group's K/V.
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
+        v = value.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if attention_mask is None else ~attention_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+        )
+        return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * head_dim)

@@ -1,0 +1,68 @@
+"""Build Megatron-Core language models for actor and reference.
+
+We build `GPTModel`. Megatron-Core 0.19 marks it deprecated in favour of `HybridModel` (a layer
+pattern string mixing attention/MLP/Mamba layers), but GPTModel is still maintained for bug fixes,
+is what the conversion ecosystem (mbridge, Megatron-Bridge) targets for Llama/Qwen checkpoints, and
+its state-dict names are the ones our HF<->Megatron mapping uses. A dense Llama/Qwen decoder is
+exactly a GPTModel, so nothing HybridModel adds is needed here; moving is a builder-only change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_armor.models.attention import SDPAttention
+from megatron_armor.models.hf_config import ModelShape
+
+
+def transformer_engine_usable() -> bool:
+    """True when Transformer Engine is installed and a CUDA device exists (its layers need both)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec(use_transformer_engine: bool | None = None) -> ModuleSpec:
+    """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
+    local layers with SDPA core attention (runs on CPU and GPU)."""
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_usable()
+    if use_transformer_engine:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
+    self_attention = dataclasses.replace(attention, submodules=attention_submodules)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention))
+
+
+def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: bool = True) -> GPTModel:
+    """This rank's stage of the model (pre/post-process set from the pipeline position).
+
+    Weights are randomly initialised; load real ones with `convert.load_hf_weights`. A frozen
+    (`trainable=False`) model has `requires_grad=False` everywhere and starts in eval mode.
+    """
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return model

@@ -1,0 +1,129 @@
+"""Hugging Face model config -> architecture shape -> Megatron `TransformerConfig`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+
+
+class ModelConfigError(ValueError):
+    """An HF checkpoint whose architecture this project cannot build."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture facts both the HF and the Megatron side need (decoder-only, RoPE, SwiGLU)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+
+def load_model_shape(model_dir: str | Path) -> ModelShape:
+    """Read `config.json` of an HF checkpoint directory into a `ModelShape`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{model_dir}: no config.json; model.path must be a Hugging Face checkpoint directory")
+    return model_shape_from_dict(json.loads(path.read_text()), source=str(path))
+
+
+def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
+    """Build a `ModelShape` from an HF config dict (transformers 4.x or 5.x layout)."""
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(f"{source}: model_type {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ModelConfigError(f"{source}: RoPE scaling {hf.get('rope_scaling') or rope} is not supported yet")
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelConfigError(f"{source}: num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
+    if hf.get("mlp_bias") or (arch == "llama" and hf.get("attention_bias")):
+        raise ModelConfigError(f"{source}: biased Llama projections are not supported")
+    return ModelShape(
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        qkv_bias=arch == "qwen2",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int) -> None:
+    """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks."""
+    for name, value in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads", shape.num_kv_heads),
+                        ("intermediate_size", shape.ffn_hidden_size), ("vocab_size", shape.vocab_size)):
+        if value % tp_size:
+            raise ModelConfigError(f"{name}={value} is not divisible by tensor_parallel_size={tp_size}")
+    if shape.num_layers % pp_size:
+        raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
+
+
+def transformer_config(
+    shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32
+) -> TransformerConfig:
+    """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA)."""
+    check_parallel_layout(shape, tp_size, pp_size)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=True,
+        # Loss functions return (sum of token losses, token count); gradients are divided by the
+        # global token count once in `finalize_model_grads`, giving an exact token mean over the
+        # mini-batch across micro-batches and data-parallel ranks.
+        calculate_per_token_loss=True,
+    )
