@@ -16,7 +16,11 @@ Adaptations (megatron-core 0.19):
    are synchronous.
 4. `torch.cuda.current_stream()` (the grad-reduce bucket waits on CUDA-graph events from it) returns
    a stream stand-in whose waits are no-ops; no CUDA graphs exist on CPU.
-5. `torch.cuda.is_available()` stays False (Megatron then skips CUDA-only fusions); nothing to patch.
+5. Megatron's optimizer clips gradients with `clip_grad_by_total_norm_fp32`, which asserts
+   `torch.cuda.FloatTensor` grads and scales them with a CUDA overflow buffer; the optimizer module's
+   reference to it is replaced by `_clip_grads_by_total_norm`, the same scaling with torch foreach ops.
+   The grad norm itself is still computed by Megatron (TP/PP-aware, shared parameters counted once).
+6. `torch.cuda.is_available()` stays False (Megatron then skips CUDA-only fusions); nothing to patch.
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -67,6 +71,15 @@ class _NullStream:
         pass
 
 
+def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
+    """Adaptation 5: scale grads in place by min(1, max_norm / (total_norm + 1e-6)), as Megatron does."""
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
+    clip_coeff = max_norm / (float(total_norm) + 1.0e-6)
+    if grads and clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
 def cpu_compat_needed() -> bool:
     """True when Megatron must be adapted: this process has no usable CUDA device."""
     return not torch.cuda.is_available()
@@ -85,6 +98,9 @@ def enable_cpu_compat() -> bool:
             torch.cuda.current_device = lambda: _CPU  # adaptation 2
             torch.cuda.synchronize = lambda device=None: None  # adaptation 3
             torch.cuda.current_stream = lambda device=None: _NullStream()  # adaptation 4
+            import megatron.core.optimizer.optimizer as megatron_optimizer
+
+            megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_by_total_norm  # adaptation 5
             _installed = True
     return True
 

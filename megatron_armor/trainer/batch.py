@@ -1,0 +1,85 @@
+"""Pack scored samples into right-padded token tensors aligned for next-token logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from megatron_armor.data.types import Sample
+
+
+@dataclass
+class SequenceBatch:
+    """B prompt+response sequences, right-padded to S tokens.
+
+    Position t predicts token t+1, so every per-token tensor is "label aligned":
+      input_ids:     [B, S] int64, prompt + response + padding
+      labels:        [B, S] int64, input_ids shifted left by one (last column is padding)
+      response_mask: [B, S] float32, 1 where labels[:, t] is a response token
+      engine_logprobs: [B, S] float32, the rollout engine's logprob of labels[:, t] (0 off-response)
+      advantages:    [B] float32 (broadcast over tokens by the loss)
+      is_anchor:     [B] bool
+      old_logprobs / ref_logprobs: [B, S] float32 label-aligned logprobs of the actor before the
+                     update and of the reference; filled in by the trainer before the update.
+    Right padding with a causal mask leaves real tokens unaffected, so no attention mask is needed
+    and position ids are simply 0..S-1.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    engine_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    is_anchor: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """[B, S] int64."""
+        return torch.arange(self.input_ids.shape[1]).expand_as(self.input_ids)
+
+    def select(self, index: slice | torch.Tensor) -> SequenceBatch:
+        """The sub-batch of rows `index` (every field indexed along dim 0)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SequenceBatch(**{name: None if v is None else v[index] for name, v in values.items()})
+
+    def micro_batches(self, micro_batch_size: int) -> Iterator[SequenceBatch]:
+        for start in range(0, self.size, micro_batch_size):
+            yield self.select(slice(start, start + micro_batch_size))
+
+
+def build_sequence_batch(
+    samples: Sequence[Sample], advantages: Sequence[float], *, pad_token_id: int, pad_to_multiple_of: int = 8
+) -> SequenceBatch:
+    """Pack `samples` (with per-sample `advantages`) into one `SequenceBatch`."""
+    if not samples:
+        raise ValueError("cannot build a batch from zero samples")
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    seq_len = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(samples), seq_len), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(len(samples), seq_len)
+    engine_logprobs = torch.zeros(len(samples), seq_len)
+    for row, sample in enumerate(samples):
+        tokens = sample.prompt_ids + sample.response_ids
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        # labels[t] = input_ids[t + 1], so response token j (at position P + j) is label P + j - 1.
+        start = len(sample.prompt_ids) - 1
+        response_mask[row, start : start + len(sample.response_ids)] = 1.0
+        engine_logprobs[row, start : start + len(sample.response_ids)] = torch.tensor(sample.engine_logprobs)
+    labels = torch.cat([input_ids[:, 1:], torch.full((len(samples), 1), pad_token_id)], dim=1)
+    return SequenceBatch(
+        input_ids=input_ids,
+        labels=labels,
+        response_mask=response_mask,
+        engine_logprobs=engine_logprobs,
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        is_anchor=torch.tensor([s.is_anchor for s in samples], dtype=torch.bool),
+    )
+
