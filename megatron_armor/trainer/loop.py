@@ -1,0 +1,250 @@
+"""The RL step, top to bottom: rollout -> groups -> advantages -> logprobs -> update -> weight sync."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_armor.algorithms import GroupCollector, build_groups, group_advantages, mix_kl_metrics
+from megatron_armor.convert.weights import gather_hf_weights
+from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.data.types import Sample
+from megatron_armor.distributed.init import DistributedContext
+from megatron_armor.models.hf_config import ModelShape
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
+from megatron_armor.trainer.logprobs import compute_logprobs
+from megatron_armor.trainer.optimizer import OptimizerSettings
+from megatron_armor.trainer.policy_update import LossSettings, update_policy
+from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Batch geometry and algorithm switches of an RL step (derived from the config)."""
+
+    algorithm: str  # "armor" | "grpo" | "grpo_kl"
+    train_batch_size: int  # prompts per step
+    mini_batch_size: int  # prompts per optimizer step
+    micro_batch_size: int  # sequences per forward/backward
+    actor_n: int
+    ref_n: int
+    filter_groups: bool
+    max_num_gen_batches: int
+    allow_partial_batch: bool
+    adv_eps: float
+    ref_reset_period: int
+    seed: int
+
+    @property
+    def uses_anchors(self) -> bool:
+        return self.algorithm == "armor"
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        return self.algorithm in ("armor", "grpo_kl")
+
+
+@dataclass
+class PolicyHandles:
+    """The models of one rank: trainable actor (DDP + optimizer), frozen reference, and engines."""
+
+    actor: torch.nn.Module  # Megatron DDP-wrapped GPTModel
+    optimizer: object  # MegatronOptimizer
+    ref: torch.nn.Module  # frozen GPTModel
+    shape: ModelShape
+    actor_engine: RolloutEngine
+    ref_engine: RolloutEngine
+    pad_token_id: int
+
+
+@dataclass
+class PreparedBatch:
+    """A rank's training batch for one step: the whole local batch and its mini-batch views.
+
+    entropy: token-mean policy entropy before the update; num_tokens: prompt + response tokens.
+    """
+
+    batch: SequenceBatch
+    mini_batches: list[SequenceBatch]
+    entropy: float
+    num_tokens: int
+
+
+class RLTrainer:
+    """Runs RL steps; owns no I/O besides the engines (metrics/checkpoints are the caller's)."""
+
+    def __init__(
+        self, ctx: DistributedContext, handles: PolicyHandles, plan: StepPlan, sampler: PromptSampler,
+        sampling: SamplingParams, scorer: SampleScorer, loss: LossSettings, optim: OptimizerSettings,
+    ) -> None:
+        self.ctx, self.h, self.plan, self.sampler = ctx, handles, plan, sampler
+        self.sampling, self.scorer, self.loss, self.optim = sampling, scorer, loss, optim
+        self.optimizer_steps = 0
+
+    # ----- rollout -------------------------------------------------------------------------
+    def collect_groups(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """Generate until `train_batch_size` prompts survive filtering (ARMOR §1)."""
+        plan = self.plan
+        collector = GroupCollector(
+            target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
+            allow_partial=plan.allow_partial_batch,
+        )
+        on_policy_all: list[Sample] = []
+        anchors_all: list[Sample] = []
+        while not collector.done:
+            batch_index = collector.num_gen_batches
+            prompts = [dataclasses.replace(p, index=i) for i, p in enumerate(self.sampler.next_batch())]
+            on_policy = generate_samples(
+                self.h.actor_engine, prompts, plan.actor_n, self.sampling, self.scorer, is_anchor=False,
+                seed=(plan.seed, step, batch_index, "actor"),
+            )
+            anchors = []
+            if plan.uses_anchors:
+                anchors = generate_samples(
+                    self.h.ref_engine, prompts, plan.ref_n, self.sampling, self.scorer, is_anchor=True,
+                    seed=(plan.seed, step, batch_index, "ref"),
+                )
+            groups, stats = build_groups(
+                on_policy + anchors, require_anchor=plan.uses_anchors, filter_groups=plan.filter_groups
+            )
+            collector.add(groups, stats)
+            on_policy_all += on_policy
+            anchors_all += anchors
+        groups = collector.result()
+        metrics = {
+            "train/reward_mean": _mean([s.reward for s in on_policy_all]),
+            "train/accuracy": _mean([float(s.correct) for s in on_policy_all]),
+            "train/num_gen_batches": float(collector.num_gen_batches),
+            "response/length_mean": _mean([len(s.response_ids) for s in on_policy_all]),
+            "armor/prompts_kept": float(len(groups)),
+            "armor/prompts_generated": float(collector.stats.prompts_seen),
+            "armor/anchors_used": float(sum(s.is_anchor for g in groups for s in g)),
+        }
+        if anchors_all:
+            metrics["armor/anchor_accuracy"] = _mean([float(s.correct) for s in anchors_all])
+        return groups, metrics
+
+    # ----- training batch ------------------------------------------------------------------
+    def prepare_batch(self, groups: list[list[Sample]]) -> PreparedBatch:
+        """This data-parallel rank's share of each mini-batch, with advantages and old/ref logprobs."""
+        plan, ctx = self.plan, self.ctx
+        samples = [s for g in groups for s in g]
+        group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        advantages = group_advantages(rewards, group_ids, eps=plan.adv_eps)
+        group_start = [0]
+        for g in groups:
+            group_start.append(group_start[-1] + len(g))
+        rows: list[list[int]] = []  # sample rows of each local mini-batch
+        for start in range(0, len(groups), plan.mini_batch_size):
+            local = [gi for gi in range(start, min(start + plan.mini_batch_size, len(groups))) if gi % ctx.dp_size == ctx.dp_rank]
+            rows.append([r for gi in local for r in range(group_start[gi], group_start[gi + 1])])
+        order = [r for mini in rows for r in mini]
+        batch = build_sequence_batch(
+            [samples[r] for r in order], advantages[order].tolist(), pad_token_id=self.h.pad_token_id
+        )
+        old = compute_logprobs(
+            self.h.actor, batch, micro_batch_size=plan.micro_batch_size, temperature=self.loss.temperature,
+            with_entropy=True,
+        )
+        batch.old_logprobs = old.logprobs
+        if plan.needs_ref_logprobs:
+            batch.ref_logprobs = compute_logprobs(
+                self.h.ref, batch, micro_batch_size=plan.micro_batch_size, temperature=self.loss.temperature
+            ).logprobs
+        bounds = [0]
+        for mini in rows:
+            bounds.append(bounds[-1] + len(mini))
+        return PreparedBatch(
+            batch=batch,
+            mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
+            entropy=_masked_mean(old.entropy, batch.response_mask),
+            num_tokens=sum(len(samples[r].prompt_ids) + len(samples[r].response_ids) for r in order),
+        )
+
+    @staticmethod
+    def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
+        """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch, mix KL."""
+        batch = prepared.batch
+        on_policy = ~batch.is_anchor
+        diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
+        per_sample = diff.sum(1) / batch.response_mask.sum(1).clamp(min=1)
+        metrics = {
+            "policy/entropy": prepared.entropy,
+            "mismatch/logprob_abs_diff": float(per_sample[on_policy].mean()) if on_policy.any() else 0.0,
+        }
+        if batch.ref_logprobs is not None:
+            metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask))
+        return metrics
+
+    # ----- one RL step ---------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        """Run RL step `step` (0-based) and return its metrics."""
+        t0 = time.perf_counter()
+        groups, metrics = self.collect_groups(step)
+        t_rollout = time.perf_counter()
+        prepared = self.prepare_batch(groups)
+        metrics.update(self.batch_metrics(prepared))
+        update = update_policy(
+            self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
+            loss=self.loss, optim=self.optim, first_optimizer_step=self.optimizer_steps,
+        )
+        self.optimizer_steps += update.optimizer_steps
+        metrics.update(update.metrics)
+        t_train = time.perf_counter()
+        self.sync_actor_to_engine()
+        if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
+            self.reset_reference()
+            metrics["armor/ref_reset"] = 1.0
+        t_end = time.perf_counter()
+        metrics.update({
+            "perf/rollout_seconds": t_rollout - t0,
+            "perf/train_seconds": t_train - t_rollout,
+            "perf/weight_sync_seconds": t_end - t_train,
+            "perf/step_seconds": t_end - t0,
+            "perf/tokens_per_second": prepared.num_tokens / max(t_end - t0, 1e-9),
+        })
+        return metrics
+
+    # ----- weights -------------------------------------------------------------------------
+    def sync_actor_to_engine(self) -> None:
+        """Push the actor's current weights (TP-gathered, HF-named) into the on-policy engine."""
+        self.h.actor_engine.update_weights(gather_hf_weights(self.h.actor.module, self.h.shape))
+        self.h.actor_engine.flush_cache()
+
+    def reset_reference(self) -> None:
+        """Reference reset (ARMOR §4): the reference model and anchor engine become the current actor."""
+        with torch.no_grad():
+            for ref_param, actor_param in zip(self.h.ref.parameters(), self.h.actor.module.parameters()):
+                ref_param.copy_(actor_param)
+        self.sync_ref_to_engine()
+
+    def sync_ref_to_engine(self) -> None:
+        """Push the reference model's weights into the anchor engine."""
+        self.h.ref_engine.update_weights(gather_hf_weights(self.h.ref, self.h.shape))
+        self.h.ref_engine.flush_cache()
+
+
+def evaluate(
+    engine: RolloutEngine, prompts: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *, n: int, seed: tuple
+) -> dict[str, float]:
+    """Validation accuracy (mean correctness over `n` samples of every prompt) and reward."""
+    samples = generate_samples(engine, prompts, n, sampling, scorer, is_anchor=False, seed=seed)
+    return {
+        "val/accuracy": _mean([float(s.correct) for s in samples]),
+        "val/reward_mean": _mean([s.reward for s in samples]),
+        "val/response_length": _mean([len(s.response_ids) for s in samples]),
+    }
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1))

@@ -1,0 +1,105 @@
+"""Actor wrapping for training: Megatron DDP + Megatron's Adam optimizer + the warmup schedule.
+
+Megatron's own optimizer runs here on CPU and GPU alike (Adam with decoupled weight decay, global
+grad-norm clipping across TP/PP/DP ranks). On CPU it falls back to `torch.optim.AdamW` inside
+Megatron's `FP32Optimizer` (no apex / Transformer Engine fused Adam) and its grad clipping goes
+through adaptation 5 of `distributed.cpu_compat`; on GPU the fused kernels are used when present.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from megatron_armor.distributed.cpu_compat import megatron_device_scope
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam hyper-parameters (ARMOR recipe defaults: lr 1e-6, 10 warmup steps, wd 0.1, clip 1.0)."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+    """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
+    and divided by the global token count) and build its Megatron optimizer.
+
+    DDP checks gradients for NaN/Inf before reducing them and raises (naming the rank) instead of
+    letting a non-finite update reach the weights.
+    """
+    config = model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    with megatron_device_scope():
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=False, check_for_nan_in_grad=True
+            ), model
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=settings.lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.adam_beta1,
+                adam_beta2=settings.adam_beta2,
+                adam_eps=settings.adam_eps,
+                clip_grad=settings.grad_clip,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+            ),
+            [ddp],
+        )
+    return ddp, optimizer
+
+
+def learning_rate(optimizer_step: int, settings: OptimizerSettings) -> float:
+    """Linear warmup over `warmup_steps` optimizer steps, then constant (verl's `constant` style).
+
+    optimizer_step counts from 0, so the first update already uses lr / warmup_steps.
+    """
+    if settings.warmup_steps == 0:
+        return settings.lr
+    return settings.lr * min(1.0, (optimizer_step + 1) / settings.warmup_steps)
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step: `updated` is False when grads were non-finite (step skipped)."""
+
+    updated: bool
+    grad_norm: float
+    lr: float
+
+
+def optimizer_step(
+    ddp: DistributedDataParallel, optimizer: MegatronOptimizer, optimizer_step_index: int, settings: OptimizerSettings
+) -> StepResult:
+    """Apply the accumulated gradients with this step's learning rate, then zero the grad buffers."""
+    lr = learning_rate(optimizer_step_index, settings)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with megatron_device_scope():
+        updated, grad_norm, _ = optimizer.step()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+    return StepResult(updated=bool(updated) and math.isfinite(grad_norm), grad_norm=grad_norm, lr=lr)
+
+
+def zero_grads(ddp: DistributedDataParallel, optimizer: MegatronOptimizer) -> None:
+    """Discard accumulated gradients (e.g. after a non-finite loss)."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+

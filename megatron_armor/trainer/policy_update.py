@@ -1,0 +1,84 @@
+"""One policy update: mini-batch optimizer steps over a scored batch, with the configured loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_armor.algorithms import armor_policy_loss, kl_penalty
+from megatron_armor.trainer.batch import SequenceBatch
+from megatron_armor.trainer.logprobs import forward_backward, token_logprobs
+from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Policy-loss knobs. alpha = 1 gives DAPO dual-clip PPO; kl_coef > 0 adds a KL-to-reference term."""
+
+    alpha: float = 0.9375
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 10.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+
+
+def policy_loss_fn(settings: LossSettings) -> Callable:
+    """The Megatron loss callback: (logits [b, S, V/tp], micro-batch) -> (loss sum, tokens, stats sums)."""
+
+    def loss_fn(logits: torch.Tensor, mb: SequenceBatch):
+        logp = token_logprobs(logits, mb.labels, settings.temperature)  # [b, S]
+        mask = mb.response_mask
+        advantages = mb.advantages[:, None].expand_as(logp)
+        loss, stats = armor_policy_loss(
+            logp, mb.old_logprobs, mb.ref_logprobs, advantages, mask,
+            alpha=settings.alpha, clip_low=settings.clip_low, clip_high=settings.clip_high,
+            dual_clip=settings.dual_clip, token_normalizer=1.0,
+        )
+        num_tokens = mask.sum()
+        sums = {f"loss/{name}": value * num_tokens for name, value in stats.items() if name != "num_tokens"}
+        sums["loss/policy_loss"] = loss.detach()
+        if settings.kl_coef > 0:
+            kl = (kl_penalty(logp, mb.ref_logprobs, settings.kl_estimator) * mask).sum()
+            loss = loss + settings.kl_coef * kl
+            sums["loss/kl_to_ref"] = kl.detach()
+        sums["num_tokens"] = num_tokens.detach()
+        return loss, num_tokens.to(torch.int), sums
+
+    return loss_fn
+
+
+@dataclass
+class UpdateResult:
+    """Token-weighted means of the loss statistics over the whole batch, plus optimizer facts."""
+
+    metrics: dict[str, float]
+    optimizer_steps: int
+
+
+def update_policy(
+    ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batch_size: int, loss: LossSettings,
+    optim: OptimizerSettings, first_optimizer_step: int,
+) -> UpdateResult:
+    """One optimizer step per mini-batch (ppo_epochs = 1). Returns averaged loss stats."""
+    loss_fn = policy_loss_fn(loss)
+    totals: dict[str, float] = {}
+    grad_norms, lrs = [], []
+    for index, mini_batch in enumerate(mini_batches):
+        outputs = forward_backward(ddp, list(mini_batch.micro_batches(micro_batch_size)), loss_fn, forward_only=False)
+        for out in outputs:
+            for name, value in out.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+        step = optimizer_step(ddp, optimizer, first_optimizer_step + index, optim)
+        if not step.updated:
+            raise FloatingPointError(f"optimizer step {first_optimizer_step + index}: non-finite gradient norm {step.grad_norm}")
+        grad_norms.append(step.grad_norm)
+        lrs.append(step.lr)
+    tokens = max(totals.pop("num_tokens", 0.0), 1.0)
+    metrics = {name: value / tokens for name, value in totals.items()}
+    metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["optim/lr"] = lrs[-1]
+    return UpdateResult(metrics=metrics, optimizer_steps=len(mini_batches))

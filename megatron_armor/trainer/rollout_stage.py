@@ -1,0 +1,100 @@
+"""Generate and score rollouts for a batch of prompts, split over all ranks.
+
+Every rank holds rollout engines (in-process on CPU; SGLang clients on GPU clusters). The sample
+requests of a generation batch are dealt round-robin over ranks, generated, scored locally, then
+all-gathered so that every rank sees the same ordered list of `Sample`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_armor.data.datasets import PromptRow
+from megatron_armor.data.types import Sample
+from megatron_armor.rewards.overlong import overlong_penalty
+from megatron_armor.rewards.registry import score
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+
+RewardFn = Callable[[str, dict], tuple[float, bool]]
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO soft overlong penalty settings; buffer_length 0 disables it."""
+
+    max_response_length: int
+    buffer_length: int = 0
+    factor: float = 1.0
+
+
+class SampleScorer:
+    """Turns engine generations into scored `Sample`s (decode, verify, overlong penalty)."""
+
+    def __init__(self, tokenizer, reward_fn: RewardFn, overlong: OverlongPenalty | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.overlong = overlong
+
+    def response_text(self, response_ids: Sequence[int], finish_reason: str) -> str:
+        """Decoded response without its stop token."""
+        ids = list(response_ids[:-1] if finish_reason == "stop" else response_ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def __call__(self, prompt: PromptRow, response_ids, logprobs, finish_reason: str, *, is_anchor: bool) -> Sample:
+        reward, correct = score(self.reward_fn, self.response_text(response_ids, finish_reason), prompt.row)
+        if self.overlong is not None and self.overlong.buffer_length > 0:
+            reward += overlong_penalty(
+                len(response_ids), self.overlong.max_response_length, self.overlong.buffer_length, self.overlong.factor
+            )
+        return Sample(
+            prompt_index=prompt.index,
+            prompt_ids=list(prompt.prompt_ids),
+            response_ids=list(response_ids),
+            engine_logprobs=list(logprobs),
+            finish_reason=finish_reason,
+            is_anchor=is_anchor,
+            reward=float(reward),
+            correct=bool(correct),
+        )
+
+
+def call_seed(*parts: object) -> int:
+    """A stable 63-bit seed from the parts (base seed, step, batch, role, rank, ...)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def generate_samples(
+    engine: RolloutEngine,
+    prompts: Sequence[PromptRow],
+    samples_per_prompt: int,
+    sampling: SamplingParams,
+    scorer: SampleScorer,
+    *,
+    is_anchor: bool,
+    seed: int,
+) -> list[Sample]:
+    """`samples_per_prompt` scored samples of every prompt, ordered by prompt then sample index.
+
+    A collective over the default process group when it is initialised: each rank generates its
+    round-robin share of the requests with a rank-specific seed derived from `seed`.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
+    mine = requests[rank::world]
+    local_sampling = dataclasses.replace(sampling, seed=call_seed(seed, rank))
+    generations = engine.generate([prompts[p].prompt_ids for p, _ in mine], local_sampling) if mine else []
+    scored = [
+        (p, k, scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor))
+        for (p, k), g in zip(mine, generations)
+    ]
+    if world > 1:
+        gathered: list[list] = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, scored)
+        scored = [item for part in gathered for item in part]
+    return [sample for _, _, sample in sorted(scored, key=lambda item: (item[0], item[1]))]

@@ -1,0 +1,175 @@
+"""`armor train`: build every component from an `ArmorConfig` and run the RL loop."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from megatron_armor.config import ArmorConfig, save_config
+from megatron_armor.convert.weights import load_hf_weights
+from megatron_armor.data.datasets import PromptSampler, check_tokenizer_fits_model, load_prompt_rows
+from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
+from megatron_armor.models.gpt import build_gpt_model
+from megatron_armor.models.hf_config import load_model_shape, transformer_config
+from megatron_armor.rewards.registry import load_reward_fn
+from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
+from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
+from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training
+from megatron_armor.trainer.policy_update import LossSettings
+from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.task_setup import prepare_task
+from megatron_armor.utils.metrics import MetricsLogger
+from megatron_armor.utils.plotting import plot_metrics
+
+log = logging.getLogger("megatron_armor")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = False) -> int:
+    """Entry point of `armor train` on every rank; returns the process exit code."""
+    ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
+    _configure_logging(ctx)
+    try:
+        _train(ctx, cfg, resume=resume, overwrite=overwrite)
+        return 0
+    except Exception as error:  # report which rank failed, then let torchrun tear the job down
+        log.error("%s failed: %s: %s\n%s", ctx.describe(), type(error).__name__, error, traceback.format_exc())
+        return 1
+    finally:
+        destroy_distributed()
+
+
+def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite: bool) -> None:
+    run_dir = Path(cfg.logging.run_dir)
+    resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    paths = prepare_task(cfg, is_main=ctx.is_main)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    tokenizer = AutoTokenizer.from_pretrained(paths.model_path)
+    shape = load_model_shape(paths.model_path)
+    check_tokenizer_fits_model(tokenizer, shape.vocab_size)
+    dtype = _DTYPES[cfg.model.params_dtype]
+    actor = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype))
+    load_hf_weights(actor, paths.model_path, shape)
+    optim = OptimizerSettings(
+        lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
+        adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,
+        grad_clip=cfg.train.grad_clip,
+    )
+    ddp, optimizer = wrap_for_training(actor, optim)
+    ref = build_gpt_model(
+        shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype), trainable=False
+    )
+    load_hf_weights(ref, paths.ref_path, shape)
+
+    stop_ids = (tokenizer.eos_token_id,)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=stop_ids,
+    )
+    val_sampling = SamplingParams(
+        temperature=cfg.rollout.val_temperature, top_p=cfg.rollout.val_top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
+    )
+    handles = PolicyHandles(
+        actor=ddp, optimizer=optimizer, ref=ref, shape=shape,
+        actor_engine=LocalEngine(paths.model_path), ref_engine=LocalEngine(paths.ref_path),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    row_options = dict(
+        prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, tokenizer=tokenizer,
+        apply_chat_template=cfg.data.apply_chat_template, max_prompt_length=cfg.data.max_prompt_length,
+    )
+    train_rows = load_prompt_rows(paths.train_path, **row_options)
+    val_rows = load_prompt_rows(paths.val_path, **row_options)[: cfg.eval.max_prompts] if paths.val_path else []
+    sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    overlong = OverlongPenalty(cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_factor)
+    train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
+    val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
+
+    algorithm = cfg.algorithm
+    plan = StepPlan(
+        algorithm=algorithm.name, train_batch_size=cfg.train.train_batch_size, mini_batch_size=cfg.train.mini_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size, actor_n=cfg.rollout.actor_n, ref_n=cfg.rollout.ref_n,
+        filter_groups=algorithm.filter_groups, max_num_gen_batches=algorithm.max_num_gen_batches,
+        allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
+        ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed,
+    )
+    loss = LossSettings(
+        alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
+        clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip,
+        kl_coef=algorithm.kl_coef if algorithm.name == "grpo_kl" else 0.0, kl_estimator=algorithm.kl_estimator,
+        temperature=cfg.rollout.temperature,
+    )
+    trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim)
+
+    modules = {"actor": ddp, "optimizer": optimizer}
+    if algorithm.ref_reset_period:
+        modules["ref"] = ref  # after a reset the reference is no longer the checkpoint on disk
+    start_step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, modules)
+        sampler.load_state_dict(state.sampler)
+        trainer.optimizer_steps = state.extra["optimizer_steps"]
+        start_step = state.step
+        trainer.sync_actor_to_engine()
+        if algorithm.ref_reset_period:
+            trainer.sync_ref_to_engine()
+        log.info("resumed from %s (step %d)", resume_from, start_step)
+
+    metrics_log = MetricsLogger(
+        run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project, enabled=ctx.is_main,
+        resume_from_step=start_step if resume_from is not None else None,
+    )
+
+    def run_eval(step: int) -> dict[str, float]:
+        if not val_rows:
+            return {}
+        result = evaluate(handles.actor_engine, val_rows, val_scorer, val_sampling, n=cfg.rollout.val_n,
+                          seed=(cfg.train.seed, step, "val"))
+        if ctx.is_main:
+            tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
+        return result
+
+    if start_step == 0 and cfg.eval.before_train:
+        metrics_log.log(0, run_eval(0))
+    progress = tqdm(
+        range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps, desc="ARMOR" if
+        algorithm.name == "armor" else algorithm.name.upper(), disable=not (ctx.is_main and cfg.logging.progress_bar),
+        dynamic_ncols=True,
+    )
+    for step in progress:
+        metrics = trainer.step(step)
+        done = step + 1
+        if cfg.eval.every and done % cfg.eval.every == 0:
+            metrics.update(run_eval(done))
+        metrics_log.log(done, metrics)
+        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
+        if done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
+            state = TrainerState(step=done, sampler=sampler.state_dict(), extra={"optimizer_steps": trainer.optimizer_steps})
+            save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last)
+    metrics_log.close()
+    if ctx.is_main and cfg.logging.plot:
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        log.info("run directory %s: metrics.jsonl, curves.png, checkpoints/", run_dir)
+    dist.barrier()
+
+
+def _configure_logging(ctx: DistributedContext) -> None:
+    logging.basicConfig(
+        level=logging.INFO if ctx.is_main else logging.WARNING,
+        format=f"%(asctime)s [rank {ctx.rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

@@ -1,0 +1,69 @@
+"""Resolve the run's model and data paths, creating the synthetic demo task when asked.
+
+With `task.synthetic: arithmetic`, rank 0 creates (once, cached under `task.cache_dir`) a tiny
+Qwen2 checkpoint, the arithmetic train/validation JSONL files, and a supervised warm start of the
+model so that the reference policy already solves part of the task (ARMOR needs correct anchors).
+Every other rank waits and receives the same paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_armor.config import ArmorConfig, config_hash
+
+
+@dataclass(frozen=True)
+class TaskPaths:
+    model_path: str
+    ref_path: str
+    train_path: str
+    val_path: str | None
+
+
+def prepare_task(cfg: ArmorConfig, *, is_main: bool) -> TaskPaths:
+    """Paths of policy/reference checkpoints and datasets; builds synthetic assets on rank 0."""
+    paths = [_prepare(cfg) if is_main else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(paths, src=0)
+    return paths[0]
+
+
+def _prepare(cfg: ArmorConfig) -> TaskPaths:
+    if cfg.task.synthetic is None:
+        return TaskPaths(cfg.model.path, cfg.model.ref_path or cfg.model.path, cfg.data.train_path, cfg.data.val_path)
+    if cfg.task.synthetic != "arithmetic":
+        raise ValueError(f"task.synthetic: unknown task {cfg.task.synthetic!r}; available: 'arithmetic'")
+    from megatron_armor.data.datasets import write_jsonl
+    from megatron_armor.models.tiny import make_tiny_checkpoint
+    from megatron_armor.rewards.arithmetic import make_rows
+
+    cache = Path(cfg.task.cache_dir)
+    train_rows = make_rows(cfg.task.num_train_rows, seed=cfg.train.seed)
+    val_rows = make_rows(cfg.task.num_val_rows, seed=cfg.train.seed + 1)
+    data_dir = cache / f"arithmetic-{config_hash({'train': cfg.task.num_train_rows, 'val': cfg.task.num_val_rows, 'seed': cfg.train.seed})}"
+    train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
+    if not val_path.is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(train_rows, train_path)
+        write_jsonl(val_rows, val_path)
+    model_path = Path(cfg.model.path) if cfg.model.path else cache / "tiny-qwen2"
+    if not (model_path / "config.json").is_file():
+        make_tiny_checkpoint(model_path, arch="qwen2", seed=cfg.train.seed)
+    if cfg.task.warm_start_steps > 0:
+        model_path = _warm_start(model_path, train_rows, val_rows, cfg)
+    train = cfg.data.train_path or str(train_path)
+    val = cfg.data.val_path or str(val_path)
+    return TaskPaths(str(model_path), str(model_path), train, val)
+
+
+def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], cfg: ArmorConfig) -> Path:
+    from megatron_armor.trainer.warmstart import WarmStartConfig, cached_warm_start
+
+    ws = WarmStartConfig(steps=cfg.task.warm_start_steps, target_accuracy=cfg.task.warm_start_target_accuracy,
+                         seed=cfg.train.seed)
+    result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", ws)
+    return Path(result.path)
