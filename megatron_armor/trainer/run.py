@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.weights import load_hf_weights
@@ -18,6 +17,7 @@ from megatron_armor.data.datasets import PromptSampler, check_tokenizer_fits_mod
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import load_model_shape, transformer_config
+from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
@@ -57,7 +57,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
 
-    tokenizer = AutoTokenizer.from_pretrained(paths.model_path)
+    tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
     dtype = _DTYPES[cfg.model.params_dtype]
@@ -83,10 +83,12 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         temperature=cfg.rollout.val_temperature, top_p=cfg.rollout.val_top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
     )
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     handles = PolicyHandles(
         actor=ddp, optimizer=optimizer, ref=ref, shape=shape,
-        actor_engine=LocalEngine(paths.model_path), ref_engine=LocalEngine(paths.ref_path),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        actor_engine=LocalEngine(paths.model_path, pad_token_id=pad_token_id),
+        ref_engine=LocalEngine(paths.ref_path, pad_token_id=pad_token_id),
+        pad_token_id=pad_token_id,
     )
     row_options = dict(
         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, tokenizer=tokenizer,

@@ -1,0 +1,70 @@
+"""ARMOR mixed-ratio dual-clip PPO loss (reduces to DAPO dual-clip PPO at alpha = 1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_armor.algorithms.reduce import masked_mean
+
+MIXING_OFF_ALPHA = 1.0 - 1e-6
+LOG_RATIO_CLAMP = 20.0
+
+
+def mixed_logprob(logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """log(alpha * pi + (1 - alpha) * pi_ref), computed stably in log space. [B, T] -> [B, T]."""
+    return torch.logaddexp(logp + math.log(alpha), ref_logp + math.log1p(-alpha))
+
+
+def armor_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    alpha: float = 0.9375,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float = 10.0,
+    token_normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-mean ARMOR policy loss and its statistics.
+
+    All tensors are [B, T] float32 (advantages broadcast per token, mask 1 on response tokens).
+    The ratio is rho = exp(clamp(l_mix(theta) - l_mix(old), -20, 20)) with
+    l_mix(x) = log(alpha * pi_x + (1 - alpha) * pi_ref); mixing is off for alpha >= 1 - 1e-6, where
+    `ref_logp` may be None. Loss per token: max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high)),
+    and for A < 0 at most -A * dual_clip. Reduced as sum(L * mask) / sum(mask), or
+    / token_normalizer when given (gradient accumulation over micro-batches).
+
+    stats (detached 0-dim float32, masked token means): clip_fraction, clip_fraction_lower
+    (dual clip active), mixed_ratio_mean, ppo_kl (k1 on mixed logprobs), num_tokens (count).
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    if alpha >= MIXING_OFF_ALPHA:
+        log_ratio = logp - old_logp
+    else:
+        if ref_logp is None:
+            raise ValueError(f"ref_logp is required when alpha < 1 (got alpha={alpha})")
+        log_ratio = mixed_logprob(logp, ref_logp, alpha) - mixed_logprob(old_logp, ref_logp, alpha)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * dual_clip
+    negative = advantages < 0
+    token_loss = torch.where(negative, torch.minimum(loss, dual_bound), loss)
+    result = masked_mean(token_loss, mask, token_normalizer)
+    with torch.no_grad():
+        m = mask.to(logp.dtype)
+        stats = {
+            "clip_fraction": masked_mean((clipped > unclipped).to(logp.dtype), m),
+            "clip_fraction_lower": masked_mean((negative & (loss > dual_bound)).to(logp.dtype), m),
+            "mixed_ratio_mean": masked_mean(ratio, m),
+            "ppo_kl": masked_mean(-log_ratio, m),
+            "num_tokens": m.sum(),
+        }
+    return result, stats

@@ -1,0 +1,85 @@
+"""The `armor` command line: `armor train --config FILE [--section.field VALUE ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from megatron_armor.config import ConfigError, config_fields, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="armor", description="ARMOR / GRPO RL post-training on Megatron-Core.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train", help="run RL training", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run RL training. Every config field can be set as --section.field VALUE (overrides the YAML).",
+    )
+    train.add_argument("--config", help="YAML config file (sections as in ArmorConfig)")
+    train.add_argument("--max-steps", type=int, help="shorthand for --train.max_steps")
+    train.add_argument("--run-dir", help="shorthand for --logging.run_dir")
+    train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    train.add_argument("--overwrite", action="store_true", help="delete existing checkpoints in the run directory first")
+    train.add_argument("--nproc", type=int, help="launch this many local processes with torchrun (e.g. 2 for TP=2)")
+    fields = train.add_argument_group("config fields")
+    for dotted, f in config_fields():
+        fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
+                            help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
+    return parser
+
+
+def overrides_from_args(args: argparse.Namespace) -> list[str]:
+    """`section.field=value` strings for the options the user actually passed."""
+    overrides = [f"{key[4:]}={value}" for key, value in vars(args).items() if key.startswith("cfg:")]
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    if args.run_dir is not None:
+        overrides.append(f"logging.run_dir={args.run_dir}")
+    return overrides
+
+
+def torchrun_argv(argv: Sequence[str], nproc: int, port: int) -> list[str]:
+    """The command that re-runs `armor <argv>` (minus --nproc) on `nproc` local ranks."""
+    rest, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        rest.append(arg)
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
+            "-m", "megatron_armor.cli", *rest]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides_from_args(args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.nproc and "WORLD_SIZE" not in os.environ:
+        import subprocess
+
+        return subprocess.call(torchrun_argv(argv, args.nproc, _free_port()))
+    from megatron_armor.trainer.run import run_training
+
+    return run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Typed run configuration: dataclasses per stage, YAML + `section.field=value` overrides, validation.
+
+Defaults follow the ARMOR 7B recipe (armor.md section 6) where one applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value that is missing, unknown, of the wrong type, or out of range."""
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = _f(None, "HF checkpoint dir of the initial policy (also the reference unless ref_path)")
+    ref_path: str | None = _f(None, "HF checkpoint dir of the reference/anchor policy (default: path)")
+    params_dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype of actor and reference")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = _f(1, "Megatron tensor-parallel size")
+    pipeline_parallel_size: int = _f(1, "Megatron pipeline-parallel size")
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = _f(None, "training prompts (.jsonl or .parquet with prompt/answer fields)")
+    val_path: str | None = _f(None, "validation prompts (same format); none disables validation")
+    prompt_key: str = _f("prompt", "row field holding the prompt text")
+    answer_key: str = _f("answer", "row field holding the reference answer")
+    apply_chat_template: bool = _f(False, "wrap prompts in the tokenizer's chat template")
+    max_prompt_length: int = _f(2048, "longest allowed prompt in tokens (longer rows are an error)")
+    shuffle: bool = _f(True, "reshuffle training prompts every epoch")
+
+
+@dataclass
+class RewardConfig:
+    train_fn: str = _f("megatron_armor.rewards.math_verify_reward:verify", "training reward, module:function")
+    val_fn: str | None = _f(None, "validation reward, module:function (default: train_fn)")
+    overlong_buffer: int = _f(4096, "DAPO overlong penalty buffer in tokens (0 disables)")
+    overlong_factor: float = _f(1.0, "DAPO overlong penalty factor")
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["local"] = _f("local", "rollout engine: local (in-process HF model)")
+    n_samples: int = _f(16, "group size per prompt")
+    actor_n: int = _f(15, "on-policy samples per prompt")
+    ref_n: int = _f(4, "anchor samples per prompt from the reference policy (ARMOR)")
+    temperature: float = _f(1.0, "sampling temperature of training rollouts")
+    top_p: float = _f(1.0, "nucleus sampling of training rollouts")
+    max_new_tokens: int = _f(8192, "maximum response length in tokens")
+    val_temperature: float = _f(1.0, "sampling temperature of validation")
+    val_top_p: float = _f(0.7, "nucleus sampling of validation")
+    val_n: int = _f(1, "samples per validation prompt")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["armor", "grpo", "grpo_kl"] = _f("armor", "armor | grpo (alpha=1, no anchors) | grpo_kl")
+    alpha: float = _f(0.9375, "actor weight of the mixed ratio (armor)")
+    clip_low: float = _f(0.2, "PPO ratio clip epsilon below 1")
+    clip_high: float = _f(0.28, "PPO ratio clip epsilon above 1")
+    dual_clip: float = _f(10.0, "dual-clip constant c bounding negative-advantage losses")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator of grpo_kl")
+    kl_coef: float = _f(0.001, "KL loss coefficient of grpo_kl")
+    ref_reset_period: int = _f(0, "copy the actor into the reference every N steps (0: frozen)")
+    filter_groups: bool = _f(True, "drop prompts whose on-policy samples are all correct or all wrong")
+    max_num_gen_batches: int = _f(10, "generation batches per step before giving up on filling the batch")
+    allow_partial_batch: bool = _f(False, "train on fewer prompts instead of failing when filtering leaves too few")
+    adv_eps: float = _f(1e-6, "epsilon of the GRPO advantage normalisation")
+
+
+@dataclass
+class TrainConfig:
+    train_batch_size: int = _f(512, "prompts per RL step")
+    gen_batch_size: int = _f(2048, "prompts per generation batch")
+    mini_batch_size: int = _f(32, "prompts per optimizer step")
+    micro_batch_size: int = _f(8, "sequences per forward/backward")
+    lr: float = _f(1e-6, "peak learning rate")
+    warmup_steps: int = _f(10, "linear warmup optimizer steps, then constant")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    grad_clip: float = _f(1.0, "global gradient-norm clip")
+    max_steps: int = _f(200, "RL steps to run")
+    seed: int = _f(1234, "seed of data order, sampling and initialisation")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(5, "validate every N steps (0: never)")
+    before_train: bool = _f(True, "validate before the first step")
+    max_prompts: int | None = _f(None, "use only the first N validation prompts")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(20, "save a checkpoint every N steps (and at the end)")
+    keep_last: int = _f(2, "keep the newest N checkpoints (0: keep all)")
+
+
+@dataclass
+class TaskConfig:
+    synthetic: Literal["arithmetic"] | None = _f(None, "generate a synthetic task (and tiny model) in cache_dir")
+    num_train_rows: int = _f(2000, "synthetic training prompts")
+    num_val_rows: int = _f(200, "synthetic validation prompts")
+    warm_start_steps: int = _f(0, "supervised warm-start steps of the synthetic model (0: none)")
+    warm_start_target_accuracy: float = _f(0.6, "stop the warm start at this sampled accuracy")
+    cache_dir: str = _f(".cache/megatron-armor", "where synthetic assets and warm starts are cached")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = _f("runs/armor", "run directory: metrics.jsonl, curves.png, checkpoints/")
+    tensorboard: bool = _f(True, "write TensorBoard scalars")
+    wandb_project: str | None = _f(None, "log to this Weights & Biases project (needs wandb)")
+    plot: bool = _f(True, "write curves.png at the end")
+    progress_bar: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class ArmorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def config_fields() -> list[tuple[str, dataclasses.Field]]:
+    """Every (`section.field`, Field) of ArmorConfig, in declaration order."""
+    out = []
+    for section in dataclasses.fields(ArmorConfig):
+        for f in dataclasses.fields(section.default_factory()):
+            out.append((f"{section.name}.{f.name}", f))
+    return out
+
+
+def _hints(section_cls) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to `annotation` (int, float, bool, str, Literal, Optional)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in options:
+                return None
+        inner = [a for a in options if a is not type(None)]
+        return coerce(value, inner[0], where)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where}: expected a boolean (true/false), got {value!r}")
+    if annotation in (int, float):
+        if isinstance(value, bool) or (annotation is int and isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        try:
+            return annotation(float(value)) if annotation is int and isinstance(value, float) else annotation(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}") from None
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported type {annotation}")
+
+
+def _unknown(name: str, known: list[str], kind: str) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {known}"
+    return ConfigError(f"unknown config {kind} {name!r}{hint}")
+
+
+def _set(cfg: ArmorConfig, dotted: str, value: Any) -> None:
+    section_name, _, field_name = dotted.partition(".")
+    sections = [f.name for f in dataclasses.fields(ArmorConfig)]
+    if section_name not in sections:
+        raise _unknown(section_name, sections, "section")
+    section = getattr(cfg, section_name)
+    names = [f.name for f in dataclasses.fields(section)]
+    if field_name not in names:
+        raise _unknown(dotted, [f"{section_name}.{n}" for n in names], "field")
+    setattr(section, field_name, coerce(value, _hints(type(section))[field_name], dotted))
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> ArmorConfig:
+    """Defaults <- YAML file <- `section.field=value` overrides, then `validate`."""
+    cfg = ArmorConfig()
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: invalid YAML ({error})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping")
+            for name, value in values.items():
+                _set(cfg, f"{section}.{name}", value)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _set(cfg, key.strip(), yaml.safe_load(value) if value.strip() else value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: ArmorConfig) -> None:
+    """Cross-field rules; each error names the field, its value and what is allowed."""
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    positive = [
+        "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "data.max_prompt_length",
+        "rollout.n_samples", "rollout.actor_n", "rollout.max_new_tokens", "rollout.val_n",
+        "algorithm.max_num_gen_batches", "train.train_batch_size", "train.gen_batch_size",
+        "train.mini_batch_size", "train.micro_batch_size", "train.max_steps", "checkpoint.every",
+    ]
+    for dotted in positive:
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        require(value >= 1, f"{dotted} must be >= 1, got {value}")
+    for dotted in ("train.warmup_steps", "eval.every", "checkpoint.keep_last", "algorithm.ref_reset_period",
+                   "reward.overlong_buffer", "task.warm_start_steps"):
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        require(value >= 0, f"{dotted} must be >= 0, got {value}")
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.train
+    require(0.0 < a.alpha <= 1.0, f"algorithm.alpha must be in (0, 1], got {a.alpha}")
+    require(a.clip_low >= 0 and a.clip_high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {a.clip_low}/{a.clip_high}")
+    require(a.clip_low < 1, f"algorithm.clip_low must be < 1, got {a.clip_low}")
+    require(a.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {a.dual_clip}")
+    require(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
+    if a.name == "armor":
+        require(r.actor_n == r.n_samples - 1,
+                f"rollout.actor_n must be rollout.n_samples - 1 = {r.n_samples - 1} for armor (groups are actor_n "
+                f"on-policy samples + 1 anchor), got {r.actor_n}")
+        require(r.ref_n >= 1, f"rollout.ref_n must be >= 1 for armor, got {r.ref_n}")
+    else:
+        require(r.actor_n == r.n_samples,
+                f"rollout.actor_n must equal rollout.n_samples ({r.n_samples}) for {a.name}, got {r.actor_n}")
+    require(r.n_samples >= 2, f"rollout.n_samples must be >= 2 for group advantages, got {r.n_samples}")
+    for name in ("temperature", "val_temperature"):
+        require(getattr(r, name) >= 0, f"rollout.{name} must be >= 0, got {getattr(r, name)}")
+    for name in ("top_p", "val_top_p"):
+        require(0 < getattr(r, name) <= 1, f"rollout.{name} must be in (0, 1], got {getattr(r, name)}")
+    require(cfg.reward.overlong_buffer <= r.max_new_tokens,
+            f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be <= rollout.max_new_tokens ({r.max_new_tokens})")
+    require(t.train_batch_size % t.mini_batch_size == 0,
+            f"train.mini_batch_size ({t.mini_batch_size}) must divide train.train_batch_size ({t.train_batch_size})")
+    require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    require(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    require(0 <= t.weight_decay, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    if cfg.task.synthetic is None:
+        require(cfg.model.path is not None, "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
+        require(cfg.data.train_path is not None, "data.train_path is required unless task.synthetic is set")
+    require(cfg.eval.max_prompts is None or cfg.eval.max_prompts >= 1,
+            f"eval.max_prompts must be >= 1 or null, got {cfg.eval.max_prompts}")
+
+
+def config_to_dict(cfg: ArmorConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: ArmorConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def config_hash(value: Any) -> str:
+    """Stable short sha256 of a config section (dataclass) or plain JSON-able value."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]

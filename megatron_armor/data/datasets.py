@@ -1,0 +1,132 @@
+"""Prompt datasets (JSONL / parquet rows with `prompt` and `answer`) and a resumable sampler."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot be used; the message names the file and row."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """A tokenized prompt. index: row number in its dataset (or position in a batch);
+    prompt_ids: [P] token ids; row: the raw row, so reward functions can read `answer` etc."""
+
+    index: int
+    prompt_ids: list[int]
+    row: dict
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise DatasetError(f"{path} line {number}: invalid JSON ({error.msg})") from error
+        return rows
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as error:
+            raise DatasetError(f"{path}: reading parquet needs pyarrow; run `pip install pyarrow`") from error
+        return pq.read_table(path).to_pylist()
+    raise DatasetError(f"{path}: unknown dataset format {path.suffix!r}; use .jsonl or .parquet")
+
+
+def load_prompt_rows(
+    path: str | Path, *, tokenizer, prompt_key: str = "prompt", answer_key: str = "answer",
+    apply_chat_template: bool = False, max_prompt_length: int = 2048,
+) -> list[PromptRow]:
+    """Read and tokenize a prompt dataset; every row needs `prompt_key` and `answer_key`."""
+    path = Path(path)
+    rows = _read_rows(path)
+    if not rows:
+        raise DatasetError(f"{path}: dataset is empty")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(f"{path}: data.apply_chat_template is set but the tokenizer has no chat template")
+    prompts = []
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")
+        for key in (prompt_key, answer_key):
+            if row.get(key) is None:
+                raise DatasetError(
+                    f"{path} row {number}: missing required field {key!r}; every row needs {prompt_key!r} and {answer_key!r}"
+                )
+        if apply_chat_template:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": row[prompt_key]}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tokenizer.encode(row[prompt_key], add_special_tokens=False)
+        if not ids or len(ids) > max_prompt_length:
+            raise DatasetError(
+                f"{path} row {number}: prompt has {len(ids)} tokens; it must have 1..data.max_prompt_length "
+                f"({max_prompt_length}) tokens"
+            )
+        if answer_key != "answer":
+            row = {**row, "answer": row[answer_key]}
+        prompts.append(PromptRow(index=number - 1, prompt_ids=ids, row=row))
+    return prompts
+
+
+def check_tokenizer_fits_model(tokenizer, model_vocab_size: int) -> None:
+    """Every token id the tokenizer can produce must have a row in the model's embedding."""
+    if len(tokenizer) > model_vocab_size:
+        raise DatasetError(
+            f"tokenizer/model vocab mismatch: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size "
+            f"is {model_vocab_size}; use the tokenizer saved with this checkpoint"
+        )
+
+
+def write_jsonl(rows: Iterable[dict], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+class PromptSampler:
+    """Endless generation batches over `rows`, reshuffled each epoch, with a resumable position."""
+
+    def __init__(self, rows: list[PromptRow], batch_size: int, *, seed: int, shuffle: bool = True) -> None:
+        if batch_size > len(rows):
+            raise DatasetError(f"generation batch size {batch_size} exceeds the dataset size {len(rows)}")
+        self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[PromptRow]:
+        """The next `batch_size` distinct rows; a batch never spans two epochs."""
+        if self.cursor + self.batch_size > len(self.rows):
+            self.epoch, self.cursor = self.epoch + 1, 0
+        order = self._order()
+        batch = [self.rows[i] for i in order[self.cursor : self.cursor + self.batch_size]]
+        self.cursor += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]

@@ -1,0 +1,127 @@
+"""In-process rollout engine: an HF transformers model with batched, KV-cached sampling.
+
+The CPU default behind `RolloutEngine`; the SGLang client implements the same interface for GPU
+clusters. Prompts are left-padded into one batch (position ids restart at each row's first real
+token) and decoded incrementally with HF's `DynamicCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
+
+    logprobs are log_softmax(logits / T) of the drawn token before top-p filtering (SGLang
+    semantics); T = 0 is greedy with the unscaled log_softmax.
+    """
+    if sampling.temperature == 0:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        tokens = logprobs.argmax(dim=-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
+    probs = logprobs.exp()
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the tokens ranked above it already reach top_p (the top token stays).
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class LocalEngine(RolloutEngine):
+    """Samples from an HF causal LM on this process's device (CPU by default)."""
+
+    def __init__(
+        self, model: str | Path | PreTrainedModel, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 256,
+        pad_token_id: int = 0,
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        out: list[Generation] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            out += self._generate_batch(prompts[start : start + self.max_batch_size], sampling, generator)
+        return out
+
+    def _generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator | None
+    ) -> list[Generation]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros(batch, width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+            attention[row, width - len(prompt) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+        responses: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        finished = torch.zeros(batch, dtype=torch.bool)
+        step_ids = input_ids
+        for _ in range(sampling.max_new_tokens):
+            logits = self.model(
+                input_ids=step_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
+            tokens, token_logprobs = sample_next_tokens(logits, sampling, generator)
+            for row in (~finished).nonzero().flatten().tolist():
+                responses[row].append(int(tokens[row]))
+                logprobs[row].append(float(token_logprobs[row]))
+            finished |= torch.isin(tokens, stop)
+            if bool(finished.all()):
+                break
+            step_ids = tokens[:, None]
+            attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+        return [
+            Generation(
+                prompt_ids=list(prompt), response_ids=ids, logprobs=lps,
+                finish_reason="stop" if ids and ids[-1] in sampling.stop_token_ids else "length",
+            )
+            for prompt, ids, lps in zip(prompts, responses, logprobs)
+        ]
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Validate every name and shape first, then copy, so a bad update changes nothing."""
+        params = dict(self.model.named_parameters())
+        updates = list(named_tensors)
+        for name, tensor in updates:
+            if name not in params:
+                raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the engine expects {tuple(params[name].shape)}"
+                )
+        for name, tensor in updates:
+            params[name].copy_(tensor)
+
+    def named_parameters_hf(self) -> dict[str, torch.Tensor]:
+        """The engine's current weights by HF name (detached views)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def health(self) -> bool:
+        return True
+
+    def flush_cache(self) -> None:
+        """Nothing to drop: the KV cache lives only inside one `generate` call."""
