@@ -1,0 +1,69 @@
+"""ARMOR prompt filtering, anchor selection and cross-batch collection."""
+
+import pytest
+import torch
+
+from megatron_armor.algorithms import GroupCollector, build_groups, mix_kl_metrics
+from megatron_armor.data.types import Sample
+
+
+def s(prompt, correct, anchor=False, tag=0):
+    return Sample(prompt, [1], [tag], [0.0], "stop", anchor, 1.0 if correct else -1.0, correct)
+
+
+def batch(prompt, n_correct, anchors, n=15):
+    on = [s(prompt, i < n_correct) for i in range(n)]
+    return on + [s(prompt, c, anchor=True, tag=k + 1) for k, c in enumerate(anchors)]
+
+
+def test_filtering_rules_and_first_correct_anchor():
+    samples = (
+        batch(0, 5, [False, True, True, False])  # kept, anchor tag 2
+        + batch(1, 15, [True] * 4)  # all correct -> dropped despite anchors
+        + batch(2, 0, [True] * 4)  # all wrong -> dropped
+        + batch(3, 7, [False] * 4)  # no correct anchor -> dropped
+        + batch(4, 14, [True, False, False, False])  # kept, anchor tag 1
+    )
+    groups, stats = build_groups(samples, require_anchor=True, filter_groups=True)
+    assert [g[0].prompt_index for g in groups] == [0, 4]
+    assert all(len(g) == 16 and sum(x.is_anchor for x in g) == 1 and g[-1].is_anchor for g in groups)
+    assert [g[-1].response_ids for g in groups] == [[2], [1]]
+    assert (stats.kept, stats.dropped_all_correct, stats.dropped_all_wrong, stats.dropped_no_anchor) == (2, 1, 1, 1)
+    assert stats.anchors_used == 2
+
+
+def test_grpo_keeps_mixed_groups_without_anchors():
+    groups, stats = build_groups(batch(0, 3, []) + batch(1, 0, []), require_anchor=False, filter_groups=True)
+    assert len(groups) == 1 and len(groups[0]) == 15
+    groups, _ = build_groups(batch(0, 3, []) + batch(1, 0, []), require_anchor=False, filter_groups=False)
+    assert len(groups) == 2
+
+
+def test_collector_accumulates_truncates_and_errors():
+    collector = GroupCollector(target_prompts=3, max_num_gen_batches=3)
+    for prompt in range(2):
+        groups, stats = build_groups(batch(prompt, 4, [True]) + batch(9, 0, [True]), require_anchor=True, filter_groups=True)
+        collector.add(groups, stats)
+    assert not collector.done
+    groups, stats = build_groups(batch(5, 4, [True]) + batch(6, 4, [True]), require_anchor=True, filter_groups=True)
+    collector.add(groups, stats)
+    assert collector.done and [g[0].prompt_index for g in collector.result()] == [0, 1, 5]
+
+    failing = GroupCollector(target_prompts=2, max_num_gen_batches=2)
+    for _ in range(2):
+        failing.add(*build_groups(batch(0, 0, [True]), require_anchor=True, filter_groups=True))
+    assert failing.done
+    with pytest.raises(RuntimeError, match="0 of 2 prompts.*max_num_gen_batches"):
+        failing.result()
+    partial = GroupCollector(target_prompts=2, max_num_gen_batches=1, allow_partial=True)
+    partial.add(*build_groups(batch(0, 3, [True]), require_anchor=True, filter_groups=True))
+    assert len(partial.result()) == 1
+
+
+def test_mix_kl_metrics():
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0], [-3.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    m = mix_kl_metrics(old, ref, torch.tensor([False, True]), mask)
+    assert m["mix_kl/kl_on_old"] == pytest.approx(((-1 + 1.5) + (-2 + 1)) / 2)
+    assert m["mix_kl/kl_on_ref"] == pytest.approx(-3.0 + 1.0)
