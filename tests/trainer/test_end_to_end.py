@@ -45,6 +45,13 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(cache_dir, tmp_path):
     assert (full / "curves.png").is_file()
     assert (full / "checkpoints" / "step_000003" / "COMPLETE").is_file()
 
+    # Starting again over a run directory that holds checkpoints is refused and touches nothing.
+    saved = {p: p.read_bytes() for p in (full / "checkpoints").rglob("*") if p.is_file()}
+    with pytest.raises(AssertionError, match="already holds checkpoints.*--resume.*--overwrite"):
+        run_workers("train_run.py", 2, tmp_path / "w0", CONFIG, *_overrides(cache_dir, full, 5))
+    assert {p: p.read_bytes() for p in (full / "checkpoints").rglob("*") if p.is_file()} == saved
+    assert len(_read_metrics(full)) == 4
+
     run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, *_overrides(cache_dir, part, 2))
     run_workers("train_run.py", 2, tmp_path / "w3", CONFIG, "--resume", *_overrides(cache_dir, part, 3))
     resumed = _read_metrics(part)

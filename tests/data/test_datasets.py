@@ -1,0 +1,82 @@
+"""Prompt datasets: row validation with file/row in the message, vocab checks, resumable sampling."""
+
+import json
+
+import pytest
+
+from megatron_armor.data.datasets import (
+    DatasetError, PromptSampler, check_tokenizer_fits_model, load_prompt_rows, write_jsonl,
+)
+from megatron_armor.models.tiny import make_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_char_tokenizer()
+
+
+def test_rows_are_tokenized_and_keep_their_fields(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    write_jsonl([{"question": "1+2=", "target": "3", "source": "x"}], path)
+    rows = load_prompt_rows(path, tokenizer=tokenizer, prompt_key="question", answer_key="target")
+    assert tokenizer.decode(rows[0].prompt_ids) == "1+2="
+    assert rows[0].row["answer"] == "3" and rows[0].row["source"] == "x"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "1+1="}\n', r"train.jsonl row 1: missing required field 'answer'"),
+        ('{"prompt": "1+1=", "answer": "2"}\n{"answer": "3"}\n', r"row 2: missing required field 'prompt'"),
+        ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', r"train.jsonl line 2: invalid JSON"),
+        ("\n", r"dataset is empty"),
+        ('["1+1=", "2"]\n', r"row 1: expected a JSON object, got list"),
+        ('{"prompt": "' + "1+" * 20 + '1=", "answer": "21"}\n', r"prompt has 42 tokens; it must have 1..data.max_prompt_length \(16\)"),
+    ],
+)
+def test_bad_rows_name_file_row_and_fix(tmp_path, tokenizer, content, message):
+    path = tmp_path / "train.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=message):
+        load_prompt_rows(path, tokenizer=tokenizer, max_prompt_length=16)
+
+
+def test_missing_file_and_unknown_format(tmp_path, tokenizer):
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        load_prompt_rows(tmp_path / "nope.jsonl", tokenizer=tokenizer)
+    csv = tmp_path / "rows.csv"
+    csv.write_text("prompt,answer\n")
+    with pytest.raises(DatasetError, match="unknown dataset format '.csv'; use .jsonl or .parquet"):
+        load_prompt_rows(csv, tokenizer=tokenizer)
+
+
+def test_parquet_rows(tmp_path, tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "val.parquet"
+    pq.write_table(pa.table({"prompt": ["2*3=", "4-1="], "answer": ["6", "3"]}), path)
+    rows = load_prompt_rows(path, tokenizer=tokenizer)
+    assert [r.row["answer"] for r in rows] == ["6", "3"]
+
+
+def test_tokenizer_model_vocab_mismatch(tokenizer):
+    check_tokenizer_fits_model(tokenizer, 128)
+    with pytest.raises(DatasetError, match=r"tokenizer has 96 tokens but the model's vocab_size is 64"):
+        check_tokenizer_fits_model(tokenizer, 64)
+
+
+def test_sampler_epochs_and_resume_give_the_same_stream(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    write_jsonl([{"prompt": f"{i}+0=", "answer": str(i)} for i in range(10)], path)
+    rows = load_prompt_rows(path, tokenizer=tokenizer)
+    sampler = PromptSampler(rows, 4, seed=3)
+    first = [[r.index for r in sampler.next_batch()] for _ in range(2)]
+    assert len(set(first[0] + first[1])) == 8  # no repeats within an epoch
+    state = json.loads(json.dumps(sampler.state_dict()))
+    expected = [[r.index for r in sampler.next_batch()] for _ in range(3)]
+    resumed = PromptSampler(rows, 4, seed=3)
+    resumed.load_state_dict(state)
+    assert [[r.index for r in resumed.next_batch()] for _ in range(3)] == expected
+    with pytest.raises(DatasetError, match="generation batch size 11 exceeds the dataset size 10"):
+        PromptSampler(rows, 11, seed=0)

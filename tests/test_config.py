@@ -1,0 +1,81 @@
+"""Config loading: YAML + overrides, typed coercion, validation messages, and the CLI surface."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.cli import build_parser, overrides_from_args
+from megatron_armor.config import ConfigError, config_fields, load_config
+
+DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
+
+
+def test_demo_config_loads_with_typed_overrides():
+    cfg = load_config(DEMO, ["train.lr=1e-4", "algorithm.name=armor", "eval.max_prompts=null", "logging.plot=off"])
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.rollout.actor_n == 7
+    assert cfg.train.lr == 1e-4 and cfg.eval.max_prompts is None and cfg.logging.plot is False
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.lr=fast"], "train.lr: expected float, got 'fast'"),
+        (["train.max_steps=2.5"], "train.max_steps: expected int"),
+        (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not allowed; choose one of \\['armor', 'grpo', 'grpo_kl'\\]"),
+        (["train.lrr=1"], "unknown config field 'train.lrr'; did you mean 'train.lr'"),
+        (["trian.lr=1"], "unknown config section 'trian'; did you mean 'train'"),
+        (["algorithm.alpha=0"], "algorithm.alpha must be in \\(0, 1\\], got 0.0"),
+        (["rollout.actor_n=8"], "rollout.actor_n must be rollout.n_samples - 1 = 7 for armor"),
+        (["train.mini_batch_size=3"], "train.mini_batch_size \\(3\\) must divide train.train_batch_size \\(8\\)"),
+        (["rollout.top_p=1.5"], "rollout.top_p must be in \\(0, 1\\], got 1.5"),
+        (["logging.plot=maybe"], "logging.plot: expected a boolean"),
+        (["train.lr"], "must look like section.field=value"),
+    ],
+)
+def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, overrides)
+
+
+def test_malformed_yaml_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  lr: [1e-4\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(broken)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("- train\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        load_config(flat)
+    scalar_section = tmp_path / "scalar.yaml"
+    scalar_section.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
+        load_config(scalar_section)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_user_task_requires_model_and_data():
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(None, [])
+    with pytest.raises(ConfigError, match="data.train_path is required"):
+        load_config(None, ["model.path=/models/x"])
+
+
+def test_cli_exposes_every_field_and_maps_shorthands():
+    parser = build_parser()
+    help_text = parser._subparsers._group_actions[0].choices["train"].format_help()
+    for dotted, _ in config_fields():
+        assert f"--{dotted}" in help_text
+    args = parser.parse_args(["train", "--config", str(DEMO), "--max-steps", "4", "--train.lr", "0.01"])
+    assert sorted(overrides_from_args(args)) == ["train.lr=0.01", "train.max_steps=4"]
+
+
+def test_cli_reports_bad_config_with_exit_code_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(DEMO), "--algorithm.alpha", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: algorithm.alpha must be in (0, 1], got 2.0" in proc.stderr
