@@ -23,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="shorthand for --logging.run_dir")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     train.add_argument("--overwrite", action="store_true", help="delete existing checkpoints in the run directory first")
-    train.add_argument("--nproc", type=int, help="launch this many local processes with torchrun (e.g. 2 for TP=2)")
+    train.add_argument("--tp", type=int, help="shorthand for --parallel.tensor_parallel_size")
+    train.add_argument("--pp", type=int, help="shorthand for --parallel.pipeline_parallel_size")
+    train.add_argument("--dp", type=int, help="shorthand for --parallel.data_parallel_size")
+    train.add_argument(
+        "--nproc", type=int,
+        help="launch this many local processes with torchrun (default outside torchrun: tp x pp x dp)",
+    )
     fields = train.add_argument_group("config fields")
     for dotted, f in config_fields():
         fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
@@ -38,6 +44,9 @@ def overrides_from_args(args: argparse.Namespace) -> list[str]:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.run_dir is not None:
         overrides.append(f"logging.run_dir={args.run_dir}")
+    for flag, dotted in (("tp", "tensor_parallel_size"), ("pp", "pipeline_parallel_size"), ("dp", "data_parallel_size")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"parallel.{dotted}={getattr(args, flag)}")
     return overrides
 
 
@@ -72,10 +81,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.nproc and "WORLD_SIZE" not in os.environ:
-        import subprocess
+    if "WORLD_SIZE" not in os.environ:
+        nproc = args.nproc or cfg.parallel.world_size
+        if nproc != cfg.parallel.world_size:
+            print(f"error: --nproc {nproc} does not match the layout tp x pp x dp = {cfg.parallel.world_size}",
+                  file=sys.stderr)
+            return 2
+        if nproc > 1:
+            import subprocess
 
-        return subprocess.call(torchrun_argv(argv, args.nproc, _free_port()))
+            return subprocess.call(torchrun_argv(argv, nproc, _free_port()))
     from megatron_armor.trainer.run import run_training
 
     return run_training(cfg, resume=args.resume, overwrite=args.overwrite)

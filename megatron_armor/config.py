@@ -37,6 +37,11 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _f(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = _f(1, "Megatron pipeline-parallel size")
+    data_parallel_size: int = _f(1, "data-parallel replicas; the job has tp x pp x dp processes")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
 @dataclass
@@ -255,7 +260,8 @@ def validate(cfg: ArmorConfig) -> None:
             raise ConfigError(message)
 
     positive = [
-        "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "data.max_prompt_length",
+        "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "parallel.data_parallel_size",
+        "data.max_prompt_length",
         "rollout.n_samples", "rollout.actor_n", "rollout.max_new_tokens", "rollout.val_n",
         "algorithm.max_num_gen_batches", "train.train_batch_size", "train.gen_batch_size",
         "train.mini_batch_size", "train.micro_batch_size", "train.max_steps", "checkpoint.every",
@@ -292,6 +298,10 @@ def validate(cfg: ArmorConfig) -> None:
             f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be <= rollout.max_new_tokens ({r.max_new_tokens})")
     require(t.train_batch_size % t.mini_batch_size == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must divide train.train_batch_size ({t.train_batch_size})")
+    dp = cfg.parallel.data_parallel_size
+    require(t.mini_batch_size % dp == 0,
+            f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
+            f"every data-parallel rank trains on the same number of prompts")
     require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     require(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
     require(0 <= t.weight_decay, f"train.weight_decay must be >= 0, got {t.weight_decay}")

@@ -32,6 +32,7 @@ class ParamMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
     layout: Layout
+    exported: bool = True  # False for a copy that another stage already exports (tied output layer)
 
 
 def layer_mappings(local_index: int, global_index: int, shape: ModelShape) -> list[ParamMapping]:
@@ -76,6 +77,10 @@ def model_mappings(
         mappings.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not shape.tie_word_embeddings:
             mappings.append(ParamMapping("output_layer.weight", ("lm_head.weight",), "column"))
+        elif not pre_process:
+            # Tied embeddings under pipeline parallelism: the last stage keeps its own copy of the
+            # embedding as output layer (Megatron all-reduces their grads); the first stage exports it.
+            mappings.append(ParamMapping("output_layer.weight", ("model.embed_tokens.weight",), "column", exported=False))
     return mappings
 
 

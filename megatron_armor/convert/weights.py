@@ -94,9 +94,13 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -
             param.copy_(shard)
 
 
-def gather_hf_weights(model: GPTModel, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_hf_weights(
+    model: GPTModel, shape: ModelShape, *, use_grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield this pipeline stage's parameters as full (TP-gathered) HF-named tensors, on every TP rank.
 
+    With `use_grads`, yields the reduced gradients (`main_grad` of Megatron DDP, else `.grad`) instead.
+    Unsplit tensors are views of the live parameter (or gradient) storage: clone what you keep.
     A collective over the TP group: all TP ranks must iterate it together.
     """
     params = dict(model.named_parameters())
@@ -104,10 +108,52 @@ def gather_hf_weights(model: GPTModel, shape: ModelShape) -> Iterator[tuple[str,
     group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
         for mapping in stage_mappings(model, shape):
-            local = params[mapping.megatron_name].detach()
+            if not mapping.exported:
+                continue
+            local = _value(params[mapping.megatron_name], use_grads)
             if mapping.layout == "replicated" or tp_size == 1:
                 shards = [local] * tp_size
             else:
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
                 dist.all_gather(shards, local.contiguous(), group=group)
             yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))
+
+
+def gather_all_stages_hf_weights(
+    model: GPTModel, shape: ModelShape, *, use_grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's full HF-named tensors on every rank (TP-gathered, then passed along the pipeline).
+
+    Stage by stage, the stage's ranks gather their tensors, announce (name, shape, dtype) and
+    broadcast them one by one over the pipeline group; other stages receive one tensor at a time.
+    A collective over the TP and PP groups. Equals `gather_hf_weights` without pipeline parallelism.
+    """
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        yield from gather_hf_weights(model, shape, use_grads=use_grads)
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stage_ranks = dist.get_process_group_ranks(group)
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    for stage, src in enumerate(stage_ranks):
+        local = gather_hf_weights(model, shape, use_grads=use_grads) if stage == my_stage else iter(())
+        header: list = [None]
+        if stage == my_stage:
+            local = list(local)
+            header[0] = [(name, tuple(t.shape), t.dtype) for name, t in local]
+        dist.broadcast_object_list(header, src=src, group=group)
+        received = dict(local) if stage == my_stage else {}
+        for name, tensor_shape, dtype in header[0]:
+            tensor = received[name].contiguous() if stage == my_stage else torch.empty(tensor_shape, dtype=dtype)
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor
+
+
+def _value(param: torch.nn.Parameter, use_grads: bool) -> torch.Tensor:
+    if not use_grads:
+        return param.detach()
+    grad = getattr(param, "main_grad", None)
+    grad = param.grad if grad is None else grad
+    if grad is None:
+        raise RuntimeError("gather_hf_weights(use_grads=True): a parameter has no gradient; run a backward pass first")
+    return grad.detach()

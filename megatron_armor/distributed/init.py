@@ -46,10 +46,14 @@ def seed_everything(seed: int) -> None:
 
 
 def initialize_distributed(
-    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, *, seed: int = 1234, timeout_minutes: int = 30
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int | None = None, *,
+    seed: int = 1234, timeout_minutes: int = 30,
 ) -> DistributedContext:
     """Initialise torch.distributed from the torchrun environment (or as a 1-process group) and
-    Megatron's tensor/pipeline/data-parallel groups. gloo on CPU, NCCL on GPU."""
+    Megatron's tensor/pipeline/data-parallel groups. gloo on CPU, NCCL on GPU.
+
+    `data_parallel_size` None takes whatever the world size leaves; an explicit value must match it.
+    """
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -65,6 +69,13 @@ def initialize_distributed(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     world_size = dist.get_world_size()
+    if data_parallel_size is not None and world_size != tensor_parallel_size * pipeline_parallel_size * data_parallel_size:
+        raise ValueError(
+            f"world size {world_size} does not match the layout tensor_parallel_size ({tensor_parallel_size}) x "
+            f"pipeline_parallel_size ({pipeline_parallel_size}) x data_parallel_size ({data_parallel_size}) = "
+            f"{tensor_parallel_size * pipeline_parallel_size * data_parallel_size}; launch that many processes "
+            f"(torchrun --nproc-per-node, or `armor train --nproc`)"
+        )
     if world_size % (tensor_parallel_size * pipeline_parallel_size) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_parallel_size ({tensor_parallel_size}) x "

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_armor.algorithms import GroupCollector, build_groups, group_advantages, mix_kl_metrics
-from megatron_armor.convert.weights import gather_hf_weights
+from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.init import DistributedContext
+from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
@@ -65,7 +66,8 @@ class PolicyHandles:
 class PreparedBatch:
     """A rank's training batch for one step: the whole local batch and its mini-batch views.
 
-    entropy: token-mean policy entropy before the update; num_tokens: prompt + response tokens.
+    entropy: token-mean policy entropy of the local batch before the update;
+    num_tokens: prompt + response tokens of the whole step (all data-parallel ranks).
     """
 
     batch: SequenceBatch
@@ -163,12 +165,15 @@ class RLTrainer:
             batch=batch,
             mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
             entropy=_masked_mean(old.entropy, batch.response_mask),
-            num_tokens=sum(len(samples[r].prompt_ids) + len(samples[r].response_ids) for r in order),
+            num_tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
         )
 
     @staticmethod
     def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
-        """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch, mix KL."""
+        """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch, mix KL.
+
+        Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks.
+        """
         batch = prepared.batch
         on_policy = ~batch.is_anchor
         diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
@@ -179,7 +184,7 @@ class RLTrainer:
         }
         if batch.ref_logprobs is not None:
             metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask))
-        return metrics
+        return mean_over_data_parallel(metrics)
 
     # ----- one RL step ---------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
@@ -212,8 +217,8 @@ class RLTrainer:
 
     # ----- weights -------------------------------------------------------------------------
     def sync_actor_to_engine(self) -> None:
-        """Push the actor's current weights (TP-gathered, HF-named) into the on-policy engine."""
-        self.h.actor_engine.update_weights(gather_hf_weights(self.h.actor.module, self.h.shape))
+        """Push the actor's current weights (TP- and PP-gathered, HF-named) into the on-policy engine."""
+        self.h.actor_engine.update_weights(gather_all_stages_hf_weights(self.h.actor.module, self.h.shape))
         self.h.actor_engine.flush_cache()
 
     def reset_reference(self) -> None:
@@ -225,7 +230,7 @@ class RLTrainer:
 
     def sync_ref_to_engine(self) -> None:
         """Push the reference model's weights into the anchor engine."""
-        self.h.ref_engine.update_weights(gather_hf_weights(self.h.ref, self.h.shape))
+        self.h.ref_engine.update_weights(gather_all_stages_hf_weights(self.h.ref, self.h.shape))
         self.h.ref_engine.flush_cache()
 
 

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_armor.algorithms import armor_policy_loss, kl_penalty
+from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.trainer.batch import SequenceBatch
 from megatron_armor.trainer.logprobs import forward_backward, token_logprobs
 from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step
@@ -63,7 +65,11 @@ def update_policy(
     ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batch_size: int, loss: LossSettings,
     optim: OptimizerSettings, first_optimizer_step: int,
 ) -> UpdateResult:
-    """One optimizer step per mini-batch (ppo_epochs = 1). Returns averaged loss stats."""
+    """One optimizer step per mini-batch (ppo_epochs = 1).
+
+    Returns loss statistics averaged over every token of the step (all data-parallel ranks), on
+    every rank.
+    """
     loss_fn = policy_loss_fn(loss)
     totals: dict[str, float] = {}
     grad_norms, lrs = [], []
@@ -77,6 +83,9 @@ def update_policy(
             raise FloatingPointError(f"optimizer step {first_optimizer_step + index}: non-finite gradient norm {step.grad_norm}")
         grad_norms.append(step.grad_norm)
         lrs.append(step.lr)
+    if parallel_state.is_pipeline_last_stage():
+        totals = sum_over_data_parallel(totals)
+    totals = from_last_pipeline_stage(totals)
     tokens = max(totals.pop("num_tokens", 0.0), 1.0)
     metrics = {name: value / tokens for name, value in totals.items()}
     metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)

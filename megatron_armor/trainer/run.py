@@ -37,7 +37,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = False) -> int:
     """Entry point of `armor train` on every rank; returns the process exit code."""
-    ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
+    layout = cfg.parallel
+    try:
+        ctx = initialize_distributed(
+            layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size, seed=cfg.train.seed
+        )
+    except ValueError as error:  # a layout that does not fit the launched processes
+        print(f"error: {error}", file=sys.stderr)
+        destroy_distributed()
+        return 2
     _configure_logging(ctx)
     try:
         _train(ctx, cfg, resume=resume, overwrite=overwrite)

@@ -1,0 +1,40 @@
+"""Reductions of scalar metrics over Megatron's parallel groups.
+
+Loss statistics exist only on the last pipeline stage and only for a rank's data-parallel shard;
+these helpers turn them into job-wide values that every rank (in particular rank 0, which logs)
+holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def sum_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
+    """Sum each value over the data-parallel group (every DP rank must pass the same keys)."""
+    if parallel_state.get_data_parallel_world_size() == 1 or not values:
+        return values
+    keys = sorted(values)
+    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+    return dict(zip(keys, packed.tolist()))
+
+
+def mean_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
+    """Unweighted mean of each value over the data-parallel group."""
+    size = parallel_state.get_data_parallel_world_size()
+    return {k: v / size for k, v in sum_over_data_parallel(values).items()}
+
+
+def from_last_pipeline_stage(values: dict[str, float]) -> dict[str, float]:
+    """The last pipeline stage's `values` on every stage (other stages pass anything, e.g. {})."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    box = [values]
+    dist.broadcast_object_list(
+        box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]

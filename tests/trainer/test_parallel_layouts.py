@@ -1,0 +1,60 @@
+"""TP=2, PP=2, DP=2 and TP=2 x PP=2 give the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU)."""
+
+import pytest
+import torch
+
+from launcher import run_workers
+
+LOGPROB_ATOL = 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; reductions run in a different order per layout
+# Adam's first step moves a weight by about lr * g / (|g| + eps): for gradients near eps (~1e-8) the
+# summation-order differences above shift it by up to a few 1e-6 at lr = 1e-3; 1e-5 is 1% of a step.
+WEIGHT_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from megatron_armor.models.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("layouts")
+    return make_tiny_checkpoint(root / "actor", seed=0), make_tiny_checkpoint(root / "ref", seed=1)
+
+
+def _run(checkpoints, tmp_path, tp, pp, nproc):
+    out = tmp_path / f"tp{tp}pp{pp}n{nproc}"
+    run_workers("layout_parity.py", nproc, out, str(checkpoints[0]), str(checkpoints[1]), str(tp), str(pp))
+    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def baseline(checkpoints, tmp_path_factory):
+    return _run(checkpoints, tmp_path_factory.mktemp("base"), 1, 1, 1)[0]
+
+
+@pytest.mark.parametrize("tp, pp, nproc", [(2, 1, 2), (1, 2, 2), (1, 1, 2), (2, 2, 4)],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2"])
+def test_layout_matches_single_rank(checkpoints, baseline, tmp_path, tp, pp, nproc):
+    ranks = _run(checkpoints, tmp_path, tp, pp, nproc)
+    assert ranks[0]["layout"] == (tp, pp, nproc // (tp * pp))
+    seen = {}
+    for result in ranks:
+        seen.update(result["logprobs"])
+    assert seen.keys() == baseline["logprobs"].keys()  # the DP shards together cover the whole batch
+    for key, (old, ref) in seen.items():
+        torch.testing.assert_close(old, baseline["logprobs"][key][0], atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(ref, baseline["logprobs"][key][1], atol=LOGPROB_ATOL, rtol=0)
+    for result in ranks:
+        assert result["grads"].keys() == baseline["grads"].keys()
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, baseline["grads"][name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+        for name in ("loss/policy_loss", "loss/clip_fraction", "loss/mixed_ratio_mean", "optim/grad_norm"):
+            assert result["metrics"][name] == pytest.approx(baseline["metrics"][name], rel=1e-5, abs=1e-7), name
+        for name, weight in result["weights"].items():
+            torch.testing.assert_close(weight, baseline["weights"][name], atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def test_baseline_step_is_not_trivial(baseline):
+    assert baseline["metrics"]["loss/clip_fraction"] >= 0 and baseline["metrics"]["optim/grad_norm"] > 0
+    assert any(g.abs().max() > 0 for g in baseline["grads"].values())
+    # The second mini-batch is scored after the first optimizer step, so the mean ratio leaves 1.
+    assert abs(baseline["metrics"]["loss/mixed_ratio_mean"] - 1.0) > 1e-5

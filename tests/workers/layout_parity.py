@@ -1,0 +1,82 @@
+"""Worker: one ARMOR step on a fixed batch under a given TP x PP (x DP) layout.
+
+argv: out_dir actor_dir ref_dir tp pp. Every rank saves `rank<r>.pt` with its shard's old/ref
+logprobs (keyed by sequence), the full HF-named gradients of the first mini-batch, the step's
+loss metrics and the full weights after the step.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+from launcher import write_result  # noqa: E402
+
+from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
+from megatron_armor.data.types import Sample  # noqa: E402
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
+from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.trainer.logprobs import forward_backward  # noqa: E402
+from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan  # noqa: E402
+from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn, update_policy  # noqa: E402
+
+out_dir, actor_dir, ref_dir, tp, pp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+ctx = initialize_distributed(tp, pp, seed=0)
+shape = load_model_shape(actor_dir)
+
+
+def model(path, trainable):
+    m = build_gpt_model(shape, transformer_config(shape, tp_size=tp, pp_size=pp), trainable=trainable)
+    load_hf_weights(m, path, shape)
+    return m
+
+
+def fixed_groups(num_groups=4, group_size=4):
+    """Random sequences of varying length; one correct anchor closes each group."""
+    g = torch.Generator().manual_seed(123)
+    groups = []
+    for p in range(num_groups):
+        prompt = torch.randint(1, 96, (3 + p,), generator=g).tolist()
+        group = []
+        for k in range(group_size):
+            response = torch.randint(1, 96, (4 + (p * 3 + k) % 7,), generator=g).tolist()
+            correct = k % 2 == 0 or k == group_size - 1
+            group.append(Sample(p, prompt, response, [0.0] * len(response), "stop", k == group_size - 1,
+                                1.0 if correct else -1.0, correct))
+        groups.append(group)
+    return groups
+
+
+optim = OptimizerSettings(lr=1e-3, warmup_steps=0)
+ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
+handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
+                        actor_engine=None, ref_engine=None, pad_token_id=0)
+plan = StepPlan(algorithm="armor", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3, ref_n=1,
+                filter_groups=True, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
+                ref_reset_period=0, seed=0)
+loss = LossSettings(alpha=0.75)
+trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
+
+prepared = trainer.prepare_batch(fixed_groups())
+batch = prepared.batch
+logprobs = {}
+for row in range(batch.size):
+    mask = batch.response_mask[row].bool()
+    key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
+    logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
+
+forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)), policy_loss_fn(loss),
+                 forward_only=False)
+grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
+zero_grads(ddp, optimizer)
+
+update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size, loss=loss,
+                       optim=optim, first_optimizer_step=0)
+weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
+torch.save({"logprobs": logprobs, "grads": grads, "metrics": update.metrics, "weights": weights,
+            "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / f"rank{ctx.rank}.pt")
+write_result(out_dir, {"rank": ctx.rank})
+destroy_distributed()
