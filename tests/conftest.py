@@ -21,3 +21,9 @@ def tiny_model_factory(tmp_path_factory):
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def synthetic_cache(tmp_path_factory):
+    """One synthetic-task cache (tiny model + warm start) shared by every training-run test."""
+    return tmp_path_factory.mktemp("armor-cache")

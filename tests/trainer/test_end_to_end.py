@@ -15,12 +15,6 @@ def _read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One synthetic-task cache (tiny model + warm start) shared by this module's runs."""
-    return tmp_path_factory.mktemp("armor-cache")
-
-
 def _overrides(cache_dir: Path, run_dir: Path, steps: int) -> list[str]:
     return [
         f"task.cache_dir={cache_dir}", f"logging.run_dir={run_dir}", f"train.max_steps={steps}",
@@ -29,7 +23,8 @@ def _overrides(cache_dir: Path, run_dir: Path, steps: int) -> list[str]:
     ]
 
 
-def test_armor_tp2_run_then_resume_matches_uninterrupted(cache_dir, tmp_path):
+def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_path):
+    cache_dir = synthetic_cache
     full, part = tmp_path / "full", tmp_path / "part"
     run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(cache_dir, full, 3))
     rows = _read_metrics(full)
