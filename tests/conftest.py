@@ -10,15 +10,16 @@ sys.path.insert(0, str(Path(__file__).parent))  # the shared `launcher` helper
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """arch -> directory of a tiny random HF checkpoint of that architecture (made once per session)."""
+    """(arch, **make_tiny_checkpoint options) -> directory of a tiny random HF checkpoint (made once per session)."""
     from megatron_armor.models.tiny import make_tiny_checkpoint
 
-    made: dict[str, Path] = {}
+    made: dict[tuple, Path] = {}
 
-    def make(arch: str = "qwen2") -> Path:
-        if arch not in made:
-            made[arch] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0)
-        return made[arch]
+    def make(arch: str = "qwen2", **options) -> Path:
+        key = (arch, *sorted(options.items()))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, **options)
+        return made[key]
 
     return make
 

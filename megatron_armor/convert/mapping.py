@@ -10,7 +10,19 @@ Every Megatron parameter is produced from one or more HF tensors by one of five 
   groups. Applies to the weight ``[groups*(hpg+2)*d, H]`` and the Qwen2 bias ``[groups*(hpg+2)*d]``.
 - ``gate_up``: SwiGLU fc1; each TP rank holds ``cat(gate_shard, up_shard)``.
 
+Vocabulary-parallel tensors (``column`` layout of the embedding and output layer) are padded with
+zero rows to ``ModelShape.padded_vocab_size`` on import and cut back to ``vocab_size`` on export.
+
 Checkpoint conversion, model loading and weight sync to rollout engines all go through here.
+Parameter names follow the layer spec: Megatron's local spec keeps separate ``input_layernorm`` /
+``pre_mlp_layernorm`` modules, Transformer Engine fuses them into ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight`` (``fused_norms``).
+
+Why not mbridge: it is the obvious candidate (light, made for HF <-> Megatron), but its bridges
+build models with the Transformer Engine layer spec unconditionally, so neither they nor their
+name mapping cover the local spec that runs on CPU; and we need the same table for the TE names,
+TP/PP slicing and vocabulary padding that the trainer and rollout weight sync use. One table here
+serves all of them.
 """
 
 from __future__ import annotations
@@ -35,19 +47,21 @@ class ParamMapping:
     exported: bool = True  # False for a copy that another stage already exports (tied output layer)
 
 
-def layer_mappings(local_index: int, global_index: int, shape: ModelShape) -> list[ParamMapping]:
+def layer_mappings(local_index: int, global_index: int, shape: ModelShape, *, fused_norms: bool = False) -> list[ParamMapping]:
     """Mappings of one decoder layer; `local_index` numbers it within this pipeline stage."""
     m, h = f"decoder.layers.{local_index}.", f"model.layers.{global_index}."
     attn = h + "self_attn."
+    input_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
     mappings = [
-        ParamMapping(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated"),
+        ParamMapping(m + input_norm, (h + "input_layernorm.weight",), "replicated"),
         ParamMapping(
             m + "self_attention.linear_qkv.weight",
             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
             "qkv",
         ),
         ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
-        ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
+        ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"),
         ParamMapping(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up"),
         ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
     ]
@@ -59,12 +73,17 @@ def layer_mappings(local_index: int, global_index: int, shape: ModelShape) -> li
                 "qkv",
             )
         )
+    if shape.qk_norm:
+        mappings += [
+            ParamMapping(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"),
+            ParamMapping(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"),
+        ]
     return mappings
 
 
 def model_mappings(
     shape: ModelShape, *, first_layer: int = 0, num_layers: int | None = None, pre_process: bool = True,
-    post_process: bool = True,
+    post_process: bool = True, fused_norms: bool = False,
 ) -> list[ParamMapping]:
     """Mappings of one pipeline stage holding global layers [first_layer, first_layer + num_layers)."""
     num_layers = shape.num_layers if num_layers is None else num_layers
@@ -72,7 +91,7 @@ def model_mappings(
     if pre_process:
         mappings.append(ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "column"))
     for local in range(num_layers):
-        mappings.extend(layer_mappings(local, first_layer + local, shape))
+        mappings.extend(layer_mappings(local, first_layer + local, shape, fused_norms=fused_norms))
     if post_process:
         mappings.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not shape.tie_word_embeddings:
@@ -82,6 +101,12 @@ def model_mappings(
             # embedding as output layer (Megatron all-reduces their grads); the first stage exports it.
             mappings.append(ParamMapping("output_layer.weight", ("model.embed_tokens.weight",), "column", exported=False))
     return mappings
+
+
+def _pad_vocab(table: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """[vocab_size, H] -> [padded_vocab_size, H] with zero rows appended."""
+    missing = shape.padded_vocab_size - table.shape[0]
+    return torch.cat([table, table.new_zeros(missing, *table.shape[1:])]) if missing > 0 else table
 
 
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
@@ -107,7 +132,7 @@ def hf_to_megatron_shard(
     if mapping.layout == "replicated":
         return hf_tensors[0]
     if mapping.layout == "column":
-        return hf_tensors[0].chunk(tp_size, dim=0)[tp_rank]
+        return _pad_vocab(hf_tensors[0], shape).chunk(tp_size, dim=0)[tp_rank]
     if mapping.layout == "row":
         return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
     if mapping.layout == "qkv":
@@ -123,7 +148,7 @@ def megatron_shards_to_hf(mapping: ParamMapping, shards: list[torch.Tensor], sha
     if mapping.layout == "replicated":
         return [shards[0]]
     if mapping.layout == "column":
-        return [torch.cat(shards, dim=0)]
+        return [torch.cat(shards, dim=0)[: shape.vocab_size]]
     if mapping.layout == "row":
         return [torch.cat(shards, dim=1)]
     if mapping.layout == "qkv":

@@ -28,12 +28,14 @@ def stage_mappings(model: GPTModel, shape: ModelShape) -> list[ParamMapping]:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     num_local = len(model.decoder.layers)
+    fused_norms = any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in model.named_parameters())
     return model_mappings(
         shape,
         first_layer=get_transformer_layer_offset(model.config),
         num_layers=num_local,
         pre_process=model.pre_process,
         post_process=model.post_process,
+        fused_norms=fused_norms,
     )
 
 

@@ -28,7 +28,11 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(use_transformer_engine: bool | None = None) -> ModuleSpec:
+# Logit given to padded vocabulary rows: exp() underflows to exactly 0 and, unlike -inf, 0 * it is 0.
+PADDED_VOCAB_LOGIT = -1e30
+
+
+def layer_spec(*, qk_layernorm: bool = False, use_transformer_engine: bool | None = None) -> ModuleSpec:
     """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
     local layers with SDPA core attention (runs on CPU and GPU)."""
     if use_transformer_engine is None:
@@ -36,8 +40,8 @@ def layer_spec(use_transformer_engine: bool | None = None) -> ModuleSpec:
     if use_transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
     self_attention = dataclasses.replace(attention, submodules=attention_submodules)
@@ -47,13 +51,15 @@ def layer_spec(use_transformer_engine: bool | None = None) -> ModuleSpec:
 def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: bool = True) -> GPTModel:
     """This rank's stage of the model (pre/post-process set from the pipeline position).
 
+    The vocabulary is `shape.padded_vocab_size`; logits of the padding rows are forced to
+    `PADDED_VOCAB_LOGIT`, so softmaxes and logprobs equal those over the real vocabulary.
     Weights are randomly initialised; load real ones with `convert.load_hf_weights`. A frozen
     (`trainable=False`) model has `requires_grad=False` everywhere and starts in eval mode.
     """
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
-        vocab_size=shape.vocab_size,
+        transformer_layer_spec=layer_spec(qk_layernorm=shape.qk_norm),
+        vocab_size=shape.padded_vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -61,8 +67,26 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
     )
+    if model.post_process and shape.padded_vocab_size != shape.vocab_size:
+        model.output_layer.register_forward_hook(_mask_padded_vocab(shape.vocab_size))
     if not trainable:
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+def _mask_padded_vocab(vocab_size: int):
+    """Forward hook of the (vocab-parallel) output layer: padded vocabulary columns of this rank's
+    logits shard `[S, B, V_pad/tp]` get `PADDED_VOCAB_LOGIT` (no gradient flows into them)."""
+
+    def hook(module, inputs, output):
+        logits, bias = output
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        first = tp_rank * logits.shape[-1]
+        padded = torch.arange(first, first + logits.shape[-1], device=logits.device) >= vocab_size
+        return logits.masked_fill(padded, PADDED_VOCAB_LOGIT), bias
+
+    return hook

@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
+# a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
+# Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
+_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 class ModelConfigError(ValueError):
@@ -34,10 +38,17 @@ class ModelShape:
     max_position_embeddings: int
     qkv_bias: bool
     tie_word_embeddings: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
+    rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (None: unscaled)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Megatron's vocabulary: `vocab_size` rounded up to a multiple of 128 (extra rows are masked)."""
+        return -(-self.vocab_size // VOCAB_PADDING_MULTIPLE) * VOCAB_PADDING_MULTIPLE
 
 
 def load_model_shape(model_dir: str | Path) -> ModelShape:
@@ -53,15 +64,13 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
     arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(f"{source}: model_type {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
-    rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise ModelConfigError(f"{source}: RoPE scaling {hf.get('rope_scaling') or rope} is not supported yet")
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ModelConfigError(f"{source}: num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
-    if hf.get("mlp_bias") or (arch == "llama" and hf.get("attention_bias")):
-        raise ModelConfigError(f"{source}: biased Llama projections are not supported")
+    if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
+        raise ModelConfigError(f"{source}: biased {arch} projections (attention_bias/mlp_bias) are not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return ModelShape(
         arch=arch,
         vocab_size=hf["vocab_size"],
@@ -76,13 +85,27 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         qkv_bias=arch == "qwen2",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        rope_scaling_factor=_rope_scaling_factor(rope, source),
+    )
+
+
+def _rope_scaling_factor(rope: dict, source: str) -> float | None:
+    """None for plain RoPE, the factor for Llama 3 scaling; anything else is refused."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE_CONSTANTS.items()):
+        return float(rope["factor"])
+    raise ModelConfigError(
+        f"{source}: RoPE scaling {rope} is not supported; supported: none, or rope_type 'llama3' with {_LLAMA3_ROPE_CONSTANTS}"
     )
 
 
 def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int) -> None:
     """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks."""
     for name, value in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads", shape.num_kv_heads),
-                        ("intermediate_size", shape.ffn_hidden_size), ("vocab_size", shape.vocab_size)):
+                        ("intermediate_size", shape.ffn_hidden_size), ("padded vocab_size", shape.padded_vocab_size)):
         if value % tp_size:
             raise ModelConfigError(f"{name}={value} is not divisible by tensor_parallel_size={tp_size}")
     if shape.num_layers % pp_size:
@@ -107,6 +130,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,

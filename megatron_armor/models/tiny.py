@@ -1,4 +1,4 @@
-"""Tiny Llama/Qwen2-architecture HF checkpoints with a character-level tokenizer, made locally.
+"""Tiny Llama/Qwen2/Qwen3-architecture HF checkpoints with a character-level tokenizer, made locally.
 
 The tokenizer has one token per printable ASCII character plus `<|endoftext|>` (EOS and padding):
 96 tokens. The model's vocabulary is padded to `vocab_size` (default 128, a multiple of 128 so it
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 EOS_TOKEN = "<|endoftext|>"
 _CHARACTERS = [c for c in string.printable if c.isprintable()]  # the 95 printable ASCII characters
@@ -41,10 +41,16 @@ def make_tiny_checkpoint(
     vocab_size: int = 128,
     rope_theta: float = 10000.0,
     tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    rope_scaling_factor: float | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write config.json, model.safetensors, tokenizer and generation config to `out_dir`."""
-    configs = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    """Write config.json, model.safetensors, tokenizer and generation config to `out_dir`.
+
+    `rope_scaling_factor` adds Llama 3 RoPE scaling (llama only); `head_dim` defaults to
+    hidden_size / num_attention_heads.
+    """
+    configs = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
     if arch not in configs:
         raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
     tokenizer = make_char_tokenizer()
@@ -54,7 +60,8 @@ def make_tiny_checkpoint(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rms_norm_eps=1e-6, rope_parameters=_rope_parameters(rope_theta, rope_scaling_factor),
+        head_dim=head_dim or hidden_size // num_attention_heads,
         tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
@@ -65,6 +72,13 @@ def make_tiny_checkpoint(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _rope_parameters(theta: float, scaling_factor: float | None) -> dict:
+    if scaling_factor is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": scaling_factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def checkpoint_summary(model_dir: str | Path) -> dict:
