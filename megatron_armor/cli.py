@@ -1,4 +1,9 @@
-"""The `armor` command line: `armor train --config FILE [--section.field VALUE ...]`."""
+"""The `armor` command line.
+
+    armor train --config FILE [--section.field VALUE ...]   RL training (ARMOR / GRPO / GRPO + KL)
+    armor serve-local --model DIR --port N                   the CPU engine behind SGLang's HTTP API
+    armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from megatron_armor.config import ConfigError, config_fields, load_config
+from megatron_armor.diagnostics.cli import add_diagnose_subcommand
+from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     for dotted, f in config_fields():
         fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
                             help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
+    add_serve_local_subcommand(commands).set_defaults(handler=run_serve_local)
+    add_diagnose_subcommand(commands)
     return parser
 
 
@@ -67,6 +76,16 @@ def torchrun_argv(argv: Sequence[str], nproc: int, port: int) -> list[str]:
             "-m", "megatron_armor.cli", *rest]
 
 
+def _enable_triton_interpreter_without_gpu() -> None:
+    """The fused LM head runs on CPU only in Triton's interpreter, which must be chosen before
+    triton is imported (Megatron imports it); torchrun children inherit the setting."""
+    import torch
+
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        print("note: no GPU; the fused LM head runs in Triton's CPU interpreter (slow; for testing)", file=sys.stderr)
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,11 +95,15 @@ def _free_port() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command != "train":
+        return args.handler(args)
     try:
         cfg = load_config(args.config, overrides_from_args(args))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if cfg.train.logprob_head == "fused":
+        _enable_triton_interpreter_without_gpu()
     if "WORLD_SIZE" not in os.environ:
         nproc = args.nproc or cfg.parallel.world_size
         if nproc != cfg.parallel.world_size:

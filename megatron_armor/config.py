@@ -65,7 +65,10 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["local"] = _f("local", "rollout engine: local (in-process HF model)")
+    backend: Literal["local", "sglang"] = _f("local", "rollout engine: local (in-process HF model) or sglang (HTTP servers)")
+    sglang_urls: str | None = _f(None, "comma-separated URLs of the actor's SGLang servers (backend sglang)")
+    sglang_ref_urls: str | None = _f(None, "comma-separated URLs of the reference policy's servers (ARMOR anchors)")
+    sglang_update_bucket_mb: int = _f(512, "weight-update bucket size in MiB (backend sglang)")
     n_samples: int = _f(16, "group size per prompt")
     actor_n: int = _f(15, "on-policy samples per prompt")
     ref_n: int = _f(4, "anchor samples per prompt from the reference policy (ARMOR)")
@@ -106,6 +109,9 @@ class TrainConfig:
     adam_beta2: float = _f(0.999, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
     grad_clip: float = _f(1.0, "global gradient-norm clip")
+    logprob_head: Literal["torch", "fused"] = _f(
+        "torch", "LM head scoring: torch (vocab-sharded logits) or fused (Triton kernel; GPU, or interpreter on CPU)"
+    )
     max_steps: int = _f(200, "RL steps to run")
     seed: int = _f(1234, "seed of data order, sampling and initialisation")
 
@@ -305,6 +311,11 @@ def validate(cfg: ArmorConfig) -> None:
     require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     require(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
     require(0 <= t.weight_decay, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    if r.backend == "sglang":
+        require(bool(r.sglang_urls), "rollout.sglang_urls is required with rollout.backend sglang (e.g. http://host:30000)")
+        require(a.name != "armor" or bool(r.sglang_ref_urls),
+                "rollout.sglang_ref_urls is required for armor with rollout.backend sglang (servers of the reference policy)")
+        require(r.sglang_update_bucket_mb >= 1, f"rollout.sglang_update_bucket_mb must be >= 1, got {r.sglang_update_bucket_mb}")
     if cfg.task.synthetic is None:
         require(cfg.model.path is not None, "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
         require(cfg.data.train_path is not None, "data.train_path is required unless task.synthetic is set")

@@ -55,7 +55,16 @@ class RolloutEngine(abc.ABC):
 
     Weights cross this interface in Hugging Face parameter naming, so any HF-compatible server
     (the in-process engine, SGLang) can receive them.
+
+    `shared_across_ranks`: True when every trainer rank talks to the same engine (remote servers),
+    so weights are pushed once (from rank 0) instead of once per rank.
     """
+
+    shared_across_ranks: bool = False
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative engine counters to log (e.g. `rollout/retries`); none by default."""
+        return {}
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:

@@ -1,8 +1,12 @@
 """Per-token logprobs and entropy of (tensor-parallel) Megatron models via Megatron's schedules.
 
-Logits stay vocab-sharded: each TP rank holds `[B, S, V/tp]` and the log-softmax normaliser is
-assembled with all-reduces (Megatron's `vocab_parallel_cross_entropy`), so no rank ever
-materialises full-vocabulary logits.
+The last pipeline stage turns hidden states into `TokenScores` by one of two heads:
+- ``"torch"`` (default): the output layer gives vocab-sharded logits `[B, S, V/tp]` and the
+  log-softmax normaliser is assembled with all-reduces (Megatron's `vocab_parallel_cross_entropy`),
+  so no rank materialises full-vocabulary logits, but each holds its `[B, S, V/tp]` shard.
+- ``"fused"``: the Triton kernel (`megatron_armor.kernels.fused_logprobs`) runs on the hidden
+  states and the output weight through GPTModel's `output_processor` hook; only `[B, S]` vectors
+  are ever held. It needs a GPU, or TRITON_INTERPRET=1 on CPU.
 """
 
 from __future__ import annotations
@@ -18,8 +22,32 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.trainer.batch import SequenceBatch
 
-# loss_fn(logits [b, S, V/tp], micro_batch) -> (summed loss (0-dim), token count (0-dim int), stats)
-LossFn = Callable[[torch.Tensor, SequenceBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+LOGPROB_HEADS = ("torch", "fused")
+
+
+@dataclass
+class TokenScores:
+    """logprobs: [b, S] float32 of the labels (differentiable); entropy: [b, S] float32 or None."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+# loss_fn(scores of the micro-batch, micro_batch) -> (summed loss (0-dim), token count (0-dim int), stats)
+LossFn = Callable[[TokenScores, SequenceBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not."""
+
+    temperature: float = 1.0
+    head: str = "torch"
+    with_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head not in LOGPROB_HEADS:
+            raise ValueError(f"unknown logprob head {self.head!r}; choose one of {LOGPROB_HEADS}")
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -47,7 +75,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def forward_backward(
-    model: torch.nn.Module, micro_batches: Sequence[SequenceBatch], loss_fn: LossFn, *, forward_only: bool
+    model: torch.nn.Module, micro_batches: Sequence[SequenceBatch], loss_fn: LossFn, *, scoring: ScoringSettings,
+    forward_only: bool,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Megatron's schedule (no pipelining or 1F1B, per parallel_state) over `micro_batches`.
 
@@ -63,8 +92,11 @@ def forward_backward(
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        if scoring.head == "fused":
+            output = chunk(mb.input_ids, mb.position_ids, None, output_processor=_fused_head(scoring), output_processor_context=mb)
+            return output, lambda scores: loss_fn(scores, mb)
         output = chunk(mb.input_ids, mb.position_ids, None)
-        return output, lambda logits: loss_fn(logits, mb)
+        return output, lambda logits: loss_fn(_torch_head(logits, mb, scoring), mb)
 
     with megatron_device_scope():
         return get_forward_backward_func()(
@@ -78,6 +110,33 @@ def forward_backward(
         )
 
 
+def _torch_head(logits: torch.Tensor, mb: SequenceBatch, scoring: ScoringSettings) -> TokenScores:
+    """Scores from vocab-sharded logits [b, S, V/tp]."""
+    entropy = token_entropy(logits, scoring.temperature) if scoring.with_entropy else None
+    return TokenScores(token_logprobs(logits, mb.labels, scoring.temperature), entropy)
+
+
+def _fused_head(scoring: ScoringSettings) -> Callable:
+    """GPTModel `output_processor`: hidden [S, b, H] + this rank's output weight shard -> TokenScores.
+
+    The kernel scores every row of the weight, so the model's vocabulary must be unpadded
+    (`ModelShape.padded_vocab_size == vocab_size`; the trainer checks this at start-up).
+    """
+    from megatron_armor.kernels import fused_logprobs
+
+    def process(hidden_states, output_layer, output_weight, context: SequenceBatch, **_):
+        weight = output_layer.weight if output_weight is None else output_weight
+        b, s = context.labels.shape
+        hidden = hidden_states.transpose(0, 1).reshape(b * s, -1)  # [b*S, H]
+        logprobs, entropy = fused_logprobs(
+            hidden, weight, context.labels.reshape(-1), temperature=scoring.temperature,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+        )
+        return TokenScores(logprobs.view(b, s), entropy.view(b, s) if scoring.with_entropy else None)
+
+    return process
+
+
 @dataclass
 class LogprobResult:
     """logprobs: [B, S] float32 label-aligned; entropy: [B, S] float32 or None (both 0 off-response)."""
@@ -88,22 +147,23 @@ class LogprobResult:
 
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, temperature: float = 1.0,
-    with_entropy: bool = False,
+    model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, scoring: ScoringSettings
 ) -> LogprobResult:
-    """Logprobs of `batch.labels` under `model` (forward only), identical on every rank."""
+    """Logprobs (and entropy if `scoring.with_entropy`) of `batch.labels` under `model`, forward
+    only, identical on every rank."""
 
-    def collect(logits: torch.Tensor, mb: SequenceBatch):
-        stats = {"logprobs": token_logprobs(logits, mb.labels, temperature) * mb.response_mask}
-        if with_entropy:
-            stats["entropy"] = token_entropy(logits, temperature) * mb.response_mask
-        return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), stats
+    def collect(scores: TokenScores, mb: SequenceBatch):
+        stats = {"logprobs": scores.logprobs * mb.response_mask}
+        if scores.entropy is not None:
+            stats["entropy"] = scores.entropy * mb.response_mask
+        return scores.logprobs.new_zeros(()), torch.tensor(0, dtype=torch.int), stats
 
     was_training = model.training
     model.eval()
-    outputs = forward_backward(model, list(batch.micro_batches(micro_batch_size)), collect, forward_only=True)
+    outputs = forward_backward(model, list(batch.micro_batches(micro_batch_size)), collect, scoring=scoring,
+                               forward_only=True)
     model.train(was_training)
-    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+    keys = ["logprobs"] + (["entropy"] if scoring.with_entropy else [])
     result = {}
     for key in keys:
         values = torch.cat([out[key] for out in outputs]) if outputs else torch.empty(batch.input_ids.shape)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_armor.algorithms import GroupCollector, build_groups, group_advantages, mix_kl_metrics
 from megatron_armor.convert.weights import gather_all_stages_hf_weights
@@ -128,6 +130,7 @@ class RLTrainer:
         }
         if anchors_all:
             metrics["armor/anchor_accuracy"] = _mean([float(s.correct) for s in anchors_all])
+        metrics.update(self.h.actor_engine.metrics())
         return groups, metrics
 
     # ----- training batch ------------------------------------------------------------------
@@ -150,13 +153,12 @@ class RLTrainer:
             [samples[r] for r in order], advantages[order].tolist(), pad_token_id=self.h.pad_token_id
         )
         old = compute_logprobs(
-            self.h.actor, batch, micro_batch_size=plan.micro_batch_size, temperature=self.loss.temperature,
-            with_entropy=True,
+            self.h.actor, batch, micro_batch_size=plan.micro_batch_size, scoring=self.loss.scoring(with_entropy=True)
         )
         batch.old_logprobs = old.logprobs
         if plan.needs_ref_logprobs:
             batch.ref_logprobs = compute_logprobs(
-                self.h.ref, batch, micro_batch_size=plan.micro_batch_size, temperature=self.loss.temperature
+                self.h.ref, batch, micro_batch_size=plan.micro_batch_size, scoring=self.loss.scoring()
             ).logprobs
         bounds = [0]
         for mini in rows:
@@ -218,8 +220,7 @@ class RLTrainer:
     # ----- weights -------------------------------------------------------------------------
     def sync_actor_to_engine(self) -> None:
         """Push the actor's current weights (TP- and PP-gathered, HF-named) into the on-policy engine."""
-        self.h.actor_engine.update_weights(gather_all_stages_hf_weights(self.h.actor.module, self.h.shape))
-        self.h.actor_engine.flush_cache()
+        push_weights(self.h.actor_engine, gather_all_stages_hf_weights(self.h.actor.module, self.h.shape))
 
     def reset_reference(self) -> None:
         """Reference reset (ARMOR §4): the reference model and anchor engine become the current actor."""
@@ -230,8 +231,19 @@ class RLTrainer:
 
     def sync_ref_to_engine(self) -> None:
         """Push the reference model's weights into the anchor engine."""
-        self.h.ref_engine.update_weights(gather_all_stages_hf_weights(self.h.ref, self.h.shape))
-        self.h.ref_engine.flush_cache()
+        push_weights(self.h.ref_engine, gather_all_stages_hf_weights(self.h.ref, self.h.shape))
+
+
+def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Collective: every rank runs the gather; an engine shared by all ranks receives it from rank 0 only."""
+    if engine.shared_across_ranks and dist.get_rank() != 0:
+        for _ in named_tensors:
+            pass
+    else:
+        engine.update_weights(named_tensors)
+        engine.flush_cache()
+    if engine.shared_across_ranks:
+        dist.barrier()
 
 
 def evaluate(

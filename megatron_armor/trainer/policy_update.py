@@ -11,7 +11,7 @@ from megatron.core import parallel_state
 from megatron_armor.algorithms import armor_policy_loss, kl_penalty
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.trainer.batch import SequenceBatch
-from megatron_armor.trainer.logprobs import forward_backward, token_logprobs
+from megatron_armor.trainer.logprobs import ScoringSettings, TokenScores, forward_backward
 from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step
 
 
@@ -26,13 +26,17 @@ class LossSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     temperature: float = 1.0
+    logprob_head: str = "torch"  # "torch" | "fused" (trainer/logprobs.py)
+
+    def scoring(self, *, with_entropy: bool = False) -> ScoringSettings:
+        return ScoringSettings(temperature=self.temperature, head=self.logprob_head, with_entropy=with_entropy)
 
 
 def policy_loss_fn(settings: LossSettings) -> Callable:
-    """The Megatron loss callback: (logits [b, S, V/tp], micro-batch) -> (loss sum, tokens, stats sums)."""
+    """The Megatron loss callback: (token scores, micro-batch) -> (loss sum, tokens, stats sums)."""
 
-    def loss_fn(logits: torch.Tensor, mb: SequenceBatch):
-        logp = token_logprobs(logits, mb.labels, settings.temperature)  # [b, S]
+    def loss_fn(scores: TokenScores, mb: SequenceBatch):
+        logp = scores.logprobs  # [b, S]
         mask = mb.response_mask
         advantages = mb.advantages[:, None].expand_as(logp)
         loss, stats = armor_policy_loss(
@@ -74,7 +78,9 @@ def update_policy(
     totals: dict[str, float] = {}
     grad_norms, lrs = [], []
     for index, mini_batch in enumerate(mini_batches):
-        outputs = forward_backward(ddp, list(mini_batch.micro_batches(micro_batch_size)), loss_fn, forward_only=False)
+        outputs = forward_backward(
+            ddp, list(mini_batch.micro_batches(micro_batch_size)), loss_fn, scoring=loss.scoring(), forward_only=False
+        )
         for out in outputs:
             for name, value in out.items():
                 totals[name] = totals.get(name, 0.0) + float(value)

@@ -16,10 +16,10 @@ from megatron_armor.convert.weights import load_hf_weights
 from megatron_armor.data.datasets import PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import load_model_shape, transformer_config
+from megatron_armor.models.hf_config import ModelConfigError, load_model_shape, transformer_config
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
-from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
@@ -92,10 +92,9 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
     )
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
     handles = PolicyHandles(
-        actor=ddp, optimizer=optimizer, ref=ref, shape=shape,
-        actor_engine=LocalEngine(paths.model_path, pad_token_id=pad_token_id),
-        ref_engine=LocalEngine(paths.ref_path, pad_token_id=pad_token_id),
+        actor=ddp, optimizer=optimizer, ref=ref, shape=shape, actor_engine=actor_engine, ref_engine=ref_engine,
         pad_token_id=pad_token_id,
     )
     row_options = dict(
@@ -117,11 +116,16 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
         ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed,
     )
+    if cfg.train.logprob_head == "fused" and shape.padded_vocab_size != shape.vocab_size:
+        raise ModelConfigError(
+            f"train.logprob_head fused needs a vocabulary that is a multiple of 128 (no padding rows); "
+            f"{paths.model_path} has vocab_size {shape.vocab_size}: use train.logprob_head torch"
+        )
     loss = LossSettings(
         alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
         clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip,
         kl_coef=algorithm.kl_coef if algorithm.name == "grpo_kl" else 0.0, kl_estimator=algorithm.kl_estimator,
-        temperature=cfg.rollout.temperature,
+        temperature=cfg.rollout.temperature, logprob_head=cfg.train.logprob_head,
     )
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim)
 
@@ -134,10 +138,12 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         sampler.load_state_dict(state.sampler)
         trainer.optimizer_steps = state.extra["optimizer_steps"]
         start_step = state.step
-        trainer.sync_actor_to_engine()
-        if algorithm.ref_reset_period:
-            trainer.sync_ref_to_engine()
         log.info("resumed from %s (step %d)", resume_from, start_step)
+    remote_engines = handles.actor_engine.shared_across_ranks
+    if resume_from is not None or remote_engines:  # engines start from the HF checkpoint on disk
+        trainer.sync_actor_to_engine()
+        if handles.ref_engine is not handles.actor_engine and (algorithm.ref_reset_period or remote_engines):
+            trainer.sync_ref_to_engine()
 
     metrics_log = MetricsLogger(
         run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project, enabled=ctx.is_main,
@@ -175,6 +181,24 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
         log.info("run directory %s: metrics.jsonl, curves.png, checkpoints/", run_dir)
     dist.barrier()
+
+
+def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[RolloutEngine, RolloutEngine]:
+    """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers.
+
+    An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's (and,
+    for ARMOR, the reference's) weights before the first rollout.
+    """
+    rollout = cfg.rollout
+    if rollout.backend == "local":
+        return (LocalEngine(paths.model_path, pad_token_id=pad_token_id),
+                LocalEngine(paths.ref_path, pad_token_id=pad_token_id))
+    from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+    client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20)
+    actor = SGLangEngine(rollout.sglang_urls.split(","), client)
+    ref = SGLangEngine(rollout.sglang_ref_urls.split(","), client) if rollout.sglang_ref_urls else actor
+    return actor, ref
 
 
 def _configure_logging(ctx: DistributedContext) -> None:

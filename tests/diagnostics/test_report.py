@@ -1,4 +1,3 @@
-import argparse
 import json
 import shutil
 import subprocess
@@ -12,7 +11,7 @@ from megatron_armor.diagnostics import (
     DiagnoseSettings, diagnose, hill_tail_index, linear_weights, mask_overlap, principal_angles, spectral_drift,
     stable_rank, unchanged_fraction,
 )
-from megatron_armor.diagnostics.cli import add_diagnose_subcommand
+from megatron_armor.cli import build_parser
 
 RANK_ONE = "model.layers.0.self_attn.q_proj.weight"
 SETTINGS = DiagnoseSettings(k_angles=8, k_sim=1, k_hill=4, mask_rank=4)
@@ -94,8 +93,7 @@ def test_report_matches_direct_computations(trajectory):
 
 def test_cli_runs_diagnose_and_reports_bad_checkpoints(trajectory, tmp_path, capsys):
     base, later, _ = trajectory
-    parser = argparse.ArgumentParser(prog="armor")
-    add_diagnose_subcommand(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()  # the real `armor` command line
     args = parser.parse_args(["diagnose", "--base", str(base), "--checkpoints", *map(str, later),
                               "--out-dir", str(tmp_path / "cli"), "--layer-types", "q_proj", "o_proj", "--k-sim", "1"])
     assert args.handler(args) == 0

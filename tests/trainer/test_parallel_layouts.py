@@ -1,4 +1,5 @@
-"""TP=2, PP=2, DP=2 and TP=2 x PP=2 give the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU)."""
+"""TP=2, PP=2, DP=2 and TP=2 x PP=2 give the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU);
+so does the fused Triton LM head (interpreter) at TP=2."""
 
 import pytest
 import torch
@@ -20,9 +21,9 @@ def checkpoints(tmp_path_factory):
     return make_tiny_checkpoint(root / "actor", seed=0), make_tiny_checkpoint(root / "ref", seed=1)
 
 
-def _run(checkpoints, tmp_path, tp, pp, nproc):
-    out = tmp_path / f"tp{tp}pp{pp}n{nproc}"
-    run_workers("layout_parity.py", nproc, out, str(checkpoints[0]), str(checkpoints[1]), str(tp), str(pp))
+def _run(checkpoints, tmp_path, tp, pp, nproc, head="torch"):
+    out = tmp_path / f"tp{tp}pp{pp}n{nproc}{head}"
+    run_workers("layout_parity.py", nproc, out, str(checkpoints[0]), str(checkpoints[1]), str(tp), str(pp), head)
     return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
 
 
@@ -31,10 +32,11 @@ def baseline(checkpoints, tmp_path_factory):
     return _run(checkpoints, tmp_path_factory.mktemp("base"), 1, 1, 1)[0]
 
 
-@pytest.mark.parametrize("tp, pp, nproc", [(2, 1, 2), (1, 2, 2), (1, 1, 2), (2, 2, 4)],
-                         ids=["tp2", "pp2", "dp2", "tp2xpp2"])
-def test_layout_matches_single_rank(checkpoints, baseline, tmp_path, tp, pp, nproc):
-    ranks = _run(checkpoints, tmp_path, tp, pp, nproc)
+@pytest.mark.parametrize("tp, pp, nproc, head", [(2, 1, 2, "torch"), (1, 2, 2, "torch"), (1, 1, 2, "torch"),
+                                                 (2, 2, 4, "torch"), (2, 1, 2, "fused")],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-fused-head"])
+def test_layout_matches_single_rank(checkpoints, baseline, tmp_path, tp, pp, nproc, head):
+    ranks = _run(checkpoints, tmp_path, tp, pp, nproc, head)
     assert ranks[0]["layout"] == (tp, pp, nproc // (tp * pp))
     seen = {}
     for result in ranks:

@@ -1,14 +1,17 @@
 """Worker: one ARMOR step on a fixed batch under a given TP x PP (x DP) layout.
 
-argv: out_dir actor_dir ref_dir tp pp. Every rank saves `rank<r>.pt` with its shard's old/ref
+argv: out_dir actor_dir ref_dir tp pp head ("torch" | "fused"). Every rank saves `rank<r>.pt` with its shard's old/ref
 logprobs (keyed by sequence), the full HF-named gradients of the first mini-batch, the step's
 loss metrics and the full weights after the step.
 """
 
+import os
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused head runs in Triton's CPU interpreter here
+
+import torch  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
@@ -23,7 +26,8 @@ from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan  # no
 from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn, update_policy  # noqa: E402
 
-out_dir, actor_dir, ref_dir, tp, pp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+out_dir, actor_dir, ref_dir = sys.argv[1:4]
+tp, pp, head = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 ctx = initialize_distributed(tp, pp, seed=0)
 shape = load_model_shape(actor_dir)
 
@@ -57,7 +61,7 @@ handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False
 plan = StepPlan(algorithm="armor", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3, ref_n=1,
                 filter_groups=True, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
                 ref_reset_period=0, seed=0)
-loss = LossSettings(alpha=0.75)
+loss = LossSettings(alpha=0.75, logprob_head=head)
 trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
 
 prepared = trainer.prepare_batch(fixed_groups())
@@ -69,7 +73,7 @@ for row in range(batch.size):
     logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
 
 forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)), policy_loss_fn(loss),
-                 forward_only=False)
+                 scoring=loss.scoring(), forward_only=False)
 grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
 zero_grads(ddp, optimizer)
 

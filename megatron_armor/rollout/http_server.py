@@ -1,0 +1,159 @@
+"""A `LocalEngine` behind SGLang's HTTP schema, so the SGLang client can be tested on CPU.
+
+Same paths, fields and logprob layout as SGLang 0.5.15 with --skip-tokenizer-init (input_ids in,
+no text out); the endpoint logic lives in `local_server.LocalServerState`. The port is bound first
+and every endpoint answers 503 until the model is loaded. Stdlib only (`ThreadingHTTPServer`).
+
+Run: `python -m megatron_armor.rollout.http_server --model DIR --port N` (or `armor serve-local`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout.local_server import LocalServerState, RequestError
+
+log = logging.getLogger(__name__)
+
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any]]:
+    """Path -> handler(body) returning a JSON-able reply, a str (plain text) or None (empty 200)."""
+
+    def flush(_: dict) -> str:
+        state.require_idle("/flush_cache", "Cache not flushed because there are pending requests")
+        return FLUSHED
+
+    def weights_from_tensor(body: dict) -> dict:
+        try:
+            named = proto.named_tensors_from_request(body)
+        except (ValueError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
+            raise RequestError(f"/update_weights_from_tensor: bad payload: {error}") from error
+        return state.update_weights(named, body)
+
+    def release(body: dict) -> None:
+        proto.memory_occupation_request(body.get("tags"))
+        state.require_idle("/release_memory_occupation", "release needs an idle server")
+
+    def resume(body: dict) -> None:
+        proto.memory_occupation_request(body.get("tags"))
+
+    def health(_: dict) -> None:
+        state.health_generate()
+
+    return {
+        "/health": health, "/health_generate": health,
+        "/model_info": lambda _: state.model_info(), "/get_model_info": lambda _: state.model_info(),
+        "/server_info": lambda _: state.server_info(), "/get_server_info": lambda _: state.server_info(),
+        "/v1/loads": lambda _: state.loads(),
+        "/generate": state.generate, "/abort_request": state.abort, "/flush_cache": flush,
+        "/update_weights_from_tensor": weights_from_tensor,
+        "/update_weights_from_disk": state.update_weights_from_disk,
+        "/get_weights_by_name": state.weights_by_name,
+        "/release_memory_occupation": release, "/resume_memory_occupation": resume,
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: LocalSGLangServer
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _handle(self) -> None:
+        path = self.path.split("?", 1)[0]
+        route = self.server.routes.get(path)
+        if route is None:
+            return self._error(HTTPStatus.NOT_FOUND, f"no endpoint {path}")
+        if not self.server.state.ready:
+            return self._error(HTTPStatus.SERVICE_UNAVAILABLE, f"{path}: the server is still loading the model")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            result = route(json.loads(self.rfile.read(length)) if length else {})
+        except RequestError as error:
+            return self._error(error.status, str(error))
+        except (ValueError, KeyError, TypeError, OSError) as error:
+            return self._error(HTTPStatus.BAD_REQUEST, f"{path}: {type(error).__name__}: {error}")
+        except Exception as error:
+            log.exception("%s failed", path)
+            message = f"{path}: internal error {type(error).__name__}: {error}"
+            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, message)
+        self._reply(HTTPStatus.OK, result)
+
+    def _error(self, status: int, message: str) -> None:
+        """SGLang's error shapes at once: {"error": {"message"}} (/generate) and {"success", "message"} (control)."""
+        self._reply(status, {"success": False, "message": message, "error": {"message": message}})
+
+    def _reply(self, status: int, result: Any) -> None:
+        if result is None:
+            data, kind = b"", "application/json"
+        elif isinstance(result, str):
+            data, kind = result.encode(), "text/plain; charset=utf-8"
+        else:
+            data, kind = json.dumps(result).encode(), "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class LocalSGLangServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer bound to `state`; call `state.load()` (or `serve_local`) to become ready."""
+
+    daemon_threads = True
+
+    def __init__(self, state: LocalServerState) -> None:
+        super().__init__((state.host, state.port), _Handler)
+        state.port = self.server_address[1]
+        self.state = state
+        self.routes = _routes(state)
+
+
+def serve_local(model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, *, random_seed: int = 0) -> None:
+    """Serve `model_dir` until interrupted: bind, answer 503 while loading, then serve."""
+    server = LocalSGLangServer(LocalServerState(model_dir, host=host, port=port, random_seed=random_seed))
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            server.state.load()
+            log.warning("serving %s at http://%s:%d", model_dir, host, server.state.port)
+        except BaseException as error:  # reported by serve_local once serve_forever returns
+            failure.append(error)
+            server.shutdown()
+
+    threading.Thread(target=load, daemon=True).start()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    if failure:
+        raise RuntimeError(f"serve-local: could not load the model from {model_dir}") from failure[0]
+
+
+if __name__ == "__main__":
+    from megatron_armor.rollout.serve_cli import main
+
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""The state behind the CPU SGLang stand-in: a `LocalEngine` plus request bookkeeping.
+
+Implements what each SGLang endpoint does (generation with `n`, aborts by rid prefix or all,
+weight updates, busy refusals, loads); `http_server` only maps paths and JSON onto it.
+Generation and weight updates share one engine lock; requests queued behind it count as waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout.base import Generation, SamplingParams
+from megatron_armor.rollout.local import LocalEngine
+
+SERVER_VERSION = "megatron-armor-local"
+
+
+class RequestError(Exception):
+    """A request the server refuses; `status` is the HTTP code to answer with."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Item:
+    """One sequence to generate: a prompt expanded by `n`, with its SGLang options."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    rid: str
+    no_stop_trim: bool
+
+
+class LocalServerState:
+    """The engine behind the server plus request bookkeeping (thread-safe)."""
+
+    def __init__(self, model_dir: str | Path, *, host: str, port: int, random_seed: int = 0) -> None:
+        self.model_path = str(model_dir)
+        self.host, self.port, self.random_seed = host, port, random_seed
+        self.engine: LocalEngine | None = None
+        self.eos_token_id: int | None = None
+        self.weight_version = "default"
+        self.engine_lock = threading.Lock()  # generation and weight updates
+        self._counts = threading.Lock()
+        self.running = self.waiting = 0
+        self._active: set[str] = set()  # rids of queued and running items
+        self._aborted: set[str] = set()  # rid prefixes to abort
+        self._abort_epoch = 0
+
+    def load(self) -> None:
+        """Load the model; from here on the server is ready."""
+        torch.manual_seed(self.random_seed)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        eos = model.config.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        pad = model.config.pad_token_id
+        self.engine = LocalEngine(model, pad_token_id=0 if pad is None else pad)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def in_flight(self) -> int:
+        with self._counts:
+            return self.running + self.waiting
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, body: dict[str, Any]) -> Any:
+        """POST /generate: a batch (list of lists) gives a list out; one prompt gives one item (a list if n > 1)."""
+        for field in ("text", "input_embeds"):
+            if body.get(field) is not None:
+                raise RequestError(f"/generate: '{field}' needs a tokenizer; this server takes input_ids only")
+        if body.get("stream"):
+            raise RequestError("/generate: stream=true is not supported by this server")
+        input_ids = body.get("input_ids")
+        if not input_ids:
+            raise RequestError("/generate: input_ids is required (list[int] or list[list[int]])")
+        single = isinstance(input_ids[0], int)
+        prompts = [input_ids] if single else input_ids
+        items = self._items(prompts, body)
+        epoch = self._enqueue(items)
+        try:
+            with self.engine_lock, self._running():
+                results = self._run(items, skip=self._aborted_since(epoch, items))
+            aborted = self._aborted_since(epoch, items)
+        finally:
+            self._dequeue(items)
+        out = [self._item_body(item, result, item.rid in aborted) for item, result in zip(items, results)]
+        return out[0] if single and len(out) == 1 else out
+
+    def _items(self, prompts: list[list[int]], body: dict[str, Any]) -> list[_Item]:
+        params = body.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        rids = body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+        if len(params) != len(prompts) or len(rids) != len(prompts):
+            raise RequestError(f"/generate: sampling_params and rid lists need one entry per prompt ({len(prompts)})")
+        items = []
+        for prompt, p, rid in zip(prompts, params, rids):
+            if not prompt or not all(isinstance(t, int) for t in prompt):
+                raise RequestError("/generate: every prompt must be a non-empty list of token ids")
+            try:
+                options = proto.sampling_from_body(p)
+            except (ValueError, TypeError) as error:
+                raise RequestError(f"/generate: {error}") from error
+            sampling = options.sampling
+            if not options.ignore_eos and self.eos_token_id is not None:
+                sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, self.eos_token_id))
+            base = rid or uuid.uuid4().hex
+            items += [
+                _Item(list(prompt), sampling, base if options.n == 1 else f"{base}-{j}", options.no_stop_trim)
+                for j in range(options.n)
+            ]
+        return items
+
+    def _run(self, items: list[_Item], skip: set[str]) -> list[Generation | None]:
+        """Generate every item not in `skip` (None there), one engine call per distinct SamplingParams."""
+        results: list[Generation | None] = [None] * len(items)
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, item in enumerate(items):
+            if item.rid not in skip:
+                groups.setdefault(item.sampling, []).append(i)
+        for sampling, rows in groups.items():
+            for row, generation in zip(rows, self.engine.generate([items[r].prompt for r in rows], sampling)):
+                results[row] = generation
+        return results
+
+    def _item_body(self, item: _Item, generation: Generation | None, aborted: bool) -> dict[str, Any]:
+        ids = generation.response_ids if generation else []
+        logprobs = generation.logprobs if generation else []
+        if aborted:
+            finish = proto.finish_reason_body("abort", message="Abort request by the client")
+        elif generation.finish_reason == "stop":
+            finish = proto.finish_reason_body("stop", stop_token=ids[-1])
+        else:
+            finish = proto.finish_reason_body("length", length=len(ids))
+        body = proto.generate_item_body(item.rid, len(item.prompt), ids, logprobs, finish, self.weight_version)
+        if finish["type"] == "stop" and not item.no_stop_trim:
+            body["output_ids"] = ids[:-1]
+        return body
+
+    # ---------------------------------------------------------------- aborts
+
+    def abort(self, body: dict[str, Any]) -> None:
+        """POST /abort_request {rid, abort_all}: queued victims are skipped, running ones end with type abort.
+
+        Like SGLang's scheduler, `rid` matches every item whose rid starts with it (a whole batch).
+        """
+        with self._counts:
+            rid = str(body.get("rid") or "")
+            if body.get("abort_all"):
+                self._abort_epoch += 1
+            elif rid and any(r.startswith(rid) for r in self._active):
+                self._aborted.add(rid)
+
+    def _aborted_since(self, epoch: int, items: list[_Item]) -> set[str]:
+        with self._counts:
+            if self._abort_epoch != epoch:
+                return {item.rid for item in items}
+            return {item.rid for item in items if any(item.rid.startswith(a) for a in self._aborted)}
+
+    def _enqueue(self, items: list[_Item]) -> int:
+        """Count a request as waiting; returns the abort_all epoch it entered in."""
+        with self._counts:
+            self.waiting += 1
+            self._active.update(item.rid for item in items)
+            return self._abort_epoch
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Move the request from waiting to running for the duration (the caller holds the engine)."""
+        with self._counts:
+            self.waiting -= 1
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self._counts:
+                self.running -= 1
+
+    def _dequeue(self, items: list[_Item]) -> None:
+        with self._counts:
+            self._active.difference_update(item.rid for item in items)
+            self._aborted = {a for a in self._aborted if any(r.startswith(a) for r in self._active)}
+
+    # ---------------------------------------------------------------- weights and control
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("abort_all_requests"):
+            self.abort({"abort_all": True})
+        with self.engine_lock:
+            self.engine.update_weights(named_tensors)
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = body.get("model_path")
+        if not path:
+            raise RequestError("/update_weights_from_disk: model_path is required")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        reply = self.update_weights(list(model.named_parameters()), body)
+        return {**reply, "num_paused_requests": 0}
+
+    def weights_by_name(self, body: dict[str, Any]) -> list:
+        """The first `truncate_size` rows of a parameter as float32 lists (SGLang /get_weights_by_name)."""
+        params = self.engine.named_parameters_hf()
+        name = body.get("name")
+        if name not in params:
+            raise RequestError(f"/get_weights_by_name: no parameter {name!r}")
+        return params[name][: int(body.get("truncate_size", 100))].float().tolist()
+
+    def require_idle(self, path: str, message: str) -> None:
+        if self.in_flight():
+            raise RequestError(f"{path}: {message} ({self.in_flight()} requests in flight)")
+
+    def health_generate(self) -> None:
+        """200 if the engine produced output: a running request counts, else a 1-token generation."""
+        if self.in_flight():
+            return
+        with self.engine_lock:
+            self.engine.generate([[self.eos_token_id or 0]], SamplingParams(temperature=0.0, max_new_tokens=1))
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "architectures": list(self.engine.model.config.architectures or []),
+            "model_type": self.engine.model.config.model_type,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
+            "random_seed": self.random_seed, "skip_tokenizer_init": True, "enable_memory_saver": False,
+            "weight_version": self.weight_version, "version": SERVER_VERSION,
+        }
+
+    def loads(self) -> dict[str, Any]:
+        """GET /v1/loads (field names inferred: running and waiting counts per DP rank)."""
+        with self._counts:
+            return {"dp_rank_count": 1, "loads": [{"dp_rank": 0, "num_running_reqs": self.running,
+                                                    "num_waiting_reqs": self.waiting}]}

@@ -1,0 +1,340 @@
+"""`SGLangEngine`: the `RolloutEngine` interface over HTTP to one or more SGLang servers.
+
+Prompts are cut into requests of `prompts_per_request`; a thread pool keeps at most
+`max_in_flight_per_server * len(urls)` requests in flight, each sent to the least-loaded live server.
+A request whose server fails (connection lost, timeout, 5xx) is re-sent to another server after an
+exponential backoff, and the failed server sits out `down_cooldown_s`; prompts SGLang answers with
+finish type "abort" are re-sent too. Every re-send counts in `stats.retries` (metric
+`rollout/retries`); finished prompts are kept, so a retry never loses or repeats a result.
+Stdlib HTTP only (`http.client`), no router process: `sglang_router` is not required.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class SGLangEngineConfig:
+    """Client knobs; times in seconds, sizes in bytes."""
+
+    prompts_per_request: int = 16
+    max_in_flight_per_server: int = 4
+    request_timeout_s: float = 600.0
+    max_retries: int = 4  # re-sends per request before `generate` fails
+    backoff_s: float = 0.5  # first retry delay; doubles per retry up to max_backoff_s
+    max_backoff_s: float = 8.0
+    down_cooldown_s: float = 30.0  # a failed server gets no new requests for this long
+    startup_timeout_s: float = 600.0
+    poll_interval_s: float = 1.0  # readiness polling while waiting for servers to come up
+    health_timeout_s: float = 30.0
+    bucket_bytes: int = 512 << 20  # weight-update bucket (slime's --update-weight-buffer-size)
+    load_format: proto.LoadFormat = "flattened_bucket"
+    flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
+    flush_interval_s: float = 1.0
+
+
+@dataclass
+class RolloutStats:
+    """Counters since the engine was made (cumulative)."""
+
+    requests: int = 0  # /generate requests sent, re-sends included
+    retries: int = 0  # re-sends after a failed request or aborted prompts
+    aborted_prompts: int = 0  # prompts returned with finish type "abort"
+    failed_requests: int = 0  # requests lost to a dead, slow or failing server
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_metrics(self) -> dict[str, float]:
+        names = ("requests", "retries", "aborted_prompts", "failed_requests")
+        return {f"rollout/{name}": float(getattr(self, name)) for name in names}
+
+
+class ServerError(RuntimeError):
+    """A server answered with an HTTP error status."""
+
+    def __init__(self, url: str, path: str, status: int, detail: str) -> None:
+        super().__init__(f"{url}{path} answered HTTP {status}: {detail[:500]}")
+        self.status = status
+
+
+class RolloutError(RuntimeError):
+    """`generate` gave up; `partial` holds the generations that did finish (None elsewhere)."""
+
+    def __init__(self, message: str, partial: list[Generation | None] | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class _ServerFailed(Exception):
+    """A request lost to a dead, slow or failing server; another server may succeed."""
+
+
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, malformed
+
+
+def http_call(url: str, path: str, body: Any = None, *, method: str = "POST", timeout: float = 60.0) -> Any:
+    """One request to `url` + `path`; returns parsed JSON, plain text, or None for an empty body.
+
+    Raises ServerError on HTTP >= 400 and TRANSPORT_ERRORS when the server cannot be reached.
+    """
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        response = conn.getresponse()
+        raw = response.read()
+    finally:
+        conn.close()
+    text = raw.decode("utf-8", errors="replace")
+    if response.status >= 400:
+        raise ServerError(url, path, response.status, text)
+    if not raw:
+        return None
+    return json.loads(text) if "json" in (response.getheader("Content-Type") or "") else text
+
+
+@dataclass
+class _Server:
+    url: str
+    tp_size: int = 1
+    in_flight: int = 0
+    down_until: float = 0.0
+
+
+class _Dispatcher:
+    """Least-loaded choice among servers not cooling down after a failure (all of them if none is up)."""
+
+    def __init__(self, servers: list[_Server], cooldown_s: float) -> None:
+        self.servers, self.cooldown_s = servers, cooldown_s
+        self._lock = threading.Lock()
+
+    def acquire(self, avoid: str | None = None) -> _Server:
+        with self._lock:
+            now = time.monotonic()
+            up = [s for s in self.servers if s.down_until <= now] or self.servers
+            preferred = [s for s in up if s.url != avoid] or up
+            server = min(preferred, key=lambda s: s.in_flight)
+            server.in_flight += 1
+            return server
+
+    def release(self, server: _Server, *, failed: bool) -> None:
+        with self._lock:
+            server.in_flight -= 1
+            if failed:
+                server.down_until = time.monotonic() + self.cooldown_s
+
+
+class SGLangEngine(RolloutEngine):
+    """Rollouts from SGLang servers (or `armor serve-local` stand-ins) at `urls`; blocks until all are healthy."""
+
+    def __init__(self, urls: Sequence[str], config: SGLangEngineConfig = SGLangEngineConfig()) -> None:
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        self.config = config
+        self.stats = RolloutStats()
+        self._servers = [_Server(url.rstrip("/")) for url in urls]
+        self._dispatcher = _Dispatcher(self._servers, config.down_cooldown_s)
+        self.wait_until_ready()
+        for server in self._servers:
+            server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    def wait_until_ready(self) -> None:
+        """Poll /health_generate until every server answers 200, or raise TimeoutError naming the laggard."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        waiting = {s.url: "no answer yet" for s in self._servers}
+        while waiting:
+            for url in list(waiting):
+                try:
+                    timeout = max(1.0, min(10.0, deadline - time.monotonic()))
+                    http_call(url, "/health_generate", method="GET", timeout=timeout)
+                    del waiting[url]
+                except (ServerError, *TRANSPORT_ERRORS) as error:
+                    waiting[url] = f"{type(error).__name__}: {error}"
+            if waiting and time.monotonic() >= deadline:
+                url, last = next(iter(waiting.items()))
+                raise TimeoutError(
+                    f"SGLang server {url} was not healthy within {self.config.startup_timeout_s:.0f} s (last: {last}); "
+                    "check that it was launched on that address and read its log"
+                )
+            if waiting:
+                time.sleep(min(self.config.poll_interval_s, max(0.0, deadline - time.monotonic())))
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        step = self.config.prompts_per_request
+        chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
+        results: list[Generation | None] = [None] * len(prompts)
+        workers = min(len(chunks), self.config.max_in_flight_per_server * len(self._servers))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-generate") as pool:
+            futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results) for chunk in chunks]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in pending:
+                future.cancel()
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors:
+            finished = sum(r is not None for r in results)
+            message = f"{errors[0]} ({finished}/{len(prompts)} prompts finished)"
+            raise RolloutError(message, partial=results) from errors[0]
+        return results  # type: ignore[return-value]  # every slot is filled when no chunk failed
+
+    def _generate_chunk(
+        self, prompts: Sequence[Sequence[int]], pending: list[int], sampling: SamplingParams,
+        results: list[Generation | None],
+    ) -> None:
+        """Fill `results[i]` for every i in `pending`, re-sending failed requests and aborted prompts."""
+        failures: list[str] = []
+        avoid: str | None = None
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                self.stats.add(retries=1)
+                time.sleep(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s))
+            server = self._dispatcher.acquire(avoid)
+            try:
+                outputs = self._send_generate(server, [prompts[i] for i in pending], pending, sampling)
+            except _ServerFailed as failure:
+                failures.append(str(failure))
+                avoid = server.url
+                continue
+            avoid = None
+            for i, out in zip(pending, outputs):
+                if not isinstance(out, proto.Aborted):
+                    results[i] = out
+            pending = [i for i, out in zip(pending, outputs) if isinstance(out, proto.Aborted)]
+            if not pending:
+                return
+            self.stats.add(aborted_prompts=len(pending))
+            failures.append(f"{server.url}: {len(pending)} prompts aborted")
+        raise RolloutError(
+            f"{len(pending)} prompts failed after {self.config.max_retries} retries: {'; '.join(failures[-3:])}; "
+            "check the servers' logs, or raise max_retries / request_timeout_s"
+        )
+
+    def _send_generate(
+        self, server: _Server, prompts: list[Sequence[int]], indices: list[int], sampling: SamplingParams
+    ) -> list[Generation | proto.Aborted]:
+        """One /generate request (released to the dispatcher after). _ServerFailed when a retry may help."""
+        rid = uuid.uuid4().hex
+        body = proto.generate_request(prompts, sampling, indices=indices, rid=rid)
+        self.stats.add(requests=1)
+        failed = False
+        try:
+            reply = http_call(server.url, "/generate", body, timeout=self.config.request_timeout_s)
+            return proto.parse_generate_response(prompts, reply)
+        except ServerError as error:
+            if error.status < 500:
+                raise RolloutError(f"SGLang server {server.url} rejected /generate: {error}") from error
+            failed = True
+            raise _ServerFailed(str(error)) from error
+        except TRANSPORT_ERRORS as error:
+            failed = True
+            if isinstance(error, TimeoutError):  # stop the orphan; the server may be slow or gone, so ignore failures
+                with contextlib.suppress(ServerError, *TRANSPORT_ERRORS):
+                    http_call(server.url, "/abort_request", proto.abort_request(rid), timeout=5.0)
+            raise _ServerFailed(f"{server.url}/generate: {type(error).__name__}: {error}") from error
+        except ValueError as error:
+            raise RolloutError(f"SGLang server {server.url} sent a malformed /generate reply: {error}") from error
+        finally:
+            self._dispatcher.release(server, failed=failed)
+            if failed:
+                self.stats.add(failed_requests=1)
+
+    # ---------------------------------------------------------------- weights and control
+
+    shared_across_ranks = True
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.as_metrics()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push HF-named tensors to every server in buckets of `bucket_bytes`; flush caches after the last."""
+        buckets = proto.bucket_named_tensors(list(named_tensors), self.config.bucket_bytes)
+        for n, bucket in enumerate(buckets):
+            bodies = {
+                tp: proto.update_weights_from_tensor_request(
+                    bucket, tp_size=tp, load_format=self.config.load_format, flush_cache=n == len(buckets) - 1
+                )
+                for tp in {s.tp_size for s in self._servers}
+            }
+            self._on_every_server("/update_weights_from_tensor", lambda s: bodies[s.tp_size])
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Every server reloads its weights from the HF checkpoint at `model_path` (a path the servers can read)."""
+        self._on_every_server("/update_weights_from_disk", lambda s: proto.update_weights_from_disk_request(model_path))
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free GPU memory (tags in weights/kv_cache/cuda_graph; None = all). Needs --enable-memory-saver."""
+        body = proto.memory_occupation_request(tags)
+        self._on_every_server("/release_memory_occupation", lambda s: body)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        body = proto.memory_occupation_request(tags)
+        self._on_every_server("/resume_memory_occupation", lambda s: body)
+
+    def flush_cache(self) -> None:
+        """Flush every server's cache, re-asking while it answers 400 (requests still in flight)."""
+        self._on_every_server("/flush_cache", lambda s: None, call=self._flush_one)
+
+    def _flush_one(self, url: str, path: str, body: Any, timeout: float) -> Any:
+        for attempt in range(self.config.flush_attempts):
+            try:
+                return http_call(url, path, body, timeout=timeout)
+            except ServerError as error:
+                if error.status != 400 or attempt == self.config.flush_attempts - 1:
+                    raise
+            time.sleep(self.config.flush_interval_s)
+
+    def health(self) -> bool:
+        """True when at least one server answers /health_generate with 200 (the dispatcher routes around the rest)."""
+        for server in self._servers:
+            try:
+                http_call(server.url, "/health_generate", method="GET", timeout=self.config.health_timeout_s)
+                return True
+            except (ServerError, *TRANSPORT_ERRORS):
+                continue
+        return False
+
+    def _on_every_server(
+        self, path: str, body_for: Callable[[_Server], Any], call: Callable[..., Any] = http_call
+    ) -> None:
+        """POST `path` to all servers in parallel; raise one error naming every server that failed."""
+        def one(server: _Server) -> str | None:
+            try:
+                call(server.url, path, body_for(server), timeout=self.config.request_timeout_s)
+                return None
+            except (ServerError, *TRANSPORT_ERRORS) as error:
+                return f"{server.url}: {type(error).__name__}: {error}"
+
+        with ThreadPoolExecutor(max_workers=len(self._servers), thread_name_prefix="sglang-control") as pool:
+            errors = [e for e in pool.map(one, self._servers) if e]
+        if errors:
+            raise RolloutError(f"{path} failed on {len(errors)}/{len(self._servers)} servers: " + " | ".join(errors))

@@ -1,0 +1,72 @@
+"""Fixtures for the SGLang-schema tests: real `http_server` subprocesses on loopback, always killed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from launcher import free_port
+
+from megatron_armor.rollout.sglang_engine import http_call
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory):
+    """start_server(model_dir) -> ServerProcess running `python -m megatron_armor.rollout.http_server`.
+
+    Every server a test module starts is killed when the module ends.
+    """
+    started: list[ServerProcess] = []
+    logs = tmp_path_factory.mktemp("server-logs")
+
+    def start(model_dir: Path) -> ServerProcess:
+        port = free_port()
+        log = logs / f"server-{port}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port)]
+        with log.open("w") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        started.append(ServerProcess(f"http://127.0.0.1:{port}", proc, log))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.proc.kill()
+        server.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def second_tiny_model(tmp_path_factory) -> Path:
+    """A tiny qwen2 checkpoint with the same shapes as `tiny_model_factory("qwen2")` but other weights (seed 1)."""
+    from megatron_armor.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2-seed1"), arch="qwen2", seed=1)
+
+
+@pytest.fixture
+def wait_for_load():
+    """wait_for_load(url, key) blocks until the server's /v1/loads reports `key` (e.g. num_running_reqs) > 0."""
+
+    def wait(url: str, key: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while http_call(url, "/v1/loads", method="GET")["loads"][0][key] == 0:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{url} never reported {key} > 0 within {timeout} s")
+            time.sleep(0.005)
+
+    return wait

@@ -1,0 +1,32 @@
+"""`armor train` (TP=2) with rollouts from two SGLang-schema servers: actor and reference policy."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
+
+
+def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthetic_cache, tmp_path):
+    # The servers load an untrained checkpoint of the same shape: the trainer must push the actor's
+    # and the reference's (warm-started) weights before the first rollout.
+    actor, ref = (start_server(tiny_model_factory("qwen2")) for _ in range(2))
+    SGLangEngine([actor.url, ref.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "1",
+           "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
+           "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
+           "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang_urls", actor.url,
+           "--rollout.sglang_ref_urls", ref.url]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:] + actor.output()[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = rows[1]
+    assert step["mismatch/logprob_abs_diff"] < 1e-3  # the server sampled with the trainer's actor weights
+    assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8  # correct anchors: reference pushed
+    assert step["rollout/requests"] > 0 and step["rollout/retries"] == 0
+    assert rows[0]["val/accuracy"] > 0.2  # validation also ran on the pushed (warm-started) weights
