@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from megatron_armor.config import ConfigError, config_fields, load_config
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
+from megatron_armor.utils.quiet import quiet_third_party_noise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "train":
         return args.handler(args)
+    quiet_third_party_noise()
     try:
         cfg = load_config(args.config, overrides_from_args(args))
     except ConfigError as error:
@@ -113,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if nproc > 1:
             import subprocess
 
-            return subprocess.call(torchrun_argv(argv, nproc, _free_port()))
+            # An explicit thread count also keeps torchrun from printing its OMP_NUM_THREADS banner.
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            return subprocess.call(torchrun_argv(argv, nproc, _free_port()), env=env)
     from megatron_armor.trainer.run import run_training
 
     return run_training(cfg, resume=args.resume, overwrite=args.overwrite)

@@ -81,7 +81,7 @@ class LocalEngine(RolloutEngine):
         step_ids = input_ids
         for _ in range(sampling.max_new_tokens):
             logits = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+                input_ids=step_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True
             ).logits[:, -1]
             tokens, token_logprobs = sample_next_tokens(logits, sampling, generator)
             for row in (~finished).nonzero().flatten().tolist():

@@ -67,6 +67,11 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
 
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
+    log.info(
+        "%s: %s %d-layer model from %s, tp %d x pp %d x dp %d, rollouts: %s, run dir %s", cfg.algorithm.name,
+        shape.arch, shape.num_layers, paths.model_path, ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.rollout.backend,
+        run_dir,
+    )
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
     dtype = _DTYPES[cfg.model.params_dtype]
     actor = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype))
