@@ -18,6 +18,7 @@ setup(
         "ray",
         "pytest",
         "pyyaml",
+        "pyarrow",
         "tqdm",
         "matplotlib",
         "tensorboard",
