@@ -30,9 +30,12 @@ fi
 
 STAMP=".venv/.armor-install-$(sha256sum setup.py | cut -c1-16)"
 if [[ ! -f "$STAMP" ]]; then
-    echo "[setup] installing megatron-armor and its dependencies into .venv (first run: a few minutes)"
-    .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e .
+    echo "[setup] installing megatron-armor and its dependencies into .venv (first run: a few minutes; log: .venv/install.log)"
+    if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install -e .; } > .venv/install.log 2>&1; then
+        tail -n 40 .venv/install.log >&2
+        echo "error: installing into .venv failed (full log: .venv/install.log)" >&2
+        exit 1
+    fi
     rm -f .venv/.armor-install-*
     touch "$STAMP"
 fi
