@@ -1,4 +1,5 @@
-"""`armor train` under other layouts (PP=2, DP=2 at TP=1) end to end, and refusal of impossible layouts."""
+"""`armor train` under other layouts (PP=2 with ARMOR, DP=2 at TP=1 with the GRPO + KL baseline) end to end,
+and refusal of impossible layouts."""
 
 import json
 import math
@@ -31,7 +32,11 @@ def small_run(cache: Path, run_dir: Path) -> list[str]:
             "--logging.progress_bar", "false"]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "1", "--pp", "2"], ["--tp", "1", "--dp", "2"]], ids=["pp2", "dp2"])
+GRPO_KL = ["--algorithm.name", "grpo_kl", "--algorithm.kl_estimator", "k3", "--rollout.actor_n", "8"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "1", "--pp", "2"], ["--tp", "1", "--dp", "2", *GRPO_KL]],
+                         ids=["pp2-armor", "dp2-grpo-kl"])
 def test_training_step_under_layout(layout, synthetic_cache, tmp_path):
     proc = armor_train(*layout, *small_run(synthetic_cache, tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -40,7 +45,11 @@ def test_training_step_under_layout(layout, synthetic_cache, tmp_path):
     step = rows[1]
     for key in ("train/reward_mean", "loss/policy_loss", "policy/entropy", "optim/grad_norm"):
         assert math.isfinite(step[key]), key
-    assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8
+    if "grpo_kl" in layout:
+        assert step["armor/anchors_used"] == 0 and step["armor/prompts_kept"] == 8
+        assert math.isfinite(step["loss/kl_to_ref"]) and step["loss/kl_to_ref"] >= 0  # k3 >= 0
+    else:
+        assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8
     # The engine received every pipeline stage's weights: its logprobs equal the trainer's.
     assert step["mismatch/logprob_abs_diff"] < 1e-3
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "COMPLETE").is_file()
