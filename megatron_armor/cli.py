@@ -1,6 +1,6 @@
 """The `armor` command line.
 
-    armor train --config FILE [--section.field VALUE ...]   RL training (ARMOR / GRPO / GRPO + KL)
+    armor train --config FILE [--section.field VALUE ...]   RL training (ARMOR / GRPO / GRPO + KL / MIPU / OPD)
     armor serve-local --model DIR --port N                   the CPU engine behind SGLang's HTTP API
     armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
 """
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run RL training. Every config field can be set as --section.field VALUE (overrides the YAML).",
     )
     train.add_argument("--config", help="YAML config file (sections as in ArmorConfig)")
+    train.add_argument("--algo", help="shorthand for --algorithm.name (armor | grpo | grpo_kl | mipu | opd)")
     train.add_argument("--max-steps", type=int, help="shorthand for --train.max_steps")
     train.add_argument("--run-dir", help="shorthand for --logging.run_dir")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def overrides_from_args(args: argparse.Namespace) -> list[str]:
     """`section.field=value` strings for the options the user actually passed."""
     overrides = [f"{key[4:]}={value}" for key, value in vars(args).items() if key.startswith("cfg:")]
+    if args.algo is not None:
+        overrides.append(f"algorithm.name={args.algo}")
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.run_dir is not None:

@@ -31,6 +31,10 @@ class ModelConfig:
     path: str | None = _f(None, "HF checkpoint dir of the initial policy (also the reference unless ref_path)")
     ref_path: str | None = _f(None, "HF checkpoint dir of the reference/anchor policy (default: path)")
     params_dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype of actor and reference")
+    teacher_path: str | None = _f(
+        None, "HF checkpoint dir of the frozen OPD teacher (same vocabulary; may be larger; built with the student's "
+        "TP/PP; synthetic task: default the warm start, distilled into the untrained model)"
+    )
 
 
 @dataclass
@@ -69,6 +73,10 @@ class RolloutConfig:
     sglang_urls: str | None = _f(None, "comma-separated URLs of the actor's SGLang servers (backend sglang)")
     sglang_ref_urls: str | None = _f(None, "comma-separated URLs of the reference policy's servers (ARMOR anchors)")
     sglang_update_bucket_mb: int = _f(512, "weight-update bucket size in MiB (backend sglang)")
+    engine_precision: Literal["fp32", "bf16", "fp8"] = _f(
+        "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
+        "training/inference mismatch of production engines (backend local)"
+    )
     n_samples: int = _f(16, "group size per prompt")
     actor_n: int = _f(15, "on-policy samples per prompt")
     ref_n: int = _f(4, "anchor samples per prompt from the reference policy (ARMOR)")
@@ -82,7 +90,10 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["armor", "grpo", "grpo_kl"] = _f("armor", "armor | grpo (alpha=1, no anchors) | grpo_kl")
+    name: Literal["armor", "grpo", "grpo_kl", "mipu", "opd"] = _f(
+        "armor", "armor | grpo (alpha=1, no anchors) | grpo_kl | mipu (sampler-referenced loss + gated sync) | "
+        "opd (on-policy distillation from model.teacher_path)"
+    )
     alpha: float = _f(0.9375, "actor weight of the mixed ratio (armor)")
     clip_low: float = _f(0.2, "PPO ratio clip epsilon below 1")
     clip_high: float = _f(0.28, "PPO ratio clip epsilon above 1")
@@ -94,6 +105,18 @@ class AlgorithmConfig:
     max_num_gen_batches: int = _f(10, "generation batches per step before giving up on filling the batch")
     allow_partial_batch: bool = _f(False, "train on fewer prompts instead of failing when filtering leaves too few")
     adv_eps: float = _f(1e-6, "epsilon of the GRPO advantage normalisation")
+    mipu_is_correction: Literal["tis", "mis", "none"] = _f(
+        "tis", "mipu Step 1 weight of pi_old/mu per token: tis min(w, w_max) | mis 1[w <= w_max] | none"
+    )
+    mipu_w_max: float = _f(2.0, "mipu truncation / masking bound of the importance weight")
+    mipu_gate: bool = _f(True, "mipu Step 2: accept or roll back each update by the post-update gap proxy")
+    mipu_c_start: float = _f(4e-3, "mipu tolerance c at step 0 (accept iff gap proxy >= -c)")
+    mipu_c_end: float = _f(1e-3, "mipu tolerance c after the ramp")
+    mipu_ramp_steps: int = _f(100, "mipu steps over which c goes linearly from c_start to c_end")
+    mipu_gate_prompts: int = _f(8, "mipu held-out prompts (from the validation set) per gate check")
+    mipu_gate_n: int = _f(8, "mipu responses per held-out prompt (validation group size)")
+    opd_beta: float = _f(1.0, "opd reverse-KL coefficient beta of A_t = -beta (log pi_old - log q_teacher)")
+    opd_alpha: float = _f(1.0, "opd weight of the distillation advantage; 1 - alpha goes to the GRPO advantage")
 
 
 @dataclass
@@ -287,6 +310,15 @@ def validate(cfg: ArmorConfig) -> None:
     require(a.clip_low < 1, f"algorithm.clip_low must be < 1, got {a.clip_low}")
     require(a.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {a.dual_clip}")
     require(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
+    require(a.mipu_w_max > 0, f"algorithm.mipu_w_max must be > 0, got {a.mipu_w_max}")
+    require(a.mipu_ramp_steps >= 0, f"algorithm.mipu_ramp_steps must be >= 0, got {a.mipu_ramp_steps}")
+    require(a.mipu_gate_prompts >= 1, f"algorithm.mipu_gate_prompts must be >= 1, got {a.mipu_gate_prompts}")
+    require(a.mipu_gate_n >= 2, f"algorithm.mipu_gate_n must be >= 2 for group advantages, got {a.mipu_gate_n}")
+    require(0.0 <= a.opd_alpha <= 1.0, f"algorithm.opd_alpha must be in [0, 1], got {a.opd_alpha}")
+    if a.name == "opd":
+        require(cfg.model.teacher_path is not None or (cfg.task.synthetic is not None and cfg.task.warm_start_steps > 0),
+                "model.teacher_path is required for algorithm.name opd (an HF checkpoint dir of the teacher; the "
+                "synthetic task with task.warm_start_steps > 0 uses its warm start)")
     if a.name == "armor":
         require(r.actor_n == r.n_samples - 1,
                 f"rollout.actor_n must be rollout.n_samples - 1 = {r.n_samples - 1} for armor (groups are actor_n "
@@ -315,6 +347,9 @@ def validate(cfg: ArmorConfig) -> None:
         require(bool(r.sglang_urls), "rollout.sglang_urls is required with rollout.backend sglang (e.g. http://host:30000)")
         require(a.name != "armor" or bool(r.sglang_ref_urls),
                 "rollout.sglang_ref_urls is required for armor with rollout.backend sglang (servers of the reference policy)")
+        require(r.engine_precision == "fp32",
+                f"rollout.engine_precision {r.engine_precision} simulates mismatch in the local engine only; set it to fp32 "
+                f"with rollout.backend sglang (quantize the SGLang server itself instead)")
         require(r.sglang_update_bucket_mb >= 1, f"rollout.sglang_update_bucket_mb must be >= 1, got {r.sglang_update_bucket_mb}")
     if cfg.task.synthetic is None:
         require(cfg.model.path is not None, "model.path is required (an HF checkpoint directory) unless task.synthetic is set")

@@ -23,7 +23,7 @@ def test_demo_config_loads_with_typed_overrides():
     [
         (["train.lr=fast"], "train.lr: expected float, got 'fast'"),
         (["train.max_steps=2.5"], "train.max_steps: expected int"),
-        (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not allowed; choose one of \\['armor', 'grpo', 'grpo_kl'\\]"),
+        (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not allowed; choose one of \\['armor', 'grpo', 'grpo_kl', 'mipu', 'opd'\\]"),
         (["train.lrr=1"], "unknown config field 'train.lrr'; did you mean 'train.lr'"),
         (["trian.lr=1"], "unknown config section 'trian'; did you mean 'train'"),
         (["algorithm.alpha=0"], "algorithm.alpha must be in \\(0, 1\\], got 0.0"),

@@ -1,8 +1,9 @@
-"""ARMOR mixed-ratio dual-clip PPO loss (reduces to DAPO dual-clip PPO at alpha = 1)."""
+"""Dual-clip PPO token losses: the ARMOR mixed-ratio loss (DAPO dual-clip PPO at alpha = 1)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +11,39 @@ from megatron_armor.algorithms.reduce import masked_mean
 
 MIXING_OFF_ALPHA = 1.0 - 1e-6
 LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class ClippedTokens:
+    """Per-token dual-clip PPO terms, all [B, T] float32 (flags bool).
+
+    loss: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and for A < 0 at most -A * dual_clip;
+    ratio: r = exp(clamp(log_ratio, -20, 20)); clipped: the clipped branch is active;
+    dual_clipped: the dual-clip bound is active (A < 0).
+    """
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    dual_clipped: torch.Tensor
+
+
+def dual_clip_ppo(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float, clip_high: float, dual_clip: float
+) -> ClippedTokens:
+    """Per-token dual-clip PPO loss (to minimise) of `log_ratio` = log pi_theta - log pi_old. [B, T] -> [B, T]."""
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * dual_clip
+    negative = advantages < 0
+    return ClippedTokens(
+        loss=torch.where(negative, torch.minimum(loss, dual_bound), loss),
+        ratio=ratio,
+        clipped=clipped > unclipped,
+        dual_clipped=negative & (loss > dual_bound),
+    )
 
 
 def mixed_logprob(logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -32,12 +66,11 @@ def armor_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-mean ARMOR policy loss and its statistics.
 
-    All tensors are [B, T] float32 (advantages broadcast per token, mask 1 on response tokens).
+    All tensors are [B, T] float32 (advantages per token, mask 1 on response tokens).
     The ratio is rho = exp(clamp(l_mix(theta) - l_mix(old), -20, 20)) with
     l_mix(x) = log(alpha * pi_x + (1 - alpha) * pi_ref); mixing is off for alpha >= 1 - 1e-6, where
-    `ref_logp` may be None. Loss per token: max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high)),
-    and for A < 0 at most -A * dual_clip. Reduced as sum(L * mask) / sum(mask), or
-    / token_normalizer when given (gradient accumulation over micro-batches).
+    `ref_logp` may be None. Loss per token: `dual_clip_ppo`. Reduced as sum(L * mask) / sum(mask),
+    or / token_normalizer when given (gradient accumulation over micro-batches).
 
     stats (detached 0-dim float32, masked token means): clip_fraction, clip_fraction_lower
     (dual clip active), mixed_ratio_mean, ppo_kl (k1 on mixed logprobs), num_tokens (count).
@@ -50,20 +83,14 @@ def armor_policy_loss(
         if ref_logp is None:
             raise ValueError(f"ref_logp is required when alpha < 1 (got alpha={alpha})")
         log_ratio = mixed_logprob(logp, ref_logp, alpha) - mixed_logprob(old_logp, ref_logp, alpha)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    dual_bound = -advantages * dual_clip
-    negative = advantages < 0
-    token_loss = torch.where(negative, torch.minimum(loss, dual_bound), loss)
-    result = masked_mean(token_loss, mask, token_normalizer)
+    terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    result = masked_mean(terms.loss, mask, token_normalizer)
     with torch.no_grad():
         m = mask.to(logp.dtype)
         stats = {
-            "clip_fraction": masked_mean((clipped > unclipped).to(logp.dtype), m),
-            "clip_fraction_lower": masked_mean((negative & (loss > dual_bound)).to(logp.dtype), m),
-            "mixed_ratio_mean": masked_mean(ratio, m),
+            "clip_fraction": masked_mean(terms.clipped.to(logp.dtype), m),
+            "clip_fraction_lower": masked_mean(terms.dual_clipped.to(logp.dtype), m),
+            "mixed_ratio_mean": masked_mean(terms.ratio, m),
             "ppo_kl": masked_mean(-log_ratio, m),
             "num_tokens": m.sum(),
         }

@@ -3,6 +3,9 @@
 The CPU default behind `RolloutEngine`; the SGLang client implements the same interface for GPU
 clusters. Prompts are left-padded into one batch (position ids restart at each row's first real
 token) and decoded incrementally with HF's `DynamicCache`.
+
+`weight_precision` ("fp32" | "bf16" | "fp8", see `rollout/precision.py`) rounds the weights the
+engine loads and receives, so its logprobs differ from the trainer's the way production engines do.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 
 
 def sample_next_tokens(
@@ -45,13 +49,18 @@ class LocalEngine(RolloutEngine):
 
     def __init__(
         self, model: str | Path | PreTrainedModel, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 256,
-        pad_token_id: int = 0,
+        pad_token_id: int = 0, weight_precision: EnginePrecision = "fp32",
     ) -> None:
+        if weight_precision not in ENGINE_PRECISIONS:
+            raise ValueError(f"unknown weight_precision {weight_precision!r}; choose one of {ENGINE_PRECISIONS}")
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
+        self.weight_precision = weight_precision
+        if weight_precision != "fp32":  # round the loaded weights too
+            self.update_weights(list(self.model.named_parameters()))
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
@@ -103,7 +112,8 @@ class LocalEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Validate every name and shape first, then copy, so a bad update changes nothing."""
+        """Validate every name and shape first, then copy (rounded to `weight_precision`), so a bad
+        update changes nothing."""
         params = dict(self.model.named_parameters())
         updates = list(named_tensors)
         for name, tensor in updates:
@@ -114,7 +124,7 @@ class LocalEngine(RolloutEngine):
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, the engine expects {tuple(params[name].shape)}"
                 )
         for name, tensor in updates:
-            params[name].copy_(tensor)
+            params[name].copy_(quantize_weight(tensor.detach(), self.weight_precision))
 
     def named_parameters_hf(self) -> dict[str, torch.Tensor]:
         """The engine's current weights by HF name (detached views)."""

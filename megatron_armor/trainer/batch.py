@@ -23,6 +23,9 @@ class SequenceBatch:
       is_anchor:     [B] bool
       old_logprobs / ref_logprobs: [B, S] float32 label-aligned logprobs of the actor before the
                      update and of the reference; filled in by the trainer before the update.
+      teacher_logprobs: [B, S] float32 label-aligned logprobs of the OPD teacher (or None).
+      token_advantages: [B, S] float32 per-token advantages (OPD), preferred by the loss over
+                     `advantages` when set; 0 off-response.
     Right padding with a causal mask leaves real tokens unaffected, so no attention mask is needed
     and position ids are simply 0..S-1.
     """
@@ -35,6 +38,8 @@ class SequenceBatch:
     is_anchor: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    token_advantages: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -44,6 +49,12 @@ class SequenceBatch:
     def position_ids(self) -> torch.Tensor:
         """[B, S] int64."""
         return torch.arange(self.input_ids.shape[1]).expand_as(self.input_ids)
+
+    def per_token_advantages(self) -> torch.Tensor:
+        """[B, S] float32: `token_advantages`, or the per-sample `advantages` broadcast over tokens."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        return self.advantages[:, None].expand_as(self.response_mask)
 
     def select(self, index: slice | torch.Tensor) -> SequenceBatch:
         """The sub-batch of rows `index` (every field indexed along dim 0)."""

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_armor.algorithms import GroupCollector, build_groups, group_advantages, mix_kl_metrics
+from megatron_armor.algorithms import (
+    GroupCollector, build_groups, group_advantages, mismatch_k3, mix_kl_metrics, opd_token_advantages, reverse_kl,
+)
 from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
@@ -20,6 +22,7 @@ from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.trainer.logprobs import compute_logprobs
+from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.optimizer import OptimizerSettings
 from megatron_armor.trainer.policy_update import LossSettings, update_policy
 from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
@@ -29,7 +32,7 @@ from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
 class StepPlan:
     """Batch geometry and algorithm switches of an RL step (derived from the config)."""
 
-    algorithm: str  # "armor" | "grpo" | "grpo_kl"
+    algorithm: str  # "armor" | "grpo" | "grpo_kl" | "mipu" | "opd"
     train_batch_size: int  # prompts per step
     mini_batch_size: int  # prompts per optimizer step
     micro_batch_size: int  # sequences per forward/backward
@@ -41,6 +44,8 @@ class StepPlan:
     adv_eps: float
     ref_reset_period: int
     seed: int
+    opd_beta: float = 1.0  # A_t = opd_alpha * (-opd_beta * (old - teacher)) + (1 - opd_alpha) * A_grpo
+    opd_alpha: float = 1.0
 
     @property
     def uses_anchors(self) -> bool:
@@ -50,10 +55,14 @@ class StepPlan:
     def needs_ref_logprobs(self) -> bool:
         return self.algorithm in ("armor", "grpo_kl")
 
+    @property
+    def distills(self) -> bool:
+        return self.algorithm == "opd"
+
 
 @dataclass
 class PolicyHandles:
-    """The models of one rank: trainable actor (DDP + optimizer), frozen reference, and engines."""
+    """The models of one rank: trainable actor (DDP + optimizer), frozen reference (and OPD teacher), and engines."""
 
     actor: torch.nn.Module  # Megatron DDP-wrapped GPTModel
     optimizer: object  # MegatronOptimizer
@@ -62,6 +71,7 @@ class PolicyHandles:
     actor_engine: RolloutEngine
     ref_engine: RolloutEngine
     pad_token_id: int
+    teacher: torch.nn.Module | None = None  # frozen GPTModel (OPD)
 
 
 @dataclass
@@ -79,14 +89,20 @@ class PreparedBatch:
 
 
 class RLTrainer:
-    """Runs RL steps; owns no I/O besides the engines (metrics/checkpoints are the caller's)."""
+    """Runs RL steps; owns no I/O besides the engines (metrics/checkpoints are the caller's).
+
+    With a `gate` (MIPU Step 2) every step snapshots the actor first and rolls back actor, optimizer
+    and engine when the post-update inference gap is out of tolerance.
+    """
 
     def __init__(
         self, ctx: DistributedContext, handles: PolicyHandles, plan: StepPlan, sampler: PromptSampler,
         sampling: SamplingParams, scorer: SampleScorer, loss: LossSettings, optim: OptimizerSettings,
+        gate: InferenceGapGate | None = None,
     ) -> None:
         self.ctx, self.h, self.plan, self.sampler = ctx, handles, plan, sampler
         self.sampling, self.scorer, self.loss, self.optim = sampling, scorer, loss, optim
+        self.gate = gate
         self.optimizer_steps = 0
 
     # ----- rollout -------------------------------------------------------------------------
@@ -160,6 +176,14 @@ class RLTrainer:
             batch.ref_logprobs = compute_logprobs(
                 self.h.ref, batch, micro_batch_size=plan.micro_batch_size, scoring=self.loss.scoring()
             ).logprobs
+        if plan.distills:
+            batch.teacher_logprobs = compute_logprobs(
+                self.h.teacher, batch, micro_batch_size=plan.micro_batch_size, scoring=self.loss.scoring()
+            ).logprobs
+            batch.token_advantages = opd_token_advantages(
+                batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, beta=plan.opd_beta,
+                alpha=plan.opd_alpha, sequence_advantages=batch.advantages,
+            )
         bounds = [0]
         for mini in rows:
             bounds.append(bounds[-1] + len(mini))
@@ -172,7 +196,8 @@ class RLTrainer:
 
     @staticmethod
     def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
-        """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch, mix KL.
+        """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch (mean |diff|
+        and Mismatch-K3 on on-policy tokens), mix KL, OPD reverse KL.
 
         Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks.
         """
@@ -180,12 +205,16 @@ class RLTrainer:
         on_policy = ~batch.is_anchor
         diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
         per_sample = diff.sum(1) / batch.response_mask.sum(1).clamp(min=1)
+        on_policy_mask = batch.response_mask * on_policy[:, None]
         metrics = {
             "policy/entropy": prepared.entropy,
             "mismatch/logprob_abs_diff": float(per_sample[on_policy].mean()) if on_policy.any() else 0.0,
+            "mismatch/k3": float(mismatch_k3(batch.old_logprobs, batch.engine_logprobs, on_policy_mask)),
         }
         if batch.ref_logprobs is not None:
             metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask))
+        if batch.teacher_logprobs is not None:
+            metrics["opd/reverse_kl"] = float(reverse_kl(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask))
         return mean_over_data_parallel(metrics)
 
     # ----- one RL step ---------------------------------------------------------------------
@@ -196,6 +225,7 @@ class RLTrainer:
         t_rollout = time.perf_counter()
         prepared = self.prepare_batch(groups)
         metrics.update(self.batch_metrics(prepared))
+        snapshot = TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps) if self.gate else None
         update = update_policy(
             self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
             loss=self.loss, optim=self.optim, first_optimizer_step=self.optimizer_steps,
@@ -204,6 +234,12 @@ class RLTrainer:
         metrics.update(update.metrics)
         t_train = time.perf_counter()
         self.sync_actor_to_engine()
+        gate_seconds = 0.0
+        if snapshot is not None:
+            t_gate = time.perf_counter()
+            metrics.update(self.gate_update(step, snapshot))
+            gate_seconds = time.perf_counter() - t_gate
+            metrics["perf/gate_seconds"] = gate_seconds
         if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
             self.reset_reference()
             metrics["armor/ref_reset"] = 1.0
@@ -211,11 +247,31 @@ class RLTrainer:
         metrics.update({
             "perf/rollout_seconds": t_rollout - t0,
             "perf/train_seconds": t_train - t_rollout,
-            "perf/weight_sync_seconds": t_end - t_train,
+            "perf/weight_sync_seconds": t_end - t_train - gate_seconds,
             "perf/step_seconds": t_end - t0,
             "perf/tokens_per_second": prepared.num_tokens / max(t_end - t0, 1e-9),
         })
         return metrics
+
+    # ----- MIPU Step 2 ----------------------------------------------------------------------
+    def gate_update(self, step: int, snapshot: TrainingSnapshot) -> dict[str, float]:
+        """Measure the synced candidate's inference gap; on reject restore actor, optimizer and engine."""
+        result = self.gate.measure(
+            step, self.h.actor, self.h.actor_engine, pad_token_id=self.h.pad_token_id,
+            micro_batch_size=self.plan.micro_batch_size, scoring=self.loss.scoring(),
+        )
+        if not result.accepted:
+            snapshot.restore(self.h.actor, self.h.optimizer)
+            self.optimizer_steps = snapshot.optimizer_steps
+            self.sync_actor_to_engine()
+            self.gate.rollbacks += 1
+        return {
+            "mipu/gap_proxy": result.gap,
+            "mipu/tolerance": result.tolerance,
+            "mipu/accepted": float(result.accepted),
+            "mipu/rollbacks": float(self.gate.rollbacks),
+            "mipu/gate_reward_mean": result.reward_mean,
+        }
 
     # ----- weights -------------------------------------------------------------------------
     def sync_actor_to_engine(self) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 
-from megatron_armor.algorithms import armor_policy_loss, kl_penalty
+from megatron_armor.algorithms import armor_policy_loss, kl_penalty, sampler_corrected_loss
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.trainer.batch import SequenceBatch
 from megatron_armor.trainer.logprobs import ScoringSettings, TokenScores, forward_backward
@@ -16,8 +16,17 @@ from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step
 
 
 @dataclass(frozen=True)
+class SamplerCorrection:
+    """MIPU Step 1: weight each token's loss by pi_old/mu (engine) corrected as `mode` ("tis" | "mis" | "none")."""
+
+    mode: str = "tis"
+    w_max: float = 2.0
+
+
+@dataclass(frozen=True)
 class LossSettings:
-    """Policy-loss knobs. alpha = 1 gives DAPO dual-clip PPO; kl_coef > 0 adds a KL-to-reference term."""
+    """Policy-loss knobs. alpha = 1 gives DAPO dual-clip PPO; kl_coef > 0 adds a KL-to-reference term;
+    `sampler` set gives the MIPU sampler-referenced loss (alpha and the reference are then unused)."""
 
     alpha: float = 0.9375
     clip_low: float = 0.2
@@ -27,6 +36,7 @@ class LossSettings:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     logprob_head: str = "torch"  # "torch" | "fused" (trainer/logprobs.py)
+    sampler: SamplerCorrection | None = None
 
     def scoring(self, *, with_entropy: bool = False) -> ScoringSettings:
         return ScoringSettings(temperature=self.temperature, head=self.logprob_head, with_entropy=with_entropy)
@@ -38,12 +48,18 @@ def policy_loss_fn(settings: LossSettings) -> Callable:
     def loss_fn(scores: TokenScores, mb: SequenceBatch):
         logp = scores.logprobs  # [b, S]
         mask = mb.response_mask
-        advantages = mb.advantages[:, None].expand_as(logp)
-        loss, stats = armor_policy_loss(
-            logp, mb.old_logprobs, mb.ref_logprobs, advantages, mask,
-            alpha=settings.alpha, clip_low=settings.clip_low, clip_high=settings.clip_high,
-            dual_clip=settings.dual_clip, token_normalizer=1.0,
-        )
+        advantages = mb.per_token_advantages()
+        clip = dict(clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip)
+        if settings.sampler is not None:
+            loss, stats = sampler_corrected_loss(
+                logp, mb.old_logprobs, mb.engine_logprobs, advantages, mask, correction=settings.sampler.mode,
+                w_max=settings.sampler.w_max, token_normalizer=1.0, **clip,
+            )
+        else:
+            loss, stats = armor_policy_loss(
+                logp, mb.old_logprobs, mb.ref_logprobs, advantages, mask, alpha=settings.alpha, token_normalizer=1.0,
+                **clip,
+            )
         num_tokens = mask.sum()
         sums = {f"loss/{name}": value * num_tokens for name, value in stats.items() if name != "num_tokens"}
         sums["loss/policy_loss"] = loss.detach()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,20 +15,21 @@ from tqdm import tqdm
 
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.weights import load_hf_weights
-from megatron_armor.data.datasets import PromptSampler, check_tokenizer_fits_model, load_prompt_rows
+from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ModelConfigError, load_model_shape, transformer_config
+from megatron_armor.models.hf_config import ModelConfigError, ModelShape, load_model_shape, transformer_config
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
+from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
 from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training
-from megatron_armor.trainer.policy_update import LossSettings
+from megatron_armor.trainer.policy_update import LossSettings, SamplerCorrection
 from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
-from megatron_armor.trainer.task_setup import prepare_task
+from megatron_armor.trainer.task_setup import TaskPaths, prepare_task
 from megatron_armor.utils.metrics import MetricsLogger
 from megatron_armor.utils.plotting import plot_metrics
 
@@ -57,23 +60,30 @@ def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = Fa
         destroy_distributed()
 
 
-def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite: bool) -> None:
-    run_dir = Path(cfg.logging.run_dir)
-    resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
-    paths = prepare_task(cfg, is_main=ctx.is_main)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+@dataclass
+class TrainingSetup:
+    """Everything `_train` runs: the trainer and what validation and checkpoints need besides it."""
 
+    trainer: RLTrainer
+    modules: dict[str, Any]  # checkpointed state_dict owners
+    val_rows: list[PromptRow]
+    val_scorer: SampleScorer
+    val_sampling: SamplingParams
+
+
+def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) -> TrainingSetup:
+    """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` says (collective)."""
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
-    log.info(
-        "%s: %s %d-layer model from %s, tp %d x pp %d x dp %d, rollouts: %s, run dir %s", cfg.algorithm.name,
-        shape.arch, shape.num_layers, paths.model_path, ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.rollout.backend,
-        run_dir,
-    )
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
     dtype = _DTYPES[cfg.model.params_dtype]
+
+    def frozen_model(path: str, model_shape: ModelShape = shape) -> torch.nn.Module:
+        config = transformer_config(model_shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype)
+        model = build_gpt_model(model_shape, config, trainable=False)
+        load_hf_weights(model, path, model_shape)
+        return model
+
     actor = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype))
     load_hf_weights(actor, paths.model_path, shape)
     optim = OptimizerSettings(
@@ -82,10 +92,17 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         grad_clip=cfg.train.grad_clip,
     )
     ddp, optimizer = wrap_for_training(actor, optim)
-    ref = build_gpt_model(
-        shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype), trainable=False
-    )
-    load_hf_weights(ref, paths.ref_path, shape)
+    ref = frozen_model(paths.ref_path)
+    algorithm = cfg.algorithm
+    teacher = None
+    if algorithm.name == "opd":
+        teacher_shape = load_model_shape(paths.teacher_path)
+        if teacher_shape.vocab_size != shape.vocab_size:
+            raise ModelConfigError(
+                f"model.teacher_path {paths.teacher_path} has vocab_size {teacher_shape.vocab_size}, the student "
+                f"{paths.model_path} has {shape.vocab_size}; OPD scores the student's tokens, so they must share a vocabulary"
+            )
+        teacher = frozen_model(paths.teacher_path, teacher_shape)
 
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams(
@@ -100,48 +117,85 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
     handles = PolicyHandles(
         actor=ddp, optimizer=optimizer, ref=ref, shape=shape, actor_engine=actor_engine, ref_engine=ref_engine,
-        pad_token_id=pad_token_id,
+        pad_token_id=pad_token_id, teacher=teacher,
     )
     row_options = dict(
         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, tokenizer=tokenizer,
         apply_chat_template=cfg.data.apply_chat_template, max_prompt_length=cfg.data.max_prompt_length,
     )
     train_rows = load_prompt_rows(paths.train_path, **row_options)
-    val_rows = load_prompt_rows(paths.val_path, **row_options)[: cfg.eval.max_prompts] if paths.val_path else []
+    all_val_rows = load_prompt_rows(paths.val_path, **row_options) if paths.val_path else []
     sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     overlong = OverlongPenalty(cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_factor)
     train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
     val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
 
-    algorithm = cfg.algorithm
     plan = StepPlan(
         algorithm=algorithm.name, train_batch_size=cfg.train.train_batch_size, mini_batch_size=cfg.train.mini_batch_size,
         micro_batch_size=cfg.train.micro_batch_size, actor_n=cfg.rollout.actor_n, ref_n=cfg.rollout.ref_n,
-        filter_groups=algorithm.filter_groups, max_num_gen_batches=algorithm.max_num_gen_batches,
+        filter_groups=algorithm.filter_groups and algorithm.name != "opd",  # OPD learns from every prompt
+        max_num_gen_batches=algorithm.max_num_gen_batches,
         allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
-        ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed,
+        ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed, opd_beta=algorithm.opd_beta,
+        opd_alpha=algorithm.opd_alpha,
     )
     if cfg.train.logprob_head == "fused" and shape.padded_vocab_size != shape.vocab_size:
         raise ModelConfigError(
             f"train.logprob_head fused needs a vocabulary that is a multiple of 128 (no padding rows); "
             f"{paths.model_path} has vocab_size {shape.vocab_size}: use train.logprob_head torch"
         )
+    mipu = algorithm.name == "mipu"
     loss = LossSettings(
         alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
         clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip,
         kl_coef=algorithm.kl_coef if algorithm.name == "grpo_kl" else 0.0, kl_estimator=algorithm.kl_estimator,
         temperature=cfg.rollout.temperature, logprob_head=cfg.train.logprob_head,
+        sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
     )
-    trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim)
-
+    gate = _mipu_gate(cfg, all_val_rows, train_scorer, sampling) if mipu and algorithm.mipu_gate else None
+    trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate)
     modules = {"actor": ddp, "optimizer": optimizer}
     if algorithm.ref_reset_period:
         modules["ref"] = ref  # after a reset the reference is no longer the checkpoint on disk
+    return TrainingSetup(trainer=trainer, modules=modules, val_rows=all_val_rows[: cfg.eval.max_prompts],
+                         val_scorer=val_scorer, val_sampling=val_sampling)
+
+
+def _mipu_gate(
+    cfg: ArmorConfig, val_rows: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams
+) -> InferenceGapGate:
+    """MIPU Step 2 over held-out prompts: its own resumable sampler over the validation rows."""
+    a = cfg.algorithm
+    if len(val_rows) < a.mipu_gate_prompts:
+        raise ValueError(
+            f"algorithm.mipu_gate needs algorithm.mipu_gate_prompts ({a.mipu_gate_prompts}) held-out prompts, the "
+            f"validation set ({cfg.data.val_path or 'synthetic'}) has {len(val_rows)}; set data.val_path, lower "
+            f"mipu_gate_prompts, or set algorithm.mipu_gate=false"
+        )
+    settings = GateSettings(c_start=a.mipu_c_start, c_end=a.mipu_c_end, ramp_steps=a.mipu_ramp_steps,
+                            prompts=a.mipu_gate_prompts, n=a.mipu_gate_n)
+    prompts = PromptSampler(val_rows, a.mipu_gate_prompts, seed=cfg.train.seed + 1)
+    return InferenceGapGate(settings, prompts, scorer, sampling, seed=cfg.train.seed, adv_eps=a.adv_eps)
+
+
+def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite: bool) -> None:
+    run_dir = Path(cfg.logging.run_dir)
+    resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    paths = prepare_task(cfg, is_main=ctx.is_main)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    setup = build_training(ctx, cfg, paths)
+    trainer, modules, handles, algorithm = setup.trainer, setup.modules, setup.trainer.h, cfg.algorithm
+    sampler, gate = trainer.sampler, trainer.gate
+
     start_step = 0
     if resume_from is not None:
         state = load_checkpoint(resume_from, modules)
         sampler.load_state_dict(state.sampler)
         trainer.optimizer_steps = state.extra["optimizer_steps"]
+        if gate is not None:
+            gate.load_state_dict(state.extra["mipu_gate"])
         start_step = state.step
         log.info("resumed from %s (step %d)", resume_from, start_step)
     remote_engines = handles.actor_engine.shared_across_ranks
@@ -156,10 +210,10 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     )
 
     def run_eval(step: int) -> dict[str, float]:
-        if not val_rows:
+        if not setup.val_rows:
             return {}
-        result = evaluate(handles.actor_engine, val_rows, val_scorer, val_sampling, n=cfg.rollout.val_n,
-                          seed=(cfg.train.seed, step, "val"))
+        result = evaluate(handles.actor_engine, setup.val_rows, setup.val_scorer, setup.val_sampling,
+                          n=cfg.rollout.val_n, seed=(cfg.train.seed, step, "val"))
         if ctx.is_main:
             tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
         return result
@@ -179,7 +233,10 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         metrics_log.log(done, metrics)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
         if done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
-            state = TrainerState(step=done, sampler=sampler.state_dict(), extra={"optimizer_steps": trainer.optimizer_steps})
+            extra = {"optimizer_steps": trainer.optimizer_steps}
+            if gate is not None:
+                extra["mipu_gate"] = gate.state_dict()
+            state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
             save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last)
     metrics_log.close()
     if ctx.is_main and cfg.logging.plot:
@@ -196,8 +253,8 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     """
     rollout = cfg.rollout
     if rollout.backend == "local":
-        return (LocalEngine(paths.model_path, pad_token_id=pad_token_id),
-                LocalEngine(paths.ref_path, pad_token_id=pad_token_id))
+        options = dict(pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
+        return LocalEngine(paths.model_path, **options), LocalEngine(paths.ref_path, **options)
     from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20)

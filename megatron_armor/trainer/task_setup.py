@@ -3,7 +3,8 @@
 With `task.synthetic: arithmetic`, rank 0 creates (once, cached under `task.cache_dir`) a tiny
 Qwen2 checkpoint, the arithmetic train/validation JSONL files, and a supervised warm start of the
 model so that the reference policy already solves part of the task (ARMOR needs correct anchors).
-Every other rank waits and receives the same paths.
+For OPD without `model.teacher_path` the warm start becomes the teacher and the untrained tiny
+model the student. Every other rank waits and receives the same paths.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class TaskPaths:
     ref_path: str
     train_path: str
     val_path: str | None
+    teacher_path: str | None = None  # OPD teacher
 
 
 def prepare_task(cfg: ArmorConfig, *, is_main: bool) -> TaskPaths:
@@ -34,7 +36,8 @@ def prepare_task(cfg: ArmorConfig, *, is_main: bool) -> TaskPaths:
 
 def _prepare(cfg: ArmorConfig) -> TaskPaths:
     if cfg.task.synthetic is None:
-        return TaskPaths(cfg.model.path, cfg.model.ref_path or cfg.model.path, cfg.data.train_path, cfg.data.val_path)
+        return TaskPaths(cfg.model.path, cfg.model.ref_path or cfg.model.path, cfg.data.train_path, cfg.data.val_path,
+                         cfg.model.teacher_path)
     if cfg.task.synthetic != "arithmetic":
         raise ValueError(f"task.synthetic: unknown task {cfg.task.synthetic!r}; available: 'arithmetic'")
     from megatron_armor.data.datasets import write_jsonl
@@ -53,11 +56,16 @@ def _prepare(cfg: ArmorConfig) -> TaskPaths:
     model_path = Path(cfg.model.path) if cfg.model.path else cache / "tiny-qwen2"
     if not (model_path / "config.json").is_file():
         make_tiny_checkpoint(model_path, arch="qwen2", seed=cfg.train.seed)
+    teacher_path = cfg.model.teacher_path
     if cfg.task.warm_start_steps > 0:
-        model_path = _warm_start(model_path, train_rows, val_rows, cfg)
+        warm = _warm_start(model_path, train_rows, val_rows, cfg)
+        if cfg.algorithm.name == "opd" and teacher_path is None:
+            teacher_path = str(warm)  # distil the warm start into the untrained model
+        else:
+            model_path = warm
     train = cfg.data.train_path or str(train_path)
     val = cfg.data.val_path or str(val_path)
-    return TaskPaths(str(model_path), str(model_path), train, val)
+    return TaskPaths(str(model_path), str(model_path), train, val, teacher_path)
 
 
 def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], cfg: ArmorConfig) -> Path:

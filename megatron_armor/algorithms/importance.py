@@ -1,0 +1,85 @@
+"""MIPU Step 1: the sampler-referenced policy loss (mipu.md §2) and the Mismatch-K3 diagnostic.
+
+The rollout engine mu_k samples; the trainer's old policy pi_k scores the same tokens. Per token
+  w    = pi_k / mu_k = exp(old_logp - engine_logp)          (stop-gradient)
+  tis: wbar = min(w, w_max); mis: wbar = 1[w <= w_max]; none: wbar = 1
+  loss = wbar * dual_clip_ppo(log pi_theta - log pi_k, A)    (only pi_theta / pi_k is clipped)
+The spec's dual-clip bound (1 + 2 eps) * A is the `dual_clip` argument (1.4 for eps = 0.2).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from megatron_armor.algorithms.losses import LOG_RATIO_CLAMP, dual_clip_ppo
+from megatron_armor.algorithms.reduce import masked_mean
+
+IS_CORRECTIONS = ("tis", "mis", "none")
+ISCorrection = Literal["tis", "mis", "none"]
+
+
+@torch.no_grad()
+def sampler_weights(
+    old_logp: torch.Tensor, engine_logp: torch.Tensor, correction: ISCorrection, w_max: float = 2.0
+) -> torch.Tensor:
+    """Per-token importance weights of the trainer's old policy against the sampler. [B, T] -> [B, T].
+
+    tis: min(w, w_max) (truncated IS); mis: 1[w <= w_max] (masked IS); none: 1. No gradient flows.
+    """
+    if correction not in IS_CORRECTIONS:
+        raise ValueError(f"unknown importance correction {correction!r}; choose one of {IS_CORRECTIONS}")
+    w = torch.exp((old_logp - engine_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if correction == "tis":
+        return w.clamp(max=w_max)
+    if correction == "mis":
+        return (w <= w_max).to(old_logp.dtype)
+    return torch.ones_like(w)
+
+
+def sampler_corrected_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    engine_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    correction: ISCorrection = "tis",
+    w_max: float = 2.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float = 1.4,
+    token_normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-mean MIPU Step-1 loss (-J_S1) and its statistics.
+
+    logp (differentiable), old_logp, engine_logp, advantages (per token), mask: [B, T] float32.
+    Reduced as sum(wbar * L * mask) / sum(mask), or / token_normalizer when given.
+    stats (detached 0-dim, masked token means): clip_fraction, clip_fraction_lower, is_weight_mean,
+    is_truncated_fraction (tokens with w > w_max), ppo_kl, num_tokens (count).
+    """
+    weights = sampler_weights(old_logp, engine_logp, correction, w_max)
+    log_ratio = logp - old_logp
+    terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    result = masked_mean(weights * terms.loss, mask, token_normalizer)
+    with torch.no_grad():
+        m = mask.to(logp.dtype)
+        truncated = (old_logp - engine_logp) > torch.log(torch.tensor(w_max, dtype=logp.dtype))
+        stats = {
+            "clip_fraction": masked_mean(terms.clipped.to(logp.dtype), m),
+            "clip_fraction_lower": masked_mean(terms.dual_clipped.to(logp.dtype), m),
+            "is_weight_mean": masked_mean(weights, m),
+            "is_truncated_fraction": masked_mean(truncated.to(logp.dtype), m),
+            "ppo_kl": masked_mean(-log_ratio, m),
+            "num_tokens": m.sum(),
+        }
+    return result, stats
+
+
+@torch.no_grad()
+def mismatch_k3(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mismatch-K3 (mipu.md §5): d = log pi - log mu on engine-sampled tokens, mean(exp(d) - d - 1),
+    an estimate of KL(mu || pi). [B, T] float32 -> 0-dim float32."""
+    d = (trainer_logp - engine_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return masked_mean(d.exp() - d - 1.0, mask)

@@ -1,0 +1,1 @@
+"""Process placement: rollout servers and trainer ranks as Ray actors (`armor ray-train`)."""

@@ -1,0 +1,110 @@
+"""`armor ray-train`: the training job as a Ray job: trainer ranks and rollout servers as actors.
+
+    driver: prepare the task (model/data paths) -> start servers (actor policy, and reference for
+            ARMOR) -> trainer ranks run `run_training` with `rollout.backend sglang` pointed at them
+            -> restart dead servers while training -> shut everything down.
+
+Placement:
+- disaggregated: the trainer ranks get one placement group (a GPU each) and every server group its
+  own (tp_size GPUs per server). Trainer and rollout GPUs are separate; nothing is handed off.
+- colocated (GPU only): server i shares bundle i (one GPU) with trainer rank i; servers run with
+  --enable-memory-saver and a small --mem-fraction-static. One GPU per bundle means server
+  tp_size 1. Handing the GPU memory back and forth (release_memory before training, resume_memory
+  before rollout; `SGLangEngine.release_memory/resume_memory`) is the trainer loop's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from megatron_armor.config import ArmorConfig, ConfigError, validate
+from megatron_armor.launch.server_process import ServerSpec
+from megatron_armor.launch.servers import Placement, ServerGroup
+from megatron_armor.launch.trainer_ranks import TrainerRanks
+from megatron_armor.trainer.task_setup import prepare_task
+
+log = logging.getLogger(__name__)
+
+COLOCATED_GPU_FRACTION = 0.45  # trainer rank and rollout server(s) each claim part of a shared GPU bundle
+
+
+@dataclass(frozen=True)
+class RayJobSpec:
+    """How the job is laid out on the Ray cluster (the training itself is the ArmorConfig)."""
+
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    num_servers: int = 1  # actor-policy servers (colocated: one per trainer rank)
+    num_ref_servers: int = 1  # reference-policy servers for ARMOR anchors (colocated: one per trainer rank)
+    server_kind: Literal["sglang", "local"] = "sglang"  # local: the CPU stand-in
+    server_tp_size: int = 1
+    mem_fraction_static: float | None = None
+    server_args: tuple[str, ...] = ()  # extra flags for every server
+    server_host: str | None = None  # None: each node's IP; "127.0.0.1" for a one-node job
+    cpus_per_actor: float = 1.0
+    monitor_interval_s: float = 30.0  # how often dead servers are looked for
+    log_dir: str | None = None  # server logs (default: the node's temp dir)
+
+
+def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Run the training job on the connected Ray cluster (call `ray.init` first).
+
+    Raises trainer_ranks.TrainerJobError naming the rank that failed; servers, actors and placement groups are
+    released in every case.
+    """
+    use_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    world = cfg.parallel.world_size
+    if job.placement == "colocated" and (not use_gpus or job.server_tp_size != 1):
+        raise ConfigError("colocated placement needs a GPU cluster and server_tp_size 1 (one GPU per bundle, shared "
+                          f"by a trainer rank and its servers); got {'no GPUs' if not use_gpus else f'server_tp_size {job.server_tp_size}'}")
+    paths = prepare_task(cfg, is_main=True)  # servers need the checkpoints before the trainer starts
+    bundle = {"CPU": job.cpus_per_actor * (3 if job.placement == "colocated" else 1), **({"GPU": 1} if use_gpus else {})}
+    trainer_pg = placement_group([bundle] * world, strategy="PACK", name="armor-trainer")
+    ray.get(trainer_pg.ready())
+    groups: list[ServerGroup] = []
+    try:
+        roles = [("actor", paths.model_path, job.num_servers)]
+        if cfg.algorithm.name == "armor":
+            roles.append(("reference", paths.ref_path, job.num_ref_servers))
+        offset = 0
+        for role, model_path, count in roles:
+            count = world if job.placement == "colocated" else count
+            spec = ServerSpec(
+                model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
+                mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + offset * job.server_tp_size,
+                enable_memory_saver=job.placement == "colocated", extra_args=job.server_args,
+            )
+            offset += count
+            placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)
+                         if job.placement == "colocated" else Placement(cpus_per_actor=job.cpus_per_actor))
+            groups.append(ServerGroup(spec, count, name=role, host=job.server_host, placement=placement,
+                                      log_dir=job.log_dir))
+        cfg = _pointed_at(cfg, groups)
+        gpu_share = (COLOCATED_GPU_FRACTION if job.placement == "colocated" else 1.0) if use_gpus else 0.0
+        ranks = TrainerRanks(world, trainer_pg, list(range(world)), cpus=job.cpus_per_actor, gpus=gpu_share)
+
+        def restart_dead_servers() -> None:
+            for group in groups:
+                group.restart_dead()
+
+        ranks.run(cfg, resume=resume, overwrite=overwrite, poll_s=job.monitor_interval_s, on_poll=restart_dead_servers)
+    finally:
+        for group in groups:
+            group.shutdown()
+        remove_placement_group(trainer_pg)
+
+
+def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup]) -> ArmorConfig:
+    """`cfg` with rollouts from the groups' servers (actor first, reference second if present)."""
+    rollout = dataclasses.replace(
+        cfg.rollout, backend="sglang", sglang_urls=",".join(groups[0].urls),
+        sglang_ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
+    )
+    cfg = dataclasses.replace(cfg, rollout=rollout)
+    validate(cfg)
+    return cfg

@@ -1,0 +1,177 @@
+"""One rollout server subprocess: its command line, start, readiness, restart and shutdown.
+
+The command is SGLang's (`python -m sglang.launch_server`, sglang.md §1) or, on CPU, the stand-in
+`python -m megatron_armor.rollout.http_server` that speaks the same HTTP schema. `RolloutServer` is
+a plain class; `servers.ServerGroup` runs it inside a Ray actor on the node (and GPUs) Ray placed it
+on, so the subprocess inherits that actor's `CUDA_VISIBLE_DEVICES`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
+
+
+class ServerStartError(RuntimeError):
+    """A rollout server exited or stayed unhealthy while starting; the message names it and quotes its log."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What every server of a group runs. Seeds differ per server (see `seed_for`).
+
+    kind "sglang" runs `sglang.launch_server` (GPU); "local" runs the CPU stand-in (tp_size 1 only).
+    """
+
+    model_path: str
+    kind: Literal["sglang", "local"] = "sglang"
+    tp_size: int = 1  # GPUs per server (--tp-size)
+    mem_fraction_static: float | None = None  # None: SGLang picks
+    seed: int = 0
+    enable_memory_saver: bool = False  # needed for release/resume_memory_occupation (colocated)
+    extra_args: tuple[str, ...] = ()  # passed through verbatim, e.g. ("--dtype", "bfloat16")
+    startup_timeout_s: float = 900.0
+    poll_interval_s: float = 2.0  # slime polls /health_generate every 2 s
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"ServerSpec.tp_size must be >= 1, got {self.tp_size}")
+        if self.kind == "local" and self.tp_size != 1:
+            raise ValueError(f"the CPU stand-in server has no tensor parallelism; tp_size must be 1, got {self.tp_size}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"ServerSpec.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    def seed_for(self, index: int) -> int:
+        """Server `index`'s --random-seed: distinct per server, as slime's seed + rank * gpus."""
+        return self.seed + index * self.tp_size
+
+
+def server_command(spec: ServerSpec, *, host: str, port: int, seed: int) -> list[str]:
+    """The argv that starts one server of `spec` on `host:port`."""
+    if spec.kind == "local":
+        return [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", spec.model_path,
+                "--host", host, "--port", str(port), "--random-seed", str(seed), *spec.extra_args]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
+           "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(seed), "--skip-tokenizer-init"]
+    if spec.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    if spec.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    return cmd + list(spec.extra_args)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL the server when the process that started it dies (a killed Ray actor leaves no orphan)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RolloutServer:
+    """Owns one server subprocess (in its own session, so a stop reaches SGLang's children too)."""
+
+    def __init__(self, spec: ServerSpec, index: int, *, host: str, log_dir: str | None = None) -> None:
+        self.spec, self.index, self.host = spec, index, host
+        self.port = free_port(host)
+        self.restarts = 0
+        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"rollout-server-{index}-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._proc: subprocess.Popen | None = None
+        self._start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"rollout server {self.index} ({self.url})"
+
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _start(self) -> None:
+        cmd = server_command(self.spec, host=self.host, port=self.port, seed=self.spec.seed_for(self.index))
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        with self.log_path.open("a") as sink:
+            sink.write(f"$ {' '.join(cmd)}\n")
+            sink.flush()
+            self._proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
+
+    def wait_healthy(self) -> str:
+        """Block until GET /health_generate answers 200; returns the URL.
+
+        Raises ServerStartError (with the log's tail) when the process exits or the timeout passes.
+        """
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        last = "no answer yet"
+        while True:
+            if not self.alive():
+                raise ServerStartError(f"{self.name} exited with code {self._proc.returncode} while starting\n"
+                                       f"{self._log_tail()}")
+            try:
+                http_call(self.url, "/health_generate", method="GET", timeout=30.0)
+                return self.url
+            except (ServerError, *TRANSPORT_ERRORS) as error:
+                last = f"{type(error).__name__}: {error}"
+            if time.monotonic() >= deadline:
+                raise ServerStartError(f"{self.name} was not healthy within {self.spec.startup_timeout_s:.0f} s "
+                                       f"(last: {last})\n{self._log_tail()}")
+            time.sleep(self.spec.poll_interval_s)
+
+    def ensure_alive(self) -> bool:
+        """Restart the server on the same port if its process died; True when it did (after it is healthy).
+
+        A restarted server holds the checkpoint's weights until the trainer's next weight sync.
+        """
+        if self.alive():
+            return False
+        self._signal_group(signal.SIGKILL)  # children of a dead SGLang server may still hold the GPU
+        self.restarts += 1
+        self._start()
+        self.wait_healthy()
+        return True
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it if the server has not exited after `timeout_s`."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)
+        self._proc.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:  # the whole group is gone already
+            pass
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return f"--- {self.log_path} (last {chars} chars) ---\n{text[-chars:]}"

@@ -1,0 +1,134 @@
+"""`ServerGroup`: N rollout servers as Ray actors in a placement group; health, restarts, shutdown.
+
+Each server gets one bundle of `tp_size` GPUs (CPU only when the spec is the CPU stand-in), its own
+port on its node and its own seed. `restart_dead()` brings back any server whose process died;
+`shutdown()` stops every subprocess, then the actors and the placement group. Use as a context
+manager so an exception on the driver still shuts everything down.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megatron_armor.launch.server_process import RolloutServer, ServerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's actors go: their own placement group (None: make one) or given bundles of another.
+
+    cpus_per_actor may be fractional (a CPU-only test cluster hosts several actors per core).
+    gpu_fraction: the GPU share an actor claims in a shared (colocated) bundle; 1.0 = whole bundle.
+    """
+
+    placement_group: PlacementGroup | None = None
+    bundle_indices: tuple[int, ...] | None = None
+    cpus_per_actor: float = 1.0
+    gpu_fraction: float = 1.0
+
+
+class ServerGroup:
+    """`num_servers` servers of `spec`, started in parallel and healthy when the constructor returns.
+
+    host None binds each server to its node's IP (reachable from other nodes); "127.0.0.1" keeps a
+    single-node job on loopback.
+    """
+
+    def __init__(
+        self, spec: ServerSpec, num_servers: int, *, name: str = "rollout", host: str | None = None,
+        placement: Placement = Placement(), log_dir: str | None = None,
+    ) -> None:
+        if num_servers < 1:
+            raise ValueError(f"ServerGroup {name!r} needs num_servers >= 1, got {num_servers}")
+        self.spec, self.name = spec, name
+        gpus = 0 if spec.kind == "local" else spec.tp_size
+        self._own_pg = placement.placement_group is None
+        if self._own_pg:
+            bundle = {"CPU": placement.cpus_per_actor, **({"GPU": gpus} if gpus else {})}
+            self.placement_group = placement_group([bundle] * num_servers, strategy="PACK", name=f"{name}-servers")
+            ray.get(self.placement_group.ready())
+            bundles = tuple(range(num_servers))
+        else:
+            self.placement_group = placement.placement_group
+            bundles = placement.bundle_indices or tuple(range(num_servers))
+            if len(bundles) != num_servers:
+                raise ValueError(f"ServerGroup {name!r}: {num_servers} servers but {len(bundles)} bundle indices")
+        actor_cls = ray.remote(_ServerActor)
+        self._actors = [
+            actor_cls.options(
+                num_cpus=placement.cpus_per_actor, num_gpus=gpus * placement.gpu_fraction,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=b),
+            ).remote(spec, i, host, log_dir)
+            for i, b in enumerate(bundles)
+        ]
+        try:
+            self.urls: list[str] = self._gather("wait_healthy")
+        except Exception:
+            self.shutdown()
+            raise
+        log.info("%s servers ready: %s", name, ", ".join(self.urls))
+
+    def pids(self) -> list[int]:
+        """Process id of each server (on its node), in server order."""
+        return self._gather("pid")
+
+    def restart_dead(self) -> list[int]:
+        """Restart every server whose process died; returns their indices (after they are healthy again)."""
+        restarted = [i for i, done in enumerate(self._gather("ensure_alive")) if done]
+        for i in restarted:
+            log.warning("%s server %d (%s) had died and was restarted", self.name, i, self.urls[i])
+        return restarted
+
+    def shutdown(self) -> None:
+        """Stop every server process, kill the actors and free the placement group (idempotent)."""
+        actors, self._actors = self._actors, []
+        if actors:
+            ray.get([a.stop.remote() for a in actors])
+            for actor in actors:
+                ray.kill(actor)
+        if self._own_pg and self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _gather(self, method: str) -> list:
+        """Call `method` on every actor in parallel; a failure names the group and the server."""
+        refs = [getattr(a, method).remote() for a in self._actors]
+        results = []
+        for i, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as error:
+                raise RuntimeError(f"{self.name} server {i}: {method} failed: {error}") from error
+        return results
+
+
+class _ServerActor:
+    """The Ray actor around one `RolloutServer`; it lives on the node and GPUs Ray gave it."""
+
+    def __init__(self, spec: ServerSpec, index: int, host: str | None, log_dir: str | None) -> None:
+        self.server = RolloutServer(spec, index, host=host or ray.util.get_node_ip_address(), log_dir=log_dir)
+
+    def wait_healthy(self) -> str:
+        return self.server.wait_healthy()
+
+    def pid(self) -> int:
+        return self.server.pid()
+
+    def ensure_alive(self) -> bool:
+        return self.server.ensure_alive()
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,44 @@
+"""A measured weight sync: stream HF-named tensors into an engine and report bytes and seconds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron_armor.rollout.base import RolloutEngine
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One sync: `bytes` and `tensors` sent; `seconds` from the first gathered tensor to the flushed engine
+    (the gather is lazy, so it is included)."""
+
+    bytes: int
+    tensors: int
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "perf/weight_sync_seconds": self.seconds,
+            "perf/weight_sync_bytes": float(self.bytes),
+            "perf/weight_sync_gb_per_second": self.bytes / max(self.seconds, 1e-9) / 1e9,
+        }
+
+
+def sync_weights(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+    """`engine.update_weights(named_tensors)` then `engine.flush_cache()`, counting what went through."""
+    counted = [0, 0]  # bytes, tensors
+
+    def counting() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            counted[0] += tensor.nbytes
+            counted[1] += 1
+            yield name, tensor
+
+    start = time.perf_counter()
+    engine.update_weights(counting())
+    engine.flush_cache()
+    return SyncReport(bytes=counted[0], tensors=counted[1], seconds=time.perf_counter() - start)

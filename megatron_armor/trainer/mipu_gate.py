@@ -1,0 +1,114 @@
+"""MIPU Step 2 in the trainer: snapshot before the update, measure the post-update inference gap on
+held-out prompts with the synced engine, accept or roll back (mipu.md §3, Algorithm 1).
+
+Every rank runs the same gate on the same data: held-out samples are generated round-robin and
+all-gathered, the trainer scores the whole gate batch on every data-parallel rank, and rank 0's
+T_post is broadcast so that every rank takes the same accept/rollback decision.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_armor.algorithms import accept_update, gap_proxy, group_advantages, tolerance
+from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.trainer.batch import build_sequence_batch
+from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """Tolerance schedule c_t (c_start -> c_end over ramp_steps) and the held-out batch: prompts x n responses."""
+
+    c_start: float = 4e-3
+    c_end: float = 1e-3
+    ramp_steps: int = 100
+    prompts: int = 8
+    n: int = 8
+
+
+@dataclass
+class TrainingSnapshot:
+    """theta_k and Omega_k of this rank: parameter copies, a deep copy of the Megatron optimizer state
+    (Adam moments and step counts, fp32 master weights for bf16 models) and the optimizer-step counter."""
+
+    params: list[torch.Tensor]
+    optimizer_state: dict
+    optimizer_steps: int
+
+    @classmethod
+    def capture(cls, ddp: torch.nn.Module, optimizer, optimizer_steps: int) -> TrainingSnapshot:
+        return cls(
+            params=[p.detach().clone() for p in ddp.module.parameters()],
+            optimizer_state=copy.deepcopy(optimizer.state_dict()),
+            optimizer_steps=optimizer_steps,
+        )
+
+    @torch.no_grad()
+    def restore(self, ddp: torch.nn.Module, optimizer) -> None:
+        """Put the weights and optimizer state back bit for bit (the snapshot stays reusable)."""
+        for param, saved in zip(ddp.module.parameters(), self.params, strict=True):
+            param.copy_(saved)
+        optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+
+
+@dataclass(frozen=True)
+class GateResult:
+    gap: float  # T_post
+    tolerance: float  # c_t
+    accepted: bool
+    reward_mean: float  # of the held-out responses
+
+
+class InferenceGapGate:
+    """Measures T_post of the just-synced engine against the trainer and decides acceptance."""
+
+    def __init__(
+        self, settings: GateSettings, prompts: PromptSampler, scorer: SampleScorer, sampling: SamplingParams, *,
+        seed: int, adv_eps: float,
+    ) -> None:
+        self.settings, self.prompts, self.scorer, self.sampling = settings, prompts, scorer, sampling
+        self.seed, self.adv_eps = seed, adv_eps
+        self.rollbacks = 0  # cumulative
+
+    def measure(
+        self, step: int, actor: torch.nn.Module, engine: RolloutEngine, *, pad_token_id: int, micro_batch_size: int,
+        scoring: ScoringSettings,
+    ) -> GateResult:
+        """Collective over all ranks: sample the held-out batch from `engine` (mu_{k+1}), score it with
+        `actor` (pi_{k+1}) and compare T_post with -c_step."""
+        s = self.settings
+        samples = generate_samples(
+            engine, self.prompts.next_batch(), s.n, self.sampling, self.scorer, is_anchor=False,
+            seed=(self.seed, step, "mipu_gate"),
+        )
+        group_ids = torch.tensor([sample.prompt_index for sample in samples])
+        rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float32)
+        advantages = group_advantages(rewards, group_ids, eps=self.adv_eps)
+        batch = build_sequence_batch(samples, advantages.tolist(), pad_token_id=pad_token_id)
+        trainer_logp = compute_logprobs(actor, batch, micro_batch_size=micro_batch_size, scoring=scoring).logprobs
+        gap = _from_rank0(gap_proxy(trainer_logp, batch.engine_logprobs, batch.response_mask, advantages))
+        c = tolerance(step, s.c_start, s.c_end, s.ramp_steps)
+        return GateResult(gap=gap, tolerance=c, accepted=accept_update(gap, c), reward_mean=float(rewards.mean()))
+
+    def state_dict(self) -> dict:
+        return {"prompts": self.prompts.state_dict(), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.rollbacks = state["rollbacks"]
+
+
+def _from_rank0(value: float) -> float:
+    """Rank 0's value on every rank (one decision for the whole job)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value

@@ -1,0 +1,64 @@
+"""Rollout servers as Ray actors: health, restart of a killed server, clean shutdown."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.launch.server_process import ServerSpec, server_command
+from megatron_armor.launch.servers import Placement, ServerGroup
+from megatron_armor.rollout.sglang_engine import http_call
+
+
+def test_sglang_command_carries_the_launch_settings():
+    spec = ServerSpec(model_path="/ckpt", tp_size=2, mem_fraction_static=0.8, seed=7, enable_memory_saver=True,
+                      extra_args=("--dtype", "bfloat16"))
+    cmd = server_command(spec, host="10.0.0.1", port=30001, seed=spec.seed_for(3))
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    value = {flag: cmd[cmd.index(flag) + 1] for flag in ("--model-path", "--tp-size", "--port", "--random-seed",
+                                                         "--mem-fraction-static")}
+    assert value == {"--model-path": "/ckpt", "--tp-size": "2", "--port": "30001",
+                     "--random-seed": "13", "--mem-fraction-static": "0.8"}  # seed 7 + 3 servers x 2 GPUs
+    assert "--enable-memory-saver" in cmd and cmd[-2:] == ["--dtype", "bfloat16"]
+
+
+def test_local_stand_in_has_no_tensor_parallelism():
+    with pytest.raises(ValueError, match="tp_size must be 1"):
+        ServerSpec(model_path="/ckpt", kind="local", tp_size=2)
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    """True once `pid` has exited (a zombie not yet reaped by its parent counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_factory, tmp_path):
+    spec = ServerSpec(model_path=str(tiny_model_factory("qwen2")), kind="local", startup_timeout_s=120,
+                      poll_interval_s=0.2)
+    group = ServerGroup(spec, 2, name="actor", host="127.0.0.1", placement=Placement(cpus_per_actor=0.25),
+                        log_dir=str(tmp_path))
+    with group:
+        assert len(set(group.urls)) == 2
+        for url in group.urls:
+            assert http_call(url, "/model_info", method="GET")["is_generation"]
+        pids = group.pids()
+        assert group.restart_dead() == []
+        os.kill(pids[0], signal.SIGKILL)
+        assert _gone(pids[0], timeout=10)
+        assert group.restart_dead() == [0]
+        http_call(group.urls[0], "/health_generate", method="GET")  # same URL, healthy again
+        new_pids = group.pids()
+        assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+    assert all(_gone(pid) for pid in new_pids)
+    assert group.placement_group is None

@@ -1,0 +1,52 @@
+"""MIPU through the trainer with TP=2 on 2 gloo processes and a simulated-FP8 engine: the Step-1 loss,
+the gate's decisions, bit-exact rollback of actor, optimizer and engine, and a full `armor train` run."""
+
+import json
+import math
+from pathlib import Path
+
+from launcher import run_workers
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "mipu.yaml")
+
+
+def _overrides(cache_dir: Path, run_dir: Path) -> list[str]:
+    return [
+        f"task.cache_dir={cache_dir}", f"logging.run_dir={run_dir}", "task.num_train_rows=400", "task.num_val_rows=16",
+        "train.train_batch_size=4", "train.gen_batch_size=8", "train.mini_batch_size=2", "algorithm.mipu_gate_prompts=4",
+        "algorithm.mipu_gate_n=4", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false",
+        "logging.plot=false",
+    ]
+
+
+def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic_cache, tmp_path):
+    ranks = run_workers("mipu_rollback.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, tmp_path / "run"))
+    for result in ranks:
+        accepted, rejected = result["accepted"], result["rejected"]
+        assert accepted["mipu/accepted"] == 1.0 and accepted["mipu/rollbacks"] == 0.0
+        assert rejected["mipu/accepted"] == 0.0 and rejected["mipu/rollbacks"] == 1.0
+        assert result["accept_changed"] == [True, True, True]  # weights, Adam state, engine all moved
+        assert result["reject_restored"] == [True, True, True]
+        assert result["optimizer_steps"] == [2, 2]
+        for metrics in (accepted, rejected):
+            for key in ("mipu/gap_proxy", "mismatch/k3", "loss/is_weight_mean", "loss/is_truncated_fraction",
+                        "loss/policy_loss", "optim/grad_norm"):
+                assert math.isfinite(metrics[key]), (key, metrics)
+            assert metrics["mismatch/k3"] > 0 and metrics["mismatch/logprob_abs_diff"] > 1e-3  # fp8 engine
+    assert ranks[0]["rejected"]["mipu/gap_proxy"] == ranks[1]["rejected"]["mipu/gap_proxy"]
+
+
+def test_mipu_tp2_run_logs_gate_decisions(synthetic_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    run_workers("train_run.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, run_dir), "train.max_steps=2",
+                "checkpoint.every=2")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("mipu/gap_proxy", "mipu/tolerance", "mipu/rollbacks", "mismatch/k3", "train/reward_mean"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["mipu/accepted"] in (0.0, 1.0)
+    assert rows[-1]["mipu/rollbacks"] == sum(1 - r["mipu/accepted"] for r in rows)
+    assert rows[0]["mipu/tolerance"] == 4e-3
+    state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["extra"]["mipu_gate"]["rollbacks"] == rows[-1]["mipu/rollbacks"]

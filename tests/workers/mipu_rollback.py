@@ -1,0 +1,66 @@
+"""Worker: two MIPU steps through `build_training` with a forced accept, then a forced reject.
+
+argv: out_dir config_yaml overrides... Every rank reports both steps' metrics and whether actor
+weights, optimizer state and engine weights after the rejected step equal (bit for bit) those
+after the accepted one.
+"""
+
+import copy
+import dataclasses
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+from launcher import write_result  # noqa: E402
+
+from megatron_armor.config import load_config  # noqa: E402
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.trainer.run import build_training  # noqa: E402
+from megatron_armor.trainer.task_setup import prepare_task  # noqa: E402
+
+out_dir, config_path, *overrides = sys.argv[1:]
+cfg = load_config(config_path, overrides)
+ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
+trainer = build_training(ctx, cfg, prepare_task(cfg, is_main=ctx.is_main)).trainer
+
+
+def state():
+    """(actor params, optimizer state, engine weights) of this rank, copied."""
+    return (
+        [p.detach().clone() for p in trainer.h.actor.module.parameters()],
+        copy.deepcopy(trainer.h.optimizer.state_dict()),
+        {n: t.clone() for n, t in trainer.h.actor_engine.named_parameters_hf().items()},
+    )
+
+
+def equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def force(c: float) -> None:
+    """accept iff T_post >= -c: c = +1e9 always accepts, c = -1e9 always rejects."""
+    trainer.gate.settings = dataclasses.replace(trainer.gate.settings, c_start=c, c_end=c)
+
+
+initial = state()
+force(1e9)
+accepted = trainer.step(0)
+after_accept, steps_after_accept = state(), trainer.optimizer_steps
+force(-1e9)
+rejected = trainer.step(1)
+after_reject = state()
+write_result(out_dir, {
+    "accepted": accepted,
+    "rejected": rejected,
+    "accept_changed": [not equal(x, y) for x, y in zip(initial, after_accept)],
+    "reject_restored": [equal(x, y) for x, y in zip(after_accept, after_reject)],
+    "optimizer_steps": [steps_after_accept, trainer.optimizer_steps],
+})
+destroy_distributed()
