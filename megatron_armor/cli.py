@@ -1,6 +1,7 @@
 """The `armor` command line.
 
     armor train --config FILE [--section.field VALUE ...]   RL training (ARMOR / GRPO / GRPO + KL / MIPU / OPD)
+    armor ray-train --config FILE [--num-servers N ...]     the same as a Ray job (trainer ranks + SGLang servers)
     armor serve-local --model DIR --port N                   the CPU engine behind SGLang's HTTP API
     armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from megatron_armor.config import ConfigError, config_fields, load_config
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
+from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
 from megatron_armor.utils.quiet import quiet_third_party_noise
 
@@ -22,10 +24,23 @@ from megatron_armor.utils.quiet import quiet_third_party_noise
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="armor", description="ARMOR / GRPO RL post-training on Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser(
+    add_train_arguments(commands.add_parser(
         "train", help="run RL training", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run RL training. Every config field can be set as --section.field VALUE (overrides the YAML).",
-    )
+    ))
+    add_ray_arguments(add_train_arguments(commands.add_parser(
+        "ray-train", help="run RL training as a Ray job (trainer ranks and rollout servers as actors)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run RL training on a Ray cluster: trainer ranks and SGLang servers (actor and, for ARMOR, "
+                    "reference) are placed as Ray actors; the training options are those of `armor train`.",
+    )))
+    add_serve_local_subcommand(commands).set_defaults(handler=run_serve_local)
+    add_diagnose_subcommand(commands)
+    return parser
+
+
+def add_train_arguments(train: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `armor train` (and `armor ray-train`): config file, shorthands, every config field."""
     train.add_argument("--config", help="YAML config file (sections as in ArmorConfig)")
     train.add_argument("--algo", help="shorthand for --algorithm.name (armor | grpo | grpo_kl | mipu | opd)")
     train.add_argument("--max-steps", type=int, help="shorthand for --train.max_steps")
@@ -43,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     for dotted, f in config_fields():
         fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
                             help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
-    add_serve_local_subcommand(commands).set_defaults(handler=run_serve_local)
-    add_diagnose_subcommand(commands)
-    return parser
+    return train
 
 
 def overrides_from_args(args: argparse.Namespace) -> list[str]:
@@ -99,7 +112,7 @@ def _free_port() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.command != "train":
+    if args.command not in ("train", "ray-train"):
         return args.handler(args)
     quiet_third_party_noise()
     try:
@@ -109,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if cfg.train.logprob_head == "fused":
         _enable_triton_interpreter_without_gpu()
+    if args.command == "ray-train":
+        return run_ray_train(args, cfg)
     if "WORLD_SIZE" not in os.environ:
         nproc = args.nproc or cfg.parallel.world_size
         if nproc != cfg.parallel.world_size:

@@ -132,6 +132,14 @@ class TrainConfig:
     adam_beta2: float = _f(0.999, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
     grad_clip: float = _f(1.0, "global gradient-norm clip")
+    subspace_capture_step: int = _f(
+        0, "subspace-constrained training: after this RL step, confine updates to the top-K span of the "
+        "cumulative update so far (0: off)"
+    )
+    subspace_k: int = _f(16, "K of subspace-constrained training")
+    subspace_mode: Literal["gradient", "update"] = _f(
+        "gradient", "project the gradient before Adam, or the parameter change after it"
+    )
     logprob_head: Literal["torch", "fused"] = _f(
         "torch", "LM head scoring: torch (vocab-sharded logits) or fused (Triton kernel; GPU, or interpreter on CPU)"
     )
@@ -336,6 +344,13 @@ def validate(cfg: ArmorConfig) -> None:
             f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be <= rollout.max_new_tokens ({r.max_new_tokens})")
     require(t.train_batch_size % t.mini_batch_size == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must divide train.train_batch_size ({t.train_batch_size})")
+    require(t.subspace_capture_step >= 0, f"train.subspace_capture_step must be >= 0, got {t.subspace_capture_step}")
+    require(t.subspace_k >= 1, f"train.subspace_k must be >= 1, got {t.subspace_k}")
+    require(t.subspace_capture_step == 0 or cfg.parallel.tensor_parallel_size == 1,
+            "train.subspace_capture_step needs parallel.tensor_parallel_size 1 (the bases of tensor-parallel shards "
+            "are not implemented yet)")
+    require(t.subspace_capture_step == 0 or t.subspace_mode == "gradient" or cfg.model.params_dtype == "float32",
+            "train.subspace_mode update needs model.params_dtype float32 (with bf16 the optimizer steps fp32 copies)")
     dp = cfg.parallel.data_parallel_size
     require(t.mini_batch_size % dp == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "

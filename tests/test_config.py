@@ -70,6 +70,8 @@ def test_cli_exposes_every_field_and_maps_shorthands():
         assert f"--{dotted}" in help_text
     args = parser.parse_args(["train", "--config", str(DEMO), "--max-steps", "4", "--train.lr", "0.01"])
     assert sorted(overrides_from_args(args)) == ["train.lr=0.01", "train.max_steps=4"]
+    ray = parser.parse_args(["ray-train", "--config", str(DEMO), "--tp", "2", "--num-servers", "3"])
+    assert overrides_from_args(ray) == ["parallel.tensor_parallel_size=2"] and ray.num_servers == 3
 
 
 def test_cli_reports_bad_config_with_exit_code_2():

@@ -110,6 +110,15 @@ class SubspaceConstraint:
         self._before = {}
         self.projected_steps += 1
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs: W0, the recorded bases and the counters."""
+        return {"initial": self.initial, "bases": self.bases, "captured_step": self.captured_step,
+                "projected_steps": self.projected_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.initial, self.bases = dict(state["initial"]), dict(state["bases"])
+        self.captured_step, self.projected_steps = state["captured_step"], state["projected_steps"]
+
     def summary(self) -> dict:
         """What ran, for the run's metrics: mode, K, the capture step and how many steps were projected."""
         return {"mode": self.mode, "k": self.k, "captured_step": self.captured_step,

@@ -28,8 +28,14 @@ class SyncReport:
         }
 
 
-def sync_weights(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-    """`engine.update_weights(named_tensors)` then `engine.flush_cache()`, counting what went through."""
+def sync_weights(
+    engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]], *, send: bool = True
+) -> SyncReport:
+    """`engine.update_weights(named_tensors)` then `engine.flush_cache()`, counting what went through.
+
+    With `send=False` the tensors are only drawn and counted (a rank that takes part in a collective
+    gather while another rank talks to a shared engine).
+    """
     counted = [0, 0]  # bytes, tensors
 
     def counting() -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,6 +45,10 @@ def sync_weights(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch
             yield name, tensor
 
     start = time.perf_counter()
-    engine.update_weights(counting())
-    engine.flush_cache()
+    if send:
+        engine.update_weights(counting())
+        engine.flush_cache()
+    else:
+        for _ in counting():
+            pass
     return SyncReport(bytes=counted[0], tensors=counted[1], seconds=time.perf_counter() - start)

@@ -16,10 +16,12 @@ from megatron_armor.algorithms import (
 from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
 from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.trainer.logprobs import compute_logprobs
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
@@ -98,11 +100,13 @@ class RLTrainer:
     def __init__(
         self, ctx: DistributedContext, handles: PolicyHandles, plan: StepPlan, sampler: PromptSampler,
         sampling: SamplingParams, scorer: SampleScorer, loss: LossSettings, optim: OptimizerSettings,
-        gate: InferenceGapGate | None = None,
+        gate: InferenceGapGate | None = None, constraint: SubspaceConstraint | None = None,
+        constraint_capture_step: int = 0,
     ) -> None:
         self.ctx, self.h, self.plan, self.sampler = ctx, handles, plan, sampler
         self.sampling, self.scorer, self.loss, self.optim = sampling, scorer, loss, optim
         self.gate = gate
+        self.constraint, self.constraint_capture_step = constraint, constraint_capture_step
         self.optimizer_steps = 0
 
     # ----- rollout -------------------------------------------------------------------------
@@ -228,18 +232,20 @@ class RLTrainer:
         snapshot = TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps) if self.gate else None
         update = update_policy(
             self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
-            loss=self.loss, optim=self.optim, first_optimizer_step=self.optimizer_steps,
+            loss=self.loss, optim=self.optim, first_optimizer_step=self.optimizer_steps, constraint=self.constraint,
         )
         self.optimizer_steps += update.optimizer_steps
         metrics.update(update.metrics)
         t_train = time.perf_counter()
-        self.sync_actor_to_engine()
-        gate_seconds = 0.0
+        metrics.update(self.sync_actor_to_engine().metrics())
         if snapshot is not None:
             t_gate = time.perf_counter()
             metrics.update(self.gate_update(step, snapshot))
-            gate_seconds = time.perf_counter() - t_gate
-            metrics["perf/gate_seconds"] = gate_seconds
+            metrics["perf/gate_seconds"] = time.perf_counter() - t_gate
+        if self.constraint is not None:
+            if step + 1 == self.constraint_capture_step:
+                self.constraint.capture(step + 1)  # later steps stay in the span of this cumulative update
+            metrics["subspace/projected_steps"] = float(self.constraint.projected_steps)
         if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
             self.reset_reference()
             metrics["armor/ref_reset"] = 1.0
@@ -247,7 +253,6 @@ class RLTrainer:
         metrics.update({
             "perf/rollout_seconds": t_rollout - t0,
             "perf/train_seconds": t_train - t_rollout,
-            "perf/weight_sync_seconds": t_end - t_train - gate_seconds,
             "perf/step_seconds": t_end - t0,
             "perf/tokens_per_second": prepared.num_tokens / max(t_end - t0, 1e-9),
         })
@@ -274,9 +279,9 @@ class RLTrainer:
         }
 
     # ----- weights -------------------------------------------------------------------------
-    def sync_actor_to_engine(self) -> None:
+    def sync_actor_to_engine(self) -> SyncReport:
         """Push the actor's current weights (TP- and PP-gathered, HF-named) into the on-policy engine."""
-        push_weights(self.h.actor_engine, gather_all_stages_hf_weights(self.h.actor.module, self.h.shape))
+        return push_weights(self.h.actor_engine, gather_all_stages_hf_weights(self.h.actor.module, self.h.shape))
 
     def reset_reference(self) -> None:
         """Reference reset (ARMOR §4): the reference model and anchor engine become the current actor."""
@@ -290,16 +295,15 @@ class RLTrainer:
         push_weights(self.h.ref_engine, gather_all_stages_hf_weights(self.h.ref, self.h.shape))
 
 
-def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Collective: every rank runs the gather; an engine shared by all ranks receives it from rank 0 only."""
-    if engine.shared_across_ranks and dist.get_rank() != 0:
-        for _ in named_tensors:
-            pass
-    else:
-        engine.update_weights(named_tensors)
-        engine.flush_cache()
+def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+    """Collective: every rank runs the gather; an engine shared by all ranks receives it from rank 0 only.
+
+    Returns this rank's measurement (bytes and seconds, the TP/PP gather included).
+    """
+    report = sync_weights(engine, named_tensors, send=not engine.shared_across_ranks or dist.get_rank() == 0)
     if engine.shared_across_ranks:
         dist.barrier()
+    return report
 
 
 def evaluate(

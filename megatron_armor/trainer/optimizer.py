@@ -16,6 +16,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
 
@@ -84,14 +85,23 @@ class StepResult:
 
 
 def optimizer_step(
-    ddp: DistributedDataParallel, optimizer: MegatronOptimizer, optimizer_step_index: int, settings: OptimizerSettings
+    ddp: DistributedDataParallel, optimizer: MegatronOptimizer, optimizer_step_index: int, settings: OptimizerSettings,
+    constraint: SubspaceConstraint | None = None,
 ) -> StepResult:
-    """Apply the accumulated gradients with this step's learning rate, then zero the grad buffers."""
+    """Apply the accumulated gradients with this step's learning rate, then zero the grad buffers.
+
+    A `constraint` (subspace-constrained training) projects the reduced gradients before the step
+    or the parameter change after it, per its mode.
+    """
     lr = learning_rate(optimizer_step_index, settings)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    if constraint is not None:
+        constraint.pre_step()
     with megatron_device_scope():
         updated, grad_norm, _ = optimizer.step()
+    if constraint is not None:
+        constraint.post_step()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     grad_norm = float(grad_norm) if grad_norm is not None else math.nan
@@ -103,3 +113,11 @@ def zero_grads(ddp: DistributedDataParallel, optimizer: MegatronOptimizer) -> No
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
 
+
+
+def subspace_constraint(model: GPTModel, k: int, mode: str) -> SubspaceConstraint:
+    """A `SubspaceConstraint` over the model's 2-D decoder weights (fused qkv / fc1 as Megatron holds
+    them; embeddings and the output layer are left free), starting from their current values as W0.
+    Tensor parallelism would need the bases of the full matrices; the config refuses tp > 1."""
+    params = {name: p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("decoder.")}
+    return SubspaceConstraint(params, {name: p.detach().clone() for name, p in params.items()}, k=k, mode=mode)

@@ -12,6 +12,7 @@ from megatron_armor.algorithms import armor_policy_loss, kl_penalty, sampler_cor
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.trainer.batch import SequenceBatch
 from megatron_armor.trainer.logprobs import ScoringSettings, TokenScores, forward_backward
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step
 
 
@@ -83,7 +84,7 @@ class UpdateResult:
 
 def update_policy(
     ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batch_size: int, loss: LossSettings,
-    optim: OptimizerSettings, first_optimizer_step: int,
+    optim: OptimizerSettings, first_optimizer_step: int, constraint: SubspaceConstraint | None = None,
 ) -> UpdateResult:
     """One optimizer step per mini-batch (ppo_epochs = 1).
 
@@ -100,7 +101,7 @@ def update_policy(
         for out in outputs:
             for name, value in out.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
-        step = optimizer_step(ddp, optimizer, first_optimizer_step + index, optim)
+        step = optimizer_step(ddp, optimizer, first_optimizer_step + index, optim, constraint)
         if not step.updated:
             raise FloatingPointError(f"optimizer step {first_optimizer_step + index}: non-finite gradient norm {step.grad_norm}")
         grad_norms.append(step.grad_norm)

@@ -26,10 +26,11 @@ from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
-from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training
+from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.policy_update import LossSettings, SamplerCorrection
 from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
 from megatron_armor.trainer.task_setup import TaskPaths, prepare_task
+from megatron_armor.utils.extras import detect_gpu_extras
 from megatron_armor.utils.metrics import MetricsLogger
 from megatron_armor.utils.plotting import plot_metrics
 
@@ -153,8 +154,14 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
     )
     gate = _mipu_gate(cfg, all_val_rows, train_scorer, sampling) if mipu and algorithm.mipu_gate else None
-    trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate)
+    constraint = (
+        subspace_constraint(actor, cfg.train.subspace_k, cfg.train.subspace_mode) if cfg.train.subspace_capture_step else None
+    )
+    trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
+                        constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step)
     modules = {"actor": ddp, "optimizer": optimizer}
+    if constraint is not None:
+        modules["subspace"] = constraint
     if algorithm.ref_reset_period:
         modules["ref"] = ref  # after a reset the reference is no longer the checkpoint on disk
     return TrainingSetup(trainer=trainer, modules=modules, val_rows=all_val_rows[: cfg.eval.max_prompts],
@@ -185,6 +192,11 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+    log.info(
+        "%s from %s: tp %d x pp %d x dp %d, rollouts: %s, run dir %s; GPU extras: %s", cfg.algorithm.name,
+        paths.model_path, ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.rollout.backend, run_dir,
+        detect_gpu_extras().describe(),
+    )
     setup = build_training(ctx, cfg, paths)
     trainer, modules, handles, algorithm = setup.trainer, setup.modules, setup.trainer.h, cfg.algorithm
     sampler, gate = trainer.sampler, trainer.gate

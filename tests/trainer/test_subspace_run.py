@@ -1,0 +1,40 @@
+"""Subspace-constrained training through `armor train` (opd.md §3): after the capture step, every
+update of a decoder matrix lies in the span of the recorded top-K right singular vectors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
+
+
+def _checkpoint(run_dir: Path, step: int) -> dict:
+    # Our own file: its RNG states hold numpy arrays, which weights_only loading refuses.
+    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "rank_00000.pt", weights_only=False)
+
+
+def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--tp", "1", "--max-steps", "3",
+           "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
+           "--task.num_val_rows", "16", "--eval.every", "0", "--eval.before_train", "false",
+           "--checkpoint.every", "1", "--checkpoint.keep_last", "0", "--logging.tensorboard", "false",
+           "--logging.progress_bar", "false", "--train.subspace_capture_step", "1", "--train.subspace_k", "2",
+           "--train.subspace_mode", "update", "--train.lr", "1e-3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    after_capture, final = _checkpoint(run_dir, 1), _checkpoint(run_dir, 3)
+    bases = final["subspace"]["bases"]
+    assert final["subspace"]["captured_step"] == 1 and final["subspace"]["projected_steps"] == 4  # 2 steps x 2
+    assert len(bases) == 8  # qkv, proj, fc1, fc2 of 2 layers
+    for name, v in bases.items():
+        key = next(k for k in final["actor"] if k.endswith(name))
+        delta = (final["actor"][key] - after_capture["actor"][key]).double()
+        assert delta.norm() > 0, name  # the constrained steps still move the weights
+        outside = delta - delta @ v.double() @ v.double().T
+        assert outside.norm() <= 1e-5 * delta.norm(), name
+        free = (after_capture["actor"][key] - after_capture["subspace"]["initial"][name]).double()
+        assert (free - free @ v.double() @ v.double().T).norm() > 1e-3 * free.norm()  # rank > 2 before capture
