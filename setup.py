@@ -14,6 +14,7 @@ setup(
         "transformers>=5,<6",
         "triton",
         "safetensors",
+        "psutil",  # megatron-core's torch_dist checkpoint writer needs it (armor convert)
         "math-verify",
         "ray",
         "pytest",

@@ -4,6 +4,7 @@
     armor ray-train --config FILE [--num-servers N ...]     the same as a Ray job (trainer ranks + SGLang servers)
     armor serve-local --model DIR --port N                   the CPU engine behind SGLang's HTTP API
     armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
+    armor convert hf-to-megatron|megatron-to-hf ...          checkpoint conversion (HF <-> Megatron dist ckpt)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_armor.config import ConfigError, config_fields, load_config
+from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )))
     add_serve_local_subcommand(commands).set_defaults(handler=run_serve_local)
     add_diagnose_subcommand(commands)
+    add_convert_subcommand(commands)
     return parser
 
 

@@ -28,8 +28,10 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    path: str | None = _f(None, "HF checkpoint dir of the initial policy (also the reference unless ref_path)")
-    ref_path: str | None = _f(None, "HF checkpoint dir of the reference/anchor policy (default: path)")
+    path: str | None = _f(
+        None, "initial policy: HF checkpoint dir or Megatron checkpoint (`armor convert`); also the reference unless ref_path"
+    )
+    ref_path: str | None = _f(None, "reference/anchor policy, HF or Megatron checkpoint dir (default: path)")
     params_dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype of actor and reference")
     teacher_path: str | None = _f(
         None, "HF checkpoint dir of the frozen OPD teacher (same vocabulary; may be larger; built with the student's "

@@ -9,7 +9,9 @@ so GPU runs use Megatron exactly as shipped.
 Adaptations (megatron-core 0.19):
 1. Tensor factories called with `device="cuda"` (pipeline schedules allocate loss/num-token
    accumulators and p2p receive buffers that way; the grad buffer allocates its warm-up tensor so)
-   are redirected to CPU by a `TorchFunctionMode`.
+   are redirected to CPU by a `TorchFunctionMode`, which also makes `Tensor.cuda()` return the
+   tensor itself (a GPTModel with tied embeddings under pipeline parallelism moves its output-layer
+   copy to CUDA before all-reducing it with the embedding).
 2. `torch.cuda.current_device()` (asked by p2p communication and the DDP grad buffers to place
    tensors) returns the CPU device instead of raising "no CUDA GPUs".
 3. `torch.cuda.synchronize()` (called around p2p ops and buffer frees) becomes a no-op: CPU ops
@@ -49,9 +51,11 @@ def _is_cuda_device(device: object) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU."""
+    """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU; `.cuda()` is identity."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}

@@ -19,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.models.attention import SDPAttention
 from megatron_armor.models.hf_config import ModelShape
 
@@ -56,20 +57,21 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
     Weights are randomly initialised; load real ones with `convert.load_hf_weights`. A frozen
     (`trainable=False`) model has `requires_grad=False` everywhere and starts in eval mode.
     """
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(qk_layernorm=shape.qk_norm),
-        vocab_size=shape.padded_vocab_size,
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(shape.rope_theta),
-        rope_scaling=shape.rope_scaling_factor is not None,
-        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
-    )
+    with megatron_device_scope():  # tied embeddings under PP all-reduce the output-layer copy via .cuda()
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(qk_layernorm=shape.qk_norm),
+            vocab_size=shape.padded_vocab_size,
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(shape.rope_theta),
+            rope_scaling=shape.rope_scaling_factor is not None,
+            rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+        )
     if model.post_process and shape.padded_vocab_size != shape.vocab_size:
         model.output_layer.register_forward_hook(_mask_padded_vocab(shape.vocab_size))
     if not trainable:

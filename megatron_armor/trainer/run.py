@@ -12,9 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.config import ArmorConfig, save_config
-from megatron_armor.convert.weights import load_hf_weights
+from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, load_model_weights
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
@@ -82,11 +83,11 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     def frozen_model(path: str, model_shape: ModelShape = shape) -> torch.nn.Module:
         config = transformer_config(model_shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype)
         model = build_gpt_model(model_shape, config, trainable=False)
-        load_hf_weights(model, path, model_shape)
+        load_model_weights(model, path, model_shape)
         return model
 
     actor = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype))
-    load_hf_weights(actor, paths.model_path, shape)
+    load_model_weights(actor, paths.model_path, shape)
     optim = OptimizerSettings(
         lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,
@@ -210,11 +211,16 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             gate.load_state_dict(state.extra["mipu_gate"])
         start_step = state.step
         log.info("resumed from %s (step %d)", resume_from, start_step)
+    # Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything;
+    # a local engine for a Megatron checkpoint is built from its config): push what the trainer holds.
     remote_engines = handles.actor_engine.shared_across_ranks
-    if resume_from is not None or remote_engines:  # engines start from the HF checkpoint on disk
+    if resume_from is not None or remote_engines or is_megatron_checkpoint(paths.model_path):
         trainer.sync_actor_to_engine()
-        if handles.ref_engine is not handles.actor_engine and (algorithm.ref_reset_period or remote_engines):
-            trainer.sync_ref_to_engine()
+    ref_stale = remote_engines or is_megatron_checkpoint(paths.ref_path) or (
+        resume_from is not None and algorithm.ref_reset_period
+    )
+    if handles.ref_engine is not handles.actor_engine and ref_stale:
+        trainer.sync_ref_to_engine()
 
     metrics_log = MetricsLogger(
         run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project, enabled=ctx.is_main,
@@ -266,13 +272,21 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     rollout = cfg.rollout
     if rollout.backend == "local":
         options = dict(pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
-        return LocalEngine(paths.model_path, **options), LocalEngine(paths.ref_path, **options)
+        return _local_engine(paths.model_path, **options), _local_engine(paths.ref_path, **options)
     from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20)
     actor = SGLangEngine(rollout.sglang_urls.split(","), client)
     ref = SGLangEngine(rollout.sglang_ref_urls.split(","), client) if rollout.sglang_ref_urls else actor
     return actor, ref
+
+
+def _local_engine(path: str, **options) -> LocalEngine:
+    """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
+    its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
+    if not is_megatron_checkpoint(path):
+        return LocalEngine(path, **options)
+    return LocalEngine(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32), **options)
 
 
 def _configure_logging(ctx: DistributedContext) -> None:

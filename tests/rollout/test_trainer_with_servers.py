@@ -29,4 +29,5 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     assert step["mismatch/logprob_abs_diff"] < 1e-3  # the server sampled with the trainer's actor weights
     assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8  # correct anchors: reference pushed
     assert step["rollout/requests"] > 0 and step["rollout/retries"] == 0
-    assert rows[0]["val/accuracy"] > 0.2  # validation also ran on the pushed (warm-started) weights
+    # Validation also ran on the pushed (warm-started) weights: an untrained model scores about 0.
+    assert rows[0]["val/accuracy"] > 0.05

@@ -1,0 +1,82 @@
+"""HF safetensors checkpoint -> Megatron distributed checkpoint, written by tp x pp processes.
+
+`convert_hf_to_megatron` (one process) validates the input and output, launches
+`python -m megatron_armor.convert.cli hf-to-megatron ...` again under torchrun, and publishes the
+result; in each of those tp x pp ranks `write_megatron_shards` builds only its own pipeline stage
+and TP shard, fills it tensor by tensor from the safetensors files (memory ~ its shard plus the
+largest full HF tensor) and saves it with Megatron's `dist_checkpointing`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint, side_files
+from megatron_armor.convert.megatron_checkpoint import (
+    FORMAT_VERSION,
+    MegatronCheckpointInfo,
+    dtype_name,
+    is_megatron_checkpoint,
+    save_megatron_checkpoint,
+)
+from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish, staging_dir
+from megatron_armor.convert.weights import load_hf_weights
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.models.gpt import build_gpt_model
+from megatron_armor.models.hf_config import check_parallel_layout, transformer_config
+
+
+class ConversionError(RuntimeError):
+    """A conversion whose worker processes failed (their output says why)."""
+
+
+def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, overwrite: bool = False) -> Path:
+    """Convert `hf_dir` to a Megatron checkpoint at `out` saved at layout tp x pp; returns `out`.
+
+    Every check runs before anything is written; on failure nothing is left at `out` (an existing
+    checkpoint there is only replaced, with `overwrite`, once the new one is complete).
+    """
+    summary = inspect_hf_checkpoint(hf_dir)
+    dtype_name(summary.dtype)  # refuses a dtype the model cannot be built in
+    check_parallel_layout(summary.shape, tp, pp)
+    check_output_dir(out, overwrite=overwrite, is_checkpoint=is_megatron_checkpoint, kind="Megatron")
+    staging = fresh_staging_dir(out)
+    try:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
+            "-m", "megatron_armor.convert.cli", "hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out),
+            "--tp", str(tp), "--pp", str(pp), "--worker",
+        ]
+        if subprocess.call(command) != 0:
+            raise ConversionError(f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}")
+        publish(staging, out)
+    finally:
+        discard(staging)
+    return Path(out)
+
+
+def write_megatron_shards(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int) -> None:
+    """This rank's part of the conversion, into `staging_dir(out)`; collective over tp x pp ranks."""
+    summary = inspect_hf_checkpoint(hf_dir)
+    shape, staging = summary.shape, staging_dir(out)
+    ctx = initialize_distributed(tp, pp, 1)
+    try:
+        config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype)
+        model = build_gpt_model(shape, config, trainable=False)
+        load_hf_weights(model, hf_dir, shape)
+        info = MegatronCheckpointInfo(
+            format_version=FORMAT_VERSION, arch=shape.arch, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size, dtype=dtype_name(summary.dtype),
+        )
+        save_megatron_checkpoint(model, staging, info)
+        if ctx.is_main:
+            for path in side_files(hf_dir):
+                shutil.copy2(path, staging / path.name)
+        dist.barrier()
+    finally:
+        destroy_distributed()

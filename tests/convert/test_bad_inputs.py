@@ -1,0 +1,113 @@
+"""Conversion refuses bad inputs with one clear message and leaves nothing half-written behind."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from megatron_armor.convert import hf_to_megatron
+from megatron_armor.convert.cli import main
+from megatron_armor.convert.hf_export import SafetensorsShardWriter
+from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, INFO_FILE
+from megatron_armor.convert.output_dir import staging_dir
+
+
+@pytest.fixture
+def hf_copy(tiny_model_factory, tmp_path):
+    """A writable copy of a tiny Qwen2 checkpoint, sharded into several files with an index."""
+    source = tiny_model_factory("qwen2")
+    copy = tmp_path / "hf"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    writer = SafetensorsShardWriter(copy, max_shard_bytes=100_000)
+    for name, tensor in load_file(source / "model.safetensors").items():
+        writer.add(name, tensor)
+    writer.close()
+    return copy
+
+
+def convert(hf_dir: Path, out: Path, *extra: str) -> int:
+    return main(["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", "2", "--pp", "2", *extra])
+
+
+def shard_files(hf_dir: Path) -> list[Path]:
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    return sorted(hf_dir / f for f in set(index["weight_map"].values()))
+
+
+def edit_config(hf_dir: Path, **fields) -> None:
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def assert_refused(capsys, rc: int, out: Path, *phrases: str) -> None:
+    message = capsys.readouterr().err
+    assert rc == 2, message
+    assert all(phrase in message for phrase in phrases), message
+    assert not out.exists() and not staging_dir(out).exists()
+
+
+def test_unknown_architecture_lists_supported(hf_copy, tmp_path, capsys):
+    edit_config(hf_copy, model_type="gpt2")
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported", "'llama', 'qwen2', 'qwen3'")
+
+
+def test_missing_shard(hf_copy, tmp_path, capsys):
+    missing = shard_files(hf_copy)[1]
+    missing.unlink()
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(hf_copy, out), out, str(missing), "missing")
+
+
+def test_corrupt_shard(hf_copy, tmp_path, capsys):
+    corrupt = shard_files(hf_copy)[0]
+    corrupt.write_bytes(corrupt.read_bytes()[:-100])  # truncated download
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(hf_copy, out), out, str(corrupt), "corrupt safetensors")
+
+
+def test_shape_mismatch_names_the_tensor(hf_copy, tmp_path, capsys):
+    edit_config(hf_copy, intermediate_size=192)
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(hf_copy, out), out, "gate_proj.weight", "[176, 64]", "[192, 64]")
+
+
+def test_layout_that_does_not_divide_the_model(hf_copy, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["hf-to-megatron", "--hf-path", str(hf_copy), "--out", str(out), "--pp", "3"])
+    assert_refused(capsys, rc, out, "num_hidden_layers=2 is not divisible by pipeline_parallel_size=3")
+
+
+def fake_megatron_checkpoint(path: Path) -> None:
+    (path / DIST_CHECKPOINT_DIR).mkdir(parents=True)
+    (path / INFO_FILE).write_text("{}")
+
+
+def test_existing_checkpoint_needs_overwrite(hf_copy, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    fake_megatron_checkpoint(out)
+    assert convert(hf_copy, out) == 2
+    assert "already holds a Megatron checkpoint; pass --overwrite" in capsys.readouterr().err
+    assert (out / INFO_FILE).read_text() == "{}"
+    # With --overwrite, a worker failure still leaves the old checkpoint untouched and no staging dir.
+    monkeypatch.setattr(hf_to_megatron.subprocess, "call", lambda command: 1)
+    assert convert(hf_copy, out, "--overwrite") == 1
+    assert "failed in a worker process" in capsys.readouterr().err
+    assert (out / INFO_FILE).read_text() == "{}" and not staging_dir(out).exists()
+
+
+def test_non_checkpoint_directory_is_never_replaced(hf_copy, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert convert(hf_copy, out, "--overwrite") == 2
+    assert "is not empty and is not a Megatron checkpoint" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_export_of_a_non_megatron_directory(hf_copy, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["megatron-to-hf", "--megatron-path", str(hf_copy), "--out", str(out)])
+    assert_refused(capsys, rc, out, "not a Megatron checkpoint")
