@@ -160,6 +160,9 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = _f(20, "save a checkpoint every N steps (and at the end)")
     keep_last: int = _f(2, "keep the newest N checkpoints (0: keep all)")
+    save_model: bool = _f(
+        True, "also write the actor as a Megatron distributed checkpoint (step_N/model/) for `armor convert` / `diagnose`"
+    )
 
 
 @dataclass

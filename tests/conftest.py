@@ -1,9 +1,16 @@
 """Shared fixtures: tiny HF checkpoints made locally (no hub access)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only in its interpreter, which must be chosen before triton is
+    # first imported (Megatron imports it), so before any test module is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared `launcher` helper
 

@@ -9,21 +9,12 @@ largest full HF tensor) and saves it with Megatron's `dist_checkpointing`.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
-from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint, side_files
-from megatron_armor.convert.megatron_checkpoint import (
-    FORMAT_VERSION,
-    MegatronCheckpointInfo,
-    dtype_name,
-    is_megatron_checkpoint,
-    save_megatron_checkpoint,
-)
+from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
+from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish, staging_dir
 from megatron_armor.convert.weights import load_hf_weights
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
@@ -64,19 +55,11 @@ def write_megatron_shards(hf_dir: str | Path, out: str | Path, *, tp: int, pp: i
     """This rank's part of the conversion, into `staging_dir(out)`; collective over tp x pp ranks."""
     summary = inspect_hf_checkpoint(hf_dir)
     shape, staging = summary.shape, staging_dir(out)
-    ctx = initialize_distributed(tp, pp, 1)
+    initialize_distributed(tp, pp, 1)
     try:
         config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype)
         model = build_gpt_model(shape, config, trainable=False)
         load_hf_weights(model, hf_dir, shape)
-        info = MegatronCheckpointInfo(
-            format_version=FORMAT_VERSION, arch=shape.arch, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size, dtype=dtype_name(summary.dtype),
-        )
-        save_megatron_checkpoint(model, staging, info)
-        if ctx.is_main:
-            for path in side_files(hf_dir):
-                shutil.copy2(path, staging / path.name)
-        dist.barrier()
+        save_model_checkpoint(model, shape, staging, side_files_from=hf_dir)
     finally:
         destroy_distributed()

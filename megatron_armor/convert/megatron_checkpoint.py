@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_armor.convert.hf_inputs import side_files
 from megatron_armor.convert.weights import CheckpointError, load_hf_weights
 from megatron_armor.models.hf_config import ModelShape
 
@@ -89,6 +91,25 @@ def save_megatron_checkpoint(model: GPTModel, out_dir: str | Path, info: Megatro
         (Path(out_dir) / INFO_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
+
+
+def save_model_checkpoint(model: GPTModel, shape: ModelShape, out_dir: str | Path, *, side_files_from: str | Path) -> None:
+    """`model` (this rank's stage/shard under the current parallel_state) as a complete Megatron
+    checkpoint at `out_dir`, with the HF config/tokenizer files of `side_files_from` (an HF or
+    Megatron checkpoint directory). Collective over all ranks."""
+    info = MegatronCheckpointInfo(
+        format_version=FORMAT_VERSION, arch=shape.arch,
+        tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size,
+        dtype=dtype_name(next(model.parameters()).dtype),
+    )
+    save_megatron_checkpoint(model, out_dir, info)
+    if dist.get_rank() == 0:
+        for path in side_files(side_files_from):
+            if path.name != INFO_FILE:  # a Megatron source's record describes the source, not this save
+                shutil.copy2(path, Path(out_dir) / path.name)
+    dist.barrier()
 
 
 def _collect_write_results_in_process() -> None:

@@ -14,13 +14,15 @@ def add_diagnose_subcommand(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "diagnose", help="parameter-space diagnostics of checkpoints against a base",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Compare later HF checkpoints with a base checkpoint matrix by matrix (unchanged fraction, "
+        description="Compare later checkpoints with a base checkpoint matrix by matrix (unchanged fraction, "
                     "principal angles, spectral drift, mask overlap, stable rank, Hill index, subspace similarity); "
                     "write a JSON report and PNG plots to --out-dir.",
     )
-    parser.add_argument("--base", required=True, help="HF checkpoint directory of the stage init W0")
+    parser.add_argument("--base", required=True,
+                        help="checkpoint of the stage init W0: HF directory or Megatron checkpoint (any TP/PP)")
     parser.add_argument("--checkpoints", required=True, nargs="+",
-                        help="later HF checkpoint directories (ordered by the last number in their names)")
+                        help="later checkpoints, HF or Megatron (e.g. a run's checkpoints/step_N/model); ordered by "
+                             "the last number in their names")
     parser.add_argument("--out-dir", required=True, help="where report.json and the plots go")
     for f in fields(DiagnoseSettings):
         flag = f"--{f.name.replace('_', '-')}"

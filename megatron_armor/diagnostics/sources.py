@@ -8,6 +8,7 @@ that gathers shards and maps them to HF names (q/k/v split out of a fused QKV).
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,3 +76,18 @@ def hf_snapshots(model_dirs: Sequence[str | Path]) -> list[Snapshot]:
     if len(steps) != len(paths) or len(set(steps)) != len(steps):
         steps = list(range(1, len(paths) + 1))
     return [Snapshot(p.name, step, HFCheckpointReader(p)) for p, step in zip(paths, steps)]
+
+
+def as_hf_checkpoint(path: str | Path, scratch: Path) -> Path:
+    """`path` itself for an HF directory; a Megatron checkpoint (`armor convert` output, or a training
+    checkpoint's `step_N/model/`, saved at any TP/PP) exported to HF under `scratch` first, in a folder
+    named after it (`step_N/model` -> `step_N`) so its step can still be read from the name."""
+    from megatron_armor.convert.hf_export import convert_megatron_to_hf  # imports Megatron-Core
+    from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
+
+    path = Path(path)
+    if not is_megatron_checkpoint(path):
+        return path
+    name = path.parent.name if path.name == "model" else path.name
+    scratch.mkdir(parents=True, exist_ok=True)
+    return convert_megatron_to_hf(path, Path(tempfile.mkdtemp(dir=scratch)) / name)

@@ -3,6 +3,8 @@
 Layout under `<run_dir>/checkpoints/`:
     step_000010/rank_00000.pt ...   one file per rank: model shard, optimizer state, RNG states
     step_000010/trainer_state.json  step, data position, anything the loop needs to continue
+    step_000010/model/              (optional) the actor as a Megatron distributed checkpoint that
+                                    `armor convert megatron-to-hf` and `armor diagnose` read
     step_000010/COMPLETE            written last; a directory without it is never loaded
 A checkpoint is written into `.tmp_step_000010/` and renamed into place only once every rank has
 written, so a crash mid-save never leaves a directory that looks complete.
@@ -15,6 +17,7 @@ import os
 import random
 import shutil
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +88,14 @@ def guard_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> Path
 
 
 def save_checkpoint(
-    run_dir: str | Path, step: int, modules: dict[str, Any], state: TrainerState, *, keep_last: int = 0
+    run_dir: str | Path, step: int, modules: dict[str, Any], state: TrainerState, *, keep_last: int = 0,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save `modules` (name -> object with state_dict(), e.g. model, optimizer) of every rank.
 
-    Collective: every rank must call it. Returns the final checkpoint directory.
+    `write_extra(directory)`, called on every rank before the checkpoint is published, adds more
+    to it (e.g. the model in another format). Collective: every rank must call it. Returns the
+    final checkpoint directory.
     """
     root = checkpoint_root(run_dir)
     final, tmp = _step_dir(root, step), root / f".tmp_step_{step:06d}"
@@ -101,6 +107,8 @@ def save_checkpoint(
     payload = {name: module.state_dict() for name, module in modules.items()}
     payload["rng"] = _rng_state()
     torch.save(payload, tmp / f"rank_{_rank():05d}.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     _barrier()
     if _rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=2))

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.config import ArmorConfig, save_config
-from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, load_model_weights
+from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, load_model_weights, save_model_checkpoint
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
@@ -202,6 +202,11 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     trainer, modules, handles, algorithm = setup.trainer, setup.modules, setup.trainer.h, cfg.algorithm
     sampler, gate = trainer.sampler, trainer.gate
 
+    def export_model(checkpoint_dir: Path) -> None:
+        if cfg.checkpoint.save_model:
+            save_model_checkpoint(handles.actor.module, handles.shape, checkpoint_dir / "model",
+                                  side_files_from=paths.model_path)
+
     start_step = 0
     if resume_from is not None:
         state = load_checkpoint(resume_from, modules)
@@ -255,7 +260,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             if gate is not None:
                 extra["mipu_gate"] = gate.state_dict()
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
-            save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last)
+            save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last, write_extra=export_model)
     metrics_log.close()
     if ctx.is_main and cfg.logging.plot:
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")

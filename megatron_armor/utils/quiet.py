@@ -24,6 +24,7 @@ _QUIET_LOGGERS = {
     "megatron.core.distributed": logging.WARNING,  # per-parameter bucket listings
     "megatron.core.optimizer": logging.WARNING,  # the full OptimizerConfig dump
     "megatron.core.rerun_state_machine": logging.ERROR,  # "implicit initialization" notices
+    "megatron.core.dist_checkpointing.strategies.torch": logging.ERROR,  # async-save deprecation; we save synchronously
 }
 
 

@@ -1,0 +1,57 @@
+"""A training run's checkpoints (TP=2) through the tools: `armor convert megatron-to-hf` and
+`armor diagnose` read `checkpoints/step_N/model/`, checked against the per-rank TP shards."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def armor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_armor.cli", *args], capture_output=True, text=True,
+                          timeout=600, env=ENV)
+
+
+def shards(step_dir: Path, suffix: str) -> list[torch.Tensor]:
+    """The TP shards (rank order) of the Megatron parameter named `suffix` in a training checkpoint."""
+    files = sorted(step_dir.glob("rank_*.pt"))
+    return [torch.load(f, weights_only=False)["actor"][suffix] for f in files]  # our own files (numpy RNG)
+
+
+def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
+    run = tmp_path / "run"
+    proc = armor("train", "--config", CONFIG, "--max-steps", "3", "--run-dir", str(run), "--task.cache_dir",
+                 str(synthetic_cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16", "--eval.every", "0",
+                 "--eval.before_train", "false", "--checkpoint.every", "1", "--checkpoint.keep_last", "0",
+                 "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--train.lr", "1e-3")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    steps = run / "checkpoints"
+
+    proc = armor("convert", "megatron-to-hf", "--megatron-path", str(steps / "step_000003" / "model"),
+                 "--out", str(tmp_path / "hf3"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    hf = load_file(tmp_path / "hf3" / "model.safetensors")
+    assert torch.equal(hf["model.norm.weight"], shards(steps / "step_000003", "decoder.final_layernorm.weight")[0])
+    assert torch.equal(hf["lm_head.weight"], torch.cat(shards(steps / "step_000003", "output_layer.weight")))
+    o_proj = torch.cat(shards(steps / "step_000003", "decoder.layers.1.self_attention.linear_proj.weight"), dim=1)
+    assert torch.equal(hf["model.layers.1.self_attn.o_proj.weight"], o_proj)
+
+    proc = armor("diagnose", "--base", str(steps / "step_000001" / "model"), "--checkpoints",
+                 str(steps / "step_000002" / "model"), str(steps / "step_000003" / "model"),
+                 "--out-dir", str(tmp_path / "diag"), "--k-angles", "4", "--k-sim", "2", "--k-hill", "2",
+                 "--mask-rank", "4")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads((tmp_path / "diag" / "report.json").read_text())
+    assert [c["step"] for c in report["checkpoints"]] == [2, 3]
+    row_parallel = lambda step: torch.cat(  # noqa: E731
+        shards(steps / f"step_{step:06d}", "decoder.layers.1.self_attention.linear_proj.weight"), dim=1)
+    expected = (row_parallel(3) - row_parallel(1)).double().norm().item()
+    final = report["matrices"]["model.layers.1.self_attn.o_proj.weight"]["checkpoints"][-1]
+    assert abs(final["update_norm"] - expected) <= 1e-6 * expected and expected > 0
