@@ -73,7 +73,9 @@ class RewardConfig:
 class RolloutConfig:
     backend: Literal["local", "sglang"] = _f("local", "rollout engine: local (in-process HF model) or sglang (HTTP servers)")
     sglang_urls: str | None = _f(None, "comma-separated URLs of the actor's SGLang servers (backend sglang)")
-    sglang_ref_urls: str | None = _f(None, "comma-separated URLs of the reference policy's servers (ARMOR anchors)")
+    sglang_ref_urls: str | None = _f(
+        None, "comma-separated URLs of the reference policy's servers (ARMOR anchors, anchor_engine separate)"
+    )
     sglang_update_bucket_mb: int = _f(512, "weight-update bucket size in MiB (backend sglang)")
     engine_precision: Literal["fp32", "bf16", "fp8"] = _f(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
@@ -88,6 +90,19 @@ class RolloutConfig:
     val_temperature: float = _f(1.0, "sampling temperature of validation")
     val_top_p: float = _f(0.7, "nucleus sampling of validation")
     val_n: int = _f(1, "samples per validation prompt")
+    anchor_engine: Literal["separate", "shared"] = _f(
+        "separate", "engine of ARMOR's anchors: separate (the reference's own: an in-process copy, or "
+        "sglang_ref_urls) | shared (the actor's engine; the reference's weights are pushed in before an anchor "
+        "phase and the actor's pushed back before on-policy sampling)"
+    )
+    cache_anchors: bool = _f(
+        False, "reuse a prompt's anchors (key: its prompt token ids) at later steps until the reference is reset, "
+        "instead of regenerating them every step as ARMOR does; the cache is saved in checkpoints"
+    )
+    anchor_cache_max_prompts: int = _f(
+        4096, "prompts the anchor cache holds (least recently used evicted first); each holds ref_n anchors "
+        "(token ids + logprobs: tens of bytes per token, in memory and in trainer_state.json)"
+    )
 
 
 @dataclass
@@ -305,6 +320,7 @@ def validate(cfg: ArmorConfig) -> None:
         "parallel.tensor_parallel_size", "parallel.pipeline_parallel_size", "parallel.data_parallel_size",
         "data.max_prompt_length",
         "rollout.n_samples", "rollout.actor_n", "rollout.max_new_tokens", "rollout.val_n",
+        "rollout.anchor_cache_max_prompts",
         "algorithm.max_num_gen_batches", "train.train_batch_size", "train.gen_batch_size",
         "train.mini_batch_size", "train.micro_batch_size", "train.max_steps", "checkpoint.every",
     ]
@@ -340,6 +356,9 @@ def validate(cfg: ArmorConfig) -> None:
     else:
         require(r.actor_n == r.n_samples,
                 f"rollout.actor_n must equal rollout.n_samples ({r.n_samples}) for {a.name}, got {r.actor_n}")
+        require(r.anchor_engine == "separate" and not r.cache_anchors,
+                f"rollout.anchor_engine ({r.anchor_engine}) and rollout.cache_anchors ({r.cache_anchors}) apply to "
+                f"armor's anchors; {a.name} samples none: leave them at separate / false")
     require(r.n_samples >= 2, f"rollout.n_samples must be >= 2 for group advantages, got {r.n_samples}")
     for name in ("temperature", "val_temperature"):
         require(getattr(r, name) >= 0, f"rollout.{name} must be >= 0, got {getattr(r, name)}")
@@ -365,12 +384,16 @@ def validate(cfg: ArmorConfig) -> None:
     require(0 <= t.weight_decay, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     if r.backend == "sglang":
         require(bool(r.sglang_urls), "rollout.sglang_urls is required with rollout.backend sglang (e.g. http://host:30000)")
-        require(a.name != "armor" or bool(r.sglang_ref_urls),
-                "rollout.sglang_ref_urls is required for armor with rollout.backend sglang (servers of the reference policy)")
+        require(a.name != "armor" or r.anchor_engine == "shared" or bool(r.sglang_ref_urls),
+                "rollout.sglang_ref_urls is required for armor with rollout.backend sglang (servers of the reference "
+                "policy), or set rollout.anchor_engine shared to sample anchors from the actor's servers")
         require(r.engine_precision == "fp32",
                 f"rollout.engine_precision {r.engine_precision} simulates mismatch in the local engine only; set it to fp32 "
                 f"with rollout.backend sglang (quantize the SGLang server itself instead)")
         require(r.sglang_update_bucket_mb >= 1, f"rollout.sglang_update_bucket_mb must be >= 1, got {r.sglang_update_bucket_mb}")
+    require(r.anchor_engine == "separate" or not r.sglang_ref_urls,
+            f"rollout.sglang_ref_urls ({r.sglang_ref_urls}) is unused with rollout.anchor_engine shared (anchors come "
+            f"from the actor's servers): drop it, or set rollout.anchor_engine separate")
     if cfg.task.synthetic is None:
         require(cfg.model.path is not None, "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
         require(cfg.data.train_path is not None, "data.train_path is required unless task.synthetic is set")

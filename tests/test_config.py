@@ -32,6 +32,13 @@ def test_demo_config_loads_with_typed_overrides():
         (["rollout.top_p=1.5"], "rollout.top_p must be in \\(0, 1\\], got 1.5"),
         (["logging.plot=maybe"], "logging.plot: expected a boolean"),
         (["train.lr"], "must look like section.field=value"),
+        (["rollout.backend=sglang", "rollout.sglang_urls=http://a:1"],
+         "rollout.sglang_ref_urls is required for armor .* or set rollout.anchor_engine shared"),
+        (["rollout.anchor_engine=shared", "rollout.sglang_ref_urls=http://b:1"],
+         "rollout.sglang_ref_urls \\(http://b:1\\) is unused with rollout.anchor_engine shared"),
+        (["algorithm.name=grpo", "rollout.actor_n=8", "rollout.cache_anchors=true"],
+         "rollout.anchor_engine \\(separate\\) and rollout.cache_anchors \\(True\\) apply to armor's anchors; grpo"),
+        (["rollout.anchor_cache_max_prompts=0"], "rollout.anchor_cache_max_prompts must be >= 1, got 0"),
     ],
 )
 def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):

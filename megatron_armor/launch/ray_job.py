@@ -69,7 +69,7 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
     groups: list[ServerGroup] = []
     try:
         roles = [("actor", paths.model_path, job.num_servers)]
-        if cfg.algorithm.name == "armor":
+        if cfg.algorithm.name == "armor" and cfg.rollout.anchor_engine == "separate":
             roles.append(("reference", paths.ref_path, job.num_ref_servers))
         offset = 0
         for role, model_path, count in roles:

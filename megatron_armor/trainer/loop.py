@@ -22,12 +22,13 @@ from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
+from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.trainer.logprobs import compute_logprobs
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.optimizer import OptimizerSettings
 from megatron_armor.trainer.policy_update import LossSettings, update_policy
-from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
+from megatron_armor.trainer.rollout_stage import RolloutCounters, SampleScorer, generate_samples
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class PolicyHandles:
     pad_token_id: int
     teacher: torch.nn.Module | None = None  # frozen GPTModel (OPD)
 
+    @property
+    def shared_engine(self) -> bool:
+        """One engine serves both policies (rollout.anchor_engine shared); their weights take turns in it."""
+        return self.ref_engine is self.actor_engine
+
 
 @dataclass
 class PreparedBatch:
@@ -94,20 +100,28 @@ class RLTrainer:
     """Runs RL steps; owns no I/O besides the engines (metrics/checkpoints are the caller's).
 
     With a `gate` (MIPU Step 2) every step snapshots the actor first and rolls back actor, optimizer
-    and engine when the post-update inference gap is out of tolerance.
+    and engine when the post-update inference gap is out of tolerance. With an `anchor_cache` a
+    prompt's anchors are sampled once per reference (see trainer/anchor_cache.py).
+
+    With one engine shared by both policies, `engine_holds` names the policies whose current weights
+    it holds: the actor's after every push of them (engines start with them: run.py pushes them when
+    they might not), both right after a reference reset (the reference is then the actor), the
+    reference's after an anchor phase. Every rank runs the same calls, so it is the same on all ranks.
     """
 
     def __init__(
         self, ctx: DistributedContext, handles: PolicyHandles, plan: StepPlan, sampler: PromptSampler,
         sampling: SamplingParams, scorer: SampleScorer, loss: LossSettings, optim: OptimizerSettings,
         gate: InferenceGapGate | None = None, constraint: SubspaceConstraint | None = None,
-        constraint_capture_step: int = 0,
+        constraint_capture_step: int = 0, anchor_cache: AnchorCache | None = None,
     ) -> None:
         self.ctx, self.h, self.plan, self.sampler = ctx, handles, plan, sampler
         self.sampling, self.scorer, self.loss, self.optim = sampling, scorer, loss, optim
         self.gate = gate
         self.constraint, self.constraint_capture_step = constraint, constraint_capture_step
+        self.anchor_cache = anchor_cache
         self.optimizer_steps = 0
+        self.engine_holds: set[str] = {"actor"}  # "actor" / "ref": meaningful for a shared engine only
 
     # ----- rollout -------------------------------------------------------------------------
     def collect_groups(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -119,19 +133,16 @@ class RLTrainer:
         )
         on_policy_all: list[Sample] = []
         anchors_all: list[Sample] = []
+        counters = RolloutCounters()
+        phases = {"actor": self.sample_on_policy, "ref": self.sample_anchors}
         while not collector.done:
             batch_index = collector.num_gen_batches
             prompts = [dataclasses.replace(p, index=i) for i, p in enumerate(self.sampler.next_batch())]
-            on_policy = generate_samples(
-                self.h.actor_engine, prompts, plan.actor_n, self.sampling, self.scorer, is_anchor=False,
-                seed=(plan.seed, step, batch_index, "actor"),
-            )
-            anchors = []
-            if plan.uses_anchors:
-                anchors = generate_samples(
-                    self.h.ref_engine, prompts, plan.ref_n, self.sampling, self.scorer, is_anchor=True,
-                    seed=(plan.seed, step, batch_index, "ref"),
-                )
+            samples = {
+                policy: phases[policy](prompts, (plan.seed, step, batch_index, policy), counters)
+                for policy in self.phase_order()
+            }
+            on_policy, anchors = samples["actor"], samples.get("ref", [])
             groups, stats = build_groups(
                 on_policy + anchors, require_anchor=plan.uses_anchors, filter_groups=plan.filter_groups
             )
@@ -150,8 +161,47 @@ class RLTrainer:
         }
         if anchors_all:
             metrics["armor/anchor_accuracy"] = _mean([float(s.correct) for s in anchors_all])
+        metrics.update(counters.metrics(
+            uses_anchors=plan.uses_anchors, cache=self.anchor_cache is not None, shared=self.h.shared_engine
+        ))
         metrics.update(self.h.actor_engine.metrics())
         return groups, metrics
+
+    def phase_order(self) -> tuple[str, ...]:
+        """Policies to sample in a generation batch: the actor, and the reference for ARMOR's anchors.
+
+        A shared engine samples first with the weights it holds, so a batch swaps them at most once:
+        with one generation batch per step that is one reference push per step, the actor's weights
+        being pushed after the update anyway.
+        """
+        if not self.plan.uses_anchors:
+            return ("actor",)
+        return ("ref", "actor") if "actor" not in self.engine_holds else ("actor", "ref")
+
+    def sample_on_policy(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
+        """`actor_n` scored samples of every prompt from the actor (collective)."""
+        counters.add_push("actor", self.load_into_shared_engine("actor"))
+        return generate_samples(
+            self.h.actor_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False, seed=seed
+        )
+
+    def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
+        """`ref_n` anchors of every prompt from the reference, sampled or from the cache (collective)."""
+        start = time.perf_counter()
+
+        def generate(missing: list[PromptRow]) -> list[Sample]:
+            counters.add_push("ref", self.load_into_shared_engine("ref"))
+            return generate_samples(
+                self.h.ref_engine, missing, self.plan.ref_n, self.sampling, self.scorer, is_anchor=True, seed=seed
+            )
+
+        if self.anchor_cache is None:
+            anchors = generate(prompts)
+        else:
+            anchors, hits = self.anchor_cache.fetch(prompts, generate)
+            counters.anchor_cache_hits += hits
+        counters.anchor_seconds += time.perf_counter() - start
+        return anchors
 
     # ----- training batch ------------------------------------------------------------------
     def prepare_batch(self, groups: list[list[Sample]]) -> PreparedBatch:
@@ -281,18 +331,40 @@ class RLTrainer:
     # ----- weights -------------------------------------------------------------------------
     def sync_actor_to_engine(self) -> SyncReport:
         """Push the actor's current weights (TP- and PP-gathered, HF-named) into the on-policy engine."""
-        return push_weights(self.h.actor_engine, gather_all_stages_hf_weights(self.h.actor.module, self.h.shape))
+        return self._push("actor")
+
+    def sync_ref_to_engine(self) -> SyncReport:
+        """Push the reference model's weights into the anchor engine."""
+        return self._push("ref")
+
+    def load_into_shared_engine(self, policy: str) -> SyncReport | None:
+        """With one shared engine, push `policy`'s weights ("actor" | "ref") unless it holds them; else None."""
+        if not self.h.shared_engine or policy in self.engine_holds:
+            return None
+        return self._push(policy)
 
     def reset_reference(self) -> None:
-        """Reference reset (ARMOR §4): the reference model and anchor engine become the current actor."""
+        """Reference reset (ARMOR §4): the reference model and anchor engine become the current actor.
+
+        Cached anchors are dropped; a shared engine holding the actor needs no push (it holds both now).
+        """
         with torch.no_grad():
             for ref_param, actor_param in zip(self.h.ref.parameters(), self.h.actor.module.parameters()):
                 ref_param.copy_(actor_param)
-        self.sync_ref_to_engine()
+        if self.anchor_cache is not None:
+            self.anchor_cache.clear()
+        if not self.h.shared_engine:
+            self.sync_ref_to_engine()
+        else:
+            self.engine_holds = {"actor", "ref"} if "actor" in self.engine_holds else set()
 
-    def sync_ref_to_engine(self) -> None:
-        """Push the reference model's weights into the anchor engine."""
-        push_weights(self.h.ref_engine, gather_all_stages_hf_weights(self.h.ref, self.h.shape))
+    def _push(self, policy: str) -> SyncReport:
+        h = self.h
+        engine, module = (h.actor_engine, h.actor.module) if policy == "actor" else (h.ref_engine, h.ref)
+        report = push_weights(engine, gather_all_stages_hf_weights(module, self.h.shape))
+        if self.h.shared_engine:
+            self.engine_holds = {policy}
+        return report
 
 
 def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:

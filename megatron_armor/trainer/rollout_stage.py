@@ -19,6 +19,7 @@ from megatron_armor.data.types import Sample
 from megatron_armor.rewards.overlong import overlong_penalty
 from megatron_armor.rewards.registry import score
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.rollout.weight_sync import SyncReport
 
 RewardFn = Callable[[str, dict], tuple[float, bool]]
 
@@ -61,6 +62,40 @@ class SampleScorer:
             reward=float(reward),
             correct=bool(correct),
         )
+
+
+@dataclass
+class RolloutCounters:
+    """What one step's rollout spent on anchors and on swapping weights in a shared engine (seconds, counts)."""
+
+    anchor_seconds: float = 0.0  # anchor phases, ref pushes included
+    ref_push_seconds: float = 0.0
+    actor_restore_seconds: float = 0.0  # actor pushes back into a shared engine after an anchor phase
+    weight_swaps: int = 0  # pushes into a shared engine
+    anchor_cache_hits: int = 0  # prompts whose anchors came from the cache
+
+    def add_push(self, policy: str, report: SyncReport | None) -> None:
+        """Count a push of `policy`'s weights ("actor" | "ref") into a shared engine; None: none was needed."""
+        if report is None:
+            return
+        self.weight_swaps += 1
+        if policy == "ref":
+            self.ref_push_seconds += report.seconds
+        else:
+            self.actor_restore_seconds += report.seconds
+
+    def metrics(self, *, uses_anchors: bool, cache: bool, shared: bool) -> dict[str, float]:
+        """The step's metrics: anchor time, cache hits (with a cache), pushes and their time (shared engine)."""
+        metrics = {"perf/anchor_rollout_seconds": self.anchor_seconds} if uses_anchors else {}
+        if cache:
+            metrics["armor/anchor_cache_hits"] = float(self.anchor_cache_hits)
+        if shared and uses_anchors:
+            metrics.update({
+                "perf/ref_weight_push_seconds": self.ref_push_seconds,
+                "perf/actor_weight_restore_seconds": self.actor_restore_seconds,
+                "rollout/weight_swaps": float(self.weight_swaps),
+            })
+        return metrics
 
 
 def call_seed(*parts: object) -> int:

@@ -24,6 +24,7 @@ from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
@@ -158,8 +159,10 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     constraint = (
         subspace_constraint(actor, cfg.train.subspace_k, cfg.train.subspace_mode) if cfg.train.subspace_capture_step else None
     )
+    anchor_cache = AnchorCache(cfg.rollout.anchor_cache_max_prompts) if cfg.rollout.cache_anchors else None
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
-                        constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step)
+                        constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step,
+                        anchor_cache=anchor_cache)
     modules = {"actor": ddp, "optimizer": optimizer}
     if constraint is not None:
         modules["subspace"] = constraint
@@ -214,10 +217,13 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         trainer.optimizer_steps = state.extra["optimizer_steps"]
         if gate is not None:
             gate.load_state_dict(state.extra["mipu_gate"])
+        if trainer.anchor_cache is not None and "anchor_cache" in state.extra:  # absent: saved with the cache off
+            trainer.anchor_cache.load_state_dict(state.extra["anchor_cache"])
         start_step = state.step
         log.info("resumed from %s (step %d)", resume_from, start_step)
     # Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything;
     # a local engine for a Megatron checkpoint is built from its config): push what the trainer holds.
+    # A shared engine gets the reference's weights before its first anchor phase.
     remote_engines = handles.actor_engine.shared_across_ranks
     if resume_from is not None or remote_engines or is_megatron_checkpoint(paths.model_path):
         trainer.sync_actor_to_engine()
@@ -259,6 +265,8 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             extra = {"optimizer_steps": trainer.optimizer_steps}
             if gate is not None:
                 extra["mipu_gate"] = gate.state_dict()
+            if trainer.anchor_cache is not None:
+                extra["anchor_cache"] = trainer.anchor_cache.state_dict()
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
             save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last, write_extra=export_model)
     metrics_log.close()
@@ -271,13 +279,15 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
 def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[RolloutEngine, RolloutEngine]:
     """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers.
 
-    An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's (and,
-    for ARMOR, the reference's) weights before the first rollout.
+    The two are one object with rollout.anchor_engine shared (and for algorithms without anchors on
+    SGLang). An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's
+    (and, for ARMOR, the reference's) weights before the first rollout.
     """
     rollout = cfg.rollout
     if rollout.backend == "local":
         options = dict(pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
-        return _local_engine(paths.model_path, **options), _local_engine(paths.ref_path, **options)
+        actor = _local_engine(paths.model_path, **options)
+        return actor, actor if rollout.anchor_engine == "shared" else _local_engine(paths.ref_path, **options)
     from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20)

@@ -1,0 +1,79 @@
+"""Anchor cache (`rollout.cache_anchors`): a prompt's anchors are sampled once and reused until the reference resets.
+
+ARMOR regenerates anchors every step (armor.md §1). While the reference is frozen its samples of a
+prompt are draws from the same distribution at every step, so reusing them saves the anchor
+generation of every prompt seen before. The trainer clears the cache when the reference is reset.
+
+Every rank holds the same all-gathered samples and makes the same calls in the same order, so
+every rank's cache is identical; nothing here depends on the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from megatron_armor.data.datasets import PromptRow
+from megatron_armor.data.types import Sample
+
+PromptKey = tuple[int, ...]  # a prompt's token ids
+
+
+class AnchorCache:
+    """Anchors by prompt token ids, at most `max_prompts` prompts (least recently used evicted first)."""
+
+    def __init__(self, max_prompts: int) -> None:
+        if max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+        self.max_prompts = max_prompts
+        self._anchors: OrderedDict[PromptKey, list[Sample]] = OrderedDict()  # oldest use first
+
+    def __len__(self) -> int:
+        return len(self._anchors)
+
+    def fetch(
+        self, prompts: Sequence[PromptRow], generate: Callable[[list[PromptRow]], list[Sample]]
+    ) -> tuple[list[Sample], int]:
+        """Anchors of every prompt, ordered by prompt, each with that prompt's `index` as `prompt_index`.
+
+        `generate(missing)` samples the anchors of the prompts not cached (once per distinct prompt);
+        it is not called when every prompt is cached. Returns (anchors, cache hits), the hits
+        counting the prompts served from anchors cached before this call.
+        """
+        keys = [tuple(p.prompt_ids) for p in prompts]
+        hits = sum(key in self._anchors for key in keys)
+        missing = list({key: p for key, p in zip(keys, prompts) if key not in self._anchors}.values())
+        anchors = {key: self._anchors[key] for key in keys if key in self._anchors}
+        anchors.update({tuple(p.prompt_ids): [] for p in missing})
+        for sample in generate(missing) if missing else []:
+            anchors[tuple(sample.prompt_ids)].append(sample)
+        for key in keys:
+            self._store(key, anchors[key])
+        served = [dataclasses.replace(a, prompt_index=p.index) for key, p in zip(keys, prompts) for a in anchors[key]]
+        return served, hits
+
+    def clear(self) -> None:
+        """Forget every anchor (the reference changed)."""
+        self._anchors.clear()
+
+    def _store(self, key: PromptKey, anchors: list[Sample]) -> None:
+        self._anchors[key] = anchors
+        self._anchors.move_to_end(key)
+        while len(self._anchors) > self.max_prompts:
+            self._anchors.popitem(last=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state: every cached prompt's token ids and anchors, least recently used first."""
+        return {
+            "prompts": [
+                {"prompt_ids": list(key), "anchors": [dataclasses.asdict(a) for a in anchors]}
+                for key, anchors in self._anchors.items()
+            ]
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._anchors.clear()
+        for entry in state["prompts"]:
+            self._store(tuple(entry["prompt_ids"]), [Sample(**a) for a in entry["anchors"]])

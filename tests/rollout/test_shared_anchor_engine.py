@@ -1,0 +1,52 @@
+"""`armor train` (TP=2): one SGLang-schema server for actor and reference (anchor_engine shared), cached anchors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_armor.data.datasets import write_jsonl
+from megatron_armor.rewards.arithmetic import make_rows
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
+
+
+def test_one_server_serves_actor_and_reference_with_cached_anchors(
+    start_server, tiny_model_factory, synthetic_cache, tmp_path
+):
+    # The server loads an untrained checkpoint: anchors are correct only if the reference's (warm-started)
+    # weights were pushed, and on-policy logprobs match the trainer's only if the actor's were pushed back.
+    server = start_server(tiny_model_factory("qwen2"))
+    SGLangEngine([server.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
+    # 16 training prompts = one generation batch (reshuffled each time); the cache holds 8 of them, so every
+    # later batch serves 8 prompts from it and samples the anchors of the other 8.
+    train = tmp_path / "train.jsonl"
+    write_jsonl(make_rows(400, seed=1234)[:16], train)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "2",
+           "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
+           "--task.num_val_rows", "16", "--data.train_path", str(train), "--eval.every", "0",
+           "--eval.before_train", "false", "--checkpoint.every", "2", "--checkpoint.save_model", "false",
+           "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false",
+           "--train.lr", "5e-4", "--train.warmup_steps", "0",  # the actor moves away from the reference at once
+           "--rollout.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang_urls", server.url,
+           "--rollout.anchor_engine", "shared", "--rollout.cache_anchors", "true",
+           "--rollout.anchor_cache_max_prompts", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:] + server.output()[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, second = rows
+    assert first["armor/anchor_cache_hits"] == 8 * (first["train/num_gen_batches"] - 1)
+    assert second["armor/anchor_cache_hits"] == 8 * second["train/num_gen_batches"]
+    for row in rows:
+        # Each generation batch swaps the weights once: actor samples, reference pushed, anchors; next batch:
+        # anchors first, actor pushed back, actor samples.
+        assert row["rollout/weight_swaps"] == row["train/num_gen_batches"] >= 2
+        assert row["perf/ref_weight_push_seconds"] > 0 and row["perf/actor_weight_restore_seconds"] > 0
+        assert row["mismatch/logprob_abs_diff"] < 1e-3  # every on-policy sample came from the actor's weights
+        assert row["armor/anchors_used"] == row["armor/prompts_kept"] == 8  # correct anchors: reference pushed
+    assert abs(second["mix_kl/kl_on_old"]) > 1e-3  # the actor left the reference: a missed swap would show above
+    state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert len(state["extra"]["anchor_cache"]["prompts"]) == 8
