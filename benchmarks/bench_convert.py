@@ -6,13 +6,14 @@ Makes a random Qwen3-architecture HF checkpoint locally (default: hidden 1024, 8
     import only            python + torch + megatron-core imports (the floor every conversion process pays)
     safetensors load_file  the whole state dict into memory (the plain way to read the files)
     hf->megatron tpN ppM   `armor convert hf-to-megatron` (N x M rank processes under torchrun)
-    megatron->hf           `armor convert megatron-to-hf` (one process)
+    megatron->hf pp1       `armor convert megatron-to-hf` (one process)
+    megatron->hf ppK       `armor convert megatron-to-hf --pp K` (K processes, one pipeline stage each)
 
 and prints wall time, throughput (checkpoint GB / wall s, start-up included) and the peak RSS of the
 largest single process of each tree (`ru_maxrss` of waited-for descendants), with ratios to load_file.
 
     python benchmarks/bench_convert.py                       # defaults above
-    python benchmarks/bench_convert.py --hidden 2048 --layers 16 --tp 2 --pp 2
+    python benchmarks/bench_convert.py --hidden 2048 --layers 16 --tp 2 --pp 2 --export-pp 4
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--tp", type=int, default=2, help="layout of the second hf->megatron run (the first is tp1 pp1)")
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--export-pp", type=int, default=2, help="processes of the second megatron->hf run")
     parser.add_argument("--work-dir", help="where the checkpoints go (default: a temporary directory)")
     args = parser.parse_args()
 
@@ -88,7 +90,11 @@ def main() -> None:
                 *convert, "hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(work / "m2"),
                 "--tp", str(args.tp), "--pp", str(args.pp),
             ],
-            "megatron->hf": [*convert, "megatron-to-hf", "--megatron-path", str(work / "m2"), "--out", str(work / "hf2")],
+            "megatron->hf pp1": [*convert, "megatron-to-hf", "--megatron-path", str(work / "m2"), "--out", str(work / "hf2")],
+            f"megatron->hf pp{args.export_pp}": [
+                *convert, "megatron-to-hf", "--megatron-path", str(work / "m2"), "--out", str(work / "hf3"),
+                "--pp", str(args.export_pp),
+            ],
         }
         results = {name: measure(command) for name, command in runs.items()}
 
@@ -101,7 +107,8 @@ def main() -> None:
         print(f"{name:<24}{r['wall_s']:>8.2f}{throughput:>8}{r['peak_rss'] / GB:>13.3f}"
               f"{r['peak_rss'] / base['peak_rss']:>13.2f}{r['wall_s'] / base['wall_s']:>8.2f}")
     print("peak RSS = largest single process of the run; 'import only' (python + torch + megatron-core) is the "
-          "floor every conversion process pays; megatron->hf also buffers up to one output shard (--max-shard-size).")
+          "floor every conversion process pays; a megatron->hf process holds its pipeline stage (model / pp) plus the "
+          "split tensors of one output shard (--max-shard-size).")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from megatron_armor.config import ConfigError, config_fields, load_config
 from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
+from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
 from megatron_armor.utils.quiet import quiet_third_party_noise
@@ -92,8 +93,7 @@ def torchrun_argv(argv: Sequence[str], nproc: int, port: int) -> list[str]:
         if arg.startswith("--nproc="):
             continue
         rest.append(arg)
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
-            "-m", "megatron_armor.cli", *rest]
+    return torchrun_command(nproc, ["megatron_armor.cli", *rest], master_port=port)
 
 
 def _enable_triton_interpreter_without_gpu() -> None:

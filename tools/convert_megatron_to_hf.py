@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Megatron distributed checkpoint -> HF safetensors checkpoint (same as `armor convert megatron-to-hf`).
 
-    python tools/convert_megatron_to_hf.py --megatron-path DIR --out DIR [--overwrite] [--max-shard-size GB]
+    python tools/convert_megatron_to_hf.py --megatron-path DIR --out DIR [--pp M] [--overwrite] [--max-shard-size GB]
 """
 
 import sys

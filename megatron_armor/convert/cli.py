@@ -1,11 +1,12 @@
 """`armor convert hf-to-megatron|megatron-to-hf`: the subcommand, its handler, and a standalone main.
 
     armor convert hf-to-megatron --hf-path DIR --out DIR --tp N --pp M [--overwrite]
-    armor convert megatron-to-hf --megatron-path DIR --out DIR [--overwrite] [--max-shard-size GB]
+    armor convert megatron-to-hf --megatron-path DIR --out DIR [--pp M] [--overwrite]
+                                 [--max-shard-size GB]
 
 `python -m megatron_armor.convert.cli ...` is the same command; hf-to-megatron re-runs it under
-torchrun for its tp x pp ranks. Keep this module's imports light: Megatron's checkpoint writer
-spawns a helper process that re-imports the main module.
+torchrun for its tp x pp ranks, megatron-to-hf for its pp ranks (pp > 1). Keep this module's
+imports light: Megatron's checkpoint writer spawns a helper process that re-imports the main module.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     """Add `convert` (with `hf-to-megatron` and `megatron-to-hf`) to an argparse subparsers object.
@@ -33,19 +41,23 @@ def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     )
     to_megatron.add_argument("--hf-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
     to_megatron.add_argument("--out", required=True, help="output directory for the Megatron checkpoint")
-    to_megatron.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at (and processes)")
-    to_megatron.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at (and processes)")
+    to_megatron.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size to save at (and processes)")
+    to_megatron.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size to save at (and processes)")
     to_megatron.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at --out")
     to_megatron.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank under torchrun
     to_hf = directions.add_parser(
         "megatron-to-hf", help="Megatron distributed checkpoint -> HF safetensors",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Export in one process, streaming tensors into safetensors shards with an index.",
+        description="Export with pp local processes, each loading only its pipeline stage and writing its "
+                    "tensors into safetensors files (renamed to one HF checkpoint with an index).",
     )
     to_hf.add_argument("--megatron-path", required=True, help="directory written by hf-to-megatron (or the trainer)")
     to_hf.add_argument("--out", required=True, help="output directory for the HF checkpoint")
+    to_hf.add_argument("--pp", type=_positive_int, default=1,
+                       help="processes, one pipeline stage each (memory per process ~ model / pp); divides the layers")
     to_hf.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at --out")
     to_hf.add_argument("--max-shard-size", type=float, default=2.0, help="largest safetensors file, in GB")
+    to_hf.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank under torchrun
     parser.set_defaults(handler=run_convert)
     return parser
 
@@ -81,11 +93,16 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def _megatron_to_hf(args: argparse.Namespace) -> int:
-    from megatron_armor.convert.hf_export import convert_megatron_to_hf
+    from megatron_armor.convert.hf_export import convert_megatron_to_hf, write_hf_stage
 
     max_shard_bytes = int(args.max_shard_size * 1024**3)
-    out = convert_megatron_to_hf(args.megatron_path, args.out, overwrite=args.overwrite, max_shard_bytes=max_shard_bytes)
-    print(f"wrote Hugging Face checkpoint {out}")
+    if args.worker:  # one of the pp ranks launched by convert_megatron_to_hf
+        write_hf_stage(args.megatron_path, args.out, pp=args.pp, max_shard_bytes=max_shard_bytes)
+        return 0
+    out = convert_megatron_to_hf(
+        args.megatron_path, args.out, pp=args.pp, overwrite=args.overwrite, max_shard_bytes=max_shard_bytes
+    )
+    print(f"wrote Hugging Face checkpoint {out} (exported by {args.pp} process(es))")
     return 0
 
 

@@ -1,9 +1,18 @@
-"""Megatron distributed checkpoint -> HF safetensors checkpoint (sharded, with an index).
+"""Megatron distributed checkpoint -> HF safetensors checkpoint (sharded, with an index), by pp processes.
 
-One process loads the checkpoint at TP=1, PP=1 (whatever layout it was saved at) and streams
-full HF-named tensors from the one mapping table (`gather_hf_weights`) into safetensors files of at
-most `max_shard_bytes` each. Peak memory: the model once plus one output shard being assembled.
-config.json, tokenizer and generation files are copied back verbatim.
+`convert_megatron_to_hf` validates the input and output, then runs `write_hf_stage` on pp ranks: in
+this process for pp=1, else by launching `python -m megatron_armor.convert.cli megatron-to-hf ...`
+again under torchrun. Each rank builds only its pipeline stage at TP=1, loads its slices of the
+checkpoint (saved at any layout) and streams its full HF-named tensors (`gather_hf_weights`) into
+its own safetensors files (`model-s{stage:02d}-{k:05d}.safetensors`, at most `max_shard_bytes`
+each). Rank 0 then gives the files HF's names (`model-0000i-of-0000n.safetensors`, stage order;
+one file: `model.safetensors`), writes `model.safetensors.index.json` and copies config.json,
+tokenizer and generation files verbatim; the staging directory is published when all is complete.
+
+Memory per process: its stage's parameters (about model / pp; the unit is a stage, not a layer,
+because Megatron builds and loads a stage as one module), a transient copy of them while
+`load_megatron_weights` fills them, and the HF tensors buffered for the output file being
+assembled (at most `max_shard_bytes`).
 """
 
 from __future__ import annotations
@@ -11,36 +20,51 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_armor.convert.hf_inputs import side_files
+from megatron_armor.convert.hf_to_megatron import ConversionError
 from megatron_armor.convert.megatron_checkpoint import INFO_FILE, load_megatron_weights, read_checkpoint_info
-from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish
+from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish, staging_dir
 from megatron_armor.convert.weights import gather_hf_weights
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import load_model_shape, transformer_config
+from megatron_armor.models.hf_config import check_parallel_layout, load_model_shape, transformer_config
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class SafetensorsShardWriter:
-    """Writes named tensors to `model-0000i-of-0000n.safetensors` files (or one `model.safetensors`).
+@dataclass(frozen=True)
+class WrittenShard:
+    """One safetensors file written by `SafetensorsShardWriter`, before it gets its final name."""
 
-    Tensors are buffered until the next one would push the shard past `max_shard_bytes`; a single
-    larger tensor gets a shard of its own. `close()` names the files and writes the index.
+    file: str  # name in the output directory
+    tensor_names: list[str]
+    num_bytes: int  # bytes of its tensors
+
+
+class SafetensorsShardWriter:
+    """Writes named tensors to `{prefix}-{k:05d}.safetensors` files of at most `max_shard_bytes` each.
+
+    Tensors are buffered until the next one would push the file past `max_shard_bytes`; a single
+    larger tensor gets a file of its own. `close()` returns the files in order; `name_shards` gives
+    them HF's names and writes the index.
     """
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *, prefix: str = "model-s00") -> None:
+        self.out_dir, self.max_shard_bytes, self.prefix = out_dir, max_shard_bytes, prefix
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
-        self._shards: list[list[str]] = []  # tensor names of each written shard
-        self.total_bytes = 0
+        self._shards: list[WrittenShard] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -48,31 +72,34 @@ class SafetensorsShardWriter:
             self._flush()
         self._buffer[name] = tensor.contiguous()
         self._buffer_bytes += size
-        self.total_bytes += size
 
-    def close(self) -> None:
+    def close(self) -> list[WrittenShard]:
         self._flush()
-        count = len(self._shards)
-        if count == 1:
-            os.replace(self._temporary_name(0), self.out_dir / "model.safetensors")
-            return
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self._temporary_name(i), self.out_dir / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return self._shards
 
     def _flush(self) -> None:
         if not self._buffer:
             return
-        save_file(self._buffer, self._temporary_name(len(self._shards)), metadata={"format": "pt"})
-        self._shards.append(list(self._buffer))
+        file = f"{self.prefix}-{len(self._shards):05d}.safetensors"
+        save_file(self._buffer, self.out_dir / file, metadata={"format": "pt"})
+        self._shards.append(WrittenShard(file, list(self._buffer), self._buffer_bytes))
         self._buffer, self._buffer_bytes = {}, 0
 
-    def _temporary_name(self, index: int) -> Path:
-        return self.out_dir / f"shard-{index:05d}.safetensors.tmp"
+
+def name_shards(out_dir: Path, shards: list[WrittenShard]) -> None:
+    """Rename `shards` (in order) to `model-0000i-of-0000n.safetensors` and write the index;
+    a single file becomes `model.safetensors` (no index)."""
+    if len(shards) == 1:
+        os.replace(out_dir / shards[0].file, out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out_dir / shard.file, out_dir / final)
+        weight_map.update(dict.fromkeys(shard.tensor_names, final))
+    total = sum(shard.num_bytes for shard in shards)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def is_hf_checkpoint(path: Path) -> bool:
@@ -80,29 +107,57 @@ def is_hf_checkpoint(path: Path) -> bool:
 
 
 def convert_megatron_to_hf(
-    megatron_dir: str | Path, out: str | Path, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    megatron_dir: str | Path, out: str | Path, *, pp: int = 1, overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write the HF checkpoint of Megatron checkpoint `megatron_dir` to `out`; returns `out`.
+    """Write the HF checkpoint of Megatron checkpoint `megatron_dir` to `out` with `pp` processes; returns `out`.
 
-    Initialises (and tears down) a one-process torch.distributed group; run it outside torchrun.
+    pp=1 runs here, initialising (and tearing down) a one-process torch.distributed group: call it
+    outside torchrun. pp > 1 launches pp processes under torchrun, one pipeline stage each; it must
+    divide the layer count. Every check runs before anything is written; on failure nothing is left
+    at `out` (an existing checkpoint there is only replaced, with `overwrite`, once the new one is complete).
     """
-    info = read_checkpoint_info(megatron_dir)
-    shape = load_model_shape(megatron_dir)
+    read_checkpoint_info(megatron_dir)
+    check_parallel_layout(load_model_shape(megatron_dir), 1, pp)
     check_output_dir(out, overwrite=overwrite, is_checkpoint=is_hf_checkpoint, kind="Hugging Face")
     staging = fresh_staging_dir(out)
     try:
-        initialize_distributed(1, 1, 1)
-        model = build_gpt_model(shape, transformer_config(shape, params_dtype=info.torch_dtype), trainable=False)
-        load_megatron_weights(model, megatron_dir)
-        writer = SafetensorsShardWriter(staging, max_shard_bytes)
-        for name, tensor in gather_hf_weights(model, shape):
-            writer.add(name, tensor.to(info.torch_dtype))  # Megatron keeps norm weights in fp32
-        writer.close()
-        for path in side_files(megatron_dir):
-            if path.name != INFO_FILE:
-                shutil.copy2(path, staging / path.name)
+        if pp == 1:
+            write_hf_stage(megatron_dir, out, pp=1, max_shard_bytes=max_shard_bytes)
+        else:
+            command = torchrun_command(pp, [
+                "megatron_armor.convert.cli", "megatron-to-hf", "--megatron-path", str(megatron_dir),
+                "--out", str(out), "--pp", str(pp), "--max-shard-size", repr(max_shard_bytes / 1024**3), "--worker",
+            ])
+            if subprocess.call(command) != 0:
+                raise ConversionError(
+                    f"exporting {megatron_dir} failed in a worker process (output above); nothing written to {out}"
+                )
         publish(staging, out)
     finally:
-        destroy_distributed()
         discard(staging)
     return Path(out)
+
+
+def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_shard_bytes: int) -> None:
+    """This rank's pipeline stage of the export, into `staging_dir(out)`; collective over pp ranks (TP=1)."""
+    info, shape, staging = read_checkpoint_info(megatron_dir), load_model_shape(megatron_dir), staging_dir(out)
+    initialize_distributed(1, pp, 1)
+    try:
+        config = transformer_config(shape, pp_size=pp, params_dtype=info.torch_dtype)
+        model = build_gpt_model(shape, config, trainable=False)  # this stage only: ~ model / pp
+        load_megatron_weights(model, megatron_dir)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        writer = SafetensorsShardWriter(staging, max_shard_bytes, prefix=f"model-s{stage:02d}")
+        for name, tensor in gather_hf_weights(model, shape):
+            writer.add(name, tensor.to(info.torch_dtype))  # Megatron keeps norm weights in fp32
+        written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp
+        dist.all_gather_object(written, (stage, writer.close()))
+        if dist.get_rank() == 0:
+            name_shards(staging, [shard for _, shards in sorted(written) for shard in shards])
+            for path in side_files(megatron_dir):
+                if path.name != INFO_FILE:
+                    shutil.copy2(path, staging / path.name)
+        dist.barrier()
+    finally:
+        destroy_distributed()

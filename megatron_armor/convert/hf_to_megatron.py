@@ -10,7 +10,6 @@ largest full HF tensor) and saves it with Megatron's `dist_checkpointing`.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
@@ -18,6 +17,7 @@ from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_c
 from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish, staging_dir
 from megatron_armor.convert.weights import load_hf_weights
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import check_parallel_layout, transformer_config
 
@@ -38,11 +38,10 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int, pp: 
     check_output_dir(out, overwrite=overwrite, is_checkpoint=is_megatron_checkpoint, kind="Megatron")
     staging = fresh_staging_dir(out)
     try:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
-            "-m", "megatron_armor.convert.cli", "hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out),
+        command = torchrun_command(tp * pp, [
+            "megatron_armor.convert.cli", "hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out),
             "--tp", str(tp), "--pp", str(pp), "--worker",
-        ]
+        ])
         if subprocess.call(command) != 0:
             raise ConversionError(f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}")
         publish(staging, out)

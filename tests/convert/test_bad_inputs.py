@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from megatron_armor.convert import hf_to_megatron
 from megatron_armor.convert.cli import main
-from megatron_armor.convert.hf_export import SafetensorsShardWriter
+from megatron_armor.convert.hf_export import SafetensorsShardWriter, name_shards
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, INFO_FILE
 from megatron_armor.convert.output_dir import staging_dir
 
@@ -23,7 +23,7 @@ def hf_copy(tiny_model_factory, tmp_path):
     writer = SafetensorsShardWriter(copy, max_shard_bytes=100_000)
     for name, tensor in load_file(source / "model.safetensors").items():
         writer.add(name, tensor)
-    writer.close()
+    name_shards(copy, writer.close())
     return copy
 
 

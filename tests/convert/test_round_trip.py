@@ -1,5 +1,6 @@
-"""HF -> Megatron (saved at TP=2 x PP=2) -> HF round trips, and logits of the converted checkpoints
-loaded at TP=1, TP=2 and PP=2 against the HF forward, for each supported architecture."""
+"""HF -> Megatron (saved at TP=2 x PP=2) -> HF round trips (exported by one process, or one per
+pipeline stage), and logits of the converted checkpoints loaded at TP=1, TP=2 and PP=2 against the
+HF forward, for each supported architecture."""
 
 import json
 import shutil
@@ -10,11 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from launcher import run_workers
+from megatron_armor.convert.cli import main
+from megatron_armor.convert.hf_export import INDEX_FILE
 from megatron_armor.convert.hf_inputs import side_files
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, read_checkpoint_info
+from megatron_armor.convert.output_dir import staging_dir
 from megatron_armor.convert.weights import HFCheckpointReader
 
 TOOLS = Path(__file__).parents[2] / "tools"
@@ -27,6 +32,9 @@ VARIANTS = {
 BF16 = "qwen3-bf16"  # round trip only, saved at TP=1 x PP=1: Megatron holds norm weights in fp32
 # Export shard limit: tiny for qwen2 (several safetensors files + index), default for the others.
 MAX_SHARD_GB = {"qwen2": "0.0001"}
+# Export processes (one pipeline stage each): qwen2 (saved at PP=2, several files per stage) and the
+# tied bf16 model (saved at PP=1, so loaded resharded; the last stage's output-layer copy is not exported).
+EXPORT_PP = {"qwen2": "2", BF16: "2"}
 
 
 def bf16_copy(hf_dir: Path, out: Path) -> Path:
@@ -58,7 +66,7 @@ def test_round_trip_is_bitwise(variant, converted, tmp_path):
     assert (info.tensor_parallel_size, info.pipeline_parallel_size) == ((1, 1) if variant == BF16 else (2, 2))
     out = tmp_path / "hf"
     command = [sys.executable, str(TOOLS / "convert_megatron_to_hf.py"), "--megatron-path", str(megatron_dir),
-               "--out", str(out), "--max-shard-size", MAX_SHARD_GB.get(variant, "2")]
+               "--out", str(out), "--max-shard-size", MAX_SHARD_GB.get(variant, "2"), "--pp", EXPORT_PP.get(variant, "1")]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -67,8 +75,15 @@ def test_round_trip_is_bitwise(variant, converted, tmp_path):
     for name in original.names():
         a, b = original.get(name), exported.get(name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    if variant in MAX_SHARD_GB:
-        assert len(set(exported.weight_map.values())) > 1  # several files, read back through the index
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files == sorted(set(exported.weight_map.values()))  # stage files renamed, none left over
+    if variant in MAX_SHARD_GB or variant in EXPORT_PP:
+        assert len(files) > 1  # several files, read back through the index
+        index = json.loads((out / INDEX_FILE).read_text())
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in map(exported.get, exported.names()))
+    if variant in EXPORT_PP:  # transformers reads the stage-written files through the index
+        loaded, reference = (AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (out, hf_dir))
+        assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)
     assert json.loads((out / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
     assert [p.name for p in side_files(out)] == [p.name for p in side_files(hf_dir)]
     assert all(p.read_bytes() == (hf_dir / p.name).read_bytes() for p in side_files(out))
@@ -86,3 +101,10 @@ def test_converted_logits_match_hf_at_tp1_tp2_pp2(converted, tmp_path):
                 merged[key] = max(diff, merged.get(key, 0.0))
     assert len(merged) == 3 * len(VARIANTS), sorted(merged)  # every layout of every variant compared
     assert max(merged.values()) < 1e-4, merged
+
+
+def test_export_pp_that_does_not_divide_the_layers_is_refused(converted, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["megatron-to-hf", "--megatron-path", str(converted["qwen2"][1]), "--out", str(out), "--pp", "3"]) == 2
+    assert "num_hidden_layers=2 is not divisible by pipeline_parallel_size=3" in capsys.readouterr().err
+    assert not out.exists() and not staging_dir(out).exists()
