@@ -49,6 +49,7 @@ class StepPlan:
     seed: int
     opd_beta: float = 1.0  # A_t = opd_alpha * (-opd_beta * (old - teacher)) + (1 - opd_alpha) * A_grpo
     opd_alpha: float = 1.0
+    kl_coef: float = 0.0  # KL-to-reference loss weight (grpo_kl, mipu); > 0 needs reference logprobs
 
     @property
     def uses_anchors(self) -> bool:
@@ -56,7 +57,7 @@ class StepPlan:
 
     @property
     def needs_ref_logprobs(self) -> bool:
-        return self.algorithm in ("armor", "grpo_kl")
+        return self.algorithm == "armor" or self.kl_coef > 0
 
     @property
     def distills(self) -> bool:

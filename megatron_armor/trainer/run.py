@@ -133,6 +133,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
     val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
 
+    kl_coef = algorithm.kl_coef if algorithm.name in ("grpo_kl", "mipu") else 0.0  # mipu.md §2: 1e-3 KL loss
     plan = StepPlan(
         algorithm=algorithm.name, train_batch_size=cfg.train.train_batch_size, mini_batch_size=cfg.train.mini_batch_size,
         micro_batch_size=cfg.train.micro_batch_size, actor_n=cfg.rollout.actor_n, ref_n=cfg.rollout.ref_n,
@@ -140,7 +141,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         max_num_gen_batches=algorithm.max_num_gen_batches,
         allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
         ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed, opd_beta=algorithm.opd_beta,
-        opd_alpha=algorithm.opd_alpha,
+        opd_alpha=algorithm.opd_alpha, kl_coef=kl_coef,
     )
     if cfg.train.logprob_head == "fused" and shape.padded_vocab_size != shape.vocab_size:
         raise ModelConfigError(
@@ -151,7 +152,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     loss = LossSettings(
         alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
         clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip,
-        kl_coef=algorithm.kl_coef if algorithm.name == "grpo_kl" else 0.0, kl_estimator=algorithm.kl_estimator,
+        kl_coef=kl_coef, kl_estimator=algorithm.kl_estimator,
         temperature=cfg.rollout.temperature, logprob_head=cfg.train.logprob_head,
         sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
     )

@@ -45,6 +45,7 @@ def test_mipu_tp2_run_logs_gate_decisions(synthetic_cache, tmp_path):
     for row in rows:
         for key in ("mipu/gap_proxy", "mipu/tolerance", "mipu/rollbacks", "mismatch/k3", "train/reward_mean"):
             assert math.isfinite(row[key]), (key, row)
+        assert row["loss/kl_to_ref"] >= 0  # the 1e-3 k3 KL-to-reference term of mipu.md §2
         assert row["mipu/accepted"] in (0.0, 1.0)
     assert rows[-1]["mipu/rollbacks"] == sum(1 - r["mipu/accepted"] for r in rows)
     assert rows[0]["mipu/tolerance"] == 4e-3
