@@ -1,5 +1,5 @@
 """TP=2, PP=2, DP=2 and TP=2 x PP=2 give the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU);
-so does the fused Triton LM head (interpreter) at TP=2."""
+so does the fused Triton LM head (interpreter) at TP=2, and a tied-embedding Qwen3 model at PP=2."""
 
 import pytest
 import torch
@@ -13,12 +13,23 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; reductions run in a different order p
 WEIGHT_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def _actor_and_ref(root, **options):
     from megatron_armor.models.tiny import make_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("layouts")
-    return make_tiny_checkpoint(root / "actor", seed=0), make_tiny_checkpoint(root / "ref", seed=1)
+    return make_tiny_checkpoint(root / "actor", seed=0, **options), make_tiny_checkpoint(root / "ref", seed=1, **options)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return _actor_and_ref(tmp_path_factory.mktemp("layouts"))
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoints(tmp_path_factory):
+    """Qwen3 with tied embeddings (the last stage keeps an output-layer copy whose grads Megatron
+    all-reduces with the embedding's), q/k norms and a vocabulary padded from 100 to 128."""
+    return _actor_and_ref(tmp_path_factory.mktemp("tied"), arch="qwen3", tie_word_embeddings=True, vocab_size=100,
+                          head_dim=32)
 
 
 def _run(checkpoints, tmp_path, tp, pp, nproc, head="torch"):
@@ -38,6 +49,19 @@ def baseline(checkpoints, tmp_path_factory):
 def test_layout_matches_single_rank(checkpoints, baseline, tmp_path, tp, pp, nproc, head):
     ranks = _run(checkpoints, tmp_path, tp, pp, nproc, head)
     assert ranks[0]["layout"] == (tp, pp, nproc // (tp * pp))
+    assert_same_step(ranks, baseline)
+
+
+def test_tied_embeddings_under_pipeline_parallelism(tied_checkpoints, tmp_path):
+    baseline = _run(tied_checkpoints, tmp_path / "base", 1, 1, 1)[0]
+    ranks = _run(tied_checkpoints, tmp_path, 1, 2, 2)
+    assert "lm_head.weight" not in baseline["grads"]  # tied: exported once, as the embedding
+    assert_same_step(ranks, baseline)
+
+
+def assert_same_step(ranks, baseline):
+    """Every rank's logprobs (merged over DP shards), gradients, loss metrics and updated weights equal
+    the single-process run's."""
     seen = {}
     for result in ranks:
         seen.update(result["logprobs"])
