@@ -64,9 +64,9 @@ def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
 
 def run_convert(args: argparse.Namespace) -> int:
     """Run the conversion from parsed arguments; 0 on success, 2 on a bad input, 1 on a failed worker."""
-    from megatron_armor.convert.hf_to_megatron import ConversionError  # torch: only when the command runs
-    from megatron_armor.convert.output_dir import OutputExistsError
+    from megatron_armor.convert.output_dir import OutputExistsError  # torch: only when the command runs
     from megatron_armor.convert.weights import CheckpointError
+    from megatron_armor.convert.workers import ConversionError
     from megatron_armor.models.hf_config import ModelConfigError
 
     try:

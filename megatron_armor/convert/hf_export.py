@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,13 +27,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
-from megatron_armor.convert.hf_inputs import side_files
-from megatron_armor.convert.hf_to_megatron import ConversionError
-from megatron_armor.convert.megatron_checkpoint import INFO_FILE, load_megatron_weights, read_checkpoint_info
-from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish, staging_dir
+from megatron_armor.convert.megatron_checkpoint import copy_side_files, load_megatron_weights, read_checkpoint_info
+from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.weights import gather_hf_weights
+from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import check_parallel_layout, load_model_shape, transformer_config
 
@@ -120,22 +116,15 @@ def convert_megatron_to_hf(
     read_checkpoint_info(megatron_dir)
     check_parallel_layout(load_model_shape(megatron_dir), 1, pp)
     check_output_dir(out, overwrite=overwrite, is_checkpoint=is_hf_checkpoint, kind="Hugging Face")
-    staging = fresh_staging_dir(out)
-    try:
+    with staged_output(out):
         if pp == 1:
             write_hf_stage(megatron_dir, out, pp=1, max_shard_bytes=max_shard_bytes)
         else:
-            command = torchrun_command(pp, [
-                "megatron_armor.convert.cli", "megatron-to-hf", "--megatron-path", str(megatron_dir),
-                "--out", str(out), "--pp", str(pp), "--max-shard-size", repr(max_shard_bytes / 1024**3), "--worker",
-            ])
-            if subprocess.call(command) != 0:
-                raise ConversionError(
-                    f"exporting {megatron_dir} failed in a worker process (output above); nothing written to {out}"
-                )
-        publish(staging, out)
-    finally:
-        discard(staging)
+            run_conversion_workers(
+                pp, ["megatron-to-hf", "--megatron-path", str(megatron_dir), "--out", str(out), "--pp", str(pp),
+                     "--max-shard-size", repr(max_shard_bytes / 1024**3), "--worker"],
+                failure=f"exporting {megatron_dir} failed in a worker process (output above); nothing written to {out}",
+            )
     return Path(out)
 
 
@@ -155,9 +144,7 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
         dist.all_gather_object(written, (stage, writer.close()))
         if dist.get_rank() == 0:
             name_shards(staging, [shard for _, shards in sorted(written) for shard in shards])
-            for path in side_files(megatron_dir):
-                if path.name != INFO_FILE:
-                    shutil.copy2(path, staging / path.name)
+            copy_side_files(megatron_dir, staging)
         dist.barrier()
     finally:
         destroy_distributed()

@@ -9,21 +9,16 @@ largest full HF tensor) and saves it with Megatron's `dist_checkpointing`.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
 from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_checkpoint, save_model_checkpoint
-from megatron_armor.convert.output_dir import check_output_dir, discard, fresh_staging_dir, publish, staging_dir
+from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.weights import load_hf_weights
+from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import check_parallel_layout, transformer_config
-
-
-class ConversionError(RuntimeError):
-    """A conversion whose worker processes failed (their output says why)."""
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, overwrite: bool = False) -> Path:
@@ -36,17 +31,12 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int, pp: 
     dtype_name(summary.dtype)  # refuses a dtype the model cannot be built in
     check_parallel_layout(summary.shape, tp, pp)
     check_output_dir(out, overwrite=overwrite, is_checkpoint=is_megatron_checkpoint, kind="Megatron")
-    staging = fresh_staging_dir(out)
-    try:
-        command = torchrun_command(tp * pp, [
-            "megatron_armor.convert.cli", "hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out),
-            "--tp", str(tp), "--pp", str(pp), "--worker",
-        ])
-        if subprocess.call(command) != 0:
-            raise ConversionError(f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}")
-        publish(staging, out)
-    finally:
-        discard(staging)
+    with staged_output(out):
+        run_conversion_workers(
+            tp * pp, ["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", str(tp), "--pp", str(pp),
+                      "--worker"],
+            failure=f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}",
+        )
     return Path(out)
 
 

@@ -106,10 +106,16 @@ def save_model_checkpoint(model: GPTModel, shape: ModelShape, out_dir: str | Pat
     )
     save_megatron_checkpoint(model, out_dir, info)
     if dist.get_rank() == 0:
-        for path in side_files(side_files_from):
-            if path.name != INFO_FILE:  # a Megatron source's record describes the source, not this save
-                shutil.copy2(path, Path(out_dir) / path.name)
+        copy_side_files(side_files_from, out_dir)
     dist.barrier()
+
+
+def copy_side_files(source: str | Path, dest: str | Path) -> None:
+    """Copy the config, tokenizer and generation files of checkpoint `source` (HF or Megatron) into
+    `dest`, verbatim; a Megatron source's `armor_checkpoint.json` describes the source, so it stays."""
+    for path in side_files(source):
+        if path.name != INFO_FILE:
+            shutil.copy2(path, Path(dest) / path.name)
 
 
 def _collect_write_results_in_process() -> None:

@@ -1,15 +1,16 @@
 """All-or-nothing output directories: write into a staging directory, publish it by renaming.
 
 A conversion writes `<parent>/.<name>.partial/` and renames it to `<parent>/<name>` only once
-complete, so a failure at any point leaves no directory that looks like a checkpoint (callers
-remove the staging directory on failure; a stale one is cleared by the next run).
+complete, so a failure at any point leaves no directory that looks like a checkpoint (`staged_output`
+removes the staging directory on failure; a stale one is cleared by the next run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -55,6 +56,18 @@ def publish(staging: Path, out: str | Path) -> None:
         os.replace(out, previous)
     os.replace(staging, out)
     discard(previous)
+
+
+@contextlib.contextmanager
+def staged_output(out: str | Path) -> Iterator[Path]:
+    """A fresh staging directory for `out`, published as `out` when the block completes and removed
+    whatever happens."""
+    staging = fresh_staging_dir(out)
+    try:
+        yield staging
+        publish(staging, out)
+    finally:
+        discard(staging)
 
 
 def discard(path: Path) -> None:

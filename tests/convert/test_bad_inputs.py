@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from megatron_armor.convert import hf_to_megatron
+from megatron_armor.convert import workers
 from megatron_armor.convert.cli import main
 from megatron_armor.convert.hf_export import SafetensorsShardWriter, name_shards
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, INFO_FILE
@@ -92,7 +92,7 @@ def test_existing_checkpoint_needs_overwrite(hf_copy, tmp_path, capsys, monkeypa
     assert "already holds a Megatron checkpoint; pass --overwrite" in capsys.readouterr().err
     assert (out / INFO_FILE).read_text() == "{}"
     # With --overwrite, a worker failure still leaves the old checkpoint untouched and no staging dir.
-    monkeypatch.setattr(hf_to_megatron.subprocess, "call", lambda command: 1)
+    monkeypatch.setattr(workers.subprocess, "call", lambda command: 1)
     assert convert(hf_copy, out, "--overwrite") == 1
     assert "failed in a worker process" in capsys.readouterr().err
     assert (out / INFO_FILE).read_text() == "{}" and not staging_dir(out).exists()
