@@ -63,17 +63,12 @@ def sampler_corrected_loss(
     log_ratio = logp - old_logp
     terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     result = masked_mean(weights * terms.loss, mask, token_normalizer)
+    stats = terms.stats(mask)
     with torch.no_grad():
         m = mask.to(logp.dtype)
         truncated = (old_logp - engine_logp) > torch.log(torch.tensor(w_max, dtype=logp.dtype))
-        stats = {
-            "clip_fraction": masked_mean(terms.clipped.to(logp.dtype), m),
-            "clip_fraction_lower": masked_mean(terms.dual_clipped.to(logp.dtype), m),
-            "is_weight_mean": masked_mean(weights, m),
-            "is_truncated_fraction": masked_mean(truncated.to(logp.dtype), m),
-            "ppo_kl": masked_mean(-log_ratio, m),
-            "num_tokens": m.sum(),
-        }
+        stats["is_weight_mean"] = masked_mean(weights, m)
+        stats["is_truncated_fraction"] = masked_mean(truncated.to(logp.dtype), m)
     return result, stats
 
 

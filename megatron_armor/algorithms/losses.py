@@ -18,14 +18,27 @@ class ClippedTokens:
     """Per-token dual-clip PPO terms, all [B, T] float32 (flags bool).
 
     loss: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and for A < 0 at most -A * dual_clip;
-    ratio: r = exp(clamp(log_ratio, -20, 20)); clipped: the clipped branch is active;
-    dual_clipped: the dual-clip bound is active (A < 0).
+    log_ratio: log r as given; ratio: r = exp(clamp(log_ratio, -20, 20)); clipped: the clipped
+    branch is active; dual_clipped: the dual-clip bound is active (A < 0).
     """
 
     loss: torch.Tensor
+    log_ratio: torch.Tensor
     ratio: torch.Tensor
     clipped: torch.Tensor
     dual_clipped: torch.Tensor
+
+    @torch.no_grad()
+    def stats(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Masked token means (detached 0-dim float32): clip_fraction, clip_fraction_lower (dual clip
+        active), ppo_kl (k1 of the ratio), and num_tokens (count)."""
+        m = mask.to(self.loss.dtype)
+        return {
+            "clip_fraction": masked_mean(self.clipped.to(m.dtype), m),
+            "clip_fraction_lower": masked_mean(self.dual_clipped.to(m.dtype), m),
+            "ppo_kl": masked_mean(-self.log_ratio, m),
+            "num_tokens": m.sum(),
+        }
 
 
 def dual_clip_ppo(
@@ -40,6 +53,7 @@ def dual_clip_ppo(
     negative = advantages < 0
     return ClippedTokens(
         loss=torch.where(negative, torch.minimum(loss, dual_bound), loss),
+        log_ratio=log_ratio,
         ratio=ratio,
         clipped=clipped > unclipped,
         dual_clipped=negative & (loss > dual_bound),
@@ -85,13 +99,6 @@ def armor_policy_loss(
         log_ratio = mixed_logprob(logp, ref_logp, alpha) - mixed_logprob(old_logp, ref_logp, alpha)
     terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     result = masked_mean(terms.loss, mask, token_normalizer)
-    with torch.no_grad():
-        m = mask.to(logp.dtype)
-        stats = {
-            "clip_fraction": masked_mean(terms.clipped.to(logp.dtype), m),
-            "clip_fraction_lower": masked_mean(terms.dual_clipped.to(logp.dtype), m),
-            "mixed_ratio_mean": masked_mean(terms.ratio, m),
-            "ppo_kl": masked_mean(-log_ratio, m),
-            "num_tokens": m.sum(),
-        }
+    stats = terms.stats(mask)
+    stats["mixed_ratio_mean"] = masked_mean(terms.ratio.detach(), mask.to(terms.ratio.dtype))
     return result, stats
