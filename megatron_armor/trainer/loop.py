@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron_armor.algorithms import (
     GroupCollector, build_groups, group_advantages, mismatch_k3, mix_kl_metrics, opd_token_advantages, reverse_kl,
 )
+from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
@@ -245,7 +246,7 @@ class RLTrainer:
         return PreparedBatch(
             batch=batch,
             mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
-            entropy=_masked_mean(old.entropy, batch.response_mask),
+            entropy=float(masked_mean(old.entropy, batch.response_mask)),
             num_tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
         )
 
@@ -395,6 +396,3 @@ def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
 
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((values * mask).sum() / mask.sum().clamp(min=1))

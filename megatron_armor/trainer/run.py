@@ -81,21 +81,20 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
     dtype = _DTYPES[cfg.model.params_dtype]
 
-    def frozen_model(path: str, model_shape: ModelShape = shape) -> torch.nn.Module:
+    def loaded_model(path: str, model_shape: ModelShape = shape, *, trainable: bool = False) -> torch.nn.Module:
         config = transformer_config(model_shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype)
-        model = build_gpt_model(model_shape, config, trainable=False)
+        model = build_gpt_model(model_shape, config, trainable=trainable)
         load_model_weights(model, path, model_shape)
         return model
 
-    actor = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype))
-    load_model_weights(actor, paths.model_path, shape)
+    actor = loaded_model(paths.model_path, trainable=True)
     optim = OptimizerSettings(
         lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,
         grad_clip=cfg.train.grad_clip,
     )
     ddp, optimizer = wrap_for_training(actor, optim)
-    ref = frozen_model(paths.ref_path)
+    ref = loaded_model(paths.ref_path)
     algorithm = cfg.algorithm
     teacher = None
     if algorithm.name == "opd":
@@ -105,7 +104,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
                 f"model.teacher_path {paths.teacher_path} has vocab_size {teacher_shape.vocab_size}, the student "
                 f"{paths.model_path} has {shape.vocab_size}; OPD scores the student's tokens, so they must share a vocabulary"
             )
-        teacher = frozen_model(paths.teacher_path, teacher_shape)
+        teacher = loaded_model(paths.teacher_path, teacher_shape)
 
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams(
