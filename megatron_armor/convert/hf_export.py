@@ -2,38 +2,43 @@
 
 `convert_megatron_to_hf` validates the input and output, then runs `write_hf_stage` on pp ranks: in
 this process for pp=1, else by launching `python -m megatron_armor.convert.cli megatron-to-hf ...`
-again under torchrun. Each rank builds only its pipeline stage at TP=1, loads its slices of the
-checkpoint (saved at any layout) and streams its full HF-named tensors (`gather_hf_weights`) into
-its own safetensors files (`model-s{stage:02d}-{k:05d}.safetensors`, at most `max_shard_bytes`
-each). Rank 0 then gives the files HF's names (`model-0000i-of-0000n.safetensors`, stage order;
+again under torchrun. Each rank builds its pipeline stage at TP=1 on the meta device (no storage)
+and streams it parameter by parameter (`stream_stage_hf_weights`): read the full parameter from
+the checkpoint (saved at any layout), split it into HF tensors, hand them to its own safetensors
+files (`model-s{stage:02d}-{k:05d}.safetensors`, at most `max_shard_bytes` each). Rank 0 then gives the files HF's names (`model-0000i-of-0000n.safetensors`, stage order;
 one file: `model.safetensors`), writes `model.safetensors.index.json` and copies config.json,
 tokenizer and generation files verbatim; the staging directory is published when all is complete.
 
-Memory per process: its stage's parameters (about model / pp; the unit is a stage, not a layer,
-because Megatron builds and loads a stage as one module), a transient copy of them while
-`load_megatron_weights` fills them, and the HF tensors buffered for the output file being
-assembled (at most `max_shard_bytes`).
+Memory per process: one full parameter (and its HF split), plus the HF tensors buffered for the
+output file being assembled (at most `max_shard_bytes`); not the model or the stage.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors.torch import save_file
 
-from megatron_armor.convert.megatron_checkpoint import copy_side_files, load_megatron_weights, read_checkpoint_info
+from megatron_armor.convert.mapping import megatron_shards_to_hf
+from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
+from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, copy_side_files, read_checkpoint_info
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
-from megatron_armor.convert.weights import gather_hf_weights
+from megatron_armor.convert.weights import CheckpointError, stage_mappings
 from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import check_parallel_layout, load_model_shape, transformer_config
+from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape, transformer_config
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,11 +139,12 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
     initialize_distributed(1, pp, 1)
     try:
         config = transformer_config(shape, pp_size=pp, params_dtype=info.torch_dtype)
-        model = build_gpt_model(shape, config, trainable=False)  # this stage only: ~ model / pp
-        load_megatron_weights(model, megatron_dir)
+        with torch.device("meta"):
+            model = build_gpt_model(shape, config, trainable=False)  # shapes and sharding only
+        check_tensor_keys(model, megatron_dir)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         writer = SafetensorsShardWriter(staging, max_shard_bytes, prefix=f"model-s{stage:02d}")
-        for name, tensor in gather_hf_weights(model, shape):
+        for name, tensor in stream_stage_hf_weights(model, shape, megatron_dir):
             writer.add(name, tensor.to(info.torch_dtype))  # Megatron keeps norm weights in fp32
         written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp
         dist.all_gather_object(written, (stage, writer.close()))
@@ -148,3 +154,42 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
         dist.barrier()
     finally:
         destroy_distributed()
+
+
+def stream_stage_hf_weights(model: GPTModel, shape: ModelShape, megatron_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of the pipeline stage `model` (built at TP=1 on the meta device), read
+    from the Megatron checkpoint one parameter at a time. Reads alone (no collective).
+
+    A TP=1 parameter is one contiguous region of its stored global tensor (for a layer-stacked key,
+    row `layer` of the `[num_layers, ...]` tensor), whatever layout the checkpoint was saved at.
+    """
+    reader = DistCheckpointReader(Path(megatron_dir) / DIST_CHECKPOINT_DIR)
+    stored = reader.tensor_shapes()
+    sharded = model.sharded_state_dict()
+    first_layer = get_transformer_layer_offset(model.config)
+    for mapping in stage_mappings(model, shape):
+        if not mapping.exported:
+            continue
+        key, param_shape = sharded[mapping.megatron_name].key, tuple(sharded[mapping.megatron_name].data.shape)
+        layer = re.match(r"decoder\.layers\.(\d+)\.", mapping.megatron_name)
+        lead = () if layer is None else (first_layer + int(layer.group(1)),)
+        want = (() if layer is None else (shape.num_layers,)) + param_shape
+        if key not in stored or tuple(stored[key]) != want:
+            found = "absent" if key not in stored else f"stored with shape {list(stored[key])}"
+            raise CheckpointError(f"{megatron_dir}: tensor {key!r} is {found}; its config.json implies {list(want)}")
+        region = reader.read(key, lead + (0,) * len(param_shape), (1,) * len(lead) + param_shape)
+        yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, [region.view(param_shape)], shape))
+
+
+def check_tensor_keys(model: GPTModel, megatron_dir: str | Path) -> None:
+    """Refuse a checkpoint holding tensors that no pipeline stage of the model reads (a partial read
+    would silently drop them). Collective over all ranks."""
+    stage_keys = {entry.key for entry in model.sharded_state_dict().values()
+                  if isinstance(entry, (ShardedTensor, ShardedTensorFactory))}
+    every_stage: list[set[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_stage, stage_keys)
+    stored = DistCheckpointReader(Path(megatron_dir) / DIST_CHECKPOINT_DIR).tensor_shapes()
+    unread = sorted(stored.keys() - set().union(*every_stage))
+    if unread:
+        raise CheckpointError(f"{megatron_dir}: holds tensors that the model its config.json describes does not "
+                              f"have: {unread[:5]}; the checkpoint and config.json disagree")

@@ -2,19 +2,23 @@
 
 `convert_hf_to_megatron` (one process) validates the input and output, launches
 `python -m megatron_armor.convert.cli hf-to-megatron ...` again under torchrun, and publishes the
-result; in each of those tp x pp ranks `write_megatron_shards` builds only its own pipeline stage
-and TP shard, fills it tensor by tensor from the safetensors files (memory ~ its shard plus the
-largest full HF tensor) and saves it with Megatron's `dist_checkpointing`.
+result; in each of those tp x pp ranks `write_megatron_shards` builds its pipeline stage and TP
+shard on the meta device (no storage) and streams it into Megatron's `dist_checkpointing` format:
+each parameter is read from the safetensors files, sliced and written when the writer reaches it,
+so a rank holds one parameter group at a time (its HF tensors, e.g. q/k/v), never its whole shard.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
 from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
-from megatron_armor.convert.weights import load_hf_weights
+from megatron_armor.convert.streaming_save import StreamingSaveStrategy
+from megatron_armor.convert.weights import hf_parameter_source
 from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
@@ -47,8 +51,9 @@ def write_megatron_shards(hf_dir: str | Path, out: str | Path, *, tp: int, pp: i
     initialize_distributed(tp, pp, 1)
     try:
         config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype)
-        model = build_gpt_model(shape, config, trainable=False)
-        load_hf_weights(model, hf_dir, shape)
-        save_model_checkpoint(model, shape, staging, side_files_from=hf_dir)
+        with torch.device("meta"):
+            model = build_gpt_model(shape, config, trainable=False)
+        strategy = StreamingSaveStrategy(model, hf_parameter_source(model, hf_dir, shape))
+        save_model_checkpoint(model, shape, staging, side_files_from=hf_dir, strategy=strategy)
     finally:
         destroy_distributed()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.api import CheckpointException
@@ -79,8 +80,11 @@ def read_checkpoint_info(path: str | Path) -> MegatronCheckpointInfo:
     return info
 
 
-def save_megatron_checkpoint(model: GPTModel, out_dir: str | Path, info: MegatronCheckpointInfo) -> None:
-    """Write this rank's shard of `model` under `out_dir/dist_checkpoint` and (rank 0) the info file.
+def save_megatron_checkpoint(
+    model: GPTModel, out_dir: str | Path, info: MegatronCheckpointInfo, *, strategy: TorchDistSaveShardedStrategy | None = None
+) -> None:
+    """Write this rank's shard of `model` under `out_dir/dist_checkpoint` and (rank 0) the info file,
+    with Megatron's torch_dist writer or `strategy` (e.g. `StreamingSaveStrategy`).
 
     Collective over all ranks.
     """
@@ -90,10 +94,13 @@ def save_megatron_checkpoint(model: GPTModel, out_dir: str | Path, info: Megatro
         ckpt.mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / INFO_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
+    dist_checkpointing.save(model.sharded_state_dict(), str(ckpt), sharded_strategy=strategy)
 
 
-def save_model_checkpoint(model: GPTModel, shape: ModelShape, out_dir: str | Path, *, side_files_from: str | Path) -> None:
+def save_model_checkpoint(
+    model: GPTModel, shape: ModelShape, out_dir: str | Path, *, side_files_from: str | Path,
+    strategy: TorchDistSaveShardedStrategy | None = None,
+) -> None:
     """`model` (this rank's stage/shard under the current parallel_state) as a complete Megatron
     checkpoint at `out_dir`, with the HF config/tokenizer files of `side_files_from` (an HF or
     Megatron checkpoint directory). Collective over all ranks."""
@@ -104,7 +111,7 @@ def save_model_checkpoint(model: GPTModel, shape: ModelShape, out_dir: str | Pat
         vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size,
         dtype=dtype_name(next(model.parameters()).dtype),
     )
-    save_megatron_checkpoint(model, out_dir, info)
+    save_megatron_checkpoint(model, out_dir, info, strategy=strategy)
     if dist.get_rank() == 0:
         copy_side_files(side_files_from, out_dir)
     dist.barrier()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -64,11 +64,13 @@ class HFCheckpointReader:
             return f.get_tensor(name)
 
 
-def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -> None:
-    """Copy this rank's shard of every parameter from an HF checkpoint into `model`.
+def hf_parameter_source(model: GPTModel, model_dir: str | Path, shape: ModelShape) -> Callable[[str], torch.Tensor]:
+    """A function: name of a parameter of `model` (this rank's stage and TP shard) -> its value, read
+    from the HF checkpoint at `model_dir` when called (only the HF tensors that parameter is made of).
 
-    Checks that the checkpoint has exactly the tensors the architecture needs (all stages together)
-    and that every shard has the shape Megatron allocated.
+    Checks up front that the checkpoint has exactly the tensors the architecture needs (all stages
+    together); each value is checked against the shape Megatron allocated for the parameter and
+    comes in the parameter's dtype.
     """
     reader = HFCheckpointReader(model_dir)
     expected = {n for m in model_mappings(shape) for n in m.hf_names}
@@ -79,21 +81,31 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     params = dict(model.named_parameters())
-    mappings = stage_mappings(model, shape)
-    if {m.megatron_name for m in mappings} != set(params):
-        raise CheckpointError(f"mapping table and model disagree: {sorted(set(params) ^ {m.megatron_name for m in mappings})}")
+    mappings = {m.megatron_name: m for m in stage_mappings(model, shape)}
+    if set(mappings) != set(params):
+        raise CheckpointError(f"mapping table and model disagree: {sorted(set(params) ^ set(mappings))}")
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+
+    def value(name: str) -> torch.Tensor:
+        mapping = mappings[name]
+        shard = hf_to_megatron_shard(mapping, [reader.get(n) for n in mapping.hf_names], shape, tp_rank, tp_size)
+        if shard.shape != params[name].shape:
+            raise CheckpointError(
+                f"{model_dir}: {mapping.hf_names} gives {tuple(shard.shape)} for {name}, "
+                f"model expects {tuple(params[name].shape)}"
+            )
+        return shard.to(params[name].dtype)  # e.g. bf16 HF norms into Megatron's fp32 norm weights
+
+    return value
+
+
+def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -> None:
+    """Copy this rank's shard of every parameter from an HF checkpoint into `model`."""
+    source = hf_parameter_source(model, model_dir, shape)
     with torch.no_grad():
-        for mapping in mappings:
-            param = params[mapping.megatron_name]
-            shard = hf_to_megatron_shard(mapping, [reader.get(n) for n in mapping.hf_names], shape, tp_rank, tp_size)
-            if shard.shape != param.shape:
-                raise CheckpointError(
-                    f"{model_dir}: {mapping.hf_names} gives {tuple(shard.shape)} for {mapping.megatron_name}, "
-                    f"model expects {tuple(param.shape)}"
-                )
-            param.copy_(shard)
+        for name, param in model.named_parameters():
+            param.copy_(source(name))
 
 
 def gather_hf_weights(

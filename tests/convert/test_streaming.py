@@ -1,0 +1,63 @@
+"""Conversion streams: import builds one parameter at a time; export reads one parameter at a time and
+refuses checkpoints whose tensors disagree with their config.json."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from launcher import run_workers
+from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
+from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
+from megatron_armor.convert.mapping import hf_to_megatron_shard, model_mappings
+from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR
+from megatron_armor.convert.output_dir import staging_dir
+from megatron_armor.convert.weights import HFCheckpointReader
+from megatron_armor.models.hf_config import load_model_shape
+
+TOOLS = Path(__file__).parents[2] / "tools"
+
+
+def test_import_builds_each_parameter_once_and_frees_it(tiny_model_factory, tmp_path):
+    (result,) = run_workers("streaming_save.py", 1, tmp_path, str(tiny_model_factory("qwen2")))
+    assert result["calls"] == result["params"]  # every parameter built exactly once (gate/up share one build)
+    assert result["most_alive"] <= 1  # the writer's last tensor at most: never the model
+    assert result["max_diff"] == 0.0
+
+
+def test_region_reads_across_stored_chunks(tiny_model_factory, tmp_path):
+    """A tp2 checkpoint stores each layer's qkv as two row chunks; rows straddling them read exactly."""
+    hf_dir = tiny_model_factory("qwen2")
+    megatron_dir = convert_hf_to_megatron(hf_dir, tmp_path / "m", tp=2, pp=1)
+    shape, hf = load_model_shape(hf_dir), HFCheckpointReader(hf_dir)
+    qkv = next(m for m in model_mappings(shape, first_layer=1, num_layers=1) if m.megatron_name.endswith("linear_qkv.weight"))
+    expected = hf_to_megatron_shard(qkv, [hf.get(n) for n in qkv.hf_names], shape, tp_rank=0, tp_size=1)  # [rows, H]
+    reader = DistCheckpointReader(megatron_dir / DIST_CHECKPOINT_DIR)
+    rows, hidden = expected.shape
+    middle = reader.read("decoder.layers.self_attention.linear_qkv.weight", (1, rows // 4, 0), (1, rows // 2, hidden))
+    assert torch.equal(middle[0], expected[rows // 4: rows // 4 + rows // 2])
+
+
+def export(megatron_dir: Path, out: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(TOOLS / "convert_megatron_to_hf.py"), "--megatron-path", str(megatron_dir), "--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_export_refuses_tensors_that_disagree_with_config(tiny_model_factory, tmp_path):
+    megatron_dir = convert_hf_to_megatron(tiny_model_factory("qwen2"), tmp_path / "m", tp=1, pp=1)
+    config = json.loads((megatron_dir / "config.json").read_text())
+    cases = {
+        "fewer_layers": ({"num_hidden_layers": config["num_hidden_layers"] - 1}, "stored with shape"),
+        "tied": ({"tie_word_embeddings": True}, "'output_layer.weight'"),
+    }
+    for name, (fields, phrase) in cases.items():
+        edited = tmp_path / name
+        shutil.copytree(megatron_dir, edited)
+        (edited / "config.json").write_text(json.dumps({**config, **fields}))
+        out = tmp_path / f"{name}-hf"
+        done = export(edited, out)
+        assert done.returncode != 0 and phrase in done.stderr, done.stderr[-3000:]
+        assert not out.exists() and not staging_dir(out).exists()
