@@ -107,8 +107,8 @@ def main() -> None:
         print(f"{name:<24}{r['wall_s']:>8.2f}{throughput:>8}{r['peak_rss'] / GB:>13.3f}"
               f"{r['peak_rss'] / base['peak_rss']:>13.2f}{r['wall_s'] / base['wall_s']:>8.2f}")
     print("peak RSS = largest single process of the run; 'import only' (python + torch + megatron-core) is the "
-          "floor every conversion process pays; a megatron->hf process holds its pipeline stage (model / pp) plus the "
-          "split tensors of one output shard (--max-shard-size).")
+          "floor every conversion process pays; both directions stream one parameter at a time, so a process holds "
+          "about the floor plus its largest parameter (and the HF tensors it splits into).")
 
 
 if __name__ == "__main__":

@@ -4,22 +4,20 @@
 this process for pp=1, else by launching `python -m megatron_armor.convert.cli megatron-to-hf ...`
 again under torchrun. Each rank builds its pipeline stage at TP=1 on the meta device (no storage)
 and streams it parameter by parameter (`stream_stage_hf_weights`): read the full parameter from
-the checkpoint (saved at any layout), split it into HF tensors, hand them to its own safetensors
-files (`model-s{stage:02d}-{k:05d}.safetensors`, at most `max_shard_bytes` each). Rank 0 then gives the files HF's names (`model-0000i-of-0000n.safetensors`, stage order;
-one file: `model.safetensors`), writes `model.safetensors.index.json` and copies config.json,
+the checkpoint (saved at any layout), split it into HF tensors, write them to its own safetensors
+files (`model-s{stage:02d}-{k:05d}.safetensors`, at most `max_shard_bytes` each). Rank 0 then gives
+the files HF's names (`model-0000i-of-0000n.safetensors`, stage order; one file:
+`model.safetensors`), writes `model.safetensors.index.json` and copies config.json,
 tokenizer and generation files verbatim; the staging directory is published when all is complete.
 
-Memory per process: one full parameter (and its HF split), plus the HF tensors buffered for the
-output file being assembled (at most `max_shard_bytes`); not the model or the stage.
+Memory per process: one full parameter and its HF split (the bytes go straight to the output
+file, see `hf_shards`); not the model, the stage or an output shard.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,10 +26,11 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from safetensors.torch import save_file
 
-from megatron_armor.convert.mapping import megatron_shards_to_hf
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
+from megatron_armor.convert.hf_inputs import hf_tensor_shape
+from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, WrittenShard, name_shards
+from megatron_armor.convert.mapping import megatron_shards_to_hf
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, copy_side_files, read_checkpoint_info
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.weights import CheckpointError, stage_mappings
@@ -41,66 +40,6 @@ from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape, transformer_config
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class WrittenShard:
-    """One safetensors file written by `SafetensorsShardWriter`, before it gets its final name."""
-
-    file: str  # name in the output directory
-    tensor_names: list[str]
-    num_bytes: int  # bytes of its tensors
-
-
-class SafetensorsShardWriter:
-    """Writes named tensors to `{prefix}-{k:05d}.safetensors` files of at most `max_shard_bytes` each.
-
-    Tensors are buffered until the next one would push the file past `max_shard_bytes`; a single
-    larger tensor gets a file of its own. `close()` returns the files in order; `name_shards` gives
-    them HF's names and writes the index.
-    """
-
-    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *, prefix: str = "model-s00") -> None:
-        self.out_dir, self.max_shard_bytes, self.prefix = out_dir, max_shard_bytes, prefix
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._shards: list[WrittenShard] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._buffer[name] = tensor.contiguous()
-        self._buffer_bytes += size
-
-    def close(self) -> list[WrittenShard]:
-        self._flush()
-        return self._shards
-
-    def _flush(self) -> None:
-        if not self._buffer:
-            return
-        file = f"{self.prefix}-{len(self._shards):05d}.safetensors"
-        save_file(self._buffer, self.out_dir / file, metadata={"format": "pt"})
-        self._shards.append(WrittenShard(file, list(self._buffer), self._buffer_bytes))
-        self._buffer, self._buffer_bytes = {}, 0
-
-
-def name_shards(out_dir: Path, shards: list[WrittenShard]) -> None:
-    """Rename `shards` (in order) to `model-0000i-of-0000n.safetensors` and write the index;
-    a single file becomes `model.safetensors` (no index)."""
-    if len(shards) == 1:
-        os.replace(out_dir / shards[0].file, out_dir / "model.safetensors")
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(out_dir / shard.file, out_dir / final)
-        weight_map.update(dict.fromkeys(shard.tensor_names, final))
-    total = sum(shard.num_bytes for shard in shards)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def is_hf_checkpoint(path: Path) -> bool:
@@ -143,7 +82,9 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
             model = build_gpt_model(shape, config, trainable=False)  # shapes and sharding only
         check_tensor_keys(model, megatron_dir)
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        writer = SafetensorsShardWriter(staging, max_shard_bytes, prefix=f"model-s{stage:02d}")
+        plan = [TensorSpec(name, hf_tensor_shape(name, shape), info.torch_dtype)
+                for mapping in stage_mappings(model, shape) if mapping.exported for name in mapping.hf_names]
+        writer = SafetensorsShardWriter(staging, plan, max_shard_bytes, prefix=f"model-s{stage:02d}")
         for name, tensor in stream_stage_hf_weights(model, shape, megatron_dir):
             writer.add(name, tensor.to(info.torch_dtype))  # Megatron keeps norm weights in fp32
         written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megatron_armor.convert.hf_shards import SAFETENSORS_DTYPES
 from megatron_armor.convert.mapping import model_mappings
 from megatron_armor.convert.weights import CheckpointError, HFCheckpointReader
 from megatron_armor.models.hf_config import ModelShape, load_model_shape
@@ -80,7 +81,7 @@ def _read_headers(reader: HFCheckpointReader) -> dict[str, tuple[tuple[int, ...]
             with safe_open(path, "pt") as shard:
                 for name in shard.keys():
                     meta = shard.get_slice(name)
-                    headers[name] = (tuple(meta.get_shape()), _SAFETENSORS_DTYPES[meta.get_dtype()])
+                    headers[name] = (tuple(meta.get_shape()), SAFETENSORS_DTYPES[meta.get_dtype()])
         except SafetensorError as error:
             raise CheckpointError(f"{path}: corrupt safetensors file ({error}); re-download it") from error
     lost = sorted(reader.weight_map.keys() - headers.keys())[:5]
@@ -89,10 +90,6 @@ def _read_headers(reader: HFCheckpointReader) -> dict[str, tuple[tuple[int, ...]
     return headers
 
 
-_SAFETENSORS_DTYPES = {
-    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-}
 
 
 def side_files(model_dir: str | Path) -> list[Path]:

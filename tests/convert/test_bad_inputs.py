@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from megatron_armor.convert import workers
 from megatron_armor.convert.cli import main
-from megatron_armor.convert.hf_export import SafetensorsShardWriter, name_shards
+from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, name_shards
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, INFO_FILE
 from megatron_armor.convert.output_dir import staging_dir
 
@@ -20,8 +20,10 @@ def hf_copy(tiny_model_factory, tmp_path):
     source = tiny_model_factory("qwen2")
     copy = tmp_path / "hf"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("*.safetensors"))
-    writer = SafetensorsShardWriter(copy, max_shard_bytes=100_000)
-    for name, tensor in load_file(source / "model.safetensors").items():
+    tensors = load_file(source / "model.safetensors")
+    plan = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    writer = SafetensorsShardWriter(copy, plan, max_shard_bytes=100_000)
+    for name, tensor in tensors.items():
         writer.add(name, tensor)
     name_shards(copy, writer.close())
     return copy

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from launcher import run_workers
 from megatron_armor.convert.cli import main
-from megatron_armor.convert.hf_export import INDEX_FILE
+from megatron_armor.convert.hf_shards import INDEX_FILE
 from megatron_armor.convert.hf_inputs import side_files
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, read_checkpoint_info
