@@ -1,8 +1,10 @@
 """LM-head logprobs, forward + backward: eager torch vs chunked torch vs the fused Triton kernel.
 
 Prints, per N, the time and extra memory of (a) eager logits + log_softmax, (b) token-chunked torch with
-recomputation, (c) `fused_logprobs`, and the time of the three LM-head GEMMs alone (logits, grad hidden,
-grad weight) as the floor; ratios are against the eager baseline / GEMM floor of the same run.
+recomputation, (c) `fused_logprobs`, (d) `fused_logprobs` on a weight carrying Megatron DDP's fp32
+`main_grad` (the weight gradient accumulated in place, no [V, H] fp32 buffer), and the time of the three
+LM-head GEMMs alone (logits, grad hidden, grad weight) as the floor; ratios are against the eager
+baseline / GEMM floor of the same run.
 
     python benchmarks/bench_fused_logprobs.py            # GPU: N in {1k, 4k, 8k}, H=4096, V=151936, bf16
     python benchmarks/bench_fused_logprobs.py --small    # CPU: tiny sizes, Triton interpreter, memory model
@@ -73,11 +75,14 @@ def bench_one(n: int, v: int, h: int, dtype: torch.dtype, device: torch.device, 
     weight = (torch.randn(v, h, device=device, generator=g) / h**0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, v, (n,), device=device, generator=g)
     grad_logits = torch.randn(n, v, device=device, generator=g).to(dtype)
+    ddp_weight = weight.detach().clone().requires_grad_()  # as Megatron DDP leaves it: a persistent fp32 buffer
+    ddp_weight.main_grad = torch.zeros(v, h, dtype=torch.float32, device=device)
+    ddp_weight.grad_added_to_main_grad = False
 
-    def fwd_bwd(impl) -> Callable[[], None]:
+    def fwd_bwd(impl, w: torch.Tensor = weight) -> Callable[[], None]:
         def run():
-            hidden.grad = weight.grad = None
-            logp, _ = impl(hidden, weight, labels)
+            hidden.grad = w.grad = None
+            logp, _ = impl(hidden, w, labels)
             logp.sum().backward()
         return run
 
@@ -91,21 +96,24 @@ def bench_one(n: int, v: int, h: int, dtype: torch.dtype, device: torch.device, 
         "eager": fwd_bwd(reference_logprobs),
         "chunked": fwd_bwd(lambda x, w, y: chunked_logprobs(x, w, y, chunk_size=chunk)),
         "fused": fwd_bwd(fused_logprobs),
+        "fused+main_grad": fwd_bwd(fused_logprobs, ddp_weight),
     }
     floor, _ = timed(gemms, device, repeats)
     results = {name: timed(fn, device, repeats) for name, fn in impls.items()}
     eager_time, eager_peak = results["eager"]
     eager_model = model_extra_bytes("eager", n, v, h, chunk)
     print(f"\nN={n} H={h} V={v} {str(dtype).removeprefix('torch.')} on {device.type}; GEMMs alone: {floor * 1e3:.2f} ms")
-    print(f"{'impl':>8} {'time ms':>10} {'x eager':>8} {'x GEMMs':>8} {'peak extra MiB':>15} {'x eager':>9}"
+    print(f"{'impl':>15} {'time ms':>10} {'x eager':>8} {'x GEMMs':>8} {'peak extra MiB':>15} {'x eager':>9}"
           f" {'model MiB':>10} {'x eager':>9}")
     for name, (seconds, peak) in results.items():
         model = model_extra_bytes(name, n, v, h, chunk)
         measured = f"{peak / 2**20:15.2f} {peak / max(eager_peak, 1):9.4f}" if peak >= 0 else f"{'n/a':>15} {'':>9}"
-        print(f"{name:>8} {seconds * 1e3:10.2f} {seconds / eager_time:8.2f} {seconds / floor:8.2f} {measured}"
+        print(f"{name:>15} {seconds * 1e3:10.2f} {seconds / eager_time:8.2f} {seconds / floor:8.2f} {measured}"
               f" {model / 2**20:10.3f} {model / eager_model:9.2e}")
     print(f"fused tile working set per program: {tile_buffer_bytes(n, v, h) / 2**10:.0f} KiB (on chip); "
-          f"fp32 gradient accumulators [N, H] + [V, H]: {(n + v) * h * FP32 / 2**20:.1f} MiB (gradient sized)")
+          f"fp32 gradient accumulators [N, H] + [V, H]: {(n + v) * h * FP32 / 2**20:.1f} MiB (gradient sized); "
+          f"with main_grad only [N, H]: {n * h * FP32 / 2**20:.1f} MiB, plus the uninitialised [V, H] "
+          f"{str(dtype).removeprefix('torch.')} dummy autograd gets (Megatron's contract)")
 
 
 def print_gpu_memory_model(ns: list[int], h: int, v: int, chunk: int) -> None:

@@ -2,7 +2,8 @@
 
 Each kernel recomputes logit tiles z = (h @ w.T) / T of shape [BLOCK_N, BLOCK_V] from `hidden` [N, H]
 and the vocab shard `weight` [V, H] (fp32 accumulation over H in BLOCK_H chunks); no kernel
-writes anything of size [N, V]. The launchers here take and return plain tensors; combining
+writes anything of size [N, V]. The kernels' V is the number of valid (non-padding) rows at the top of
+the shard: rows past it are never loaded. The launchers here take and return plain tensors; combining
 statistics across vocab splits / tensor-parallel ranks and autograd live in `fused.py`.
 """
 
@@ -158,7 +159,8 @@ def _grad_weight_kernel(h_ptr, w_ptr, label_ptr, lse_ptr, g_lp_ptr, g_ent_ptr, e
                         N, V, H, stride_h, stride_w, inv_temp, filter_eps,
                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
                         HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr):
-    """grad_weight[cols] (fp32 [V, H], zero-initialised) += dz.T @ h, looping over tokens; deterministic."""
+    """grad_weight[cols] (fp32, row stride H) += dz.T @ h, looping over tokens; deterministic. Adds to what the
+    buffer holds (zeros, or Megatron's main_grad); rows past V are not touched."""
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
@@ -195,43 +197,53 @@ def _dot_mode(dtype: torch.dtype) -> str:
     return "upcast" if interpreting() else "native"
 
 
-def shard_stats(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, temperature: float,
-                tiles: TileConfig) -> ShardStats:
-    """Forward statistics. hidden [N, H], weight [V, H] (same dtype, rows contiguous); local_labels [N] int64
-    (index into this shard, -1 for none)."""
+def shard_stats(hidden: torch.Tensor, weight: torch.Tensor, valid_rows: int, local_labels: torch.Tensor,
+                temperature: float, tiles: TileConfig) -> ShardStats:
+    """Forward statistics over the first `valid_rows` rows of the shard (the rest, vocabulary padding, are never
+    read). hidden [N, H], weight [V, H] (same dtype, rows contiguous); local_labels [N] int64 (index into this
+    shard, -1 for none). A shard without valid rows gives one split with max -inf and zero sums."""
     n, h = hidden.shape
-    v = weight.shape[0]
-    splits = tiles.vocab_splits(n, v)
-    per_split = triton.cdiv(triton.cdiv(v, splits), tiles.block_v) * tiles.block_v
-    splits = triton.cdiv(v, per_split)
+    if valid_rows == 0:
+        out = torch.zeros(4, 1, n, dtype=torch.float32, device=hidden.device)
+        out[0] = float("-inf")
+        return ShardStats(*out)
+    splits = tiles.vocab_splits(n, valid_rows)
+    per_split = triton.cdiv(triton.cdiv(valid_rows, splits), tiles.block_v) * tiles.block_v
+    splits = triton.cdiv(valid_rows, per_split)
     out = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(n, tiles.block_n), splits)
     _stats_kernel[grid](
         hidden, weight, local_labels, out[0], out[1], out[2], out[3],
-        n, v, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, per_split,
+        n, valid_rows, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, per_split,
         BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, DOT=_dot_mode(hidden.dtype),
         num_warps=tiles.num_warps,
     )
     return ShardStats(*out)
 
 
-def shard_grads(hidden: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, lse: torch.Tensor,
-                grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, entropy: torch.Tensor,
-                temperature: float, tiles: TileConfig, filter_eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_grads(hidden: torch.Tensor, weight: torch.Tensor, valid_rows: int, local_labels: torch.Tensor,
+                lse: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, entropy: torch.Tensor,
+                temperature: float, tiles: TileConfig, filter_eps: float | None,
+                weight_grad_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_hidden [N, H] float32 from this shard only, grad_weight [V, H] float32).
 
-    lse, grad_logp, grad_entropy, entropy: [N] float32 over the full vocabulary (grad_logp already 0 on
-    ignored labels). filter_eps skips tiles where every |dz| <= filter_eps * (|g_lp| + |g_ent|) of its token.
+    Only the first `valid_rows` rows of `weight` are vocabulary: the padding rows are never read and their
+    gradient rows stay untouched (0 in a fresh buffer). lse, grad_logp, grad_entropy, entropy: [N] float32
+    over the full vocabulary (grad_logp already 0 on ignored labels). filter_eps skips tiles where every
+    |dz| <= filter_eps * (|g_lp| + |g_ent|) of its token. weight_grad_out: a contiguous float32 [V, H]
+    buffer (Megatron's main_grad) the weight gradient is added into and returned as grad_weight; None
+    allocates a zeroed one.
     """
     n, h = hidden.shape
     v = weight.shape[0]
     grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device)
-    grad_weight = torch.zeros(v, h, dtype=torch.float32, device=hidden.device)
+    if weight_grad_out is None:
+        weight_grad_out = torch.zeros(v, h, dtype=torch.float32, device=hidden.device)
     has_entropy = grad_entropy is not None
     args = (hidden, weight, local_labels, lse, grad_logp, grad_entropy if has_entropy else grad_logp, entropy)
-    scalars = (n, v, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, filter_eps or 0.0)
+    scalars = (n, valid_rows, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, filter_eps or 0.0)
     meta = dict(BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, DOT=_dot_mode(hidden.dtype),
                 HAS_ENTROPY=has_entropy, FILTER=filter_eps is not None, num_warps=tiles.num_warps)
     _grad_hidden_kernel[(triton.cdiv(n, tiles.block_n),)](*args, grad_hidden, *scalars, **meta)
-    _grad_weight_kernel[(triton.cdiv(v, tiles.block_v),)](*args, grad_weight, *scalars, **meta)
-    return grad_hidden, grad_weight
+    _grad_weight_kernel[(triton.cdiv(valid_rows, tiles.block_v),)](*args, weight_grad_out, *scalars, **meta)
+    return grad_hidden, weight_grad_out

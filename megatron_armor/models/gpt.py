@@ -53,7 +53,8 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
     """This rank's stage of the model (pre/post-process set from the pipeline position).
 
     The vocabulary is `shape.padded_vocab_size`; logits of the padding rows are forced to
-    `PADDED_VOCAB_LOGIT`, so softmaxes and logprobs equal those over the real vocabulary.
+    `PADDED_VOCAB_LOGIT`, so softmaxes and logprobs equal those over the real vocabulary; the fused LM
+    head skips those rows (`output_layer.unpadded_vocab_size`).
     Weights are randomly initialised; load real ones with `convert.load_hf_weights`. A frozen
     (`trainable=False`) model has `requires_grad=False` everywhere and starts in eval mode.
     """
@@ -72,6 +73,8 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
             rope_scaling=shape.rope_scaling_factor is not None,
             rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         )
+    if model.post_process:
+        model.output_layer.unpadded_vocab_size = shape.vocab_size  # what the fused LM head scores
     if model.post_process and shape.padded_vocab_size != shape.vocab_size:
         model.output_layer.register_forward_hook(_mask_padded_vocab(shape.vocab_size))
     if not trainable:

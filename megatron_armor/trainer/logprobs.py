@@ -6,7 +6,8 @@ The last pipeline stage turns hidden states into `TokenScores` by one of two hea
   so no rank materialises full-vocabulary logits, but each holds its `[B, S, V/tp]` shard.
 - ``"fused"``: the Triton kernel (`megatron_armor.kernels.fused_logprobs`) runs on the hidden
   states and the output weight through GPTModel's `output_processor` hook; only `[B, S]` vectors
-  are ever held. It needs a GPU, or TRITON_INTERPRET=1 on CPU.
+  are ever held, and under Megatron DDP the weight gradient is added straight into `main_grad`.
+  It needs a GPU, or TRITON_INTERPRET=1 on CPU.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def _torch_head(logits: torch.Tensor, mb: SequenceBatch, scoring: ScoringSetting
 def _fused_head(scoring: ScoringSettings) -> Callable:
     """GPTModel `output_processor`: hidden [S, b, H] + this rank's output weight shard -> TokenScores.
 
-    The kernel scores every row of the weight, so the model's vocabulary must be unpadded
-    (`ModelShape.padded_vocab_size == vocab_size`; the trainer checks this at start-up).
+    Rows of the (padded) weight past the real vocabulary, `output_layer.unpadded_vocab_size` (set by
+    `models.gpt.build_gpt_model`), are left out of the softmax, as the torch head's mask does.
     """
     from megatron_armor.kernels import fused_logprobs
 
@@ -130,7 +131,7 @@ def _fused_head(scoring: ScoringSettings) -> Callable:
         hidden = hidden_states.transpose(0, 1).reshape(b * s, -1)  # [b*S, H]
         logprobs, entropy = fused_logprobs(
             hidden, weight, context.labels.reshape(-1), temperature=scoring.temperature,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            vocab_size=output_layer.unpadded_vocab_size, tp_group=parallel_state.get_tensor_model_parallel_group(),
         )
         return TokenScores(logprobs.view(b, s), entropy.view(b, s) if scoring.with_entropy else None)
 

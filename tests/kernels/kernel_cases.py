@@ -40,6 +40,15 @@ def make_case(n: int, v: int, h: int, dtype: torch.dtype, seed: int = 0) -> Case
     return Case(hidden, weight, labels, old_logp, ref_logp, advantages, mask)
 
 
+def pad_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight [V, H] with `rows` padding rows appended, as Megatron pads the vocabulary. They hold large values
+    (logits of std ~100 against `make_case`'s hidden) so that a padding row leaking into a max, a sum or a
+    gradient shows."""
+    g = torch.Generator().manual_seed(99)
+    padding = 12 * torch.randn(rows, weight.shape[1], generator=g)
+    return torch.cat([weight, padding.to(weight.dtype)])
+
+
 def tolerances(dtype: torch.dtype) -> dict[str, float]:
     """Tolerances against the float32 reference run on the same (upcast) inputs.
 

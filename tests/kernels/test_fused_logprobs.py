@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_cases import assert_grad_close, make_case, tolerances
+from kernel_cases import assert_grad_close, make_case, pad_vocab, tolerances
 
 from megatron_armor.kernels import fused_logprobs
 from megatron_armor.kernels import fused as fused_module
@@ -13,12 +13,14 @@ from megatron_armor.kernels.tiles import TileConfig
 SMALL_TILES = TileConfig(block_n=16, block_v=64, block_h=16, num_warps=1, min_programs=8)
 
 
-def _check_against_reference(n, v, h, dtype, temperature, seed=0):
+def _check_against_reference(n, v, h, dtype, temperature, seed=0, padding=0):
+    """fused_logprobs on v vocabulary rows + `padding` padding rows vs the reference on the v rows alone."""
     case = make_case(n, v, h, dtype, seed)
     tol = tolerances(dtype)
     hidden = case.hidden.clone().requires_grad_()
-    weight = case.weight.clone().requires_grad_()
-    logp, entropy = fused_logprobs(hidden, weight, case.labels, temperature=temperature)
+    weight = pad_vocab(case.weight, padding).requires_grad_()
+    logp, entropy = fused_logprobs(hidden, weight, case.labels, temperature=temperature,
+                                   vocab_size=v if padding else None)
     ref_hidden = case.hidden.float().requires_grad_()
     ref_weight = case.weight.float().requires_grad_()
     ref_logp, ref_entropy = reference_logprobs(ref_hidden, ref_weight, case.labels, temperature)
@@ -34,7 +36,8 @@ def _check_against_reference(n, v, h, dtype, temperature, seed=0):
     (ref_logp * grad_logp + ref_entropy * grad_entropy).sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == dtype
     assert_grad_close(hidden.grad, ref_hidden.grad, tol["grad"], "grad hidden")
-    assert_grad_close(weight.grad, ref_weight.grad, tol["grad"], "grad weight")
+    assert_grad_close(weight.grad[:v], ref_weight.grad, tol["grad"], "grad weight")
+    assert (weight.grad[v:] == 0).all(), "padding rows got a gradient"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,6 +50,47 @@ def test_matches_reference(n, v, h, dtype, temperature):
 def test_small_ragged_tiles_and_vocab_splits(monkeypatch, dtype):
     monkeypatch.setattr(fused_module, "default_tiles", lambda n, v, h: SMALL_TILES)
     _check_against_reference(37, 1000, 40, dtype, 0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_vocabulary_rows_take_no_part(monkeypatch, dtype):
+    # 1000 real rows padded to 1024; with small tiles the last real row falls inside a tile of the last split.
+    monkeypatch.setattr(fused_module, "default_tiles", lambda n, v, h: SMALL_TILES)
+    _check_against_reference(37, 1000, 40, dtype, 0.7, padding=24)
+
+
+@pytest.mark.parametrize("owner", ["ddp", "ddp-tied", "ddp-bf16-buffer", "no-ddp"])
+def test_weight_gradient_into_megatron_main_grad(owner):
+    """Megatron DDP's gradient_accumulation_fusion contract (tensor_parallel.layers): the weight gradient is
+    added to the fp32 `main_grad`, `grad_added_to_main_grad` is set and autograd gets a dummy, zeros when
+    the weight is tied to the embedding on this stage (`zero_out_wgrad`). A 16-bit buffer is left to DDP's
+    hook (the gradient goes to autograd); without DDP's flag autograd gets None."""
+    case = make_case(37, 1000, 64, torch.bfloat16)
+    weight = pad_vocab(case.weight, 24).requires_grad_()
+    weight.main_grad = torch.randn(1024, 64, dtype=torch.bfloat16 if owner == "ddp-bf16-buffer" else torch.float32)
+    before = weight.main_grad.clone()  # what earlier micro-batches accumulated
+    if owner != "no-ddp":
+        weight.grad_added_to_main_grad = False
+    weight.zero_out_wgrad = owner == "ddp-tied"
+    logp, entropy = fused_logprobs(case.hidden, weight, case.labels, vocab_size=1000)
+    (logp + 0.5 * entropy).sum().backward()
+    ref_weight = case.weight.float().requires_grad_()
+    ref_logp, ref_entropy = reference_logprobs(case.hidden.float(), ref_weight, case.labels)
+    (ref_logp + 0.5 * ref_entropy).sum().backward()
+
+    rel = tolerances(torch.bfloat16)["grad"]
+    if owner == "ddp-bf16-buffer":
+        assert torch.equal(weight.main_grad, before) and not weight.grad_added_to_main_grad
+        assert_grad_close(weight.grad[:1000], ref_weight.grad, rel, "grad weight")
+        return
+    assert_grad_close(weight.main_grad[:1000] - before[:1000], ref_weight.grad, rel, "main_grad increment")
+    assert torch.equal(weight.main_grad[1000:], before[1000:]), "padding rows of main_grad changed"
+    if owner == "no-ddp":
+        assert weight.grad is None
+        return
+    assert weight.grad_added_to_main_grad and weight.grad.shape == weight.shape and weight.grad.dtype == torch.bfloat16
+    if owner == "ddp-tied":
+        assert (weight.grad == 0).all()
 
 
 def test_logprob_gradient_alone_and_near_one_hot_softmax_stays_nonpositive():
@@ -93,3 +137,5 @@ def test_rejects_bad_inputs():
         fused_logprobs(case.hidden, case.weight.bfloat16(), case.labels)
     with pytest.raises(ValueError, match="temperature"):
         fused_logprobs(case.hidden, case.weight, case.labels, temperature=0.0)
+    with pytest.raises(ValueError, match=r"vocab_size must be in \[1, 50\]"):
+        fused_logprobs(case.hidden, case.weight, case.labels, vocab_size=51)
