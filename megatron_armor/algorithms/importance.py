@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from megatron_armor.algorithms.losses import LOG_RATIO_CLAMP, dual_clip_ppo
-from megatron_armor.algorithms.reduce import masked_mean
+from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, masked_mean
 
 IS_CORRECTIONS = ("tis", "mis", "none")
 ISCorrection = Literal["tis", "mis", "none"]
@@ -50,19 +50,22 @@ def sampler_corrected_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float = 1.4,
-    token_normalizer: float | None = None,
+    aggregation: LossAggregation = "seq_mean_token_mean",
+    normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean MIPU Step-1 loss (-J_S1) and its statistics.
+    """MIPU Step-1 loss (-J_S1) and its statistics.
 
     logp (differentiable), old_logp, engine_logp, advantages (per token), mask: [B, T] float32.
-    Reduced as sum(wbar * L * mask) / sum(mask), or / token_normalizer when given.
+    Reduced by `aggregate_loss`: by default the spec's mean over sequences of per-sequence token
+    means, sum_i (1/T_i) sum_t wbar L / #sequences; `normalizer` replaces the divisor (1 gives a
+    micro-batch's partial sum).
     stats (detached 0-dim, masked token means): clip_fraction, clip_fraction_lower, is_weight_mean,
     is_truncated_fraction (tokens with w > w_max), ppo_kl, num_tokens (count).
     """
     weights = sampler_weights(old_logp, engine_logp, correction, w_max)
     log_ratio = logp - old_logp
     terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    result = masked_mean(weights * terms.loss, mask, token_normalizer)
+    result = aggregate_loss(weights * terms.loss, mask, aggregation, normalizer)
     stats = terms.stats(mask)
     with torch.no_grad():
         m = mask.to(logp.dtype)

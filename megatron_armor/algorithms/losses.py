@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_armor.algorithms.reduce import masked_mean
+from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, masked_mean
 
 MIXING_OFF_ALPHA = 1.0 - 1e-6
 LOG_RATIO_CLAMP = 20.0
@@ -76,15 +76,17 @@ def armor_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     dual_clip: float = 10.0,
-    token_normalizer: float | None = None,
+    aggregation: LossAggregation = "token_mean",
+    normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-mean ARMOR policy loss and its statistics.
+    """ARMOR policy loss and its statistics.
 
     All tensors are [B, T] float32 (advantages per token, mask 1 on response tokens).
     The ratio is rho = exp(clamp(l_mix(theta) - l_mix(old), -20, 20)) with
     l_mix(x) = log(alpha * pi_x + (1 - alpha) * pi_ref); mixing is off for alpha >= 1 - 1e-6, where
-    `ref_logp` may be None. Loss per token: `dual_clip_ppo`. Reduced as sum(L * mask) / sum(mask),
-    or / token_normalizer when given (gradient accumulation over micro-batches).
+    `ref_logp` may be None. Loss per token: `dual_clip_ppo`. Reduced by `aggregate_loss` with
+    `aggregation` (default the token mean sum(L * mask) / sum(mask)); `normalizer` replaces the
+    divisor (1 gives a micro-batch's partial sum for gradient accumulation).
 
     stats (detached 0-dim float32, masked token means): clip_fraction, clip_fraction_lower
     (dual clip active), mixed_ratio_mean, ppo_kl (k1 on mixed logprobs), num_tokens (count).
@@ -98,7 +100,7 @@ def armor_policy_loss(
             raise ValueError(f"ref_logp is required when alpha < 1 (got alpha={alpha})")
         log_ratio = mixed_logprob(logp, ref_logp, alpha) - mixed_logprob(old_logp, ref_logp, alpha)
     terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    result = masked_mean(terms.loss, mask, token_normalizer)
+    result = aggregate_loss(terms.loss, mask, aggregation, normalizer)
     stats = terms.stats(mask)
     stats["mixed_ratio_mean"] = masked_mean(terms.ratio.detach(), mask.to(terms.ratio.dtype))
     return result, stats

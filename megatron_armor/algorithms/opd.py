@@ -1,10 +1,61 @@
-"""On-policy distillation (opd.md §1): per-token reverse-KL advantages against a frozen teacher."""
+"""On-policy distillation (opd.md §1): per-token reverse-KL advantages against a frozen teacher,
+optionally sparsified to a fraction of each response's tokens."""
 
 from __future__ import annotations
+
+import math
+from typing import Literal
 
 import torch
 
 from megatron_armor.algorithms.reduce import masked_mean
+
+TOKEN_SELECTIONS = ("top", "random")
+TokenSelection = Literal["top", "random"]
+
+
+@torch.no_grad()
+def sparse_token_mask(
+    scores: torch.Tensor, mask: torch.Tensor, fraction: float, selection: TokenSelection,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """m_t of the token-sparsification variant: per response, keep k = ceil(fraction * T) of its T tokens.
+
+    scores: [B, T] float32, the ranking key of "top" (the largest k are kept, ties to the earlier
+    token); "random" keeps a uniformly random k-subset drawn from `generator`. mask: [B, T] response
+    mask. Returns [B, T] float32 in {0, 1}, 0 off-response; a response with T >= 1 keeps >= 1 token.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"token fraction must be in (0, 1], got {fraction}")
+    if selection not in TOKEN_SELECTIONS:
+        raise ValueError(f"unknown token selection {selection!r}; choose one of {TOKEN_SELECTIONS}")
+    response = mask > 0
+    lengths = response.sum(-1)  # [B]
+    # ceil(fraction * T) without float noise turning 0.3 * 10 into 4
+    keep_counts = torch.ceil(lengths.double() * fraction - 1e-9).long()  # [B]
+    if selection == "top":
+        keys = scores.float()
+    else:  # drawn on the CPU generator, so a seed gives the same tokens on any device
+        keys = torch.rand(scores.shape, generator=generator).to(scores.device)
+    keys = keys.masked_fill(~response, -math.inf)
+    order = keys.argsort(dim=-1, descending=True, stable=True)  # [B, T] token index by rank
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, positions)  # [B, T] rank of each token
+    return ((ranks < keep_counts[:, None]) & response).to(torch.float32)
+
+
+@torch.no_grad()
+def sparsify_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, fraction: float, selection: TokenSelection,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """r_t <- T / sum(m) * m_t * r_t per response (opd.md §1 variants), m = `sparse_token_mask` keyed
+    by r_t itself. log_ratio, mask: [B, T] float32 -> [B, T] float32; fraction 1 returns r unchanged."""
+    if fraction == 1.0:
+        return log_ratio
+    keep = sparse_token_mask(log_ratio, mask, fraction, selection, generator)
+    scale = (mask > 0).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1] T / sum(m)
+    return log_ratio * keep * scale
 
 
 @torch.no_grad()
@@ -16,14 +67,19 @@ def opd_token_advantages(
     beta: float = 1.0,
     alpha: float = 1.0,
     sequence_advantages: torch.Tensor | None = None,
+    token_fraction: float = 1.0,
+    token_selection: TokenSelection = "top",
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """A_t = alpha * (-beta * r_t) + (1 - alpha) * A_seq, r_t = old_logp - teacher_logp (detached).
 
     old_logp, teacher_logp, mask: [B, T] float32 (student at rollout time, teacher, response mask);
     sequence_advantages: [B] float32 GRPO advantages broadcast over tokens (needed when alpha < 1).
-    alpha = 1 is pure OPD (A_base = 0). Returns [B, T] float32, 0 off-response.
+    alpha = 1 is pure OPD (A_base = 0). token_fraction < 1 first sparsifies r_t (`sparsify_log_ratio`
+    with `token_selection`; `generator` drives "random"). Returns [B, T] float32, 0 off-response.
     """
-    advantages = -beta * (old_logp - teacher_logp)
+    log_ratio = sparsify_log_ratio(old_logp - teacher_logp, mask, token_fraction, token_selection, generator)
+    advantages = -beta * log_ratio
     if alpha < 1.0:
         if sequence_advantages is None:
             raise ValueError(f"sequence_advantages are required to mix OPD with GRPO (alpha={alpha} < 1)")

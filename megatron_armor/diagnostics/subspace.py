@@ -6,30 +6,85 @@ recorded; from then on every step is projected onto span(V_K) from the right, in
   projected gradient, so the step itself may leave the span);
 - "update": after the optimizer step, W <- W_prev + (W - W_prev) V V^T (the step stays in the span).
 Which mode ran is part of `summary()`, to be logged with the run.
+
+Under tensor parallelism each rank holds a shard of a matrix and the bases are those of the full
+matrix (`Sharding`): a column-parallel shard (output rows split) keeps the whole V [in, K],
+replicated; a row-parallel shard (input columns split) keeps its row block of V [in/tp, K], and
+g V V^T needs one all-reduce of the partial products g_r V_r [out, K] over the group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from megatron_armor.diagnostics.geometry import top_right_vectors
 
 PROJECTION_MODES = ("gradient", "update")
 
 
-def record_subspace(delta: torch.Tensor, k: int) -> torch.Tensor:
-    """V_K [in, k] float32 on delta's device: top-k right singular vectors of delta [out, in] (float64 SVD)."""
-    return top_right_vectors(delta, k).to(delta.device, torch.float32)
+@dataclass(frozen=True)
+class Sharding:
+    """How a matrix [out, in] is split over the ranks of `group`: along `dim` 0 (output rows,
+    column-parallel) or 1 (input columns, row-parallel), rank r holding the r-th block."""
+
+    dim: int
+    group: dist.ProcessGroup
+
+    def __post_init__(self) -> None:
+        if self.dim not in (0, 1):
+            raise ValueError(f"a matrix is split along dim 0 or 1, got {self.dim}")
 
 
-def project_gradient(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """g V V^T for g [out, in] and orthonormal V [in, k]; computed in V's dtype, returned in g's dtype."""
+def gather_full(shard: torch.Tensor, sharding: Sharding | None) -> torch.Tensor:
+    """The full matrix from every rank's shard (collective over `sharding.group`); `shard` itself if None.
+
+    The blocks are concatenated in rank order, which is the full matrix up to a permutation of its
+    rows (dim 0) or columns (dim 1), e.g. for a fused or strided layout. Right singular vectors do
+    not see a row permutation, and a column permutation permutes V's rows consistently with the
+    shards, so the bases below are exact for any layout.
+    """
+    if sharding is None:
+        return shard
+    blocks = [torch.empty_like(shard) for _ in range(dist.get_world_size(sharding.group))]
+    dist.all_gather(blocks, shard.contiguous(), group=sharding.group)
+    return torch.cat(blocks, dim=sharding.dim)
+
+
+def record_subspace(delta: torch.Tensor, k: int, sharding: Sharding | None = None) -> torch.Tensor:
+    """V_K float32 on delta's device: top-k right singular vectors of the full matrix (float64 SVD).
+
+    delta: [out, in], or this rank's shard of it per `sharding` (collective then: the full matrix
+    is gathered, its V is broadcast from the group's first rank so every rank uses the same one).
+    Returns [in, k]; for a row-parallel shard [in/tp, k], this rank's row block.
+    """
+    full = gather_full(delta, sharding)
+    v = top_right_vectors(full, k).to(delta.device, torch.float32).contiguous()  # [in_full, k]
+    if sharding is None:
+        return v
+    dist.broadcast(v, src=dist.get_global_rank(sharding.group, 0), group=sharding.group)
+    if sharding.dim == 0:
+        return v
+    return v.chunk(dist.get_world_size(sharding.group))[dist.get_rank(sharding.group)].contiguous()
+
+
+def project_gradient(g: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """g V V^T for g [out, in] and orthonormal V [in, k]; computed in V's dtype, returned in g's dtype.
+
+    With `group` (row-parallel shards), g is this rank's column block [out, in/tp] and V the matching
+    row block [in/tp, k]: g V = sum_r g_r V_r is all-reduced over the group, and the result is this
+    rank's column block of the full projection.
+    """
     if g.dim() != 2 or g.shape[1] != v.shape[0]:
         raise ValueError(f"cannot project a {tuple(g.shape)} matrix onto a basis of shape {tuple(v.shape)}")
-    return ((g.to(v.dtype) @ v) @ v.T).to(g.dtype)
+    gv = g.to(v.dtype) @ v  # [out, k]
+    if group is not None:
+        dist.all_reduce(gv, group=group)
+    return (gv @ v.T).to(g.dtype)
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -44,8 +99,10 @@ class SubspaceConstraint:
     Call `pre_step()` before and `post_step()` after every optimizer step (both are no-ops until a
     capture and outside their mode), and `capture(step)` once at the chosen early step.
 
-    params:  name -> parameter [out, in] (updated in place by the optimizer)
-    initial: name -> W0 [out, in] for the same names (any device, kept as given; pass copies)
+    params:   name -> parameter [out, in] (updated in place by the optimizer)
+    initial:  name -> W0 [out, in] for the same names (any device, kept as given; pass copies)
+    sharding: name -> `Sharding` of the tensor-parallel shards among `params` (absent: a whole
+              matrix); capture and projection are then collectives over each shard's group.
     """
 
     def __init__(
@@ -54,6 +111,7 @@ class SubspaceConstraint:
         initial: Mapping[str, torch.Tensor],
         k: int = 16,
         mode: Literal["gradient", "update"] = "gradient",
+        sharding: Mapping[str, Sharding] | None = None,
     ) -> None:
         if mode not in PROJECTION_MODES:
             raise ValueError(f"unknown projection mode {mode!r}; choose one of {PROJECTION_MODES}")
@@ -68,22 +126,35 @@ class SubspaceConstraint:
                     f"{name}: needs a 2-D parameter matching its initial weight, got {tuple(param.shape)} "
                     f"and {tuple(initial[name].shape)}"
                 )
+        sharding = dict(sharding or {})
+        if not set(sharding) <= set(params):
+            raise ValueError(f"sharding names matrices that are not in params: {sorted(set(sharding) - set(params))[:5]}")
         self.params = dict(params)
         self.initial = dict(initial)
+        self.sharding = sharding
         self.k = k
         self.mode = mode
         self.captured_step: int | None = None
         self.projected_steps = 0
-        self.bases: dict[str, torch.Tensor] = {}  # name -> V_K [in, k] float32
+        self.bases: dict[str, torch.Tensor] = {}  # name -> V_K [in, k] float32 ([in/tp, k] row-parallel)
         self._before: dict[str, torch.Tensor] = {}  # name -> W_prev, "update" mode only
 
     def capture(self, step: int) -> None:
-        """Record V_K of W_t - W0 for every matrix; later steps are projected."""
+        """Record V_K of W_t - W0 for every matrix; later steps are projected. Collective when sharded."""
         self.bases = {  # the difference in float64, so a bf16 parameter loses nothing to rounding
-            name: record_subspace(param.detach().double() - self.initial[name].to(param.device, torch.float64), self.k)
+            name: record_subspace(
+                param.detach().double() - self.initial[name].to(param.device, torch.float64), self.k,
+                self.sharding.get(name),
+            )
             for name, param in self.params.items()
         }
         self.captured_step = step
+
+    def _project(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """g V V^T of matrix `name` (this rank's block of it when sharded)."""
+        sharding = self.sharding.get(name)
+        row_parallel = sharding is not None and sharding.dim == 1
+        return project_gradient(g, self.bases[name], sharding.group if row_parallel else None)
 
     def pre_step(self) -> None:
         """Before optimizer.step(): "gradient" mode projects each gradient in place; "update" saves W_prev."""
@@ -96,7 +167,7 @@ class SubspaceConstraint:
             grad = _grad_of(param)
             if grad is None:
                 raise RuntimeError(f"{name}: no gradient to project (neither .main_grad nor .grad is set)")
-            grad.copy_(project_gradient(grad, self.bases[name]))
+            grad.copy_(self._project(name, grad))
         self.projected_steps += 1
 
     def post_step(self) -> None:
@@ -106,7 +177,7 @@ class SubspaceConstraint:
         with torch.no_grad():
             for name, param in self.params.items():
                 before = self._before[name].float()
-                param.copy_(before + project_gradient(param.float() - before, self.bases[name]))
+                param.copy_(before + self._project(name, param.float() - before))
         self._before = {}
         self.projected_steps += 1
 
@@ -116,6 +187,15 @@ class SubspaceConstraint:
                 "projected_steps": self.projected_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` of a run with the same matrices and tensor-parallel layout."""
+        for name, param in self.params.items():
+            initial, basis = state["initial"].get(name), state["bases"].get(name)
+            if initial is None or initial.shape != param.shape or (basis is not None and basis.shape[0] != param.shape[1]):
+                raise ValueError(
+                    f"subspace state of {name} does not fit its parameter {tuple(param.shape)} (saved W0 "
+                    f"{None if initial is None else tuple(initial.shape)}, basis "
+                    f"{None if basis is None else tuple(basis.shape)}); resume with the tensor-parallel size it was saved at"
+                )
         self.initial, self.bases = dict(state["initial"]), dict(state["bases"])
         self.captured_step, self.projected_steps = state["captured_step"], state["projected_steps"]
 

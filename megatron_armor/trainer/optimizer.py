@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
-from megatron_armor.diagnostics.subspace import SubspaceConstraint
+from megatron_armor.diagnostics.subspace import Sharding, SubspaceConstraint
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
 
@@ -34,7 +35,7 @@ class OptimizerSettings:
 
 def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
-    and divided by the global token count) and build its Megatron optimizer.
+    and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
 
     DDP checks gradients for NaN/Inf before reducing them and raises (naming the rank) instead of
     letting a non-finite update reach the weights.
@@ -113,10 +114,22 @@ def zero_grads(ddp: DistributedDataParallel, optimizer: MegatronOptimizer) -> No
     optimizer.zero_grad()
 
 
-
 def subspace_constraint(model: GPTModel, k: int, mode: str) -> SubspaceConstraint:
     """A `SubspaceConstraint` over the model's 2-D decoder weights (fused qkv / fc1 as Megatron holds
     them; embeddings and the output layer are left free), starting from their current values as W0.
-    Tensor parallelism would need the bases of the full matrices; the config refuses tp > 1."""
+
+    Under tensor parallelism the bases are those of the full matrices: Megatron marks a split weight
+    with `tensor_model_parallel` and its `partition_dim` (0: column-parallel qkv / fc1, 1: row-parallel
+    proj / fc2), which become each shard's `Sharding` over the tensor-parallel group.
+    """
     params = {name: p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("decoder.")}
-    return SubspaceConstraint(params, {name: p.detach().clone() for name, p in params.items()}, k=k, mode=mode)
+    sharding = {}
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        sharding = {
+            name: Sharding(p.partition_dim, group)
+            for name, p in params.items() if getattr(p, "tensor_model_parallel", False)
+        }
+    return SubspaceConstraint(
+        params, {name: p.detach().clone() for name, p in params.items()}, k=k, mode=mode, sharding=sharding
+    )

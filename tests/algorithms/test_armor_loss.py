@@ -82,10 +82,10 @@ def test_gradient_matches_autograd_of_naive_float64_formula():
     assert torch.allclose(x.grad.double(), y.grad, atol=1e-6)
 
 
-def test_token_normalizer_and_empty_mask():
+def test_normalizer_and_empty_mask():
     logp, old, ref, adv, mask = _random_case(2)
     mean_loss, _ = armor_policy_loss(logp, old, ref, adv, mask)
-    sum_loss, _ = armor_policy_loss(logp, old, ref, adv, mask, token_normalizer=1.0)
+    sum_loss, _ = armor_policy_loss(logp, old, ref, adv, mask, normalizer=1.0)
     assert sum_loss.item() == pytest.approx(mean_loss.item() * mask.sum().item(), rel=1e-5)
     x = logp.clone().requires_grad_(True)
     empty, stats = armor_policy_loss(x, old, ref, adv, torch.zeros_like(mask))

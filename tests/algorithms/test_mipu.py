@@ -11,9 +11,11 @@ from megatron_armor.algorithms import (
 
 
 def _naive_step1(logp, old, engine, adv, mask, correction, w_max=2.0, eps=0.2):
-    """-J_S1 written straight from the spec, token by token (the reference for values and gradients)."""
-    total = 0.0
+    """-J_S1 written straight from the spec, token by token (the reference for values and gradients):
+    -(1/G) sum_i (1/T_i) sum_t wbar_it l_dc_it."""
+    per_response = []
     for b in range(logp.shape[0]):
+        total, length = 0.0, 0
         for t in range(logp.shape[1]):
             if mask[b, t] == 0:
                 continue
@@ -23,8 +25,9 @@ def _naive_step1(logp, old, engine, adv, mask, correction, w_max=2.0, eps=0.2):
             a = float(adv[b, t])
             l_clip = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)
             l_dc = l_clip if a >= 0 else torch.maximum(l_clip, torch.tensor((1 + 2 * eps) * a))
-            total = total - wbar * l_dc
-    return total / mask.sum()
+            total, length = total + wbar * l_dc, length + 1
+        per_response.append(total / length)
+    return -sum(per_response) / len(per_response)
 
 
 @pytest.mark.parametrize("correction", ["tis", "mis", "none"])
@@ -36,6 +39,8 @@ def test_step1_loss_and_gradient_match_the_spec_formula(correction):
     logp = (old + 0.5 * torch.randn(shape, generator=g)).requires_grad_()  # ratios beyond 1 +- 0.2 and 1.4
     adv = torch.randn(shape, generator=g)
     mask = (torch.rand(shape, generator=g) > 0.2).float()
+    mask[:, 0] = 1.0  # every response has a token
+    mask[0, 4:] = 0.0  # and their lengths differ, so a token mean would weigh them differently
     loss, stats = sampler_corrected_loss(logp, old, engine, adv, mask, correction=correction)
     (grad,) = torch.autograd.grad(loss, logp)
     logp_ref = logp.detach().clone().requires_grad_()
