@@ -1,0 +1,30 @@
+"""Build a Megatron GPTModel for this process's TP/PP layout and load a checkpoint into it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_armor.convert.megatron_checkpoint import load_model_weights
+from megatron_armor.models.gpt import build_gpt_model
+from megatron_armor.models.hf_config import ModelShape, transformer_config
+
+
+def load_gpt_model(
+    path: str | Path, shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, trainable: bool = False
+) -> GPTModel:
+    """This rank's shard of the model at `path` (HF directory or Megatron checkpoint).
+
+    The layout is `parallel_state`'s (initialised first); a layout that does not divide the model's
+    heads, FFN width, vocabulary or layers raises `ModelConfigError`.
+    """
+    config = transformer_config(
+        shape, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(), params_dtype=params_dtype,
+    )
+    model = build_gpt_model(shape, config, trainable=trainable)
+    load_model_weights(model, path, shape)
+    return model
