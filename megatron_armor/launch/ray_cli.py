@@ -53,6 +53,7 @@ def run_ray_train(args: argparse.Namespace, cfg: ArmorConfig) -> int:
     import ray
 
     from megatron_armor.launch.ray_job import run_ray_job
+    from megatron_armor.launch.router import RouterError
     from megatron_armor.launch.trainer_ranks import TrainerJobError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -60,7 +61,7 @@ def run_ray_train(args: argparse.Namespace, cfg: ArmorConfig) -> int:
     try:
         run_ray_job(cfg, job_from_args(args), resume=args.resume, overwrite=args.overwrite)
         return 0
-    except (TrainerJobError, ConfigError) as error:
+    except (TrainerJobError, RouterError, ConfigError) as error:
         log.error("%s", error)
         return 1
     finally:

@@ -1,8 +1,9 @@
 """`armor ray-train`: the training job as a Ray job: trainer ranks and rollout servers as actors.
 
     driver: prepare the task (model/data paths) -> start servers (actor policy, and reference for
-            ARMOR) -> trainer ranks run `run_training` with `rollout.backend sglang` pointed at them
-            -> restart dead servers while training -> shut everything down.
+            ARMOR), each group behind its own SGLang router on the driver when `rollout.router` picks
+            one -> trainer ranks run `run_training` with `rollout.backend sglang` pointed at them
+            -> restart (and re-register) dead servers while training -> shut everything down.
 
 Placement:
 - disaggregated: the trainer ranks get one placement group (a GPU each) and every server group its
@@ -24,6 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from megatron_armor.config import ArmorConfig, ConfigError, validate
+from megatron_armor.launch.router import RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.launch.server_process import ServerSpec
 from megatron_armor.launch.servers import Placement, ServerGroup
 from megatron_armor.launch.trainer_ranks import TrainerRanks
@@ -54,8 +56,8 @@ class RayJobSpec:
 def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, overwrite: bool = False) -> None:
     """Run the training job on the connected Ray cluster (call `ray.init` first).
 
-    Raises trainer_ranks.TrainerJobError naming the rank that failed; servers, actors and placement groups are
-    released in every case.
+    Raises trainer_ranks.TrainerJobError naming the rank that failed, or router.RouterError if a router died;
+    servers, routers, actors and placement groups are released in every case.
     """
     use_gpus = ray.cluster_resources().get("GPU", 0) > 0
     world = cfg.parallel.world_size
@@ -67,6 +69,7 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
     trainer_pg = placement_group([bundle] * world, strategy="PACK", name="armor-trainer")
     ray.get(trainer_pg.ready())
     groups: list[ServerGroup] = []
+    routers: list[SGLangRouter] = []
     try:
         roles = [("actor", paths.model_path, job.num_servers)]
         if cfg.algorithm.name == "armor" and cfg.rollout.anchor_engine == "separate":
@@ -82,13 +85,20 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
             offset += count
             placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)
                          if job.placement == "colocated" else Placement(cpus_per_actor=job.cpus_per_actor))
+            router = None
+            if use_sglang_router(cfg.rollout.router, count):
+                router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.router_policy), log_dir=job.log_dir,
+                                      host=job.server_host or ray.util.get_node_ip_address())
+                routers.append(router)
             groups.append(ServerGroup(spec, count, name=role, host=job.server_host, placement=placement,
-                                      log_dir=job.log_dir))
+                                      log_dir=job.log_dir, router=router))
         cfg = _pointed_at(cfg, groups)
         gpu_share = (COLOCATED_GPU_FRACTION if job.placement == "colocated" else 1.0) if use_gpus else 0.0
         ranks = TrainerRanks(world, trainer_pg, list(range(world)), cpus=job.cpus_per_actor, gpus=gpu_share)
 
         def restart_dead_servers() -> None:
+            for router in routers:
+                router.check_alive()
             for group in groups:
                 group.restart_dead()
 
@@ -96,14 +106,18 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
     finally:
         for group in groups:
             group.shutdown()
+        for router in routers:
+            router.stop()
         remove_placement_group(trainer_pg)
 
 
 def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup]) -> ArmorConfig:
-    """`cfg` with rollouts from the groups' servers (actor first, reference second if present)."""
+    """`cfg` with rollouts from the groups' servers (actor first, reference second if present) and routers."""
+    router_urls = [group.router.url if group.router else None for group in groups]
     rollout = dataclasses.replace(
-        cfg.rollout, backend="sglang", sglang_urls=",".join(groups[0].urls),
+        cfg.rollout, backend="sglang", sglang_urls=",".join(groups[0].urls), sglang_router_url=router_urls[0],
         sglang_ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
+        sglang_ref_router_url=router_urls[1] if len(groups) > 1 else None,
     )
     cfg = dataclasses.replace(cfg, rollout=rollout)
     validate(cfg)

@@ -9,9 +9,6 @@ on, so the subprocess inherits that actor's `CUDA_VISIBLE_DEVICES`.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megatron_armor.launch.process import ManagedProcess, free_port
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 
 
@@ -70,20 +68,6 @@ def server_command(spec: ServerSpec, *, host: str, port: int, seed: int) -> list
     return cmd + list(spec.extra_args)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL the server when the process that started it dies (a killed Ray actor leaves no orphan)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class RolloutServer:
     """Owns one server subprocess (in its own session, so a stop reaches SGLang's children too)."""
 
@@ -91,9 +75,8 @@ class RolloutServer:
         self.spec, self.index, self.host = spec, index, host
         self.port = free_port(host)
         self.restarts = 0
-        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"rollout-server-{index}-{self.port}.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._proc: subprocess.Popen | None = None
+        log_path = Path(log_dir or tempfile.gettempdir()) / f"rollout-server-{index}-{self.port}.log"
+        self._process = ManagedProcess(log_path)
         self._start()
 
     @property
@@ -105,19 +88,14 @@ class RolloutServer:
         return f"rollout server {self.index} ({self.url})"
 
     def pid(self) -> int:
-        return self._proc.pid
+        return self._process.pid
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._process.alive()
 
     def _start(self) -> None:
         cmd = server_command(self.spec, host=self.host, port=self.port, seed=self.spec.seed_for(self.index))
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        with self.log_path.open("a") as sink:
-            sink.write(f"$ {' '.join(cmd)}\n")
-            sink.flush()
-            self._proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+        self._process.start(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
     def wait_healthy(self) -> str:
         """Block until GET /health_generate answers 200; returns the URL.
@@ -128,8 +106,8 @@ class RolloutServer:
         last = "no answer yet"
         while True:
             if not self.alive():
-                raise ServerStartError(f"{self.name} exited with code {self._proc.returncode} while starting\n"
-                                       f"{self._log_tail()}")
+                raise ServerStartError(f"{self.name} exited with code {self._process.returncode} while starting\n"
+                                       f"{self._process.log_tail()}")
             try:
                 http_call(self.url, "/health_generate", method="GET", timeout=30.0)
                 return self.url
@@ -137,7 +115,7 @@ class RolloutServer:
                 last = f"{type(error).__name__}: {error}"
             if time.monotonic() >= deadline:
                 raise ServerStartError(f"{self.name} was not healthy within {self.spec.startup_timeout_s:.0f} s "
-                                       f"(last: {last})\n{self._log_tail()}")
+                                       f"(last: {last})\n{self._process.log_tail()}")
             time.sleep(self.spec.poll_interval_s)
 
     def ensure_alive(self) -> bool:
@@ -147,7 +125,7 @@ class RolloutServer:
         """
         if self.alive():
             return False
-        self._signal_group(signal.SIGKILL)  # children of a dead SGLang server may still hold the GPU
+        self._process.kill()  # children of a dead SGLang server may still hold the GPU
         self.restarts += 1
         self._start()
         self.wait_healthy()
@@ -155,23 +133,4 @@ class RolloutServer:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL it if the server has not exited after `timeout_s`."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal_group(signal.SIGKILL)
-        self._proc.wait()
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        try:
-            os.killpg(self._proc.pid, sig)
-        except ProcessLookupError:  # the whole group is gone already
-            pass
-
-    def _log_tail(self, chars: int = 3000) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return f"--- {self.log_path} (last {chars} chars) ---\n{text[-chars:]}"
+        self._process.stop(timeout_s)

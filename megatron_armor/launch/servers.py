@@ -3,7 +3,9 @@
 Each server gets one bundle of `tp_size` GPUs (CPU only when the spec is the CPU stand-in), its own
 port on its node and its own seed. `restart_dead()` brings back any server whose process died;
 `shutdown()` stops every subprocess, then the actors and the placement group. Use as a context
-manager so an exception on the driver still shuts everything down.
+manager so an exception on the driver still shuts everything down. With a `router` (SGLang's, see
+router.py) the servers are registered with it once healthy, and a dead server is deregistered before
+its restart and registered again after.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_armor.launch.router import SGLangRouter
 from megatron_armor.launch.server_process import RolloutServer, ServerSpec
 
 log = logging.getLogger(__name__)
@@ -43,11 +46,11 @@ class ServerGroup:
 
     def __init__(
         self, spec: ServerSpec, num_servers: int, *, name: str = "rollout", host: str | None = None,
-        placement: Placement = Placement(), log_dir: str | None = None,
+        placement: Placement = Placement(), log_dir: str | None = None, router: SGLangRouter | None = None,
     ) -> None:
         if num_servers < 1:
             raise ValueError(f"ServerGroup {name!r} needs num_servers >= 1, got {num_servers}")
-        self.spec, self.name = spec, name
+        self.spec, self.name, self.router = spec, name, router
         gpus = 0 if spec.kind == "local" else spec.tp_size
         self._own_pg = placement.placement_group is None
         if self._own_pg:
@@ -70,6 +73,8 @@ class ServerGroup:
         ]
         try:
             self.urls: list[str] = self._gather("wait_healthy")
+            if router is not None:
+                router.add_workers(self.urls)
         except Exception:
             self.shutdown()
             raise
@@ -80,10 +85,17 @@ class ServerGroup:
         return self._gather("pid")
 
     def restart_dead(self) -> list[int]:
-        """Restart every server whose process died; returns their indices (after they are healthy again)."""
+        """Restart every server whose process died; returns their indices (after they are healthy again,
+        and registered with the router again)."""
+        if self.router is not None:
+            for i, alive in enumerate(self._gather("alive")):
+                if not alive:
+                    self.router.remove_worker(self.urls[i])  # no requests for it while it restarts
         restarted = [i for i, done in enumerate(self._gather("ensure_alive")) if done]
         for i in restarted:
             log.warning("%s server %d (%s) had died and was restarted", self.name, i, self.urls[i])
+        if self.router is not None and restarted:
+            self.router.add_workers([self.urls[i] for i in restarted])
         return restarted
 
     def shutdown(self) -> None:
@@ -126,6 +138,9 @@ class _ServerActor:
 
     def pid(self) -> int:
         return self.server.pid()
+
+    def alive(self) -> bool:
+        return self.server.alive()
 
     def ensure_alive(self) -> bool:
         return self.server.ensure_alive()

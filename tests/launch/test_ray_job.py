@@ -1,4 +1,5 @@
-"""One full ARMOR step as a Ray job: 2 trainer ranks (TP=2) and 2 rollout servers (actor, reference) as actors."""
+"""One full ARMOR step as a Ray job: 2 trainer ranks (TP=2) and 2 rollout servers (actor, reference) as actors,
+each server behind its own SGLang router on the driver."""
 
 import json
 import math
@@ -16,7 +17,7 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
     cfg = load_config(CONFIG, [
         "train.max_steps=1", f"logging.run_dir={run_dir}", f"task.cache_dir={synthetic_cache}",
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.max_prompts=8", "logging.tensorboard=false",
-        "logging.progress_bar=false", "logging.plot=false",
+        "logging.progress_bar=false", "logging.plot=false", "rollout.router=sglang",  # a router even for one server
     ])
     job = RayJobSpec(server_kind="local", server_host="127.0.0.1", cpus_per_actor=0.4, monitor_interval_s=5.0,
                      log_dir=str(tmp_path / "server-logs"))
@@ -26,7 +27,9 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
     assert math.isfinite(step["loss/policy_loss"])
     assert step["mismatch/logprob_abs_diff"] < 1e-3  # the servers sampled with the trainer's weights
     assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8  # anchors from the reference server
-    assert step["rollout/requests"] > 0
+    # The ranks generated through the driver's routers, which take one prompt per request: rank 0's
+    # share of the 16 x 7 on-policy samples alone is 56 requests (without a router: 4 of 16 prompts).
+    assert step["rollout/requests"] >= 16 * 7 // 2
     deadline = time.monotonic() + 30  # Ray frees killed actors and removed placement groups asynchronously
     while ray_cluster.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)

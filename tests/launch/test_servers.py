@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_armor.launch.router import RouterSpec, SGLangRouter
 from megatron_armor.launch.server_process import ServerSpec, server_command
 from megatron_armor.launch.servers import Placement, ServerGroup
 from megatron_armor.rollout.sglang_engine import http_call
@@ -46,10 +47,13 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
 def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_factory, tmp_path):
     spec = ServerSpec(model_path=str(tiny_model_factory("qwen2")), kind="local", startup_timeout_s=120,
                       poll_interval_s=0.2)
+    router = SGLangRouter(spec=RouterSpec(worker_timeout_s=60), log_dir=str(tmp_path))
     group = ServerGroup(spec, 2, name="actor", host="127.0.0.1", placement=Placement(cpus_per_actor=0.25),
-                        log_dir=str(tmp_path))
-    with group:
+                        log_dir=str(tmp_path), router=router)
+    with router, group:
         assert len(set(group.urls)) == 2
+        worker_ids = router.workers()
+        assert sorted(worker_ids) == sorted(group.urls)  # registered once healthy
         for url in group.urls:
             assert http_call(url, "/model_info", method="GET")["is_generation"]
         pids = group.pids()
@@ -65,5 +69,7 @@ def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_f
         http_call(group.urls[0], "/health_generate", method="GET")  # same URL, healthy again
         new_pids = group.pids()
         assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+        new_ids = router.workers()  # the dead server was deregistered, then registered again: a new id
+        assert new_ids[group.urls[0]] != worker_ids[group.urls[0]] and new_ids[group.urls[1]] == worker_ids[group.urls[1]]
     assert all(_gone(pid) for pid in new_pids)
     assert group.placement_group is None
