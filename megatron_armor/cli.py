@@ -3,6 +3,7 @@
     armor train --config FILE [--section.field VALUE ...]   RL training (ARMOR / GRPO / GRPO + KL / MIPU / OPD)
     armor ray-train --config FILE [--num-servers N ...]     the same as a Ray job (trainer ranks + SGLang servers)
     armor serve-local --model DIR --port N                   the CPU engine behind SGLang's HTTP API
+    armor serve-teacher --model DIR --tp N --pp M --port P   a Megatron OPD teacher scoring tokens over HTTP
     armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
     armor convert hf-to-megatron|megatron-to-hf ...          checkpoint conversion (HF <-> Megatron dist ckpt)
 """
@@ -21,6 +22,7 @@ from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
+from megatron_armor.teacher.serve_cli import add_serve_teacher_subcommand, run_serve_teacher
 from megatron_armor.utils.quiet import quiet_third_party_noise
 
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "reference) are placed as Ray actors; the training options are those of `armor train`.",
     )))
     add_serve_local_subcommand(commands).set_defaults(handler=run_serve_local)
+    add_serve_teacher_subcommand(commands).set_defaults(handler=run_serve_teacher)
     add_diagnose_subcommand(commands)
     add_convert_subcommand(commands)
     return parser

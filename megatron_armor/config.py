@@ -37,6 +37,25 @@ class ModelConfig:
         None, "HF checkpoint dir of the frozen OPD teacher (same vocabulary; may be larger; built with the student's "
         "TP/PP; synthetic task: default the warm start, distilled into the untrained model)"
     )
+    teacher_url: str | None = _f(
+        None, "comma-separated URLs of running OPD teacher scoring servers (`armor serve-teacher`, or SGLang "
+        "serving the teacher); instead of a teacher in the trainer's processes"
+    )
+    teacher_tensor_parallel_size: int | None = _f(
+        None, "OPD teacher at its own layout: the trainer starts a scoring server of model.teacher_path with this "
+        "tensor-parallel size (null: the teacher shares the student's processes and layout)"
+    )
+    teacher_pipeline_parallel_size: int | None = _f(
+        None, "pipeline-parallel size of the teacher server the trainer starts (null: 1 when "
+        "teacher_tensor_parallel_size is set)"
+    )
+
+    @property
+    def teacher_layout(self) -> tuple[int, int] | None:
+        """(tp, pp) of the teacher server the trainer starts, or None when it starts none."""
+        if self.teacher_tensor_parallel_size is None and self.teacher_pipeline_parallel_size is None:
+            return None
+        return self.teacher_tensor_parallel_size or 1, self.teacher_pipeline_parallel_size or 1
 
 
 @dataclass
@@ -77,6 +96,28 @@ class RolloutConfig:
         None, "comma-separated URLs of the reference policy's servers (ARMOR anchors, anchor_engine separate)"
     )
     sglang_update_bucket_mb: int = _f(512, "weight-update bucket size in MiB (backend sglang)")
+    weight_sync: Literal["tensor", "distributed", "disk"] = _f(
+        "tensor", "how weights reach the SGLang servers (backend sglang): tensor = /update_weights_from_tensor with "
+        "shared-memory / CUDA-IPC handles, for servers on the trainer's host (colocated); distributed = a process "
+        "group with the servers and /update_weights_from_distributed broadcasts (gloo on CPU, nccl on GPU), for "
+        "servers on other hosts (disaggregated); disk = a safetensors file in weight_sync_dir and "
+        "/update_weights_from_disk (fallback)"
+    )
+    weight_sync_dir: str | None = _f(None, "directory the servers can read, for weight_sync disk")
+    router: Literal["auto", "sglang", "none"] = _f(
+        "auto", "dispatch of generation requests over the SGLang servers (backend sglang): auto (SGLang's router "
+        "for 2+ servers when the sglang_router package is installed, else the client's least-loaded dispatcher) | sglang (the "
+        "router; an error if it is not installed) | none (the client's dispatcher). Weight updates, flushes and "
+        "health checks go to every server directly either way"
+    )
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = _f(
+        "cache_aware", "load-balancing policy of SGLang's router (sglang_router --policy)"
+    )
+    sglang_router_url: str | None = _f(
+        None, "URL of a running SGLang router in front of sglang_urls (armor ray-train sets it); unset: each trainer "
+        "process starts its own router on loopback when rollout.router picks one"
+    )
+    sglang_ref_router_url: str | None = _f(None, "the same for sglang_ref_urls")
     engine_precision: Literal["fp32", "bf16", "fp8"] = _f(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
         "training/inference mismatch of production engines (backend local)"
@@ -134,6 +175,24 @@ class AlgorithmConfig:
     mipu_gate_n: int = _f(8, "mipu responses per held-out prompt (validation group size)")
     opd_beta: float = _f(1.0, "opd reverse-KL coefficient beta of A_t = -beta (log pi_old - log q_teacher)")
     opd_alpha: float = _f(1.0, "opd weight of the distillation advantage; 1 - alpha goes to the GRPO advantage")
+    opd_token_fraction: float = _f(
+        1.0, "opd token sparsification rho in (0, 1]: keep ceil(rho T) of a response's T tokens, rescale their "
+        "r_t by T / kept (1: off)"
+    )
+    opd_token_selection: Literal["top", "random"] = _f(
+        "top", "opd tokens kept under sparsification: top (largest r_t = log pi_old - log q_teacher) | random"
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean"] | None = _f(
+        None, "policy-loss reduction: token_mean (over all response tokens) | seq_mean_token_mean (token mean per "
+        "response, then mean over responses); default: seq_mean_token_mean for mipu (J_S1), token_mean otherwise"
+    )
+
+    @property
+    def aggregation(self) -> str:
+        """`loss_aggregation`, or the algorithm's default when it is unset."""
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        return "seq_mean_token_mean" if self.name == "mipu" else "token_mean"
 
 
 @dataclass
@@ -344,10 +403,31 @@ def validate(cfg: ArmorConfig) -> None:
     require(a.mipu_gate_prompts >= 1, f"algorithm.mipu_gate_prompts must be >= 1, got {a.mipu_gate_prompts}")
     require(a.mipu_gate_n >= 2, f"algorithm.mipu_gate_n must be >= 2 for group advantages, got {a.mipu_gate_n}")
     require(0.0 <= a.opd_alpha <= 1.0, f"algorithm.opd_alpha must be in [0, 1], got {a.opd_alpha}")
+    require(0.0 < a.opd_token_fraction <= 1.0,
+            f"algorithm.opd_token_fraction must be in (0, 1] (1 keeps every token), got {a.opd_token_fraction}")
+    require(a.opd_token_fraction == 1.0 or a.name == "opd",
+            f"algorithm.opd_token_fraction ({a.opd_token_fraction}) sparsifies opd's per-token advantages; "
+            f"{a.name} has none: leave it at 1.0")
+    require(a.loss_aggregation in (None, "token_mean", "seq_mean_token_mean"),
+            f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or null (the algorithm's default), "
+            f"got {a.loss_aggregation!r}")
+    m = cfg.model
+    for name in ("teacher_tensor_parallel_size", "teacher_pipeline_parallel_size"):
+        value = getattr(m, name)
+        require(value is None or value >= 1, f"model.{name} must be >= 1 or null, got {value}")
+    require(m.teacher_url is None or m.teacher_layout is None,
+            f"model.teacher_url ({m.teacher_url}) and model.teacher_tensor/pipeline_parallel_size both pick the "
+            f"teacher: set the URL of a running server, or the layout of one the trainer starts, not both")
+    require(a.name == "opd" or (m.teacher_url is None and m.teacher_layout is None),
+            f"model.teacher_url / teacher_*_parallel_size configure the OPD teacher; {a.name} has none: unset them")
     if a.name == "opd":
-        require(cfg.model.teacher_path is not None or (cfg.task.synthetic is not None and cfg.task.warm_start_steps > 0),
+        require(m.teacher_layout is None or m.teacher_path is not None or cfg.task.synthetic is not None,
+                "model.teacher_tensor/pipeline_parallel_size start a teacher server of model.teacher_path: set "
+                "model.teacher_path (or model.teacher_url for a server that runs already)")
+        require(m.teacher_url is not None or m.teacher_path is not None
+                or (cfg.task.synthetic is not None and cfg.task.warm_start_steps > 0),
                 "model.teacher_path is required for algorithm.name opd (an HF checkpoint dir of the teacher; the "
-                "synthetic task with task.warm_start_steps > 0 uses its warm start)")
+                "synthetic task with task.warm_start_steps > 0 uses its warm start), or model.teacher_url")
     if a.name == "armor":
         require(r.actor_n == r.n_samples - 1,
                 f"rollout.actor_n must be rollout.n_samples - 1 = {r.n_samples - 1} for armor (groups are actor_n "
@@ -370,9 +450,6 @@ def validate(cfg: ArmorConfig) -> None:
             f"train.mini_batch_size ({t.mini_batch_size}) must divide train.train_batch_size ({t.train_batch_size})")
     require(t.subspace_capture_step >= 0, f"train.subspace_capture_step must be >= 0, got {t.subspace_capture_step}")
     require(t.subspace_k >= 1, f"train.subspace_k must be >= 1, got {t.subspace_k}")
-    require(t.subspace_capture_step == 0 or cfg.parallel.tensor_parallel_size == 1,
-            "train.subspace_capture_step needs parallel.tensor_parallel_size 1 (the bases of tensor-parallel shards "
-            "are not implemented yet)")
     require(t.subspace_capture_step == 0 or t.subspace_mode == "gradient" or cfg.model.params_dtype == "float32",
             "train.subspace_mode update needs model.params_dtype float32 (with bf16 the optimizer steps fp32 copies)")
     dp = cfg.parallel.data_parallel_size
@@ -391,6 +468,17 @@ def validate(cfg: ArmorConfig) -> None:
                 f"rollout.engine_precision {r.engine_precision} simulates mismatch in the local engine only; set it to fp32 "
                 f"with rollout.backend sglang (quantize the SGLang server itself instead)")
         require(r.sglang_update_bucket_mb >= 1, f"rollout.sglang_update_bucket_mb must be >= 1, got {r.sglang_update_bucket_mb}")
+        require(r.weight_sync != "disk" or bool(r.weight_sync_dir),
+                "rollout.weight_sync disk needs rollout.weight_sync_dir (a directory the SGLang servers can read)")
+        router_urls = {name: getattr(r, name) for name in ("sglang_router_url", "sglang_ref_router_url") if getattr(r, name)}
+        require(r.router != "none" or not router_urls,
+                f"rollout.router is none but {', '.join(router_urls)} is set: drop it, or set rollout.router auto")
+        require(not r.sglang_ref_router_url or bool(r.sglang_ref_urls),
+                f"rollout.sglang_ref_router_url ({r.sglang_ref_router_url}) needs rollout.sglang_ref_urls, the servers "
+                f"behind it (weight updates go to them directly)")
+    else:
+        require(not (r.sglang_router_url or r.sglang_ref_router_url),
+                "rollout.sglang_router_url / sglang_ref_router_url apply to rollout.backend sglang only")
     require(r.anchor_engine == "separate" or not r.sglang_ref_urls,
             f"rollout.sglang_ref_urls ({r.sglang_ref_urls}) is unused with rollout.anchor_engine shared (anchors come "
             f"from the actor's servers): drop it, or set rollout.anchor_engine separate")

@@ -39,6 +39,9 @@ def test_demo_config_loads_with_typed_overrides():
         (["algorithm.name=grpo", "rollout.actor_n=8", "rollout.cache_anchors=true"],
          "rollout.anchor_engine \\(separate\\) and rollout.cache_anchors \\(True\\) apply to armor's anchors; grpo"),
         (["rollout.anchor_cache_max_prompts=0"], "rollout.anchor_cache_max_prompts must be >= 1, got 0"),
+        (["rollout.backend=sglang", "rollout.sglang_urls=http://a:1", "rollout.anchor_engine=shared",
+          "rollout.weight_sync=disk"], "rollout.weight_sync disk needs rollout.weight_sync_dir"),
+        (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' is not allowed; choose one of"),
     ],
 )
 def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):

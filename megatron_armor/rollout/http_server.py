@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -21,6 +20,7 @@ from typing import Any
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.local_server import LocalServerState, RequestError
+from megatron_armor.rollout.tensor_serialization import PayloadError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
     def weights_from_tensor(body: dict) -> dict:
         try:
             named = proto.named_tensors_from_request(body)
-        except (ValueError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as error:
+        except PayloadError as error:
             raise RequestError(f"/update_weights_from_tensor: bad payload: {error}") from error
         return state.update_weights(named, body)
 
@@ -62,6 +62,11 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         "/generate": state.generate, "/abort_request": state.abort, "/flush_cache": flush,
         "/update_weights_from_tensor": weights_from_tensor,
         "/update_weights_from_disk": state.update_weights_from_disk,
+        "/init_weights_update_group": state.init_weights_update_group,
+        "/update_weights_from_distributed": state.update_weights_from_distributed,
+        "/destroy_weights_update_group": state.destroy_weights_update_group,
+        "/update_weight_version": state.update_weight_version,
+        "/pause_generation": state.pause_generation, "/continue_generation": state.continue_generation,
         "/get_weights_by_name": state.weights_by_name,
         "/release_memory_occupation": release, "/resume_memory_occupation": resume,
     }
@@ -118,15 +123,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class LocalSGLangServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer bound to `state`; call `state.load()` (or `serve_local`) to become ready."""
+    """ThreadingHTTPServer bound to `state`; call `state.load()` (or `serve_local`) to become ready.
+
+    `routes` (default: the CPU engine's endpoints) lets another backend serve its own endpoints with
+    the same plumbing; its `state` then needs only `host`, `port` and `ready`.
+    """
 
     daemon_threads = True
 
-    def __init__(self, state: LocalServerState) -> None:
+    def __init__(self, state: LocalServerState, routes: dict[str, Callable[[dict[str, Any]], Any]] | None = None) -> None:
         super().__init__((state.host, state.port), _Handler)
         state.port = self.server_address[1]
         self.state = state
-        self.routes = _routes(state)
+        self.routes = _routes(state) if routes is None else routes
 
 
 def serve_local(model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, *, random_seed: int = 0) -> None:

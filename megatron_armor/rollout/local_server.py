@@ -1,8 +1,9 @@
 """The state behind the CPU SGLang stand-in: a `LocalEngine` plus request bookkeeping.
 
 Implements what each SGLang endpoint does (generation with `n`, aborts by rid prefix or all,
-weight updates, busy refusals, loads); `http_server` only maps paths and JSON onto it.
-Generation and weight updates share one engine lock; requests queued behind it count as waiting.
+pause/continue, weight updates from tensors, disk or a gloo group, busy refusals, loads);
+`http_server` only maps paths and JSON onto it. Generation and weight updates share one engine
+lock; requests queued behind it, or held by a pause, count as waiting.
 """
 
 from __future__ import annotations
@@ -12,18 +13,22 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout import weight_group
 from megatron_armor.rollout.base import Generation, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 
 SERVER_VERSION = "megatron-armor-local"
+WEIGHT_GROUP_TIMEOUT = timedelta(seconds=120)  # joining a weight-update group, and each broadcast in it
 
 
 class RequestError(Exception):
@@ -55,7 +60,11 @@ class LocalServerState:
         self.weight_version = "default"
         self.engine_lock = threading.Lock()  # generation and weight updates
         self._counts = threading.Lock()
+        self._changed = threading.Condition(self._counts)  # notified on pause/continue, aborts and finished requests
         self.running = self.waiting = 0
+        self.paused = False
+        self._held = 0  # waiting requests that arrived while paused and were not aborted
+        self._groups: dict[str, torch.distributed.ProcessGroup] = {}  # weight-update groups by name
         self._active: set[str] = set()  # rids of queued and running items
         self._aborted: set[str] = set()  # rid prefixes to abort
         self._abort_epoch = 0
@@ -94,6 +103,7 @@ class LocalServerState:
         items = self._items(prompts, body)
         epoch = self._enqueue(items)
         try:
+            self._wait_while_paused(epoch, items)
             with self.engine_lock, self._running():
                 results = self._run(items, skip=self._aborted_since(epoch, items))
             aborted = self._aborted_since(epoch, items)
@@ -166,12 +176,52 @@ class LocalServerState:
                 self._abort_epoch += 1
             elif rid and any(r.startswith(rid) for r in self._active):
                 self._aborted.add(rid)
+            self._changed.notify_all()
 
     def _aborted_since(self, epoch: int, items: list[_Item]) -> set[str]:
         with self._counts:
-            if self._abort_epoch != epoch:
-                return {item.rid for item in items}
-            return {item.rid for item in items if any(item.rid.startswith(a) for a in self._aborted)}
+            return self._aborted_locked(epoch, items)
+
+    def _aborted_locked(self, epoch: int, items: list[_Item]) -> set[str]:
+        if self._abort_epoch != epoch:
+            return {item.rid for item in items}
+        return {item.rid for item in items if any(item.rid.startswith(a) for a in self._aborted)}
+
+    # ---------------------------------------------------------------- pause and continue
+
+    def pause_generation(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /pause_generation {mode}: new and queued requests wait for /continue_generation.
+
+        mode abort (SGLang's default) also aborts every request in flight and answers once the server
+        is idle; retract and in_place keep them (this engine cannot stop a running batch mid-way, so the
+        running one finishes; the queued ones run after /continue_generation).
+        """
+        mode = body.get("mode", "abort")
+        proto.pause_generation_request(mode)
+        with self._counts:
+            self.paused = True
+            if mode == "abort":
+                self._abort_epoch += 1
+                self._changed.notify_all()
+                while self.running + self.waiting > self._held:  # every request aborted above has returned
+                    self._changed.wait()
+        return {"message": "Generation paused.", "status": "ok"}
+
+    def continue_generation(self, _: dict[str, Any]) -> dict[str, Any]:
+        with self._counts:
+            self.paused = False
+            self._changed.notify_all()
+        return {"message": "Generation continued.", "status": "ok"}
+
+    def _wait_while_paused(self, epoch: int, items: list[_Item]) -> None:
+        """Hold a request while the server is paused, unless it is aborted meanwhile."""
+        with self._counts:
+            if not self.paused or self._aborted_locked(epoch, items):
+                return
+            self._held += 1
+            while self.paused and not self._aborted_locked(epoch, items):
+                self._changed.wait()
+            self._held -= 1
 
     def _enqueue(self, items: list[_Item]) -> int:
         """Count a request as waiting; returns the abort_all epoch it entered in."""
@@ -196,6 +246,7 @@ class LocalServerState:
         with self._counts:
             self._active.difference_update(item.rid for item in items)
             self._aborted = {a for a in self._aborted if any(r.startswith(a) for r in self._active)}
+            self._changed.notify_all()
 
     # ---------------------------------------------------------------- weights and control
 
@@ -209,12 +260,62 @@ class LocalServerState:
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Load every *.safetensors file under model_path (HF names); like SGLang, the model config stays."""
         path = body.get("model_path")
         if not path:
             raise RequestError("/update_weights_from_disk: model_path is required")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        reply = self.update_weights(list(model.named_parameters()), body)
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise RequestError(f"/update_weights_from_disk: no *.safetensors files in {path}")
+        named = [item for file in files for item in load_file(file).items()]
+        reply = self.update_weights(named, body)
         return {**reply, "num_paused_requests": 0}
+
+    def update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("new_version") is None:
+            raise RequestError("/update_weight_version: new_version is required")
+        if body.get("abort_all_requests"):
+            self.abort({"abort_all": True})
+        self.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"Weight version updated to {self.weight_version}."}
+
+    # ---------------------------------------------------------------- weight-update groups
+
+    def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's group as rank rank_offset (this server has one TP rank); blocks until all joined."""
+        spec = proto.WeightGroupSpec.from_body(body)
+        if spec.backend != "gloo":
+            raise RequestError(f"/init_weights_update_group: this CPU server joins gloo groups only, got backend "
+                               f"{spec.backend!r}")
+        if spec.group_name in self._groups:
+            raise RequestError(f"/init_weights_update_group: group {spec.group_name!r} exists; destroy it first")
+        try:
+            self._groups[spec.group_name] = weight_group.join_as_server(spec, tp_rank=0, timeout=WEIGHT_GROUP_TIMEOUT)
+        except (weight_group.WeightGroupError, RuntimeError) as error:
+            raise RequestError(f"/init_weights_update_group: {error}") from error
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Receive the broadcasts named in the body from rank 0, then load them like any update."""
+        update = proto.DistributedUpdate.from_body(body)
+        group = self._groups.get(update.group_name)
+        if group is None:
+            raise RequestError(f"/update_weights_from_distributed: no weight update group {update.group_name!r} "
+                               f"(groups: {sorted(self._groups)}); call /init_weights_update_group first")
+        try:
+            named = weight_group.receive_on_server(group, update)
+        except RuntimeError as error:
+            raise RequestError(
+                f"/update_weights_from_distributed: broadcast in {update.group_name!r} failed: {error}"
+            ) from error
+        return self.update_weights(named, body)
+
+    def destroy_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("group_name", "weight_update_group")
+        if self._groups.pop(name, None) is None:
+            raise RequestError(f"/destroy_weights_update_group: no weight update group {name!r} (groups: "
+                               f"{sorted(self._groups)})")
+        return {"success": True, "message": f"Succeeded to destroy custom process group {name}."}
 
     def weights_by_name(self, body: dict[str, Any]) -> list:
         """The first `truncate_size` rows of a parameter as float32 lists (SGLang /get_weights_by_name)."""

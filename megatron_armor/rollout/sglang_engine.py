@@ -6,7 +6,11 @@ A request whose server fails (connection lost, timeout, 5xx) is re-sent to anoth
 exponential backoff, and the failed server sits out `down_cooldown_s`; prompts SGLang answers with
 finish type "abort" are re-sent too. Every re-send counts in `stats.retries` (metric
 `rollout/retries`); finished prompts are kept, so a retry never loses or repeats a result.
-Stdlib HTTP only (`http.client`), no router process: `sglang_router` is not required.
+With `router_url` (SGLang's router in front of the same servers, launch/router.py) every /generate
+request goes to the router instead, one prompt per request, and the router picks the worker; the
+retries above still apply. Weight
+updates, flushes, memory hand-off and health always go to every server directly (the router does not
+fan them out). Stdlib HTTP only (`http.client`).
 """
 
 from __future__ import annotations
@@ -20,20 +24,21 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.rollout.weight_transport import TRANSPORTS, TransportConfig
 
 
 @dataclass(frozen=True)
 class SGLangEngineConfig:
     """Client knobs; times in seconds, sizes in bytes."""
 
-    prompts_per_request: int = 16
+    prompts_per_request: int = 16  # through a router: 1 per request, this many times more requests in flight
     max_in_flight_per_server: int = 4
     request_timeout_s: float = 600.0
     max_retries: int = 4  # re-sends per request before `generate` fails
@@ -45,6 +50,13 @@ class SGLangEngineConfig:
     health_timeout_s: float = 30.0
     bucket_bytes: int = 512 << 20  # weight-update bucket (slime's --update-weight-buffer-size)
     load_format: proto.LoadFormat = "flattened_bucket"
+    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"  # weight_transport.TRANSPORTS
+    weight_group_timeout_s: float = 300.0  # weight_sync distributed: forming the group, each broadcast
+    weight_sync_dir: str | None = None  # weight_sync disk: a directory the servers can read
+
+    def __post_init__(self) -> None:
+        if self.weight_sync not in TRANSPORTS:
+            raise ValueError(f"SGLangEngineConfig.weight_sync must be one of {sorted(TRANSPORTS)}, got {self.weight_sync!r}")
     flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
     flush_interval_s: float = 1.0
 
@@ -146,27 +158,38 @@ class _Dispatcher:
 
 
 class SGLangEngine(RolloutEngine):
-    """Rollouts from SGLang servers (or `armor serve-local` stand-ins) at `urls`; blocks until all are healthy."""
+    """Rollouts from SGLang servers (or `armor serve-local` stand-ins) at `urls`; blocks until all are healthy.
 
-    def __init__(self, urls: Sequence[str], config: SGLangEngineConfig = SGLangEngineConfig()) -> None:
+    router_url: SGLang's router in front of exactly these servers; generation goes through it.
+    """
+
+    def __init__(
+        self, urls: Sequence[str], config: SGLangEngineConfig = SGLangEngineConfig(), *, router_url: str | None = None
+    ) -> None:
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.config = config
         self.stats = RolloutStats()
         self._servers = [_Server(url.rstrip("/")) for url in urls]
-        self._dispatcher = _Dispatcher(self._servers, config.down_cooldown_s)
+        self._router = _Server(router_url.rstrip("/")) if router_url else None
+        self._dispatcher = _Dispatcher([self._router] if self._router else self._servers, config.down_cooldown_s)
         self.wait_until_ready()
         for server in self._servers:
             server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))
+        transport = TransportConfig(config.bucket_bytes, config.load_format, config.weight_group_timeout_s,
+                                    config.weight_sync_dir)
+        self._transport = TRANSPORTS[config.weight_sync](self._servers, self._on_every_server, transport)
+        self._weight_version = 0
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self._servers]
 
     def wait_until_ready(self) -> None:
-        """Poll /health_generate until every server answers 200, or raise TimeoutError naming the laggard."""
+        """Poll /health_generate until every server (and the router: once it has a worker) answers 200,
+        or raise TimeoutError naming the laggard."""
         deadline = time.monotonic() + self.config.startup_timeout_s
-        waiting = {s.url: "no answer yet" for s in self._servers}
+        waiting = {url: "no answer yet" for url in self.urls + ([self._router.url] if self._router else [])}
         while waiting:
             for url in list(waiting):
                 try:
@@ -191,10 +214,11 @@ class SGLangEngine(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         if not prompts:
             return []
-        step = self.config.prompts_per_request
+        # The router takes one prompt per request (per-prompt seeds need it); as many prompts stay in flight.
+        step, per_request = (1, self.config.prompts_per_request) if self._router else (self.config.prompts_per_request, 1)
         chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
         results: list[Generation | None] = [None] * len(prompts)
-        workers = min(len(chunks), self.config.max_in_flight_per_server * len(self._servers))
+        workers = min(len(chunks), self.config.max_in_flight_per_server * per_request * len(self._servers))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-generate") as pool:
             futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results) for chunk in chunks]
             done, pending = wait(futures, return_when=FIRST_EXCEPTION)
@@ -244,12 +268,14 @@ class SGLangEngine(RolloutEngine):
     ) -> list[Generation | proto.Aborted]:
         """One /generate request (released to the dispatcher after). _ServerFailed when a retry may help."""
         rid = uuid.uuid4().hex
-        body = proto.generate_request(prompts, sampling, indices=indices, rid=rid)
+        routed = server is self._router  # one prompt, unbatched (see generate)
+        body = (proto.single_generate_request(prompts[0], sampling, index=indices[0], rid=rid) if routed
+                else proto.generate_request(prompts, sampling, indices=indices, rid=rid))
         self.stats.add(requests=1)
         failed = False
         try:
             reply = http_call(server.url, "/generate", body, timeout=self.config.request_timeout_s)
-            return proto.parse_generate_response(prompts, reply)
+            return proto.parse_generate_response(prompts, [reply] if routed else reply)
         except ServerError as error:
             if error.status < 500:
                 raise RolloutError(f"SGLang server {server.url} rejected /generate: {error}") from error
@@ -258,8 +284,9 @@ class SGLangEngine(RolloutEngine):
         except TRANSPORT_ERRORS as error:
             failed = True
             if isinstance(error, TimeoutError):  # stop the orphan; the server may be slow or gone, so ignore failures
-                with contextlib.suppress(ServerError, *TRANSPORT_ERRORS):
-                    http_call(server.url, "/abort_request", proto.abort_request(rid), timeout=5.0)
+                for url in self.urls if routed else [server.url]:  # the router has no /abort_request
+                    with contextlib.suppress(ServerError, *TRANSPORT_ERRORS):
+                        http_call(url, "/abort_request", proto.abort_request(rid), timeout=5.0)
             raise _ServerFailed(f"{server.url}/generate: {type(error).__name__}: {error}") from error
         except ValueError as error:
             raise RolloutError(f"SGLang server {server.url} sent a malformed /generate reply: {error}") from error
@@ -276,16 +303,20 @@ class SGLangEngine(RolloutEngine):
         return self.stats.as_metrics()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push HF-named tensors to every server in buckets of `bucket_bytes`; flush caches after the last."""
-        buckets = proto.bucket_named_tensors(list(named_tensors), self.config.bucket_bytes)
-        for n, bucket in enumerate(buckets):
-            bodies = {
-                tp: proto.update_weights_from_tensor_request(
-                    bucket, tp_size=tp, load_format=self.config.load_format, flush_cache=n == len(buckets) - 1
-                )
-                for tp in {s.tp_size for s in self._servers}
-            }
-            self._on_every_server("/update_weights_from_tensor", lambda s: bodies[s.tp_size])
+        """Push HF-named tensors to every server the way slime does: pause generation (abort mode), flush,
+        push in buckets of `bucket_bytes` by `config.weight_sync`, continue. The push ends with a flush and
+        a new weight_version (1, 2, ...)."""
+        self._weight_version += 1
+        self._on_every_server("/pause_generation", lambda s: proto.pause_generation_request("abort"))
+        try:
+            self.flush_cache()
+            self._transport.push(list(named_tensors), str(self._weight_version))
+        finally:
+            self._on_every_server("/continue_generation", lambda s: proto.continue_generation_request())
+
+    def close(self) -> None:
+        """Release server-side weight-sync state (the distributed group); the engine stays usable."""
+        self._transport.close()
 
     def update_weights_from_disk(self, model_path: str) -> None:
         """Every server reloads its weights from the HF checkpoint at `model_path` (a path the servers can read)."""

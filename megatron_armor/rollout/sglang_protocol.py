@@ -2,23 +2,12 @@
 
 Shared by the client (`sglang_engine`) and the CPU stand-in server (`local_server`), so both speak
 exactly one dialect. Field names follow SGLang 0.5.15 (`srt/managers/io_struct.py`); see
-/work/shared/spec/sglang.md for the protocol notes.
-
-Tensor payloads (`serialized_named_tensors`): SGLang sends base64 of ForkingPickler bytes, which
-carry CUDA-IPC or shared-memory *handles* (valid only for a co-located process while the sender
-keeps the storage alive) and need an allowlisting unpickler on the receiving side. Our CPU codec,
-`encode_tensor_payload`, instead writes the payload *by value* with `torch.save` and reads it with
-`torch.load(weights_only=True)`, torch's own allowlisting unpickler (tensors, str, numbers, lists,
-tuples, dicts only), so a payload can cross processes or hosts and a hostile body cannot run code.
-Flattened-bucket metadata therefore travels as plain dicts, not pickled dataclasses. A real SGLang
-server cannot read this codec: feeding one needs SGLang's own `MultiprocessingSerializer` and
-`FlattenedTensorBucket` on the co-located GPU host.
+/work/shared/spec/sglang.md for the protocol notes. Tensor payloads of /update_weights_from_tensor
+are SGLang's own (ForkingPickler, allowlisted unpickling): `tensor_serialization`.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,9 +15,11 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_armor.rollout import tensor_serialization
 from megatron_armor.rollout.base import Generation, SamplingParams
 
 LoadFormat = Literal["flattened_bucket"] | None
+PauseMode = Literal["abort", "retract", "in_place"]
 FinishType = Literal["stop", "length", "abort"]
 
 
@@ -74,6 +65,15 @@ def generate_request(
     if rid is not None:
         body["rid"] = [f"{rid}-{j}" for j in range(len(prompts))]
     return body
+
+
+def single_generate_request(prompt: Sequence[int], sampling: SamplingParams, *, index: int, rid: str) -> dict[str, Any]:
+    """`generate_request` for one prompt in SGLang's unbatched form: `input_ids` a flat list, one
+    `sampling_params` dict, `rid` a string; the reply is one item, not a list. SGLang's router
+    (sglang-router 0.3.2) accepts only this form: it rejects per-item sampling_params and rid lists.
+    """
+    body = generate_request([prompt], sampling, indices=[index])
+    return {**body, "input_ids": body["input_ids"][0], "sampling_params": body["sampling_params"][0], "rid": rid}
 
 
 @dataclass(frozen=True)
@@ -169,97 +169,45 @@ def sampling_from_body(params: dict[str, Any]) -> RequestSampling:
                            no_stop_trim=bool(params.get("no_stop_trim", False)))
 
 
-# ---------------------------------------------------------------- weight payloads
+# ---------------------------------------------------------------- /update_weights_from_tensor
 
 
-@dataclass(frozen=True)
-class FlattenedTensorMetadata:
-    """Where one tensor sits in a flattened bucket (SGLang srt/weight_sync/tensor_bucket.py).
-
-    start_idx/end_idx/numel count bytes of the bucket's 1-D uint8 tensor; dtype is a torch dtype
-    name without the "torch." prefix (e.g. "bfloat16").
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """SGLang's "flattened_bucket" payload: {flattened_tensor: [N bytes] uint8, metadata: [dict]}."""
-    chunks, metadata, start = [], [], 0
-    for name, tensor in named_tensors:
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(asdict(FlattenedTensorMetadata(
-            name=name, shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-            start_idx=start, end_idx=start + data.numel(), numel=data.numel(),
-        )))
-        chunks.append(data)
-        start += data.numel()
-    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return {"flattened_tensor": flat, "metadata": metadata}
-
-
-def unflatten_bucket(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `flatten_bucket` (copies, so tensors do not alias the bucket)."""
-    flat: torch.Tensor = payload["flattened_tensor"]
-    out = []
-    for raw in payload["metadata"]:
-        meta = FlattenedTensorMetadata(**{**raw, "shape": tuple(raw["shape"])})
-        dtype = getattr(torch, meta.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"flattened_bucket: tensor {meta.name} has unknown dtype {meta.dtype!r}")
-        data = flat[meta.start_idx : meta.end_idx]
-        out.append((meta.name, data.clone().view(dtype).reshape(meta.shape)))
-    return out
-
-
-def encode_tensor_payload(obj: Any) -> str:
-    """base64 text of one TP rank's payload (a named-tensor list or a flattened bucket); see module doc."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def decode_tensor_payload(text: str) -> Any:
-    """Inverse of `encode_tensor_payload`; refuses anything but tensors and plain containers."""
-    return torch.load(io.BytesIO(base64.b64decode(text, validate=True)), weights_only=True)
+def tensor_payload(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat, staging: torch.Tensor | None = None
+) -> Any:
+    """One TP rank's /update_weights_from_tensor payload: a flattened bucket (in `staging`, a
+    `tensor_serialization.shared_buffer`, if given), or for load_format null fresh copies of the tensors
+    (pickling moves a storage into shared memory, which must not happen to the caller's tensors). Keep it
+    alive, and `staging` unchanged, until every server has answered: the request carries handles into
+    it, not its bytes."""
+    if load_format == "flattened_bucket":
+        return tensor_serialization.flatten_bucket(named_tensors, out=staging)
+    return [(name, t.detach().clone()) for name, t in named_tensors]
 
 
 def update_weights_from_tensor_request(
-    named_tensors: Sequence[tuple[str, torch.Tensor]], *, tp_size: int = 1, load_format: LoadFormat = "flattened_bucket",
-    flush_cache: bool = True, weight_version: str | None = None,
+    payload: Any, *, tp_size: int = 1, load_format: LoadFormat = "flattened_bucket", flush_cache: bool = True,
+    weight_version: str | None = None,
 ) -> dict[str, Any]:
-    """An /update_weights_from_tensor body carrying full HF tensors to each of `tp_size` ranks.
-
-    Every rank gets the same payload (SGLang's load_weights TP-slices HF tensors itself).
-    """
-    tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
-    payload = flatten_bucket(tensors) if load_format == "flattened_bucket" else tensors
-    encoded = encode_tensor_payload(payload)
-    body: dict[str, Any] = {
-        "serialized_named_tensors": [encoded] * tp_size, "load_format": load_format, "flush_cache": flush_cache,
+    """An /update_weights_from_tensor body giving each of `tp_size` ranks the full HF tensors of `payload`
+    (from `tensor_payload`; SGLang's load_weights TP-slices them). Each rank gets its own serialization,
+    since each one takes a shared-memory reference when it unpickles."""
+    body = {
+        "serialized_named_tensors": [tensor_serialization.serialize(payload) for _ in range(tp_size)],
+        "load_format": load_format, "flush_cache": flush_cache,
     }
-    if weight_version is not None:
-        body["weight_version"] = weight_version
-    return body
+    return _with_version(body, weight_version)
 
 
 def named_tensors_from_request(body: dict[str, Any], tp_rank: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """Decode rank `tp_rank`'s entry of an /update_weights_from_tensor body."""
+    """Decode rank `tp_rank`'s entry of an /update_weights_from_tensor body (PayloadError if it is bad)."""
     entries = body.get("serialized_named_tensors")
-    if not isinstance(entries, list) or len(entries) <= tp_rank:
-        raise ValueError(f"serialized_named_tensors must be a list with an entry for TP rank {tp_rank}")
-    payload = decode_tensor_payload(entries[tp_rank])
-    load_format = body.get("load_format")
-    if load_format == "flattened_bucket":
-        return unflatten_bucket(payload)
-    if load_format is not None:
-        raise ValueError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
-    return [(str(name), tensor) for name, tensor in payload]
+    if not isinstance(entries, list) or len(entries) <= tp_rank or not isinstance(entries[tp_rank], str):
+        raise tensor_serialization.PayloadError(
+            f"serialized_named_tensors must be a list of base64 strings with an entry for TP rank {tp_rank}"
+        )
+    payload = tensor_serialization.deserialize(entries[tp_rank])
+    return tensor_serialization.named_tensors_from_payload(payload, body.get("load_format"))
 
 
 def bucket_named_tensors(
@@ -280,8 +228,14 @@ def bucket_named_tensors(
 # ---------------------------------------------------------------- control endpoints
 
 
-def update_weights_from_disk_request(model_path: str, *, flush_cache: bool = True) -> dict[str, Any]:
-    return {"model_path": model_path, "flush_cache": flush_cache}
+def update_weights_from_disk_request(
+    model_path: str, *, flush_cache: bool = True, weight_version: str | None = None
+) -> dict[str, Any]:
+    return _with_version({"model_path": model_path, "flush_cache": flush_cache}, weight_version)
+
+
+def _with_version(body: dict[str, Any], weight_version: str | None) -> dict[str, Any]:
+    return body if weight_version is None else {**body, "weight_version": weight_version}
 
 
 def abort_request(rid: str = "", *, abort_all: bool = False) -> dict[str, Any]:
@@ -294,3 +248,109 @@ def memory_occupation_request(tags: Sequence[str] | None = None) -> dict[str, An
     if tags is not None and not set(tags) <= allowed:
         raise ValueError(f"memory tags must be a subset of {sorted(allowed)}, got {list(tags)}")
     return {"tags": None if tags is None else list(tags)}
+
+
+# ---------------------------------------------------------------- distributed weight updates
+
+
+@dataclass(frozen=True)
+class WeightGroupSpec:
+    """/init_weights_update_group: a process group of the trainer (rank 0, the broadcaster) and every
+    server TP rank (rank `rank_offset + tp_rank`), met through a TCP store at master_address:master_port."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+    def body(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> WeightGroupSpec:
+        """Parse and check a request body; ValueError naming the bad field."""
+        missing = [name for name in ("master_address", "master_port", "rank_offset", "world_size") if name not in body]
+        if missing:
+            raise ValueError(f"/init_weights_update_group: missing {missing}")
+        spec = cls(str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                   int(body["world_size"]), str(body.get("group_name", "weight_update_group")),
+                   str(body.get("backend", "nccl")))
+        if not 1 <= spec.rank_offset < spec.world_size:
+            raise ValueError(f"/init_weights_update_group: rank_offset {spec.rank_offset} must be in [1, world_size "
+                             f"{spec.world_size}) (rank 0 is the trainer)")
+        return spec
+
+
+@dataclass(frozen=True)
+class DistributedUpdate:
+    """/update_weights_from_distributed: tensors the trainer broadcasts from rank 0, in order.
+
+    Without load_format, one broadcast per name; with "flattened_bucket", one [sum of bytes] uint8
+    broadcast holding the tensors' bytes back to back (`tensor_serialization.flattened_layout`).
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtype names without "torch.", e.g. "bfloat16"
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = "weight_update_group"
+    load_format: LoadFormat = None
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+    @classmethod
+    def of(cls, named_tensors: Sequence[tuple[str, torch.Tensor]], **options: Any) -> DistributedUpdate:
+        return cls(tuple(n for n, _ in named_tensors), tuple(str(t.dtype).removeprefix("torch.") for _, t in named_tensors),
+                   tuple(tuple(t.shape) for _, t in named_tensors), **options)
+
+    def body(self) -> dict[str, Any]:
+        body = {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes],
+                "group_name": self.group_name, "flush_cache": self.flush_cache, "load_format": self.load_format}
+        return _with_version(body, self.weight_version)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> DistributedUpdate:
+        """Parse and check a request body; ValueError naming the bad field."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
+            len(names) == len(dtypes) == len(shapes)
+        ):
+            raise ValueError("/update_weights_from_distributed: names, dtypes and shapes must be lists of one length")
+        for name, dtype in zip(names, dtypes):
+            if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                raise ValueError(f"/update_weights_from_distributed: {name} has unknown dtype {dtype!r}")
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"/update_weights_from_distributed: load_format {load_format!r} is not supported; "
+                             "use null or 'flattened_bucket'")
+        version = body.get("weight_version")
+        return cls(tuple(map(str, names)), tuple(map(str, dtypes)), tuple(tuple(int(d) for d in s) for s in shapes),
+                   str(body.get("group_name", "weight_update_group")), load_format, bool(body.get("flush_cache", True)),
+                   None if version is None else str(version))
+
+    def empty_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Receive buffers: one uninitialised CPU tensor per name."""
+        return [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+
+def destroy_weights_update_group_request(group_name: str) -> dict[str, Any]:
+    return {"group_name": group_name}
+
+
+# ---------------------------------------------------------------- pause, continue, version
+
+
+def pause_generation_request(mode: PauseMode = "abort") -> dict[str, Any]:
+    """abort: running and queued requests end with finish type "abort"; retract / in_place: they wait."""
+    if mode not in ("abort", "retract", "in_place"):
+        raise ValueError(f"pause_generation mode must be abort, retract or in_place, got {mode!r}")
+    return {"mode": mode}
+
+
+def continue_generation_request() -> dict[str, Any]:
+    return {"torch_empty_cache": False}
+
+
+def update_weight_version_request(new_version: str, *, abort_all_requests: bool = False) -> dict[str, Any]:
+    return {"new_version": new_version, "abort_all_requests": abort_all_requests}

@@ -23,13 +23,14 @@ from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
+from megatron_armor.teacher.scorer import TeacherScorer
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.trainer.logprobs import compute_logprobs
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.optimizer import OptimizerSettings
 from megatron_armor.trainer.policy_update import LossSettings, update_policy
-from megatron_armor.trainer.rollout_stage import RolloutCounters, SampleScorer, generate_samples
+from megatron_armor.trainer.rollout_stage import RolloutCounters, SampleScorer, call_seed, generate_samples
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class StepPlan:
     seed: int
     opd_beta: float = 1.0  # A_t = opd_alpha * (-opd_beta * (old - teacher)) + (1 - opd_alpha) * A_grpo
     opd_alpha: float = 1.0
+    opd_token_fraction: float = 1.0  # keep ceil(fraction * T) tokens of each response's r_t (1: all)
+    opd_token_selection: str = "top"  # "top" (largest r_t) | "random" (algorithms/opd.py)
     kl_coef: float = 0.0  # KL-to-reference loss weight (grpo_kl, mipu); > 0 needs reference logprobs
 
     @property
@@ -76,7 +79,7 @@ class PolicyHandles:
     actor_engine: RolloutEngine
     ref_engine: RolloutEngine
     pad_token_id: int
-    teacher: torch.nn.Module | None = None  # frozen GPTModel (OPD)
+    teacher: TeacherScorer | None = None  # OPD: frozen teacher, in-process or a scoring server
 
     @property
     def shared_engine(self) -> bool:
@@ -233,12 +236,12 @@ class RLTrainer:
                 self.h.ref, batch, micro_batch_size=plan.micro_batch_size, scoring=self.loss.scoring()
             ).logprobs
         if plan.distills:
-            batch.teacher_logprobs = compute_logprobs(
-                self.h.teacher, batch, micro_batch_size=plan.micro_batch_size, scoring=self.loss.scoring()
-            ).logprobs
+            batch.teacher_logprobs = self.h.teacher.score(batch)
             batch.token_advantages = opd_token_advantages(
                 batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, beta=plan.opd_beta,
-                alpha=plan.opd_alpha, sequence_advantages=batch.advantages,
+                alpha=plan.opd_alpha, sequence_advantages=batch.advantages, token_fraction=plan.opd_token_fraction,
+                token_selection=plan.opd_token_selection,  # random draws: one stream per step and data shard
+                generator=torch.Generator().manual_seed(call_seed(plan.seed, self.optimizer_steps, "opd", ctx.dp_rank)),
             )
         bounds = [0]
         for mini in rows:

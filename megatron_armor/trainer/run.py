@@ -15,17 +15,20 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.config import ArmorConfig, save_config
-from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, load_model_weights, save_model_checkpoint
+from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
-from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ModelConfigError, ModelShape, load_model_shape, transformer_config
+from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
+from megatron_armor.models.loading import load_gpt_model
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
+from megatron_armor.teacher.serve_cli import TeacherServerSettings
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
+from megatron_armor.trainer.logprobs import ScoringSettings
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
@@ -81,30 +84,16 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
     dtype = _DTYPES[cfg.model.params_dtype]
 
-    def loaded_model(path: str, model_shape: ModelShape = shape, *, trainable: bool = False) -> torch.nn.Module:
-        config = transformer_config(model_shape, tp_size=ctx.tp_size, pp_size=ctx.pp_size, params_dtype=dtype)
-        model = build_gpt_model(model_shape, config, trainable=trainable)
-        load_model_weights(model, path, model_shape)
-        return model
-
-    actor = loaded_model(paths.model_path, trainable=True)
+    actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True)
     optim = OptimizerSettings(
         lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,
         grad_clip=cfg.train.grad_clip,
     )
     ddp, optimizer = wrap_for_training(actor, optim)
-    ref = loaded_model(paths.ref_path)
+    ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype)
     algorithm = cfg.algorithm
-    teacher = None
-    if algorithm.name == "opd":
-        teacher_shape = load_model_shape(paths.teacher_path)
-        if teacher_shape.vocab_size != shape.vocab_size:
-            raise ModelConfigError(
-                f"model.teacher_path {paths.teacher_path} has vocab_size {teacher_shape.vocab_size}, the student "
-                f"{paths.model_path} has {shape.vocab_size}; OPD scores the student's tokens, so they must share a vocabulary"
-            )
-        teacher = loaded_model(paths.teacher_path, teacher_shape)
+    teacher = _opd_teacher(cfg, paths, shape) if algorithm.name == "opd" else None
 
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams(
@@ -140,13 +129,9 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         max_num_gen_batches=algorithm.max_num_gen_batches,
         allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
         ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed, opd_beta=algorithm.opd_beta,
-        opd_alpha=algorithm.opd_alpha, kl_coef=kl_coef,
+        opd_alpha=algorithm.opd_alpha, opd_token_fraction=algorithm.opd_token_fraction,
+        opd_token_selection=algorithm.opd_token_selection, kl_coef=kl_coef,
     )
-    if cfg.train.logprob_head == "fused" and shape.padded_vocab_size != shape.vocab_size:
-        raise ModelConfigError(
-            f"train.logprob_head fused needs a vocabulary that is a multiple of 128 (no padding rows); "
-            f"{paths.model_path} has vocab_size {shape.vocab_size}: use train.logprob_head torch"
-        )
     mipu = algorithm.name == "mipu"
     loss = LossSettings(
         alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
@@ -154,6 +139,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         kl_coef=kl_coef, kl_estimator=algorithm.kl_estimator,
         temperature=cfg.rollout.temperature, logprob_head=cfg.train.logprob_head,
         sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
+        aggregation=algorithm.aggregation,
     )
     gate = _mipu_gate(cfg, all_val_rows, train_scorer, sampling) if mipu and algorithm.mipu_gate else None
     constraint = (
@@ -170,6 +156,29 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         modules["ref"] = ref  # after a reset the reference is no longer the checkpoint on disk
     return TrainingSetup(trainer=trainer, modules=modules, val_rows=all_val_rows[: cfg.eval.max_prompts],
                          val_scorer=val_scorer, val_sampling=val_sampling)
+
+
+def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
+    """The OPD teacher (collective): in the trainer's processes at the student's layout, or a scoring server
+    (model.teacher_url, or one the trainer starts at model.teacher_tensor/pipeline_parallel_size)."""
+    m = cfg.model
+    teacher_shape = None
+    if paths.teacher_path is not None:  # None: only a teacher_url was given
+        teacher_shape = load_model_shape(paths.teacher_path)
+        check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"model.teacher_path {paths.teacher_path}")
+    scoring = ScoringSettings(temperature=cfg.rollout.temperature, head=cfg.train.logprob_head)  # as the student's
+    if m.teacher_url is None and m.teacher_layout is None:
+        model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=_DTYPES[m.params_dtype])
+        return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
+    launch = None
+    if m.teacher_layout is not None:
+        tp, pp = m.teacher_layout
+        check_parallel_layout(teacher_shape, tp, pp)  # before any teacher process starts
+        launch = TeacherServerSettings(paths.teacher_path, tp, pp, port=0, micro_batch_size=cfg.train.micro_batch_size,
+                                       params_dtype=m.params_dtype)
+    urls = m.teacher_url.split(",") if m.teacher_url else None
+    return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
+                                  launch=launch, log_dir=cfg.logging.run_dir)
 
 
 def _mipu_gate(
@@ -270,6 +279,8 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
             save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last, write_extra=export_model)
     metrics_log.close()
+    if handles.teacher is not None:
+        handles.teacher.close()  # stops a teacher server the trainer started
     if ctx.is_main and cfg.logging.plot:
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
         log.info("run directory %s: metrics.jsonl, curves.png, checkpoints/", run_dir)
@@ -288,11 +299,15 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
         options = dict(pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
         actor = _local_engine(paths.model_path, **options)
         return actor, actor if rollout.anchor_engine == "shared" else _local_engine(paths.ref_path, **options)
-    from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_armor.launch.router import make_sglang_engine
+    from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 
-    client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20)
-    actor = SGLangEngine(rollout.sglang_urls.split(","), client)
-    ref = SGLangEngine(rollout.sglang_ref_urls.split(","), client) if rollout.sglang_ref_urls else actor
+    client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20, weight_sync=rollout.weight_sync,
+                                weight_sync_dir=rollout.weight_sync_dir)
+    log_dir = cfg.logging.run_dir  # routers' logs
+    actor = make_sglang_engine(rollout.sglang_urls, rollout.sglang_router_url, rollout, client, log_dir=log_dir)
+    ref = (make_sglang_engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url, rollout, client, log_dir=log_dir)
+           if rollout.sglang_ref_urls else actor)
     return actor, ref
 
 

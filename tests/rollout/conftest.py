@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -70,3 +72,15 @@ def wait_for_load():
             time.sleep(0.005)
 
     return wait
+
+
+@pytest.fixture
+def os_system_payload(tmp_path) -> tuple[str, Path]:
+    """(base64 pickle that calls os.system to create a marker file when unpickled, the marker's path)."""
+    marker = tmp_path / "pwned"
+
+    class Hostile:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    return base64.b64encode(pickle.dumps([("x", Hostile())])).decode(), marker

@@ -98,22 +98,33 @@ def test_queued_request_is_aborted_and_busy_server_refuses_flush(server, ready_u
     assert http_call(ready_url, "/resume_memory_occupation", {"tags": None}) is None
 
 
-def test_weight_update_formats_and_bad_payloads(server, ready_url):
+def _tensor_update(named, load_format="flattened_bucket", **options):
+    payload = proto.tensor_payload(named, load_format)
+    return payload, proto.update_weights_from_tensor_request(payload, load_format=load_format, **options)
+
+
+def test_weight_update_formats_and_bad_payloads(server, ready_url, os_system_payload):
     name = "model.norm.weight"
     before = server.state.engine.named_parameters_hf()[name].clone()
     for load_format in (None, "flattened_bucket"):
         new = torch.full_like(before, 0.5 if load_format else 0.25)
-        body = proto.update_weights_from_tensor_request([(name, new)], load_format=load_format)
+        payload, body = _tensor_update([(name, new)], load_format)
         assert http_call(ready_url, "/update_weights_from_tensor", body)["success"] is True
         assert http_call(ready_url, "/get_weights_by_name", {"name": name}) == new.tolist()
-    bad_shape = proto.update_weights_from_tensor_request([(name, torch.zeros(3))])
+    payload, bad_shape = _tensor_update([(name, torch.zeros(3))])
     with pytest.raises(ServerError, match="HTTP 400.*model.norm.weight has shape"):
         http_call(ready_url, "/update_weights_from_tensor", bad_shape)
-    with pytest.raises(ServerError, match="HTTP 400.*bad payload"):
+    with pytest.raises(ServerError, match="HTTP 400.*bad payload.*could not be unpickled"):
         http_call(ready_url, "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgdGVuc29y"]})
-    restore = proto.update_weights_from_tensor_request([(name, before)], weight_version="v2")
+    hostile, marker = os_system_payload
+    with pytest.raises(ServerError, match="HTTP 400.*bad payload.*refers to posix.system"):
+        http_call(ready_url, "/update_weights_from_tensor", {"serialized_named_tensors": [hostile]})
+    assert not marker.exists()
+    payload, restore = _tensor_update([(name, before)], weight_version="v2")
     http_call(ready_url, "/update_weights_from_tensor", restore)
     assert http_call(ready_url, "/model_info", method="GET")["weight_version"] == "v2"
+    assert http_call(ready_url, "/update_weight_version", proto.update_weight_version_request("v3"))["success"]
+    assert http_call(ready_url, "/model_info", method="GET")["weight_version"] == "v3"
 
 
 def test_refusals_name_the_problem(ready_url):

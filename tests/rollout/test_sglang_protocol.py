@@ -1,8 +1,5 @@
 """SGLang request bodies and response parsing against payloads written from SGLang 0.5.15's schema."""
 
-import base64
-import io
-
 import pytest
 import torch
 
@@ -122,47 +119,78 @@ def test_sampling_from_body_defaults_greedy_and_refusals():
         proto.sampling_from_body({"top_k": 20})
 
 
-def test_flattened_bucket_layout_matches_sglang_metadata():
-    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    b = torch.tensor([1.0, -2.0, 3.5, 0.25], dtype=torch.bfloat16)
-    c = torch.tensor([7], dtype=torch.int64)
-    bucket = proto.flatten_bucket([("a", a), ("b", b), ("c", c)])
-    assert bucket["flattened_tensor"].dtype == torch.uint8 and bucket["flattened_tensor"].shape == (40,)
-    assert bucket["metadata"] == [
-        {"name": "a", "shape": (2, 3), "dtype": "float32", "start_idx": 0, "end_idx": 24, "numel": 24},
-        {"name": "b", "shape": (4,), "dtype": "bfloat16", "start_idx": 24, "end_idx": 32, "numel": 8},
-        {"name": "c", "shape": (1,), "dtype": "int64", "start_idx": 32, "end_idx": 40, "numel": 8},
-    ]
-    restored = proto.unflatten_bucket(bucket)
-    assert [n for n, _ in restored] == ["a", "b", "c"]
-    for (_, got), want in zip(restored, (a, b, c)):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+# Request fields of SGLang 0.5.15's weight and control endpoints (io_struct.py; spec §3).
+SGLANG_FIELDS = {
+    "/update_weights_from_tensor": {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                                    "weight_version", "torch_empty_cache", "disable_draft_model"},
+    "/update_weights_from_disk": {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache",
+                                  "torch_empty_cache", "keep_pause"},
+    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                   "backend"},
+    "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache",
+                                         "abort_all_requests", "weight_version", "load_format"},
+    "/destroy_weights_update_group": {"group_name"},
+    "/pause_generation": {"mode"},
+    "/continue_generation": {"torch_empty_cache"},
+    "/update_weight_version": {"new_version", "abort_all_requests"},
+}
+
+
+def assert_sglang_body(path, body, required):
+    assert set(body) <= SGLANG_FIELDS[path], f"{path}: fields SGLang does not know: {set(body) - SGLANG_FIELDS[path]}"
+    assert required <= set(body), f"{path}: missing {required - set(body)}"
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_update_weights_from_tensor_body_one_entry_per_tp_rank(load_format):
     tensors = [("model.norm.weight", torch.randn(8)), ("lm_head.weight", torch.randn(4, 8, dtype=torch.bfloat16))]
-    body = proto.update_weights_from_tensor_request(tensors, tp_size=2, load_format=load_format, flush_cache=False)
-    assert body["load_format"] == load_format and body["flush_cache"] is False
+    payload = proto.tensor_payload(tensors, load_format)
+    body = proto.update_weights_from_tensor_request(payload, tp_size=2, load_format=load_format, flush_cache=False,
+                                                    weight_version="7")
+    assert_sglang_body("/update_weights_from_tensor", body, {"serialized_named_tensors", "load_format"})
+    assert (body["load_format"], body["flush_cache"], body["weight_version"]) == (load_format, False, "7")
     entries = body["serialized_named_tensors"]
-    assert len(entries) == 2 and entries[0] == entries[1]
+    assert len(entries) == 2 and all(isinstance(e, str) for e in entries)
     for rank in (0, 1):
         decoded = proto.named_tensors_from_request(body, tp_rank=rank)
         assert [n for n, _ in decoded] == [n for n, _ in tensors]
-        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(decoded, tensors))
+        assert all(got.dtype == want.dtype and torch.equal(got, want) for (_, got), (_, want) in zip(decoded, tensors))
     with pytest.raises(ValueError, match="TP rank 2"):
         proto.named_tensors_from_request(body, tp_rank=2)
 
 
-def test_tensor_payload_decoder_refuses_code():
-    class Payload:
-        def __reduce__(self):
-            return (print, ("this must never run",))
+def test_distributed_and_control_bodies_use_sglang_fields():
+    spec = proto.WeightGroupSpec("10.0.0.1", 29500, rank_offset=3, world_size=5, group_name="g", backend="gloo")
+    assert spec.body() == {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5,
+                           "group_name": "g", "backend": "gloo"}
+    assert_sglang_body("/init_weights_update_group", spec.body(), set(SGLANG_FIELDS["/init_weights_update_group"]))
+    assert proto.WeightGroupSpec.from_body(spec.body()) == spec
+    with pytest.raises(ValueError, match="rank_offset 5 must be in"):
+        proto.WeightGroupSpec.from_body({**spec.body(), "rank_offset": 5})
 
-    buffer = io.BytesIO()
-    torch.save([("x", Payload())], buffer)
-    with pytest.raises(Exception, match="Weights only load failed"):
-        proto.decode_tensor_payload(base64.b64encode(buffer.getvalue()).decode())
+    tensors = [("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]
+    update = proto.DistributedUpdate.of(tensors, group_name="g", load_format="flattened_bucket", weight_version="2")
+    assert update.body() == {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [4]],
+                             "group_name": "g", "flush_cache": True, "load_format": "flattened_bucket",
+                             "weight_version": "2"}
+    assert_sglang_body("/update_weights_from_distributed", update.body(), {"names", "dtypes", "shapes", "group_name"})
+    assert proto.DistributedUpdate.from_body(update.body()) == update
+    with pytest.raises(ValueError, match="b has unknown dtype 'float99'"):
+        proto.DistributedUpdate.from_body({**update.body(), "dtypes": ["bfloat16", "float99"]})
+
+    bodies = {
+        "/destroy_weights_update_group": proto.destroy_weights_update_group_request("g"),
+        "/pause_generation": proto.pause_generation_request("retract"),
+        "/continue_generation": proto.continue_generation_request(),
+        "/update_weight_version": proto.update_weight_version_request("9"),
+        "/update_weights_from_disk": proto.update_weights_from_disk_request("/ckpt", weight_version="3"),
+    }
+    for path, body in bodies.items():
+        assert_sglang_body(path, body, set())
+    assert bodies["/pause_generation"] == {"mode": "retract"}
+    assert bodies["/update_weight_version"] == {"new_version": "9", "abort_all_requests": False}
+    with pytest.raises(ValueError, match="abort, retract or in_place"):
+        proto.pause_generation_request("stop")
 
 
 def test_bucketing_respects_byte_budget_and_order():

@@ -1,5 +1,6 @@
 """TP=2, PP=2, DP=2 and TP=2 x PP=2 give the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU);
-so does the fused Triton LM head (interpreter) at TP=2, and a tied-embedding Qwen3 model at PP=2."""
+so does the fused Triton LM head (interpreter) at TP=2, also on a padded vocabulary, and a tied-embedding
+Qwen3 model at PP=2."""
 
 import pytest
 import torch
@@ -32,6 +33,11 @@ def tied_checkpoints(tmp_path_factory):
                           head_dim=32)
 
 
+@pytest.fixture(scope="module")
+def tied_baseline(tied_checkpoints, tmp_path_factory):
+    return _run(tied_checkpoints, tmp_path_factory.mktemp("tied-base"), 1, 1, 1)[0]
+
+
 def _run(checkpoints, tmp_path, tp, pp, nproc, head="torch"):
     out = tmp_path / f"tp{tp}pp{pp}n{nproc}{head}"
     run_workers("layout_parity.py", nproc, out, str(checkpoints[0]), str(checkpoints[1]), str(tp), str(pp), head)
@@ -50,13 +56,21 @@ def test_layout_matches_single_rank(checkpoints, baseline, tmp_path, tp, pp, npr
     ranks = _run(checkpoints, tmp_path, tp, pp, nproc, head)
     assert ranks[0]["layout"] == (tp, pp, nproc // (tp * pp))
     assert_same_step(ranks, baseline)
+    assert_head_gradient_path(ranks, head)
 
 
-def test_tied_embeddings_under_pipeline_parallelism(tied_checkpoints, tmp_path):
-    baseline = _run(tied_checkpoints, tmp_path / "base", 1, 1, 1)[0]
+def test_tied_embeddings_under_pipeline_parallelism(tied_checkpoints, tied_baseline, tmp_path):
     ranks = _run(tied_checkpoints, tmp_path, 1, 2, 2)
-    assert "lm_head.weight" not in baseline["grads"]  # tied: exported once, as the embedding
-    assert_same_step(ranks, baseline)
+    assert "lm_head.weight" not in tied_baseline["grads"]  # tied: exported once, as the embedding
+    assert_same_step(ranks, tied_baseline)
+
+
+def test_fused_head_on_padded_tied_vocabulary(tied_checkpoints, tied_baseline, tmp_path):
+    """Vocabulary 100 padded to 128: at TP=2 the second shard holds rows 64-127, 28 of them padding. The
+    output weight is the embedding (Megatron's zero_out_wgrad case); the torch-head TP=1 step is the reference."""
+    ranks = _run(tied_checkpoints, tmp_path, 2, 1, 2, "fused")
+    assert_same_step(ranks, tied_baseline)
+    assert_head_gradient_path(ranks, "fused")
 
 
 def assert_same_step(ranks, baseline):
@@ -77,6 +91,13 @@ def assert_same_step(ranks, baseline):
             assert result["metrics"][name] == pytest.approx(baseline["metrics"][name], rel=1e-5, abs=1e-7), name
         for name, weight in result["weights"].items():
             torch.testing.assert_close(weight, baseline["weights"][name], atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def assert_head_gradient_path(ranks, head):
+    """The fused head adds the output weight's gradient straight into Megatron's main_grad (its
+    `grad_added_to_main_grad` flag is up after the backward); the torch head leaves that to DDP's hook."""
+    flags = [result["head_in_main_grad"] for result in ranks if result["head_in_main_grad"] is not None]
+    assert flags and all(flag == (head == "fused") for flag in flags), flags
 
 
 def test_baseline_step_is_not_trivial(baseline):

@@ -1,8 +1,9 @@
 """Worker: one ARMOR step on a fixed batch under a given TP x PP (x DP) layout.
 
 argv: out_dir actor_dir ref_dir tp pp head ("torch" | "fused"). Every rank saves `rank<r>.pt` with its shard's old/ref
-logprobs (keyed by sequence), the full HF-named gradients of the first mini-batch, the step's
-loss metrics and the full weights after the step.
+logprobs (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output
+weight's gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last
+stage), the step's loss metrics and the full weights after the step.
 """
 
 import os
@@ -75,12 +76,17 @@ for row in range(batch.size):
 forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)), policy_loss_fn(loss),
                  scoring=loss.scoring(), forward_only=False)
 grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
+head_weight = ddp.module.output_layer.weight if ddp.module.post_process else None
+if head_weight is None and ddp.module.post_process:  # tied to the embedding on this stage
+    head_weight = ddp.module.shared_embedding_or_output_weight()
+head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
 zero_grads(ddp, optimizer)
 
 update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size, loss=loss,
                        optim=optim, first_optimizer_step=0)
 weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
-torch.save({"logprobs": logprobs, "grads": grads, "metrics": update.metrics, "weights": weights,
+torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
+            "metrics": update.metrics, "weights": weights,
             "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / f"rank{ctx.rank}.pt")
 write_result(out_dir, {"rank": ctx.rank})
 destroy_distributed()

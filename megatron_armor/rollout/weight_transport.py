@@ -1,0 +1,191 @@
+"""How `SGLangEngine` moves HF-named weights into its servers: one class per SGLang update path.
+
+- `TensorTransport` (weight_sync "tensor", colocated): /update_weights_from_tensor with flattened
+  buckets whose bytes stay in shared memory (CUDA-IPC handles on GPU); the bucket lives until every
+  server has answered.
+- `DistributedTransport` ("distributed", disaggregated): a process group of the trainer (rank 0) and
+  every server TP rank, formed on the first push; per bucket, /update_weights_from_distributed goes to
+  all servers while rank 0 broadcasts (the servers' replies come after the broadcast, so both run at
+  once, as slime does). gloo for CPU tensors, NCCL for CUDA ones.
+- `DiskTransport` ("disk", fallback): one safetensors file in a directory the servers can read,
+  then /update_weights_from_disk.
+
+Each `push` ends with flush_cache and the new weight_version on its last request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout import tensor_serialization, weight_group
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+T = TypeVar("T")
+
+
+class Server(Protocol):
+    url: str
+    tp_size: int
+
+
+PostAll = Callable[[str, Callable[[Any], Any]], None]  # (path, server -> body): POST to every server, raise on failure
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    bucket_bytes: int  # weights per request (slime's --update-weight-buffer-size)
+    load_format: proto.LoadFormat  # "flattened_bucket" (a bucket travels as one uint8 tensor) or None (tensor by tensor)
+    group_timeout_s: float = 300.0  # forming the distributed group, and each broadcast in it
+    disk_dir: str | None = None  # weight_sync disk: where the safetensors file is written
+
+
+class TensorTransport:
+    """Flattened buckets are staged in one buffer of the largest bucket's size, kept between pushes: in
+    /dev/shm for CPU tensors (one copy on this side, no fresh pages to fault in after the first push), on
+    the tensors' GPU for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). `close()`, or at the
+    latest interpreter exit, frees it, so its shared-memory segment does not outlive the process."""
+
+    def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
+        self.servers, self.post_all, self.config = servers, post_all, config
+        self._staging: list[torch.Tensor] = []  # [] or [one uint8 buffer]; a list so the finalizer can empty it
+        weakref.finalize(self, self._staging.clear)  # also runs at exit, when garbage collection may not
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None:
+        buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
+        staging = self._staging_buffer(buckets) if self.config.load_format == "flattened_bucket" else None
+        for n, bucket in enumerate(buckets):
+            last = n == len(buckets) - 1
+            payload = proto.tensor_payload(bucket, self.config.load_format, staging)  # kept until answered
+            bodies = {
+                s.url: proto.update_weights_from_tensor_request(
+                    payload, tp_size=s.tp_size, load_format=self.config.load_format, flush_cache=last,
+                    weight_version=version if last else None,
+                )
+                for s in self.servers
+            }
+            self.post_all("/update_weights_from_tensor", lambda s: bodies[s.url])
+
+    def _staging_buffer(self, buckets: list[NamedTensors]) -> torch.Tensor | None:
+        """[>= largest bucket bytes] uint8 on the tensors' device (shared memory on CPU); None without buckets."""
+        if not buckets:
+            return None
+        largest = max(sum(t.nbytes for _, t in bucket) for bucket in buckets)
+        device = buckets[0][0][1].device
+        if not self._staging or self._staging[0].numel() < largest or self._staging[0].device != device:
+            self._staging[:] = [torch.empty(largest, dtype=torch.uint8, device=device) if device.type == "cuda"
+                                else tensor_serialization.shared_buffer(largest)]
+        return self._staging[0]
+
+    def close(self) -> None:
+        self._staging.clear()
+
+
+def _local_address_towards(url: str) -> str:
+    """This host's address on the route to `url` (what a server must dial to reach our store)."""
+    parts = urlsplit(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((parts.hostname, parts.port or 80))
+        return probe.getsockname()[0]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DistributedTransport:
+    def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
+        self.servers, self.post_all, self.config = servers, post_all, config
+        self.group_name = f"armor-weights-{uuid.uuid4().hex[:8]}"
+        self._group: torch.distributed.ProcessGroup | None = None
+        self._device: torch.device | None = None
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None:
+        if not named_tensors:
+            return
+        if self._group is None:
+            self._device = named_tensors[0][1].device
+            self._group = self._form_group(weight_group.backend_for_device(self._device))
+        buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
+        for n, bucket in enumerate(buckets):
+            last = n == len(buckets) - 1
+            update = proto.DistributedUpdate.of(
+                bucket, group_name=self.group_name, load_format=self.config.load_format, flush_cache=last,
+                weight_version=version if last else None,
+            )
+            self._with_servers(
+                "/update_weights_from_distributed", lambda s: update.body(),
+                lambda: weight_group.broadcast_from_trainer(self._group, bucket, update.load_format, self._device),
+            )
+
+    def _form_group(self, backend: str) -> torch.distributed.ProcessGroup:
+        """World = trainer + every server TP rank; server i's ranks start after those of servers 0..i-1."""
+        address = _local_address_towards(self.servers[0].url)
+        port, world = _free_port(address), 1 + sum(s.tp_size for s in self.servers)
+        offsets, offset = {}, 1
+        for server in self.servers:
+            offsets[server.url], offset = offset, offset + server.tp_size
+        spec = proto.WeightGroupSpec(address, port, 0, world, self.group_name, backend)
+        timeout = timedelta(seconds=self.config.group_timeout_s)
+        return self._with_servers(
+            "/init_weights_update_group",
+            lambda s: proto.WeightGroupSpec(address, port, offsets[s.url], world, self.group_name, backend).body(),
+            lambda: weight_group.create_as_trainer(spec, timeout),
+        )
+
+    def _with_servers(self, path: str, body_for: Callable[[Any], Any], trainer_side: Callable[[], T]) -> T:
+        """POST `path` to every server while this thread runs `trainer_side` (the collective they wait in)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="sglang-weight-group") as pool:
+            replies = pool.submit(self.post_all, path, body_for)
+            try:
+                result = trainer_side()
+            except (RuntimeError, torch.distributed.DistError) as error:
+                failure = replies.exception(timeout=self.config.group_timeout_s)
+                raise RuntimeError(f"{path}: the trainer side of group {self.group_name!r} failed ({error}); "
+                                   f"servers: {failure or 'no error'}") from error
+            replies.result()
+        return result
+
+    def close(self) -> None:
+        """Servers leave the group (it is re-formed on the next push)."""
+        if self._group is not None:
+            self._group = None
+            self.post_all("/destroy_weights_update_group", lambda s: proto.destroy_weights_update_group_request(
+                self.group_name))
+
+
+class DiskTransport:
+    def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
+        if not config.disk_dir:
+            raise ValueError("weight_sync disk needs a directory the servers can read (rollout.weight_sync_dir)")
+        self.post_all, self.directory = post_all, Path(config.disk_dir)
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None:
+        """Write model.safetensors atomically (tmp + rename), then every server reloads it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        staging = self.directory / "model.safetensors.tmp"
+        save_file({name: t.detach().cpu().contiguous() for name, t in named_tensors}, str(staging))
+        os.replace(staging, self.directory / "model.safetensors")
+        body = proto.update_weights_from_disk_request(str(self.directory.resolve()), weight_version=version)
+        self.post_all("/update_weights_from_disk", lambda s: body)
+
+    def close(self) -> None:
+        pass
+
+
+TRANSPORTS = {"tensor": TensorTransport, "distributed": DistributedTransport, "disk": DiskTransport}

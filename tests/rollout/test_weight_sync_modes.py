@@ -1,0 +1,125 @@
+"""Weight sync into a real `armor serve-local` process in every mode, pause/continue, and group errors."""
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from launcher import free_port
+from transformers import AutoModelForCausalLM
+
+from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
+from megatron_armor.rollout.weight_group import WORLD_SIZE_KEY
+
+FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, bucket_bytes=64 << 10, weight_group_timeout_s=60)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5)
+
+
+def load(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt, response):
+    """The trainer-side model's log_softmax of `response` after `prompt` (T = 1), one unpadded forward."""
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="module")
+def engine(start_server, model_dir):
+    """A client of one serve-local process; its construction waits until the server is healthy."""
+    return SGLangEngine([start_server(model_dir).url], FAST)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    return engine.urls[0]
+
+
+@pytest.mark.parametrize(
+    "weight_sync, load_format",
+    [("tensor", "flattened_bucket"), ("tensor", None), ("distributed", "flattened_bucket"), ("distributed", None),
+     ("disk", None)],
+)
+def test_every_mode_makes_server_logprobs_equal_the_trainers(
+    engine, model_dir, second_tiny_model, tmp_path, weight_sync, load_format
+):
+    trained, original = load(second_tiny_model), load(model_dir)
+    engine.update_weights_from_disk(str(model_dir))  # start from the original weights
+    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync=weight_sync, load_format=load_format,
+                                               weight_sync_dir=str(tmp_path / "weights")))
+    pusher.update_weights(list(trained.named_parameters()))
+    pusher.close()
+    for g in engine.generate(PROMPTS, GREEDY):
+        want = reference_logprobs(trained, g.prompt_ids, g.response_ids)
+        torch.testing.assert_close(torch.tensor(g.logprobs), want, atol=1e-5, rtol=0)
+        before = reference_logprobs(original, g.prompt_ids, g.response_ids)
+        assert (want - before).abs().max() > 1e-2  # the push changed what the server computes
+    assert http_call(engine.urls[0], "/model_info", method="GET")["weight_version"] == "1"
+
+
+def test_distributed_group_errors_are_clear(url):
+    name, port = "mismatch", free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    store.set(f"{name}/{WORLD_SIZE_KEY}", "2")
+    spec = proto.WeightGroupSpec("127.0.0.1", port, rank_offset=1, world_size=3, group_name=name, backend="gloo")
+    with pytest.raises(ServerError, match="HTTP 400.*says world_size 3, but the trainer .* created it for 2 ranks"):
+        http_call(url, "/init_weights_update_group", spec.body())
+    with pytest.raises(ServerError, match="HTTP 400.*gloo groups only, got backend 'nccl'"):
+        http_call(url, "/init_weights_update_group", replace(spec, backend="nccl").body())
+    update = proto.DistributedUpdate.of([("model.norm.weight", torch.zeros(4))], group_name="nope")
+    with pytest.raises(ServerError, match="HTTP 400.*no weight update group 'nope' .*call /init_weights_update_group"):
+        http_call(url, "/update_weights_from_distributed", update.body())
+    with pytest.raises(ServerError, match="HTTP 400.*no weight update group 'nope'"):
+        http_call(url, "/destroy_weights_update_group", proto.destroy_weights_update_group_request("nope"))
+
+
+def test_pause_modes_and_continue(url, wait_for_load):
+    long = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 400, "temperature": 1.0, "sampling_seed": 0}}
+    short = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}
+
+    def finish(future):
+        return future.result(timeout=60)["meta_info"]["finish_reason"]
+
+    def pause(mode):
+        assert http_call(url, "/pause_generation", proto.pause_generation_request(mode))["status"] == "ok"
+
+    def submit_held(pool):
+        """A request sent while paused: it waits (counted as waiting), neither run nor aborted."""
+        future = pool.submit(http_call, url, "/generate", short)
+        wait_for_load(url, "num_waiting_reqs")
+        assert not future.done()
+        return future
+
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(http_call, url, "/generate", long)
+        wait_for_load(url, "num_running_reqs")
+        pause("abort")
+        loads = http_call(url, "/v1/loads", method="GET")["loads"][0]
+        assert (loads["num_running_reqs"], loads["num_waiting_reqs"]) == (0, 0)  # abort mode answers once idle
+        assert finish(running)["type"] == "abort"
+        held = submit_held(pool)
+        assert http_call(url, "/continue_generation", proto.continue_generation_request())["status"] == "ok"
+        assert finish(held) == {"type": "length", "length": 3}
+
+        pause("retract")
+        held = submit_held(pool)
+        http_call(url, "/continue_generation", proto.continue_generation_request())
+        assert finish(held) == {"type": "length", "length": 3}
+
+        pause("in_place")
+        held = submit_held(pool)
+        pause("abort")  # aborts what an earlier pause held
+        assert finish(held)["type"] == "abort"
+        http_call(url, "/continue_generation", proto.continue_generation_request())
+        assert finish(pool.submit(http_call, url, "/generate", short))["type"] == "length"
