@@ -10,14 +10,45 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 
 
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class NotReady(RuntimeError):
+    """`wait_until` gave up; the message is the last error `ready` raised ("no answer yet" if none)."""
+
+
+def wait_until(ready: Callable[[], bool], *, timeout_s: float, poll_s: float, check: Callable[[], None] = lambda: None) -> None:
+    """Call `ready()` every `poll_s` seconds until it returns True; a server or connection error it
+    raises counts as "not yet". `check()` runs first in each round and may raise (a process that
+    died). Raises `NotReady` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while True:
+        check()
+        try:
+            if ready():
+                return
+        except (ServerError, *TRANSPORT_ERRORS) as error:
+            last = f"{type(error).__name__}: {error}"
+        if time.monotonic() >= deadline:
+            raise NotReady(last)
+        time.sleep(poll_s)
+
+
+def answers(url: str, path: str) -> bool:
+    """True when GET `url + path` answers 200 (errors raise, for `wait_until`)."""
+    http_call(url, path, method="GET", timeout=30.0)
+    return True
 
 
 def _die_with_parent() -> None:

@@ -19,16 +19,15 @@ import atexit
 import importlib
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_armor.config import RolloutConfig
-from megatron_armor.launch.process import ManagedProcess, free_port
+from megatron_armor.launch.process import ManagedProcess, NotReady, free_port, wait_until
 from megatron_armor.rollout.sglang_engine import (
-    TRANSPORT_ERRORS, ServerError, SGLangEngine, SGLangEngineConfig, http_call,
+    TRANSPORT_ERRORS, SGLangEngine, SGLangEngineConfig, http_call,
 )
 
 
@@ -168,18 +167,11 @@ class SGLangRouter:
 
     def _wait_for(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Poll `done()` (connection errors count as not done); RouterError after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        while True:
-            try:
-                if done():
-                    return
-            except (ServerError, *TRANSPORT_ERRORS) as error:
-                last = f"{type(error).__name__}: {error}"
-            if time.monotonic() >= deadline:
-                raise RouterError(f"SGLang router {self.url} did not {what} within {timeout_s:.0f} s (last: {last})\n"
-                                  f"{self._process.log_tail()}")
-            time.sleep(self.spec.poll_interval_s)
+        try:
+            wait_until(done, timeout_s=timeout_s, poll_s=self.spec.poll_interval_s)
+        except NotReady as last:
+            raise RouterError(f"SGLang router {self.url} did not {what} within {timeout_s:.0f} s (last: {last})\n"
+                              f"{self._process.log_tail()}") from None
 
     def _exited(self) -> RouterError:
         return RouterError(f"SGLang router {self.url} exited with code {self._process.returncode}; generation requests "

@@ -11,13 +11,11 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_armor.launch.process import ManagedProcess, free_port
-from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
+from megatron_armor.launch.process import ManagedProcess, NotReady, answers, free_port, wait_until
 
 
 class ServerStartError(RuntimeError):
@@ -102,21 +100,18 @@ class RolloutServer:
 
         Raises ServerStartError (with the log's tail) when the process exits or the timeout passes.
         """
-        deadline = time.monotonic() + self.spec.startup_timeout_s
-        last = "no answer yet"
-        while True:
+        def check_running() -> None:
             if not self.alive():
                 raise ServerStartError(f"{self.name} exited with code {self._process.returncode} while starting\n"
                                        f"{self._process.log_tail()}")
-            try:
-                http_call(self.url, "/health_generate", method="GET", timeout=30.0)
-                return self.url
-            except (ServerError, *TRANSPORT_ERRORS) as error:
-                last = f"{type(error).__name__}: {error}"
-            if time.monotonic() >= deadline:
-                raise ServerStartError(f"{self.name} was not healthy within {self.spec.startup_timeout_s:.0f} s "
-                                       f"(last: {last})\n{self._process.log_tail()}")
-            time.sleep(self.spec.poll_interval_s)
+
+        try:
+            wait_until(lambda: answers(self.url, "/health_generate"), timeout_s=self.spec.startup_timeout_s,
+                       poll_s=self.spec.poll_interval_s, check=check_running)
+        except NotReady as last:
+            raise ServerStartError(f"{self.name} was not healthy within {self.spec.startup_timeout_s:.0f} s "
+                                   f"(last: {last})\n{self._process.log_tail()}") from None
+        return self.url
 
     def ensure_alive(self) -> bool:
         """Restart the server on the same port if its process died; True when it did (after it is healthy).

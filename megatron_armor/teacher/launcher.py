@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_armor.launch.process import ManagedProcess, free_port
-from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
+from megatron_armor.launch.process import ManagedProcess, NotReady, answers, free_port, wait_until
 from megatron_armor.teacher.serve_cli import SERVER_MODULE, TeacherServerSettings
 
 
@@ -75,20 +74,17 @@ class TeacherServerGroup:
 
     def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 0.5) -> str:
         """Block until rank 0's /health_generate answers 200 (every rank scored a token); returns the URL."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        while True:
+        def check_running() -> None:
             if (report := self.failure()) is not None:
                 raise TeacherError(f"{report}\nwhile starting")
-            try:
-                http_call(self.url, "/health_generate", method="GET", timeout=30.0)
-                return self.url
-            except (ServerError, *TRANSPORT_ERRORS) as error:
-                last = f"{type(error).__name__}: {error}"
-            if time.monotonic() >= deadline:
-                raise TeacherError(f"{self.name} was not healthy within {timeout_s:.0f} s (last: {last})\n"
-                                         f"{self.ranks[0].log_tail()}")
-            time.sleep(poll_s)
+
+        try:
+            wait_until(lambda: answers(self.url, "/health_generate"), timeout_s=timeout_s, poll_s=poll_s,
+                       check=check_running)
+        except NotReady as last:
+            raise TeacherError(f"{self.name} was not healthy within {timeout_s:.0f} s (last: {last})\n"
+                               f"{self.ranks[0].log_tail()}") from None
+        return self.url
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every rank, SIGKILL those still running after `timeout_s` (idempotent)."""
