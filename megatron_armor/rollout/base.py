@@ -78,6 +78,10 @@ class RolloutEngine(abc.ABC):
     def health(self) -> bool:
         """True when the engine can serve requests."""
 
+    def close(self) -> None:
+        """Release what the engine holds besides its weights (e.g. a weight-update process group);
+        idempotent, and the engine stays usable."""
+
     @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop cached KV/prefix state (called after a weight update)."""

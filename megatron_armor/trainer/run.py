@@ -106,9 +106,10 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     )
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
+    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.opd_rollouts == "teacher" else None
     handles = PolicyHandles(
         actor=ddp, optimizer=optimizer, ref=ref, shape=shape, actor_engine=actor_engine, ref_engine=ref_engine,
-        pad_token_id=pad_token_id, teacher=teacher,
+        pad_token_id=pad_token_id, teacher=teacher, teacher_engine=teacher_engine,
     )
     row_options = dict(
         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, tokenizer=tokenizer,
@@ -279,6 +280,8 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
             save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last, write_extra=export_model)
     metrics_log.close()
+    for engine in {id(e): e for e in (handles.actor_engine, handles.ref_engine)}.values():
+        engine.close()  # e.g. leaves the servers' weight-update group
     if handles.teacher is not None:
         handles.teacher.close()  # stops a teacher server the trainer started
     if ctx.is_main and cfg.logging.plot:
@@ -296,7 +299,7 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     """
     rollout = cfg.rollout
     if rollout.backend == "local":
-        options = dict(pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
+        options = _local_engine_options(cfg, pad_token_id)
         actor = _local_engine(paths.model_path, **options)
         return actor, actor if rollout.anchor_engine == "shared" else _local_engine(paths.ref_path, **options)
     from megatron_armor.launch.router import make_sglang_engine
@@ -309,6 +312,24 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     ref = (make_sglang_engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url, rollout, client, log_dir=log_dir)
            if rollout.sglang_ref_urls else actor)
     return actor, ref
+
+
+def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> LocalEngine:
+    """OPD's off-policy variant: an in-process engine of the teacher's HF checkpoint with the options of the
+    actor's and reference's (backend local: config validation); it samples the training responses and is
+    never synced, so it must load the teacher's weights itself."""
+    if is_megatron_checkpoint(paths.teacher_path):
+        raise ValueError(
+            f"algorithm.opd_rollouts teacher needs model.teacher_path as an HF checkpoint, {paths.teacher_path} is a "
+            f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
+            f"megatron-to-hf`"
+        )
+    return LocalEngine(paths.teacher_path, **_local_engine_options(cfg, pad_token_id))
+
+
+def _local_engine_options(cfg: ArmorConfig, pad_token_id: int) -> dict[str, Any]:
+    """Keyword arguments of every in-process engine of the run (`LocalEngine`)."""
+    return dict(pad_token_id=pad_token_id, weight_precision=cfg.rollout.engine_precision)
 
 
 def _local_engine(path: str, **options) -> LocalEngine:
