@@ -182,6 +182,13 @@ class AlgorithmConfig:
     opd_token_selection: Literal["top", "random"] = _f(
         "top", "opd tokens kept under sparsification: top (largest r_t = log pi_old - log q_teacher) | random"
     )
+    opd_rollouts: Literal["student", "teacher"] = _f(
+        "student", "opd training responses: student (on-policy, sampled by the actor's engine) | teacher (the "
+        "off-policy variant: sampled by a never-synced engine of model.teacher_path, scored and trained on exactly "
+        "as student ones, no importance correction; needs the ratio clip off, algorithm.clip_low = clip_high = "
+        "1.0, and rollout.backend local); train/reward_mean and train/accuracy then measure the teacher's samples, "
+        "opd/reverse_kl is the mean r_t on them (an estimate of -KL(q_teacher || pi)), and mismatch/* is not logged"
+    )
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean"] | None = _f(
         None, "policy-loss reduction: token_mean (over all response tokens) | seq_mean_token_mean (token mean per "
         "response, then mean over responses); default: seq_mean_token_mean for mipu (J_S1), token_mean otherwise"
@@ -395,7 +402,7 @@ def validate(cfg: ArmorConfig) -> None:
     a, r, t = cfg.algorithm, cfg.rollout, cfg.train
     require(0.0 < a.alpha <= 1.0, f"algorithm.alpha must be in (0, 1], got {a.alpha}")
     require(a.clip_low >= 0 and a.clip_high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {a.clip_low}/{a.clip_high}")
-    require(a.clip_low < 1, f"algorithm.clip_low must be < 1, got {a.clip_low}")
+    require(a.clip_low <= 1, f"algorithm.clip_low must be <= 1 (1: no lower clip), got {a.clip_low}")
     require(a.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {a.dual_clip}")
     require(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
     require(a.mipu_w_max > 0, f"algorithm.mipu_w_max must be > 0, got {a.mipu_w_max}")
@@ -428,6 +435,21 @@ def validate(cfg: ArmorConfig) -> None:
                 or (cfg.task.synthetic is not None and cfg.task.warm_start_steps > 0),
                 "model.teacher_path is required for algorithm.name opd (an HF checkpoint dir of the teacher; the "
                 "synthetic task with task.warm_start_steps > 0 uses its warm start), or model.teacher_url")
+        if a.opd_rollouts == "teacher":
+            require(a.clip_low == 1.0 and a.clip_high == 1.0,
+                    f"algorithm.opd_rollouts teacher trains on off-policy tokens with the PPO ratio clip off (eps = "
+                    f"1.0, opd.md §1): set algorithm.clip_low=1.0 algorithm.clip_high=1.0, got "
+                    f"{a.clip_low}/{a.clip_high}")
+            require(r.backend == "local",
+                    "algorithm.opd_rollouts teacher samples from an in-process engine of model.teacher_path; "
+                    "rollout.backend sglang has no teacher rollout servers: use rollout.backend local, or "
+                    "algorithm.opd_rollouts student")
+            require(m.teacher_path is not None or (cfg.task.synthetic is not None and cfg.task.warm_start_steps > 0),
+                    "algorithm.opd_rollouts teacher needs the teacher's weights in the trainer for its rollout engine: "
+                    "set model.teacher_path (an HF checkpoint dir; model.teacher_url alone only scores)")
+    require(a.name == "opd" or a.opd_rollouts == "student",
+            f"algorithm.opd_rollouts ({a.opd_rollouts}) picks who samples opd's training responses; {a.name} samples "
+            f"from the actor: leave it at student")
     if a.name == "armor":
         require(r.actor_n == r.n_samples - 1,
                 f"rollout.actor_n must be rollout.n_samples - 1 = {r.n_samples - 1} for armor (groups are actor_n "

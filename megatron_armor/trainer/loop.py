@@ -70,7 +70,12 @@ class StepPlan:
 
 @dataclass
 class PolicyHandles:
-    """The models of one rank: trainable actor (DDP + optimizer), frozen reference (and OPD teacher), and engines."""
+    """The models of one rank: trainable actor (DDP + optimizer), frozen reference (and OPD teacher), and engines.
+
+    `teacher_engine` (OPD's off-policy variant, algorithm.opd_rollouts teacher) samples the training
+    responses in place of the actor's engine; it holds the teacher's weights and is never synced. The
+    actor's engine still serves validation and receives the actor's weights after every update.
+    """
 
     actor: torch.nn.Module  # Megatron DDP-wrapped GPTModel
     optimizer: object  # MegatronOptimizer
@@ -80,6 +85,12 @@ class PolicyHandles:
     ref_engine: RolloutEngine
     pad_token_id: int
     teacher: TeacherScorer | None = None  # OPD: frozen teacher, in-process or a scoring server
+    teacher_engine: RolloutEngine | None = None  # OPD off-policy variant: the teacher samples
+
+    @property
+    def training_engine(self) -> RolloutEngine:
+        """The engine that samples the training responses: the actor's, or the OPD teacher's."""
+        return self.actor_engine if self.teacher_engine is None else self.teacher_engine
 
     @property
     def shared_engine(self) -> bool:
@@ -184,10 +195,15 @@ class RLTrainer:
         return ("ref", "actor") if "actor" not in self.engine_holds else ("actor", "ref")
 
     def sample_on_policy(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
-        """`actor_n` scored samples of every prompt from the actor (collective)."""
+        """`actor_n` scored samples of every prompt from the actor (collective).
+
+        OPD's off-policy variant draws them from the teacher's engine instead (`PolicyHandles.training_engine`):
+        the student then trains on the teacher's tokens with the same r_t and loss, and no importance weight
+        corrects for sampling from q_T instead of pi_old (as in opd.md §1, variants).
+        """
         counters.add_push("actor", self.load_into_shared_engine("actor"))
         return generate_samples(
-            self.h.actor_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False, seed=seed
+            self.h.training_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False, seed=seed
         )
 
     def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
@@ -253,23 +269,22 @@ class RLTrainer:
             num_tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
         )
 
-    @staticmethod
-    def batch_metrics(prepared: PreparedBatch) -> dict[str, float]:
+    def batch_metrics(self, prepared: PreparedBatch) -> dict[str, float]:
         """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch (mean |diff|
-        and Mismatch-K3 on on-policy tokens), mix KL, OPD reverse KL.
+        and Mismatch-K3 on on-policy tokens; none when the OPD teacher sampled the batch), mix KL, OPD
+        reverse KL.
 
         Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks.
         """
         batch = prepared.batch
-        on_policy = ~batch.is_anchor
-        diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
-        per_sample = diff.sum(1) / batch.response_mask.sum(1).clamp(min=1)
-        on_policy_mask = batch.response_mask * on_policy[:, None]
-        metrics = {
-            "policy/entropy": prepared.entropy,
-            "mismatch/logprob_abs_diff": float(per_sample[on_policy].mean()) if on_policy.any() else 0.0,
-            "mismatch/k3": float(mismatch_k3(batch.old_logprobs, batch.engine_logprobs, on_policy_mask)),
-        }
+        metrics = {"policy/entropy": prepared.entropy}
+        if self.h.teacher_engine is None:  # engine_logprobs are the actor engine's
+            on_policy = ~batch.is_anchor
+            diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
+            per_sample = diff.sum(1) / batch.response_mask.sum(1).clamp(min=1)
+            on_policy_mask = batch.response_mask * on_policy[:, None]
+            metrics["mismatch/logprob_abs_diff"] = float(per_sample[on_policy].mean()) if on_policy.any() else 0.0
+            metrics["mismatch/k3"] = float(mismatch_k3(batch.old_logprobs, batch.engine_logprobs, on_policy_mask))
         if batch.ref_logprobs is not None:
             metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask))
         if batch.teacher_logprobs is not None:

@@ -280,7 +280,8 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
             save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last, write_extra=export_model)
     metrics_log.close()
-    for engine in {id(e): e for e in (handles.actor_engine, handles.ref_engine)}.values():
+    engines = (handles.actor_engine, handles.ref_engine, handles.teacher_engine)
+    for engine in {id(e): e for e in engines if e is not None}.values():
         engine.close()  # e.g. leaves the servers' weight-update group
     if handles.teacher is not None:
         handles.teacher.close()  # stops a teacher server the trainer started
