@@ -54,41 +54,49 @@ class TransportConfig:
 
 
 class TensorTransport:
-    """Flattened buckets are staged in one buffer of the largest bucket's size, kept between pushes: in
+    """Flattened buckets are staged in two buffers of the largest bucket's size, kept between pushes: in
     /dev/shm for CPU tensors (one copy on this side, no fresh pages to fault in after the first push), on
-    the tensors' GPU for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). `close()`, or at the
-    latest interpreter exit, frees it, so its shared-memory segment does not outlive the process."""
+    the tensors' GPU for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). While the servers
+    load bucket k from one buffer, bucket k+1 is packed into the other, so the two copies overlap.
+    `close()`, or at the latest interpreter exit, frees them, so no shared-memory segment outlives the
+    process."""
 
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         self.servers, self.post_all, self.config = servers, post_all, config
-        self._staging: list[torch.Tensor] = []  # [] or [one uint8 buffer]; a list so the finalizer can empty it
+        self._staging: list[torch.Tensor] = []  # [] or two uint8 buffers; a list so the finalizer can empty it
         weakref.finalize(self, self._staging.clear)  # also runs at exit, when garbage collection may not
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
-        staging = self._staging_buffer(buckets) if self.config.load_format == "flattened_bucket" else None
-        for n, bucket in enumerate(buckets):
-            last = n == len(buckets) - 1
-            payload = proto.tensor_payload(bucket, self.config.load_format, staging)  # kept until answered
-            bodies = {
-                s.url: proto.update_weights_from_tensor_request(
-                    payload, tp_size=s.tp_size, load_format=self.config.load_format, flush_cache=last,
-                    weight_version=version if last else None,
-                )
-                for s in self.servers
-            }
-            self.post_all("/update_weights_from_tensor", lambda s: bodies[s.url])
+        flattened = self.config.load_format == "flattened_bucket"
+        if flattened and buckets:
+            self._ensure_staging(buckets)
+        with ThreadPoolExecutor(1) as sender:
+            in_flight = None  # the previous bucket's request (its payload stays referenced until it is answered)
+            for n, bucket in enumerate(buckets):
+                last = n == len(buckets) - 1
+                payload = proto.tensor_payload(bucket, self.config.load_format, self._staging[n % 2] if flattened else None)
+                bodies = {
+                    s.url: proto.update_weights_from_tensor_request(
+                        payload, tp_size=s.tp_size, load_format=self.config.load_format, flush_cache=last,
+                        weight_version=version if last else None,
+                    )
+                    for s in self.servers
+                }
+                if in_flight is not None:
+                    in_flight.result()  # frees the buffer bucket n+1 will be packed into
+                in_flight = sender.submit(self.post_all, "/update_weights_from_tensor", lambda s, b=bodies: b[s.url])
+            if in_flight is not None:
+                in_flight.result()
 
-    def _staging_buffer(self, buckets: list[NamedTensors]) -> torch.Tensor | None:
-        """[>= largest bucket bytes] uint8 on the tensors' device (shared memory on CPU); None without buckets."""
-        if not buckets:
-            return None
+    def _ensure_staging(self, buckets: list[NamedTensors]) -> None:
+        """Two [>= largest bucket bytes] uint8 buffers on the tensors' device (shared memory on CPU)."""
         largest = max(sum(t.nbytes for _, t in bucket) for bucket in buckets)
         device = buckets[0][0][1].device
         if not self._staging or self._staging[0].numel() < largest or self._staging[0].device != device:
+            self._staging.clear()  # release the old pair before allocating the new one
             self._staging[:] = [torch.empty(largest, dtype=torch.uint8, device=device) if device.type == "cuda"
-                                else tensor_serialization.shared_buffer(largest)]
-        return self._staging[0]
+                                else tensor_serialization.shared_buffer(largest) for _ in range(2)]
 
     def close(self) -> None:
         self._staging.clear()
