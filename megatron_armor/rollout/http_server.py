@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,7 +21,7 @@ from typing import Any
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.local_server import LocalServerState, RequestError
-from megatron_armor.rollout.tensor_serialization import PayloadError
+from megatron_armor.rollout.tensor_serialization import NamedTensors, PayloadError
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,19 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         state.require_idle("/flush_cache", "Cache not flushed because there are pending requests")
         return FLUSHED
 
+    # The last payloads' shared-memory storages stay mapped: a sender reusing its staging buffers
+    # then sends the same handles, which torch resolves from its cache instead of mapping (and
+    # faulting in) the segment again, as it caches CUDA-IPC handles on GPU.
+    recent_payloads: deque[NamedTensors] = deque(maxlen=2)
+
     def weights_from_tensor(body: dict) -> dict:
         try:
             named = proto.named_tensors_from_request(body)
         except PayloadError as error:
             raise RequestError(f"/update_weights_from_tensor: bad payload: {error}") from error
-        return state.update_weights(named, body)
+        reply = state.update_weights(named, body)
+        recent_payloads.append(named)
+        return reply
 
     def release(body: dict) -> None:
         proto.memory_occupation_request(body.get("tags"))
