@@ -1,4 +1,8 @@
-"""Random LM-head problems and tolerances shared by the kernel tests and the tensor-parallel worker."""
+"""Random LM-head problems and tolerances shared by the kernel tests and the tensor-parallel worker.
+
+Problems live on `DEVICE`: the GPU when there is one (compiled kernels), else the CPU (Triton's
+interpreter). They are drawn on the CPU first, so a seed gives the same numbers on both.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_armor.kernels.reference import IGNORE_INDEX
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
@@ -37,7 +43,12 @@ def make_case(n: int, v: int, h: int, dtype: torch.dtype, seed: int = 0) -> Case
     ref_logp = true_logp + 0.5 * torch.randn(n, generator=g)
     advantages = torch.randn(n, generator=g)
     mask = ((torch.rand(n, generator=g) > 0.2) & (labels != IGNORE_INDEX)).float()
-    return Case(hidden, weight, labels, old_logp, ref_logp, advantages, mask)
+    return Case(*(t.to(DEVICE) for t in (hidden, weight, labels, old_logp, ref_logp, advantages, mask)))
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    """A float32 standard-normal tensor on `DEVICE`, the same for a seed on CPU and GPU."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def pad_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -46,7 +57,7 @@ def pad_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
     gradient shows."""
     g = torch.Generator().manual_seed(99)
     padding = 12 * torch.randn(rows, weight.shape[1], generator=g)
-    return torch.cat([weight, padding.to(weight.dtype)])
+    return torch.cat([weight, padding.to(weight)])
 
 
 def tolerances(dtype: torch.dtype) -> dict[str, float]:

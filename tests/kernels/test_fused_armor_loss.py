@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_cases import assert_grad_close, make_case, pad_vocab, tolerances
+from kernel_cases import DEVICE, assert_grad_close, make_case, pad_vocab, tolerances
 
 from megatron_armor.kernels import fused_armor_loss
 from megatron_armor.kernels.reference import reference_armor_loss
@@ -17,7 +17,7 @@ LOSS = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)  # a low dual clip so t
 def test_matches_reference(dtype, alpha, n, v, temperature, padding):
     case = make_case(n, v, 64, dtype, seed=3)
     tol = tolerances(dtype)
-    old_logp = case.old_logp - 3.0 * (torch.arange(n) % 3 == 0)  # ratios ~e^3 on a third: the dual clip binds
+    old_logp = case.old_logp - 3.0 * (torch.arange(n, device=DEVICE) % 3 == 0)  # ratios ~e^3 on a third: the dual clip binds
     rl_inputs = (old_logp, case.ref_logp, case.advantages, case.mask)
     hidden = case.hidden.clone().requires_grad_()
     weight = pad_vocab(case.weight, padding).requires_grad_()  # padding rows: Megatron's padded vocabulary

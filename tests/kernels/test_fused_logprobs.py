@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_cases import assert_grad_close, make_case, pad_vocab, tolerances
+from kernel_cases import DEVICE, assert_grad_close, make_case, pad_vocab, randn, tolerances
 
 from megatron_armor.kernels import fused_logprobs
 from megatron_armor.kernels import fused as fused_module
@@ -30,8 +30,7 @@ def _check_against_reference(n, v, h, dtype, temperature, seed=0, padding=0):
     torch.testing.assert_close(entropy, ref_entropy, atol=tol["forward"], rtol=0)
     assert (logp <= 0).all() and (logp[case.labels == -100] == 0).all()
 
-    g = torch.Generator().manual_seed(seed + 1)
-    grad_logp, grad_entropy = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    grad_logp, grad_entropy = randn(2, n, seed=seed + 1)
     (logp * grad_logp + entropy * grad_entropy).sum().backward()
     (ref_logp * grad_logp + ref_entropy * grad_entropy).sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == dtype
@@ -67,7 +66,7 @@ def test_weight_gradient_into_megatron_main_grad(owner):
     hook (the gradient goes to autograd); without DDP's flag autograd gets None."""
     case = make_case(37, 1000, 64, torch.bfloat16)
     weight = pad_vocab(case.weight, 24).requires_grad_()
-    weight.main_grad = torch.randn(1024, 64, dtype=torch.bfloat16 if owner == "ddp-bf16-buffer" else torch.float32)
+    weight.main_grad = randn(1024, 64, seed=1).to(torch.bfloat16 if owner == "ddp-bf16-buffer" else torch.float32)
     before = weight.main_grad.clone()  # what earlier micro-batches accumulated
     if owner != "no-ddp":
         weight.grad_added_to_main_grad = False
@@ -112,9 +111,9 @@ def test_gradient_filtering_changes_gradients_below_bf16_precision():
     # A head of 2048 likely tokens and a tail 16 nats lower (p < 2^-12): the filter skips the tail tiles.
     n, v, h, head = 37, 50257, 64, 2048
     case = make_case(n, v, h, torch.float32)
-    hidden = torch.cat([case.hidden[:, :-1], torch.ones(n, 1)], 1).bfloat16()  # last column: bias input
+    hidden = torch.cat([case.hidden[:, :-1], torch.ones(n, 1, device=DEVICE)], 1).bfloat16()  # last column: bias input
     weight = case.weight.clone()
-    weight[:, -1] = torch.where(torch.arange(v) < head, 0.0, -16.0)
+    weight[:, -1] = torch.where(torch.arange(v, device=DEVICE) < head, 0.0, -16.0)
     weight = weight.bfloat16()
     labels = case.labels.clamp(max=head - 1)
     grads = {}

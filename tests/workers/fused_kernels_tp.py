@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 tests_dir = __file__.rsplit("/workers/", 1)[0]
 sys.path[:0] = [tests_dir, f"{tests_dir}/kernels"]
-from kernel_cases import make_case, pad_vocab  # noqa: E402
+from kernel_cases import make_case, pad_vocab, randn  # noqa: E402
 from launcher import write_result  # noqa: E402
 
 from megatron_armor.kernels import fused_armor_loss, fused_logprobs  # noqa: E402
@@ -55,8 +55,7 @@ def run(dtype: torch.dtype, group: dist.ProcessGroup, vocab: int, total_rows: in
     rows = slice(rank * total_rows // world, (rank + 1) * total_rows // world)
     shard = pad_vocab(case.weight, total_rows - vocab)[rows]
     rl_inputs = (case.old_logp, case.ref_logp, case.advantages, case.mask)
-    g = torch.Generator().manual_seed(6)
-    grad_logp, grad_entropy = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    grad_logp, grad_entropy = randn(2, 37, seed=6)
     out = {}
 
     hidden, local, ref_hidden, ref_weight = leaves(case.hidden, shard, case.weight)
