@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.utils.net import free_port
 
 
 @torch.no_grad()
@@ -48,13 +49,9 @@ def timed(fn) -> tuple[float, object]:
 
 def http_seconds(model_dir: Path, prompts: list[list[int]], sampling: SamplingParams) -> float:
     """Time one `generate` through SGLangEngine against a `serve-local` subprocess (startup excluded)."""
-    from socket import socket
-
     from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from megatron_armor.rollout.weight_sync import sync_weights
+from megatron_armor.utils.net import free_port
 
 
 def best_of(repeats: int, fn: Callable[[], float]) -> float:
@@ -52,9 +52,7 @@ def memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
 
 
 def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port)]
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

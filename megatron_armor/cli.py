@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from collections.abc import Sequence
 
@@ -23,6 +22,7 @@ from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
 from megatron_armor.teacher.serve_cli import add_serve_teacher_subcommand, run_serve_teacher
+from megatron_armor.utils.net import free_port
 from megatron_armor.utils.quiet import quiet_third_party_noise
 
 
@@ -109,12 +109,6 @@ def _enable_triton_interpreter_without_gpu() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -141,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # An explicit thread count also keeps torchrun from printing its OMP_NUM_THREADS banner.
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            return subprocess.call(torchrun_argv(argv, nproc, _free_port()), env=env)
+            return subprocess.call(torchrun_argv(argv, nproc, free_port()), env=env)
     from megatron_armor.trainer.run import run_training
 
     return run_training(cfg, resume=args.resume, overwrite=args.overwrite)

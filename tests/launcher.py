@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_armor.utils.net import free_port
+
 WORKERS = Path(__file__).parent / "workers"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(worker: str, nproc: int, out_dir: Path, *args: str, timeout: int = 600) -> list[dict]:

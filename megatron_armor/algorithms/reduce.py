@@ -31,7 +31,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, normalizer: float | to
     return total / mask.sum().clamp(min=1.0)
 
 
-def _check_aggregation(aggregation: str) -> None:
+def check_aggregation(aggregation: str) -> None:
+    """ValueError unless `aggregation` is one of `LOSS_AGGREGATIONS`."""
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; choose one of {LOSS_AGGREGATIONS}")
 
@@ -39,7 +40,7 @@ def _check_aggregation(aggregation: str) -> None:
 def aggregation_units(mask: torch.Tensor, aggregation: LossAggregation) -> torch.Tensor:
     """The count `aggregate_loss` divides by: response tokens (token_mean) or sequences holding at
     least one response token (seq_mean_token_mean). mask: [B, T] -> 0-dim float32."""
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     mask = mask.float()
     if aggregation == "token_mean":
         return mask.sum()
@@ -56,7 +57,7 @@ def aggregate_loss(
     N = `normalizer` when given (1 gives the partial sum of a micro-batch), else
     `aggregation_units(mask)`; an empty mask gives 0 with the graph intact.
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     if aggregation == "seq_mean_token_mean":
         values = values / mask.to(values.dtype).sum(-1, keepdim=True).clamp(min=1.0)  # [B, T] / [B, 1]
     if normalizer is None:

@@ -80,12 +80,14 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
         config = transformer_config(shape, pp_size=pp, params_dtype=info.torch_dtype)
         with torch.device("meta"):
             model = build_gpt_model(shape, config, trainable=False)  # shapes and sharding only
-        check_tensor_keys(model, megatron_dir)
+        sharded = model.sharded_state_dict()
+        reader = DistCheckpointReader(Path(megatron_dir) / DIST_CHECKPOINT_DIR)
+        check_tensor_keys(sharded, reader, megatron_dir)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         plan = [TensorSpec(name, hf_tensor_shape(name, shape), info.torch_dtype)
                 for mapping in stage_mappings(model, shape) if mapping.exported for name in mapping.hf_names]
         writer = SafetensorsShardWriter(staging, plan, max_shard_bytes, prefix=f"model-s{stage:02d}")
-        for name, tensor in stream_stage_hf_weights(model, shape, megatron_dir):
+        for name, tensor in stream_stage_hf_weights(model, shape, sharded, reader, megatron_dir):
             writer.add(name, tensor.to(info.torch_dtype))  # Megatron keeps norm weights in fp32
         written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp
         dist.all_gather_object(written, (stage, writer.close()))
@@ -97,16 +99,17 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
         destroy_distributed()
 
 
-def stream_stage_hf_weights(model: GPTModel, shape: ModelShape, megatron_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of the pipeline stage `model` (built at TP=1 on the meta device), read
-    from the Megatron checkpoint one parameter at a time. Reads alone (no collective).
+def stream_stage_hf_weights(
+    model: GPTModel, shape: ModelShape, sharded: dict, reader: DistCheckpointReader, megatron_dir: str | Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of the pipeline stage `model` (built at TP=1 on the meta device; `sharded`
+    is its sharded state dict), read from the checkpoint at `megatron_dir` through `reader` one
+    parameter at a time. Reads alone (no collective).
 
     A TP=1 parameter is one contiguous region of its stored global tensor (for a layer-stacked key,
     row `layer` of the `[num_layers, ...]` tensor), whatever layout the checkpoint was saved at.
     """
-    reader = DistCheckpointReader(Path(megatron_dir) / DIST_CHECKPOINT_DIR)
     stored = reader.tensor_shapes()
-    sharded = model.sharded_state_dict()
     first_layer = get_transformer_layer_offset(model.config)
     for mapping in stage_mappings(model, shape):
         if not mapping.exported:
@@ -122,15 +125,14 @@ def stream_stage_hf_weights(model: GPTModel, shape: ModelShape, megatron_dir: st
         yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, [region.view(param_shape)], shape))
 
 
-def check_tensor_keys(model: GPTModel, megatron_dir: str | Path) -> None:
-    """Refuse a checkpoint holding tensors that no pipeline stage of the model reads (a partial read
-    would silently drop them). Collective over all ranks."""
-    stage_keys = {entry.key for entry in model.sharded_state_dict().values()
-                  if isinstance(entry, (ShardedTensor, ShardedTensorFactory))}
+def check_tensor_keys(sharded: dict, reader: DistCheckpointReader, megatron_dir: str | Path) -> None:
+    """Refuse a checkpoint (at `megatron_dir`, read by `reader`) holding tensors that no pipeline stage
+    reads (a partial read would silently drop them); `sharded`: this stage's sharded state dict.
+    Collective over all ranks."""
+    stage_keys = {entry.key for entry in sharded.values() if isinstance(entry, (ShardedTensor, ShardedTensorFactory))}
     every_stage: list[set[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every_stage, stage_keys)
-    stored = DistCheckpointReader(Path(megatron_dir) / DIST_CHECKPOINT_DIR).tensor_shapes()
-    unread = sorted(stored.keys() - set().union(*every_stage))
+    unread = sorted(reader.tensor_shapes().keys() - set().union(*every_stage))
     if unread:
         raise CheckpointError(f"{megatron_dir}: holds tensors that the model its config.json describes does not "
                               f"have: {unread[:5]}; the checkpoint and config.json disagree")

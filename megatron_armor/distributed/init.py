@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_armor.distributed.cpu_compat import enable_cpu_compat
+from megatron_armor.utils.net import free_port
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def initialize_distributed(
     """
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         use_cuda = torch.cuda.is_available()
@@ -113,11 +114,3 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

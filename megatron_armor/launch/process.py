@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class NotReady(RuntimeError):

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from megatron_armor.config import RolloutConfig
-from megatron_armor.launch.process import ManagedProcess, NotReady, free_port, wait_until
+from megatron_armor.launch.process import ManagedProcess, NotReady, wait_until
 from megatron_armor.rollout.sglang_engine import (
     TRANSPORT_ERRORS, SGLangEngine, SGLangEngineConfig, http_call,
 )
+from megatron_armor.utils.net import free_port
 
 
 class RouterError(RuntimeError):

@@ -30,7 +30,7 @@ class _TrainerRank:
 
     def master_address(self) -> tuple[str, int]:
         """(node IP, free port) for the process-group rendezvous, asked of rank 0."""
-        from megatron_armor.launch.process import free_port
+        from megatron_armor.utils.net import free_port
 
         host = ray.util.get_node_ip_address()
         return host, free_port(host)

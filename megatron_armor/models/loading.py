@@ -12,6 +12,9 @@ from megatron_armor.convert.megatron_checkpoint import load_model_weights
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import ModelShape, transformer_config
 
+# model.params_dtype / serve-teacher --params-dtype -> torch dtype
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 def load_gpt_model(
     path: str | Path, shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, trainable: bool = False

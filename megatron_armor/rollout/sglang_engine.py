@@ -8,9 +8,8 @@ finish type "abort" are re-sent too. Every re-send counts in `stats.retries` (me
 `rollout/retries`); finished prompts are kept, so a retry never loses or repeats a result.
 With `router_url` (SGLang's router in front of the same servers, launch/router.py) every /generate
 request goes to the router instead, one prompt per request, and the router picks the worker; the
-retries above still apply. Weight
-updates, flushes, memory hand-off and health always go to every server directly (the router does not
-fan them out). Stdlib HTTP only (`http.client`).
+retries above still apply. Weight updates, flushes, memory hand-off and health always go to every
+server directly (the router does not fan them out). Stdlib HTTP only (`http.client`).
 """
 
 from __future__ import annotations
@@ -53,12 +52,12 @@ class SGLangEngineConfig:
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"  # weight_transport.TRANSPORTS
     weight_group_timeout_s: float = 300.0  # weight_sync distributed: forming the group, each broadcast
     weight_sync_dir: str | None = None  # weight_sync disk: a directory the servers can read
+    flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
+    flush_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.weight_sync not in TRANSPORTS:
             raise ValueError(f"SGLangEngineConfig.weight_sync must be one of {sorted(TRANSPORTS)}, got {self.weight_sync!r}")
-    flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
-    flush_interval_s: float = 1.0
 
 
 @dataclass

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout import tensor_serialization, weight_group
+from megatron_armor.utils.net import free_port
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -110,12 +111,6 @@ def _local_address_towards(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class DistributedTransport:
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         self.servers, self.post_all, self.config = servers, post_all, config
@@ -144,7 +139,7 @@ class DistributedTransport:
     def _form_group(self, backend: str) -> torch.distributed.ProcessGroup:
         """World = trainer + every server TP rank; server i's ranks start after those of servers 0..i-1."""
         address = _local_address_towards(self.servers[0].url)
-        port, world = _free_port(address), 1 + sum(s.tp_size for s in self.servers)
+        port, world = free_port(address), 1 + sum(s.tp_size for s in self.servers)
         offsets, offset = {}, 1
         for server in self.servers:
             offsets[server.url], offset = offset, offset + server.tp_size

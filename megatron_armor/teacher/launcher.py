@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_armor.launch.process import ManagedProcess, NotReady, answers, free_port, wait_until
+from megatron_armor.launch.process import ManagedProcess, NotReady, answers, wait_until
 from megatron_armor.teacher.serve_cli import SERVER_MODULE, TeacherServerSettings
+from megatron_armor.utils.net import free_port
 
 
 _TORCHRUN_VARIABLES = {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE",

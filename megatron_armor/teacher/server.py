@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import ModelShape, load_model_shape
-from megatron_armor.models.loading import load_gpt_model
+from megatron_armor.models.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.rollout.http_server import LocalSGLangServer
 from megatron_armor.rollout.local_server import RequestError
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_request, score_item_body
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 60.0  # an idle rank 0 wakes the other ranks this often (gloo collectives time out after 30 min)
 HEALTH_TIMEOUT_S = 20.0  # as SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 SERVER_VERSION = "megatron-armor-teacher"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # serve_cli.PARAMS_DTYPES
 
 
 def score_sequences(model: torch.nn.Module, request: ScoreRequest, micro_batch_size: int) -> list[list[float]]:
@@ -150,7 +149,7 @@ def serve_teacher(settings: TeacherServerSettings) -> int:
         threading.Thread(target=http.serve_forever, daemon=True).start()  # 503 until the model is loaded
     try:
         shape = load_model_shape(settings.model_path)
-        model = load_gpt_model(settings.model_path, shape, params_dtype=_DTYPES[settings.params_dtype])
+        model = load_gpt_model(settings.model_path, shape, params_dtype=PARAMS_DTYPES[settings.params_dtype])
         dist.barrier()
         if state is not None:
             state.shape = shape

@@ -9,7 +9,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_armor.algorithms import armor_policy_loss, kl_penalty, sampler_corrected_loss
-from megatron_armor.algorithms.reduce import LOSS_AGGREGATIONS, LossAggregation, aggregate_loss, aggregation_units
+from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, aggregation_units, check_aggregation
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.trainer.batch import SequenceBatch
 from megatron_armor.trainer.logprobs import ScoringSettings, TokenScores, forward_backward
@@ -44,8 +44,7 @@ class LossSettings:
     aggregation: LossAggregation = "token_mean"
 
     def __post_init__(self) -> None:
-        if self.aggregation not in LOSS_AGGREGATIONS:
-            raise ValueError(f"unknown loss aggregation {self.aggregation!r}; choose one of {LOSS_AGGREGATIONS}")
+        check_aggregation(self.aggregation)
 
     def scoring(self, *, with_entropy: bool = False) -> ScoringSettings:
         return ScoringSettings(temperature=self.temperature, head=self.logprob_head, with_entropy=with_entropy)

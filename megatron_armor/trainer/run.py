@@ -19,7 +19,7 @@ from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, s
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
-from megatron_armor.models.loading import load_gpt_model
+from megatron_armor.models.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -40,8 +40,6 @@ from megatron_armor.utils.metrics import MetricsLogger
 from megatron_armor.utils.plotting import plot_metrics
 
 log = logging.getLogger("megatron_armor")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = False) -> int:
@@ -82,7 +80,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
-    dtype = _DTYPES[cfg.model.params_dtype]
+    dtype = PARAMS_DTYPES[cfg.model.params_dtype]
 
     actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True)
     optim = OptimizerSettings(
@@ -169,7 +167,7 @@ def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Tea
         check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"model.teacher_path {paths.teacher_path}")
     scoring = ScoringSettings(temperature=cfg.rollout.temperature, head=cfg.train.logprob_head)  # as the student's
     if m.teacher_url is None and m.teacher_layout is None:
-        model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=_DTYPES[m.params_dtype])
+        model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[m.params_dtype])
         return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
     launch = None
     if m.teacher_layout is not None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launcher import free_port
 
 from megatron_armor.rollout.sglang_engine import http_call
+from megatron_armor.utils.net import free_port
 
 
 @dataclass

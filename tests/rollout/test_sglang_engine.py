@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from launcher import free_port
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, ServerError, http_call
+from megatron_armor.utils.net import free_port
 
 FAST = SGLangEngineConfig(prompts_per_request=2, max_in_flight_per_server=2, backoff_s=0.05, startup_timeout_s=90,
                           poll_interval_s=0.1, flush_attempts=1200, flush_interval_s=0.05)

@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from launcher import free_port
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
 from megatron_armor.rollout.weight_group import WORLD_SIZE_KEY
+from megatron_armor.utils.net import free_port
 
 FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, bucket_bytes=64 << 10, weight_group_timeout_s=60)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]

@@ -13,13 +13,14 @@ import torch
 from launcher import run_workers
 from transformers import AutoModelForCausalLM
 
-from megatron_armor.launch.process import ManagedProcess, free_port
+from megatron_armor.launch.process import ManagedProcess
 from megatron_armor.models.hf_config import ModelConfigError
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 from megatron_armor.teacher.launcher import TeacherError, TeacherServerGroup
 from megatron_armor.teacher.protocol import ScoreRequest
 from megatron_armor.teacher.scorer import TeacherClient
 from megatron_armor.teacher.serve_cli import TeacherServerSettings
+from megatron_armor.utils.net import free_port
 
 TEMPERATURE = 0.7
 # (prompt ids, response ids) of different lengths; the server scores every token after the first

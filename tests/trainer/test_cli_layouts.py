@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import free_port
 
 from megatron_armor.models.hf_config import ModelConfigError, check_parallel_layout, load_model_shape
+from megatron_armor.utils.net import free_port
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
