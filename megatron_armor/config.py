@@ -223,8 +223,9 @@ class TrainConfig:
     subspace_mode: Literal["gradient", "update"] = _f(
         "gradient", "project the gradient before Adam, or the parameter change after it"
     )
-    logprob_head: Literal["torch", "fused"] = _f(
-        "torch", "LM head scoring: torch (vocab-sharded logits) or fused (Triton kernel; GPU, or interpreter on CPU)"
+    logprob_head: Literal["auto", "torch", "fused"] = _f(
+        "auto", "LM head scoring: torch (vocab-sharded logits), fused (Triton kernel; GPU, or interpreter on CPU), "
+        "auto (fused on GPU, torch on CPU)"
     )
     max_steps: int = _f(200, "RL steps to run")
     seed: int = _f(1234, "seed of data order, sampling and initialisation")

@@ -1,10 +1,10 @@
 """Per-token logprobs and entropy of (tensor-parallel) Megatron models via Megatron's schedules.
 
 The last pipeline stage turns hidden states into `TokenScores` by one of two heads:
-- ``"torch"`` (default): the output layer gives vocab-sharded logits `[B, S, V/tp]` and the
+- ``"torch"`` (the CPU default): the output layer gives vocab-sharded logits `[B, S, V/tp]` and the
   log-softmax normaliser is assembled with all-reduces (Megatron's `vocab_parallel_cross_entropy`),
   so no rank materialises full-vocabulary logits, but each holds its `[B, S, V/tp]` shard.
-- ``"fused"``: the Triton kernel (`megatron_armor.kernels.fused_logprobs`) runs on the hidden
+- ``"fused"`` (the GPU default): the Triton kernel (`megatron_armor.kernels.fused_logprobs`) runs on the hidden
   states and the output weight through GPTModel's `output_processor` hook; only `[B, S]` vectors
   are ever held, and under Megatron DDP the weight gradient is added straight into `main_grad`.
   It needs a GPU, or TRITON_INTERPRET=1 on CPU.
@@ -24,6 +24,13 @@ from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.trainer.batch import SequenceBatch
 
 LOGPROB_HEADS = ("torch", "fused")
+
+
+def resolve_logprob_head(head: str) -> str:
+    """The head a config's `train.logprob_head` names: "auto" is "fused" when CUDA is available, else "torch"."""
+    if head == "auto":
+        return "fused" if torch.cuda.is_available() else "torch"
+    return head
 
 
 @dataclass

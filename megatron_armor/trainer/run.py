@@ -28,7 +28,7 @@ from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check
 from megatron_armor.teacher.serve_cli import TeacherServerSettings
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
-from megatron_armor.trainer.logprobs import ScoringSettings
+from megatron_armor.trainer.logprobs import ScoringSettings, resolve_logprob_head
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
@@ -136,7 +136,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
         clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip,
         kl_coef=kl_coef, kl_estimator=algorithm.kl_estimator,
-        temperature=cfg.rollout.temperature, logprob_head=cfg.train.logprob_head,
+        temperature=cfg.rollout.temperature, logprob_head=resolve_logprob_head(cfg.train.logprob_head),
         sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
         aggregation=algorithm.aggregation,
     )
@@ -165,7 +165,7 @@ def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Tea
     if paths.teacher_path is not None:  # None: only a teacher_url was given
         teacher_shape = load_model_shape(paths.teacher_path)
         check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"model.teacher_path {paths.teacher_path}")
-    scoring = ScoringSettings(temperature=cfg.rollout.temperature, head=cfg.train.logprob_head)  # as the student's
+    scoring = ScoringSettings(temperature=cfg.rollout.temperature, head=resolve_logprob_head(cfg.train.logprob_head))  # as the student's
     if m.teacher_url is None and m.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[m.params_dtype])
         return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
