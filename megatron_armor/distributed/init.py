@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 
 from megatron_armor.distributed.cpu_compat import enable_cpu_compat
+from megatron_armor.distributed.device import training_device
 from megatron_armor.utils.net import free_port
 
 
@@ -39,11 +40,14 @@ class DistributedContext:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch. Used instead of `model_parallel_cuda_manual_seed`, which needs
-    CUDA; runs are dropout-free, so TP ranks can share one seed and still build identical state."""
+    """Seed python, numpy and torch; with CUDA also Megatron's model-parallel CUDA RNG tracker, which
+    its on-GPU weight initialisation draws from (as Megatron-LM's `_set_random_seed`; needs `parallel_state`).
+    Runs are dropout-free, so on CPU TP ranks can share one seed and still build identical state."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    if torch.cuda.is_available():  # after torch.manual_seed, which would reseed CUDA again
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def initialize_distributed(
@@ -56,17 +60,17 @@ def initialize_distributed(
     `data_parallel_size` None takes whatever the world size leaves; an explicit value must match it.
     """
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        launched = "WORLD_SIZE" in os.environ  # torchrun (or a launcher setting its variables)
         use_cuda = torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
-            rank=rank,
-            world_size=world_size,
+            # A lone process rendezvouses on a port of its own without exporting it, so processes it
+            # starts later (which inherit its environment) never try to reuse its port.
+            init_method="env://" if launched else f"tcp://127.0.0.1:{free_port()}",
+            rank=int(os.environ.get("RANK", "0")) if launched else 0,
+            world_size=int(os.environ["WORLD_SIZE"]) if launched else 1,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     world_size = dist.get_world_size()
@@ -104,7 +108,7 @@ def current_context() -> DistributedContext:
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+        device=training_device(),
     )
 
 

@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_armor.distributed.device import training_device
+
 
 def sum_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
     """Sum each value over the data-parallel group (every DP rank must pass the same keys)."""
     if parallel_state.get_data_parallel_world_size() == 1 or not values:
         return values
     keys = sorted(values)
-    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=training_device())  # NCCL: on the GPU
     dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
     return dict(zip(keys, packed.tolist()))
 

@@ -55,8 +55,10 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
     The vocabulary is `shape.padded_vocab_size`; logits of the padding rows are forced to
     `PADDED_VOCAB_LOGIT`, so softmaxes and logprobs equal those over the real vocabulary; the fused LM
     head skips those rows (`output_layer.unpadded_vocab_size`).
-    Weights are randomly initialised; load real ones with `convert.load_hf_weights`. A frozen
-    (`trainable=False`) model has `requires_grad=False` everywhere and starts in eval mode.
+    Weights are randomly initialised where `config.use_cpu_initialization` puts them (the CPU or an
+    enclosing `torch.device` context, else the current GPU); `models.loading.load_gpt_model` places
+    the model on the training device and loads real ones. A frozen (`trainable=False`) model has
+    `requires_grad=False` everywhere and starts in eval mode.
     """
     with megatron_device_scope():  # tied embeddings under PP all-reduce the output-layer copy via .cuda()
         model = GPTModel(

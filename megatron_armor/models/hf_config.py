@@ -113,9 +113,16 @@ def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int) -> None
 
 
 def transformer_config(
-    shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32
+    shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> TransformerConfig:
-    """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA)."""
+    """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
+
+    `device`: where the model will live. For a CUDA device Megatron allocates and initialises the
+    weights directly on the current GPU, as Megatron-LM trains (its default `use_cpu_initialization=False`;
+    CPU initialisation plus a copy is slow for large models); otherwise (the default, and what
+    building on the meta device in `convert` needs) on the CPU.
+    """
     check_parallel_layout(shape, tp_size, pp_size)
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -145,7 +152,7 @@ def transformer_config(
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device is None or device.type != "cuda",
         # Loss functions return (sum of token losses, token count); gradients are divided by the
         # global token count once in `finalize_model_grads`, giving an exact token mean over the
         # mini-batch across micro-batches and data-parallel ranks.

@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_armor.convert.megatron_checkpoint import load_model_weights
+from megatron_armor.distributed.device import training_device
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import ModelShape, transformer_config
 
@@ -19,15 +20,18 @@ PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def load_gpt_model(
     path: str | Path, shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, trainable: bool = False
 ) -> GPTModel:
-    """This rank's shard of the model at `path` (HF directory or Megatron checkpoint).
+    """This rank's shard of the model at `path` (HF directory or Megatron checkpoint), on `training_device()`.
 
     The layout is `parallel_state`'s (initialised first); a layout that does not divide the model's
     heads, FFN width, vocabulary or layers raises `ModelConfigError`.
     """
+    device = training_device()
     config = transformer_config(
         shape, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(), params_dtype=params_dtype,
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(), params_dtype=params_dtype, device=device,
     )
-    model = build_gpt_model(shape, config, trainable=trainable)
+    # As Megatron-LM's `get_model`: build (on the GPU, per the config), then `.cuda()` what Megatron
+    # leaves on the CPU (e.g. torch RMSNorm weights), then load the checkpoint into the placed model.
+    model = build_gpt_model(shape, config, trainable=trainable).to(device)
     load_model_weights(model, path, shape)
     return model

@@ -129,10 +129,12 @@ class RemoteTeacher(TeacherScorer):
         self.client, self.temperature = client, temperature
 
     def score(self, batch: SequenceBatch) -> torch.Tensor:
-        return on_first_rank(lambda: self._fetch(batch), parallel_state.get_model_parallel_group())
+        host = batch.to(torch.device("cpu"))  # the answer crosses the object broadcast as a CPU tensor
+        scores = on_first_rank(lambda: self._fetch(host), parallel_state.get_model_parallel_group())
+        return scores.to(batch.response_mask.device)
 
     def _fetch(self, batch: SequenceBatch) -> torch.Tensor:
-        """Score every row up to its last response token; rows without response tokens stay 0."""
+        """Score every row (of a CPU batch) up to its last response token; rows without response tokens stay 0."""
         scores = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, S]
         rows, sequences = [], []
         for row in range(batch.size):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -27,7 +27,8 @@ class SequenceBatch:
       token_advantages: [B, S] float32 per-token advantages (OPD), preferred by the loss over
                      `advantages` when set; 0 off-response.
     Right padding with a causal mask leaves real tokens unaffected, so no attention mask is needed
-    and position ids are simply 0..S-1.
+    and position ids are simply 0..S-1. Batches are built on the CPU; `trainer.logprobs.forward_backward`
+    moves each micro-batch to the training device.
     """
 
     input_ids: torch.Tensor
@@ -47,8 +48,8 @@ class SequenceBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        """[B, S] int64."""
-        return torch.arange(self.input_ids.shape[1]).expand_as(self.input_ids)
+        """[B, S] int64, on the device of `input_ids`."""
+        return torch.arange(self.input_ids.shape[1], device=self.input_ids.device).expand_as(self.input_ids)
 
     def per_token_advantages(self) -> torch.Tensor:
         """[B, S] float32: `token_advantages`, or the per-sample `advantages` broadcast over tokens."""
@@ -58,8 +59,19 @@ class SequenceBatch:
 
     def select(self, index: slice | torch.Tensor) -> SequenceBatch:
         """The sub-batch of rows `index` (every field indexed along dim 0)."""
+        return self._map(lambda tensor: tensor[index])
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> SequenceBatch:
+        """This batch with every tensor on `device` (tensors already there are shared, not copied).
+
+        `non_blocking` suits host-to-GPU copies only: a copy back to the host may still be in flight.
+        """
+        return self._map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SequenceBatch:
+        """A batch of `fn` applied to every tensor field (None fields stay None)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return SequenceBatch(**{name: None if v is None else v[index] for name, v in values.items()})
+        return SequenceBatch(**{name: None if v is None else fn(v) for name, v in values.items()})
 
     def micro_batches(self, micro_batch_size: int) -> Iterator[SequenceBatch]:
         for start in range(0, self.size, micro_batch_size):

@@ -21,6 +21,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
+from megatron_armor.distributed.device import training_device
 from megatron_armor.trainer.batch import SequenceBatch
 
 LOGPROB_HEADS = ("torch", "fused")
@@ -88,18 +89,21 @@ def forward_backward(
 ) -> list[dict[str, torch.Tensor]]:
     """Run Megatron's schedule (no pipelining or 1F1B, per parallel_state) over `micro_batches`.
 
-    Returns the stats dict of every micro-batch on the last pipeline stage (empty list elsewhere).
-    Gradients (when not forward_only) accumulate into the model; with `calculate_per_token_loss`
-    Megatron's `finalize_model_grads` divides them by the total token count.
+    Each micro-batch is moved to `training_device()` (the model's) before the forward, so the model
+    and `loss_fn` see it there. Returns the stats dict of every micro-batch on the last pipeline
+    stage (empty list elsewhere), on that device. Gradients (when not forward_only) accumulate into
+    the model; with `calculate_per_token_loss` Megatron's `finalize_model_grads` divides them by the
+    total token count.
     """
     batches = list(micro_batches)
     shapes = {tuple(mb.input_ids.shape) for mb in batches}
     if len(shapes) != 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(f"pipeline parallelism needs equal micro-batch shapes, got {sorted(shapes)}")
     mb_size, seq_len = batches[0].input_ids.shape
+    device = training_device()
 
     def forward_step(data_iterator, chunk):
-        mb = next(data_iterator)
+        mb = next(data_iterator).to(device, non_blocking=True)  # host-to-GPU (or no-op): safe to overlap
         if scoring.head == "fused":
             output = chunk(mb.input_ids, mb.position_ids, None, output_processor=_fused_head(scoring), output_processor_context=mb)
             return output, lambda scores: loss_fn(scores, mb)
@@ -158,13 +162,13 @@ def compute_logprobs(
     model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, scoring: ScoringSettings
 ) -> LogprobResult:
     """Logprobs (and entropy if `scoring.with_entropy`) of `batch.labels` under `model`, forward
-    only, identical on every rank."""
+    only, identical on every rank; scored on the training device, returned on `batch`'s."""
 
     def collect(scores: TokenScores, mb: SequenceBatch):
         stats = {"logprobs": scores.logprobs * mb.response_mask}
         if scores.entropy is not None:
             stats["entropy"] = scores.entropy * mb.response_mask
-        return scores.logprobs.new_zeros(()), torch.tensor(0, dtype=torch.int), stats
+        return scores.logprobs.new_zeros(()), scores.logprobs.new_zeros((), dtype=torch.int), stats
 
     was_training = model.training
     model.eval()
@@ -172,10 +176,10 @@ def compute_logprobs(
                                forward_only=True)
     model.train(was_training)
     keys = ["logprobs"] + (["entropy"] if scoring.with_entropy else [])
-    result = {}
+    result, device = {}, training_device()  # stages without outputs receive the last stage's there
     for key in keys:
-        values = torch.cat([out[key] for out in outputs]) if outputs else torch.empty(batch.input_ids.shape)
-        result[key] = _broadcast_from_last_stage(values)
+        values = torch.cat([out[key] for out in outputs]) if outputs else torch.empty(batch.input_ids.shape, device=device)
+        result[key] = _broadcast_from_last_stage(values).to(batch.input_ids.device)
     return LogprobResult(logprobs=result["logprobs"], entropy=result.get("entropy"))
 
 
