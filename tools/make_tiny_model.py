@@ -15,7 +15,7 @@ def main() -> None:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--intermediate-size", type=int, default=176)
-    parser.add_argument("--vocab-size", type=int, default=128, help="model vocab (>= 96 tokenizer tokens)")
+    parser.add_argument("--vocab-size", type=int, default=128, help="model vocab (>= 98 tokenizer tokens)")
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -16,12 +16,12 @@ import sys
 from collections.abc import Sequence
 
 
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
 
 def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     """Add `convert` (with `hf-to-megatron` and `megatron-to-hf`) to an argparse subparsers object.
@@ -37,7 +37,8 @@ def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     to_megatron = directions.add_parser(
         "hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Convert with tp x pp local processes, each reading only its shard of the weights.",
+        description="Convert with tp x pp local processes, each reading its shard's rows / columns of the HF "
+                    "tensors one parameter at a time (memory: one parameter shard, never the model).",
     )
     to_megatron.add_argument("--hf-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
     to_megatron.add_argument("--out", required=True, help="output directory for the Megatron checkpoint")

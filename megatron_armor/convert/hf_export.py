@@ -3,7 +3,7 @@
 `convert_megatron_to_hf` validates the input and output, then runs `write_hf_stage` on pp ranks: in
 this process for pp=1, else by launching `python -m megatron_armor.convert.cli megatron-to-hf ...`
 again under torchrun. Each rank builds its pipeline stage at TP=1 on the meta device (no storage)
-and streams it parameter by parameter (`stream_stage_hf_weights`): read the full parameter from
+and streams it parameter by parameter (`MegatronStageReader`): read the full parameter from
 the checkpoint (saved at any layout), split it into HF tensors, write them to its own safetensors
 files (`model-s{stage:02d}-{k:05d}.safetensors`, at most `max_shard_bytes` each). Rank 0 then gives
 the files HF's names (`model-0000i-of-0000n.safetensors`, stage order; one file:
@@ -11,33 +11,31 @@ the files HF's names (`model-0000i-of-0000n.safetensors`, stage order; one file:
 tokenizer and generation files verbatim; the staging directory is published when all is complete.
 
 Memory per process: one full parameter and its HF split (the bytes go straight to the output
-file, see `hf_shards`); not the model, the stage or an output shard.
+file, see `hf_shards`); not the model, the stage or an output shard. `read_megatron_checkpoint`
+gives the same per-parameter reads to other tools (e.g. `armor diagnose`) without writing anything.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
-from megatron_armor.convert.hf_inputs import hf_tensor_shape
 from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, WrittenShard, name_shards
-from megatron_armor.convert.mapping import megatron_shards_to_hf
+from megatron_armor.convert.mapping import ParamMapping, hf_tensor_shape, megatron_shards_to_hf
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, copy_side_files, read_checkpoint_info
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.weights import CheckpointError, stage_mappings
 from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape, transformer_config
+from megatron_armor.models.hf_config import check_parallel_layout, load_model_shape, transformer_config
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -74,55 +72,76 @@ def convert_megatron_to_hf(
 
 def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_shard_bytes: int) -> None:
     """This rank's pipeline stage of the export, into `staging_dir(out)`; collective over pp ranks (TP=1)."""
-    info, shape, staging = read_checkpoint_info(megatron_dir), load_model_shape(megatron_dir), staging_dir(out)
+    staging = staging_dir(out)
     initialize_distributed(1, pp, 1)
     try:
-        config = transformer_config(shape, pp_size=pp, params_dtype=info.torch_dtype)
-        with torch.device("meta"):
-            model = build_gpt_model(shape, config, trainable=False)  # shapes and sharding only
-        sharded = model.sharded_state_dict()
-        reader = DistCheckpointReader(Path(megatron_dir) / DIST_CHECKPOINT_DIR)
-        check_tensor_keys(sharded, reader, megatron_dir)
-        stage = parallel_state.get_pipeline_model_parallel_rank()
-        plan = [TensorSpec(name, hf_tensor_shape(name, shape), info.torch_dtype)
-                for mapping in stage_mappings(model, shape) if mapping.exported for name in mapping.hf_names]
-        writer = SafetensorsShardWriter(staging, plan, max_shard_bytes, prefix=f"model-s{stage:02d}")
-        for name, tensor in stream_stage_hf_weights(model, shape, sharded, reader, megatron_dir):
-            writer.add(name, tensor.to(info.torch_dtype))  # Megatron keeps norm weights in fp32
+        stage = MegatronStageReader(megatron_dir, pp)
+        check_tensor_keys(stage.sharded, stage.reader, megatron_dir)
+        stage_rank = parallel_state.get_pipeline_model_parallel_rank()
+        plan = [TensorSpec(name, hf_tensor_shape(name, stage.shape), stage.info.torch_dtype)
+                for mapping in stage.mappings for name in mapping.hf_names]
+        with SafetensorsShardWriter(staging, plan, max_shard_bytes, prefix=f"model-s{stage_rank:02d}") as writer:
+            for mapping in stage.mappings:
+                for name, tensor in zip(mapping.hf_names, stage.read(mapping)):
+                    writer.add(name, tensor)
+            shards = writer.close()
         written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp
-        dist.all_gather_object(written, (stage, writer.close()))
+        dist.all_gather_object(written, (stage_rank, shards))
         if dist.get_rank() == 0:
-            name_shards(staging, [shard for _, shards in sorted(written) for shard in shards])
+            name_shards(staging, [shard for _, stage_shards in sorted(written) for shard in stage_shards])
             copy_side_files(megatron_dir, staging)
         dist.barrier()
     finally:
         destroy_distributed()
 
 
-def stream_stage_hf_weights(
-    model: GPTModel, shape: ModelShape, sharded: dict, reader: DistCheckpointReader, megatron_dir: str | Path
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of the pipeline stage `model` (built at TP=1 on the meta device; `sharded`
-    is its sharded state dict), read from the checkpoint at `megatron_dir` through `reader` one
-    parameter at a time. Reads alone (no collective).
+def read_megatron_checkpoint(megatron_dir: str | Path) -> MegatronStageReader:
+    """A reader of every HF tensor of the Megatron checkpoint at `megatron_dir`, in this process.
 
-    A TP=1 parameter is one contiguous region of its stored global tensor (for a layer-stacked key,
-    row `layer` of the `[num_layers, ...]` tensor), whatever layout the checkpoint was saved at.
+    Sets up (and tears down) a one-process torch.distributed group to build the model's sharded
+    state dict: call it outside torchrun. The reads themselves need no process group.
     """
-    stored = reader.tensor_shapes()
-    first_layer = get_transformer_layer_offset(model.config)
-    for mapping in stage_mappings(model, shape):
-        if not mapping.exported:
-            continue
-        key, param_shape = sharded[mapping.megatron_name].key, tuple(sharded[mapping.megatron_name].data.shape)
+    initialize_distributed(1, 1, 1)
+    try:
+        return MegatronStageReader(megatron_dir, pp=1)
+    finally:
+        destroy_distributed()
+
+
+class MegatronStageReader:
+    """HF-named full tensors of this rank's pipeline stage (of `pp`) of the Megatron checkpoint at
+    `megatron_dir`, saved at any layout; built under parallel_state (TP=1), reads need no collective.
+
+    The stage is built at TP=1 on the meta device; a TP=1 parameter is one contiguous region of its
+    stored global tensor (for a layer-stacked key, row `layer` of the `[num_layers, ...]` tensor).
+    """
+
+    def __init__(self, megatron_dir: str | Path, pp: int) -> None:
+        self.megatron_dir = Path(megatron_dir)
+        self.info, self.shape = read_checkpoint_info(megatron_dir), load_model_shape(megatron_dir)
+        config = transformer_config(self.shape, pp_size=pp, params_dtype=self.info.torch_dtype)
+        with torch.device("meta"):
+            model = build_gpt_model(self.shape, config, trainable=False)  # shapes and sharding only
+        self.sharded = model.sharded_state_dict()
+        self.mappings = [m for m in stage_mappings(model, self.shape) if m.exported]
+        self.reader = DistCheckpointReader(self.megatron_dir / DIST_CHECKPOINT_DIR)
+        self._first_layer = get_transformer_layer_offset(config)
+        self._stored = self.reader.tensor_shapes()
+
+    def read(self, mapping: ParamMapping) -> list[torch.Tensor]:
+        """The HF tensors of `mapping` (one of `mappings`, `hf_names` order) in the checkpoint's dtype
+        (Megatron keeps norm weights in fp32); reads that one parameter's region."""
+        entry = self.sharded[mapping.megatron_name]
+        key, param_shape = entry.key, tuple(entry.data.shape)
         layer = re.match(r"decoder\.layers\.(\d+)\.", mapping.megatron_name)
-        lead = () if layer is None else (first_layer + int(layer.group(1)),)
-        want = (() if layer is None else (shape.num_layers,)) + param_shape
-        if key not in stored or tuple(stored[key]) != want:
-            found = "absent" if key not in stored else f"stored with shape {list(stored[key])}"
-            raise CheckpointError(f"{megatron_dir}: tensor {key!r} is {found}; its config.json implies {list(want)}")
-        region = reader.read(key, lead + (0,) * len(param_shape), (1,) * len(lead) + param_shape)
-        yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, [region.view(param_shape)], shape))
+        lead = () if layer is None else (self._first_layer + int(layer.group(1)),)
+        want = (() if layer is None else (self.shape.num_layers,)) + param_shape
+        if key not in self._stored or tuple(self._stored[key]) != want:
+            found = "absent" if key not in self._stored else f"stored with shape {list(self._stored[key])}"
+            raise CheckpointError(f"{self.megatron_dir}: tensor {key!r} is {found}; its config.json implies {list(want)}")
+        region = self.reader.read(key, lead + (0,) * len(param_shape), (1,) * len(lead) + param_shape)
+        hf = megatron_shards_to_hf(mapping, [region.view(param_shape)], self.shape)
+        return [t.to(self.info.torch_dtype) for t in hf]
 
 
 def check_tensor_keys(sharded: dict, reader: DistCheckpointReader, megatron_dir: str | Path) -> None:

@@ -54,6 +54,7 @@ class SafetensorsShardWriter:
 
     `add` must be called once per planned tensor, in order, with exactly the planned shape and dtype;
     `close()` checks that all came and returns the files; `name_shards` gives them HF's names.
+    Use it as a context manager so that the open file is closed also when the export fails midway.
     """
 
     def __init__(self, out_dir: Path, plan: list[TensorSpec], max_shard_bytes: int, *, prefix: str = "model-s00") -> None:
@@ -65,6 +66,12 @@ class SafetensorsShardWriter:
             WrittenShard(f"{prefix}-{k:05d}.safetensors", [s.name for s in specs], sum(s.num_bytes for s in specs))
             for k, specs in enumerate(self._files)
         ]
+
+    def __enter__(self) -> SafetensorsShardWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._close_file()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         index, spec = next(self._pending, (None, None))

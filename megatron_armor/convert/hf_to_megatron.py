@@ -4,8 +4,9 @@
 `python -m megatron_armor.convert.cli hf-to-megatron ...` again under torchrun, and publishes the
 result; in each of those tp x pp ranks `write_megatron_shards` builds its pipeline stage and TP
 shard on the meta device (no storage) and streams it into Megatron's `dist_checkpointing` format:
-each parameter is read from the safetensors files, sliced and written when the writer reaches it,
-so a rank holds one parameter group at a time (its HF tensors, e.g. q/k/v), never its whole shard.
+each parameter's TP shard is read from the safetensors files (only its rows / columns of the HF
+tensors, `hf_shard_index`), assembled and written when the writer reaches it, so a rank holds one
+parameter shard at a time, never its whole shard of the model.
 """
 
 from __future__ import annotations

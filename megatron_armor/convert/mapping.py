@@ -12,6 +12,8 @@ Every Megatron parameter is produced from one or more HF tensors by one of five 
 
 Vocabulary-parallel tensors (``column`` layout of the embedding and output layer) are padded with
 zero rows to ``ModelShape.padded_vocab_size`` on import and cut back to ``vocab_size`` on export.
+Import builds a TP rank's tensor from just its rows / columns of the HF tensors (``hf_shard_index``,
+then ``hf_to_megatron_shard``); export joins the tensors of all TP ranks (``megatron_shards_to_hf``).
 
 Checkpoint conversion, model loading and weight sync to rollout engines all go through here.
 Parameter names follow the layer spec: Megatron's local spec keeps separate ``input_layernorm`` /
@@ -103,16 +105,31 @@ def model_mappings(
     return mappings
 
 
-def _pad_vocab(table: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """[vocab_size, H] -> [padded_vocab_size, H] with zero rows appended."""
-    missing = shape.padded_vocab_size - table.shape[0]
+def hf_tensor_shape(name: str, shape: ModelShape) -> tuple[int, ...]:
+    """The shape config.json implies for HF tensor `name` (Llama/Qwen2/Qwen3 naming)."""
+    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    q, kv = shape.num_attention_heads * d, shape.num_kv_heads * d
+    suffixes = {
+        "embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
+        "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f), "layernorm.weight": (h,),
+        "norm.weight": (h,),
+    }  # first matching suffix wins: q_norm/k_norm and *_layernorm are listed before the final norm
+    return next(value for suffix, value in suffixes.items() if name.endswith(suffix))
+
+
+def _pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n, ...] -> [rows, ...] with zero rows appended (vocabulary padding)."""
+    missing = rows - table.shape[0]
     return torch.cat([table, table.new_zeros(missing, *table.shape[1:])]) if missing > 0 else table
 
 
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """HF q [heads*d, ...], k/v [groups*d, ...] -> Megatron fused [groups*(hpg+2)*d, ...]."""
-    g, d, hpg = shape.num_kv_heads, shape.head_dim, shape.heads_per_group
-    rest = q.shape[1:]
+    """HF q [g*hpg*d, ...], k/v [g*d, ...] of g consecutive KV groups (all, or one TP rank's) -> Megatron
+    fused [g*(hpg+2)*d, ...]."""
+    d, hpg = shape.head_dim, shape.heads_per_group
+    g, rest = k.shape[0] // d, q.shape[1:]
     fused = torch.cat([q.reshape(g, hpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
     return fused.reshape(g * (hpg + 2) * d, *rest)
 
@@ -125,21 +142,41 @@ def _split_qkv(fused: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, to
     return q.reshape(g * hpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
 
 
-def hf_to_megatron_shard(
-    mapping: ParamMapping, hf_tensors: list[torch.Tensor], shape: ModelShape, tp_rank: int, tp_size: int
-) -> torch.Tensor:
-    """This TP rank's Megatron tensor for `mapping`, built from its HF tensors (in `hf_names` order)."""
+def hf_shard_index(mapping: ParamMapping, shape: ModelShape, tp_rank: int, tp_size: int) -> list[tuple[slice, ...]]:
+    """Per HF tensor of `mapping` (in `hf_names` order), the index of the part that TP rank `tp_rank`'s
+    Megatron tensor is built from: rows (dim 0) or, for the `row` layout, columns (dim 1)."""
     if mapping.layout == "replicated":
-        return hf_tensors[0]
-    if mapping.layout == "column":
-        return _pad_vocab(hf_tensors[0], shape).chunk(tp_size, dim=0)[tp_rank]
+        return [(slice(None),)]
+    if mapping.layout == "column":  # rows of the padded table; padding rows are not stored
+        per_rank = shape.padded_vocab_size // tp_size
+        start, stop = (min(shape.vocab_size, r * per_rank) for r in (tp_rank, tp_rank + 1))
+        return [(slice(start, stop),)]
     if mapping.layout == "row":
-        return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
-    if mapping.layout == "qkv":
-        return _interleave_qkv(*hf_tensors, shape).chunk(tp_size, dim=0)[tp_rank]
+        columns = hf_tensor_shape(mapping.hf_names[0], shape)[1] // tp_size
+        return [(slice(None), slice(tp_rank * columns, (tp_rank + 1) * columns))]
+    if mapping.layout == "qkv":  # this rank's contiguous KV groups
+        groups = shape.num_kv_heads // tp_size
+        q_rows, kv_rows = groups * shape.heads_per_group * shape.head_dim, groups * shape.head_dim
+        return [(slice(tp_rank * n, (tp_rank + 1) * n),) for n in (q_rows, kv_rows, kv_rows)]
     if mapping.layout == "gate_up":
-        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf_tensors)
-        return torch.cat([gate, up], dim=0)
+        rows = shape.ffn_hidden_size // tp_size
+        return [(slice(tp_rank * rows, (tp_rank + 1) * rows),)] * 2
+    raise ValueError(f"unknown layout {mapping.layout!r}")
+
+
+def hf_to_megatron_shard(
+    mapping: ParamMapping, hf_parts: list[torch.Tensor], shape: ModelShape, tp_size: int
+) -> torch.Tensor:
+    """A TP rank's Megatron tensor for `mapping` from the parts of its HF tensors that `hf_shard_index`
+    names (in `hf_names` order; read just those, e.g. with `HFCheckpointReader.get(name, index)`)."""
+    if mapping.layout in ("replicated", "row"):
+        return hf_parts[0]
+    if mapping.layout == "column":
+        return _pad_rows(hf_parts[0], shape.padded_vocab_size // tp_size)
+    if mapping.layout == "qkv":
+        return _interleave_qkv(*hf_parts, shape)
+    if mapping.layout == "gate_up":
+        return torch.cat(hf_parts, dim=0)
     raise ValueError(f"unknown layout {mapping.layout!r}")
 
 

@@ -83,18 +83,23 @@ def read_checkpoint_info(path: str | Path) -> MegatronCheckpointInfo:
 def save_megatron_checkpoint(
     model: GPTModel, out_dir: str | Path, info: MegatronCheckpointInfo, *, strategy: TorchDistSaveShardedStrategy | None = None
 ) -> None:
-    """Write this rank's shard of `model` under `out_dir/dist_checkpoint` and (rank 0) the info file,
-    with Megatron's torch_dist writer or `strategy` (e.g. `StreamingSaveStrategy`).
+    """Write this rank's shard of `model` under `out_dir/dist_checkpoint` with Megatron's torch_dist
+    writer or `strategy` (e.g. `StreamingSaveStrategy`), then (rank 0) the info file.
 
-    Collective over all ranks.
+    The info file marks the checkpoint complete (`is_megatron_checkpoint`): it is written only once
+    every rank's save has returned, so a save that fails on any rank never leaves one. Collective
+    over all ranks.
     """
     _collect_write_results_in_process()
     ckpt = Path(out_dir) / DIST_CHECKPOINT_DIR
     if dist.get_rank() == 0:
         ckpt.mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / INFO_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(ckpt), sharded_strategy=strategy)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (Path(out_dir) / INFO_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    dist.barrier()
 
 
 def save_model_checkpoint(
@@ -103,7 +108,8 @@ def save_model_checkpoint(
 ) -> None:
     """`model` (this rank's stage/shard under the current parallel_state) as a complete Megatron
     checkpoint at `out_dir`, with the HF config/tokenizer files of `side_files_from` (an HF or
-    Megatron checkpoint directory). Collective over all ranks."""
+    Megatron checkpoint directory), copied first so that the info file comes last. Collective over
+    all ranks."""
     info = MegatronCheckpointInfo(
         format_version=FORMAT_VERSION, arch=shape.arch,
         tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -111,10 +117,10 @@ def save_model_checkpoint(
         vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size,
         dtype=dtype_name(next(model.parameters()).dtype),
     )
-    save_megatron_checkpoint(model, out_dir, info, strategy=strategy)
     if dist.get_rank() == 0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         copy_side_files(side_files_from, out_dir)
-    dist.barrier()
+    save_megatron_checkpoint(model, out_dir, info, strategy=strategy)
 
 
 def copy_side_files(source: str | Path, dest: str | Path) -> None:

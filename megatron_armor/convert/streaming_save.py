@@ -85,9 +85,15 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
                     f"streaming save: {chunk.name} materialised as {tuple(value.shape)} {value.dtype}, the model "
                     f"expects {chunk.param_shape} {chunk.dtype}"
                 )
-            self._current = (chunk.name, value.contiguous())
-        value = self._current[1]  # may itself start inside a larger storage (a TP slice of an HF tensor)
+            self._current = (chunk.name, _own_storage(value.contiguous()))
+        value = self._current[1]
         return value.as_strided(chunk.shape, chunk.stride, value.storage_offset() + chunk.storage_offset)
+
+
+def _own_storage(value: torch.Tensor) -> torch.Tensor:
+    """`value` (contiguous), copied when it is a view into a larger storage (e.g. a TP slice of a
+    whole HF tensor), which keeping it would otherwise hold in memory."""
+    return value.clone() if value.untyped_storage().nbytes() > value.numel() * value.element_size() else value
 
 
 @dataclass(frozen=True)

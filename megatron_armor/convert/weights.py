@@ -10,13 +10,18 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from megatron_armor.convert.mapping import ParamMapping, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings
+from megatron_armor.convert.hf_shards import SAFETENSORS_DTYPES
+from megatron_armor.convert.mapping import (
+    ParamMapping, hf_shard_index, hf_tensor_shape, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings,
+)
+from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import ModelShape
 
 # HF buffers that are not parameters of either model.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+TIED_HEAD = "lm_head.weight"  # HF output weight; with tied embeddings the model uses embed_tokens instead
 
 
 class CheckpointError(RuntimeError):
@@ -57,29 +62,73 @@ class HFCheckpointReader:
     def names(self) -> set[str]:
         return {n for n in self.weight_map if not n.endswith(_IGNORED_HF_SUFFIXES)}
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its part `index` (rows / columns, e.g. from `hf_shard_index`)."""
         if name not in self.weight_map:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} missing from the checkpoint")
         with safe_open(self.model_dir / self.weight_map[name], "pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+
+    def headers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) from every shard's header; a missing or corrupt shard raises, naming it."""
+        headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for file in sorted(set(self.weight_map.values())):
+            path = self.model_dir / file
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard listed in model.safetensors.index.json is missing; re-download it")
+            try:
+                with safe_open(path, "pt") as shard:
+                    for name in shard.keys():
+                        meta = shard.get_slice(name)
+                        headers[name] = (tuple(meta.get_shape()), SAFETENSORS_DTYPES[meta.get_dtype()])
+            except SafetensorError as error:
+                raise CheckpointError(f"{path}: corrupt safetensors file ({error}); re-download it") from error
+        lost = sorted(self.weight_map.keys() - headers.keys())[:5]
+        if lost:
+            raise CheckpointError(f"{self.model_dir}: tensors {lost} are listed in the index but absent from their shard")
+        return headers
+
+
+def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of the HF tensors a `shape` model is built from (all stages together),
+    from the safetensors headers only; raises `CheckpointError` unless the checkpoint of `reader` holds
+    exactly those, each in the shape config.json implies (so reading TP slices of them is safe).
+
+    With tied embeddings a stored `lm_head.weight` is also accepted and never read, as vLLM's loaders
+    skip it: the model's output layer is the embedding itself, and some exporters still write the tied
+    copy. It is not compared with the embedding, which would read two [vocab, hidden] tensors in a
+    check that otherwise reads only headers.
+    """
+    headers = reader.headers()
+    expected = [n for m in model_mappings(shape) for n in m.hf_names]  # model order: the first mismatch is named
+    stored = reader.names() - ({TIED_HEAD} if shape.tie_word_embeddings else set())
+    missing, unexpected = set(expected) - stored, stored - set(expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{reader.model_dir}: tensors do not match a {shape.arch} model with this config.json; "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    for name in expected:
+        got, want = headers[name][0], hf_tensor_shape(name, shape)
+        if got != want:
+            raise CheckpointError(
+                f"{reader.model_dir}/{reader.weight_map[name]}: tensor {name!r} has shape {list(got)}, config.json "
+                f"implies {list(want)}; the weights and config.json come from different models"
+            )
+    return {name: headers[name] for name in expected}
 
 
 def hf_parameter_source(model: GPTModel, model_dir: str | Path, shape: ModelShape) -> Callable[[str], torch.Tensor]:
     """A function: name of a parameter of `model` (this rank's stage and TP shard) -> its value, read
-    from the HF checkpoint at `model_dir` when called (only the HF tensors that parameter is made of).
+    from the HF checkpoint at `model_dir` when called: only this shard's rows / columns of the HF
+    tensors that parameter is made of, so memory per rank shrinks with the TP size.
 
-    Checks up front that the checkpoint has exactly the tensors the architecture needs (all stages
-    together); each value is checked against the shape Megatron allocated for the parameter and
-    comes in the parameter's dtype.
+    Checks up front that the checkpoint has exactly the tensors the architecture needs
+    (`check_hf_tensors`); each value is checked against the shape Megatron allocated for the
+    parameter and comes in the parameter's dtype.
     """
     reader = HFCheckpointReader(model_dir)
-    expected = {n for m in model_mappings(shape) for n in m.hf_names}
-    missing, unexpected = expected - reader.names(), reader.names() - expected
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{model_dir}: checkpoint does not match a {shape.arch} model with config.json's shape; "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+    check_hf_tensors(reader, shape)
     params = dict(model.named_parameters())
     mappings = {m.megatron_name: m for m in stage_mappings(model, shape)}
     if set(mappings) != set(params):
@@ -89,7 +138,8 @@ def hf_parameter_source(model: GPTModel, model_dir: str | Path, shape: ModelShap
 
     def value(name: str) -> torch.Tensor:
         mapping = mappings[name]
-        shard = hf_to_megatron_shard(mapping, [reader.get(n) for n in mapping.hf_names], shape, tp_rank, tp_size)
+        index = hf_shard_index(mapping, shape, tp_rank, tp_size)
+        shard = hf_to_megatron_shard(mapping, list(map(reader.get, mapping.hf_names, index)), shape, tp_size)
         if shard.shape != params[name].shape:
             raise CheckpointError(
                 f"{model_dir}: {mapping.hf_names} gives {tuple(shard.shape)} for {name}, "
@@ -111,7 +161,8 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -
 def gather_hf_weights(
     model: GPTModel, shape: ModelShape, *, use_grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield this pipeline stage's parameters as full (TP-gathered) HF-named tensors, on every TP rank.
+    """Yield this pipeline stage's parameters as full (TP-gathered) HF-named tensors, on every TP rank,
+    on the parameters' device (consumers such as the weight transports handle GPU tensors).
 
     With `use_grads`, yields the reduced gradients (`main_grad` of Megatron DDP, else `.grad`) instead.
     Unsplit tensors are views of the live parameter (or gradient) storage: clone what you keep.
@@ -138,9 +189,11 @@ def gather_all_stages_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's full HF-named tensors on every rank (TP-gathered, then passed along the pipeline).
 
-    Stage by stage, the stage's ranks gather their tensors, announce (name, shape, dtype) and
-    broadcast them one by one over the pipeline group; other stages receive one tensor at a time.
-    A collective over the TP and PP groups. Equals `gather_hf_weights` without pipeline parallelism.
+    Stage by stage, the stage's ranks announce (name, shape, dtype) of its tensors (known without
+    gathering any), then gather and broadcast them one by one over the pipeline group, so a rank
+    holds one full tensor at a time, never a whole stage; other stages receive one tensor at a time, on
+    `training_device()` (where the sending stage's parameters are). A collective over the TP and PP
+    groups. Equals `gather_hf_weights` without pipeline parallelism.
     """
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
@@ -149,18 +202,40 @@ def gather_all_stages_hf_weights(
     group = parallel_state.get_pipeline_model_parallel_group()
     stage_ranks = dist.get_process_group_ranks(group)
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    device = training_device()
     for stage, src in enumerate(stage_ranks):
-        local = gather_hf_weights(model, shape, use_grads=use_grads) if stage == my_stage else iter(())
-        header: list = [None]
-        if stage == my_stage:
-            local = list(local)
-            header[0] = [(name, tuple(t.shape), t.dtype) for name, t in local]
+        header = [_stage_header(model, shape, use_grads) if stage == my_stage else None]
         dist.broadcast_object_list(header, src=src, group=group)
-        received = dict(local) if stage == my_stage else {}
+        local = gather_hf_weights(model, shape, use_grads=use_grads) if stage == my_stage else None
         for name, tensor_shape, dtype in header[0]:
-            tensor = received[name].contiguous() if stage == my_stage else torch.empty(tensor_shape, dtype=dtype)
+            if stage == my_stage:
+                tensor = _next_announced(local, name, tensor_shape, dtype)
+            else:
+                tensor = torch.empty(tensor_shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=src, group=group)
             yield name, tensor
+
+
+def _stage_header(model: GPTModel, shape: ModelShape, use_grads: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF name, full shape, dtype) of every tensor `gather_hf_weights` yields for this stage, in order,
+    from the mapping table and config.json's shapes alone (no collective)."""
+    params = dict(model.named_parameters())
+    return [
+        (name, hf_tensor_shape(name, shape), _value(params[m.megatron_name], use_grads).dtype)
+        for m in stage_mappings(model, shape) if m.exported for name in m.hf_names
+    ]
+
+
+def _next_announced(
+    gathered: Iterator[tuple[str, torch.Tensor]], name: str, tensor_shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """The next gathered tensor (contiguous), checked against its header entry before it is broadcast."""
+    got_name, tensor = next(gathered)
+    if (got_name, tuple(tensor.shape), tensor.dtype) != (name, tensor_shape, dtype):
+        raise RuntimeError(
+            f"gathered {got_name} {tuple(tensor.shape)} {tensor.dtype}, announced {name} {tensor_shape} {dtype}"
+        )
+    return tensor.contiguous()
 
 
 def _value(param: torch.nn.Parameter, use_grads: bool) -> torch.Tensor:

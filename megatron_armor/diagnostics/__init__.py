@@ -14,7 +14,7 @@ _EXPORTS = {
     ),
     "report": ("MatrixMetrics", "diagnose", "diagnose_sources"),
     "settings": ("DiagnoseSettings", "LINEAR_LAYER_TYPES", "UNCHANGED_ETA"),
-    "sources": ("LinearWeight", "Snapshot", "WeightSource", "hf_snapshots", "linear_weights"),
+    "sources": ("LinearWeight", "MegatronSource", "Snapshot", "WeightSource", "checkpoint_snapshots", "linear_weights"),
     "subspace": ("SubspaceConstraint", "project_gradient", "record_subspace"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

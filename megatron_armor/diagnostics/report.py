@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from megatron_armor.diagnostics.geometry import (
 )
 from megatron_armor.diagnostics.plots import plot_layer_types, plot_trajectory
 from megatron_armor.diagnostics.settings import DiagnoseSettings
-from megatron_armor.diagnostics.sources import LinearWeight, Snapshot, as_hf_checkpoint, hf_snapshots, linear_weights
+from megatron_armor.diagnostics.sources import LinearWeight, Snapshot, checkpoint_snapshots, linear_weights
 
 REPORT_FILE = "report.json"
 
@@ -185,9 +184,7 @@ def diagnose(
     out_dir: str | Path,
     settings: DiagnoseSettings = DiagnoseSettings(),
 ) -> dict:
-    """`diagnose_sources` for checkpoint directories, HF or Megatron (exported to HF in a temporary
-    directory first); returns the report written to out_dir/report.json."""
-    with tempfile.TemporaryDirectory(prefix="armor-diagnose-") as scratch:
-        base_dir, *dirs = (as_hf_checkpoint(path, Path(scratch)) for path in [base, *checkpoints])
-        [base_snapshot] = hf_snapshots([base_dir])
-        return diagnose_sources(base_snapshot, hf_snapshots(dirs), out_dir, settings)
+    """`diagnose_sources` for checkpoint directories, HF or Megatron (read in place, one matrix at a
+    time); returns the report written to out_dir/report.json."""
+    [base_snapshot] = checkpoint_snapshots([base])
+    return diagnose_sources(base_snapshot, checkpoint_snapshots(checkpoints), out_dir, settings)

@@ -1,22 +1,25 @@
 """Where diagnosed weights come from: named 2-D tensors of a checkpoint, and which of them are analyzed.
 
 Any object with `names()` and `get(name)` under HF tensor names is a `WeightSource`; HF safetensors
-directories are read with `HFCheckpointReader`. A Megatron checkpoint (any TP/PP) plugs in as a source
-that gathers shards and maps them to HF names (q/k/v split out of a fused QKV).
+directories are read with `HFCheckpointReader`, Megatron checkpoints (any TP/PP) in place with
+`MegatronSource`, which reads each requested matrix from the distributed checkpoint (q/k/v split out
+of the fused QKV, gate/up out of fc1): nothing is exported to disk.
 """
 
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from megatron_armor.diagnostics.settings import LINEAR_LAYER_TYPES
+
+if TYPE_CHECKING:
+    from megatron_armor.convert.mapping import ParamMapping
 
 # model.layers.<i>.self_attn.q_proj.weight, model.layers.<i>.mlp.down_proj.weight, ...
 _LINEAR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight$")
@@ -62,32 +65,49 @@ def linear_weights(names: Iterable[str], layer_types: Sequence[str] = LINEAR_LAY
     return sorted(chosen, key=lambda w: (w.layer, layer_types.index(w.layer_type)))
 
 
-def hf_snapshots(model_dirs: Sequence[str | Path]) -> list[Snapshot]:
-    """HF checkpoint directories as snapshots, steps parsed from the last number in each directory name
+def checkpoint_snapshots(paths: Sequence[str | Path]) -> list[Snapshot]:
+    """Checkpoint directories, HF or Megatron (`armor convert` output, or a training checkpoint's
+    `step_N/model/`), as snapshots labelled by directory name (`step_N/model` -> `step_N`).
 
-    (`step_000063` -> 63, `checkpoint-300` -> 300). If a name has no number or two share one, the steps
-    are the positions 1..N in the given order instead.
+    Steps are parsed from the last number in each label (`step_000063` -> 63, `checkpoint-300` -> 300).
+    If a label has no number or two share one, the steps are the positions 1..N in the given order instead.
     """
-    from megatron_armor.convert.weights import HFCheckpointReader  # imports Megatron-Core; only when reading
-
-    paths = [Path(d) for d in model_dirs]
-    numbers = [_TRAILING_INT.search(p.name) for p in paths]
+    paths = [Path(p) for p in paths]
+    labels = [p.parent.name if p.name == "model" else p.name for p in paths]
+    numbers = [_TRAILING_INT.search(label) for label in labels]
     steps = [int(m.group(1)) for m in numbers if m]
     if len(steps) != len(paths) or len(set(steps)) != len(steps):
         steps = list(range(1, len(paths) + 1))
-    return [Snapshot(p.name, step, HFCheckpointReader(p)) for p, step in zip(paths, steps)]
+    return [Snapshot(label, step, _open(path)) for path, label, step in zip(paths, labels, steps)]
 
 
-def as_hf_checkpoint(path: str | Path, scratch: Path) -> Path:
-    """`path` itself for an HF directory; a Megatron checkpoint (`armor convert` output, or a training
-    checkpoint's `step_N/model/`, saved at any TP/PP) exported to HF under `scratch` first, in a folder
-    named after it (`step_N/model` -> `step_N`) so its step can still be read from the name."""
-    from megatron_armor.convert.hf_export import convert_megatron_to_hf  # imports Megatron-Core
-    from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
+def _open(path: Path) -> WeightSource:
+    from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint  # imports Megatron-Core
+    from megatron_armor.convert.weights import HFCheckpointReader
 
-    path = Path(path)
-    if not is_megatron_checkpoint(path):
-        return path
-    name = path.parent.name if path.name == "model" else path.name
-    scratch.mkdir(parents=True, exist_ok=True)
-    return convert_megatron_to_hf(path, Path(tempfile.mkdtemp(dir=scratch)) / name)
+    return MegatronSource(path) if is_megatron_checkpoint(path) else HFCheckpointReader(path)
+
+
+class MegatronSource:
+    """A Megatron checkpoint (saved at any TP/PP) as a `WeightSource`: each HF tensor is read from the
+    checkpoint when asked, as the full matrix in the checkpoint's dtype.
+
+    Keeps the HF tensors of the last Megatron parameter read, so q, k and v (or gate and up) asked in
+    a row cost one read of the fused parameter; memory is that one parameter.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from megatron_armor.convert.hf_export import read_megatron_checkpoint  # imports Megatron-Core
+
+        self._stage = read_megatron_checkpoint(path)
+        self._mapping_of = {name: m for m in self._stage.mappings for name in m.hf_names}
+        self._last: tuple[ParamMapping | None, list[torch.Tensor]] = (None, [])  # a parameter, its HF tensors
+
+    def names(self) -> set[str]:
+        return set(self._mapping_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        mapping = self._mapping_of[name]
+        if self._last[0] != mapping:
+            self._last = (mapping, self._stage.read(mapping))
+        return self._last[1][mapping.hf_names.index(name)]

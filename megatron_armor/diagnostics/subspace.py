@@ -7,6 +7,21 @@ recorded; from then on every step is projected onto span(V_K) from the right, in
 - "update": after the optimizer step, W <- W_prev + (W - W_prev) V V^T (the step stays in the span).
 Which mode ran is part of `summary()`, to be logged with the run.
 
+W is the copy of a parameter that the optimizer steps: under Megatron's mixed-precision optimizer
+the fp32 master (`param.main_param`, which its next step copies onto the bf16 parameter, so a
+projection of the parameter alone would be undone), else the parameter itself. "update" mode
+projects W and copies it onto the parameter; `capture` reads the cumulative update from W.
+
+Fused matrices (a deviation from opd.md §2-3, which projects q, k, v and gate, up as separate
+matrices, as `armor diagnose` analyses them): the trainer passes Megatron's parameters as they are,
+so linear_qkv ([q; k; v] rows, interleaved per query group) and linear_fc1 ([gate; up]) are each one
+matrix with one V_K [hidden, K] of the fused update. V spans input directions shared by all row
+blocks, so each block's step is kept in the top-K input span of the stacked update [dq; dk; dv]
+rather than in that of its own update (one K-dim span where per-block bases would allow up to 3K
+directions in total). linear_proj and linear_fc2 are single HF matrices (o_proj, down_proj), as in
+the spec. Per-block bases would need the fused row layout (heads, groups, TP slicing), which the
+trainer's `subspace_constraint` does not pass.
+
 Under tensor parallelism each rank holds a shard of a matrix and the bases are those of the full
 matrix (`Sharding`): a column-parallel shard (output rows split) keeps the whole V [in, K],
 replicated; a row-parallel shard (input columns split) keeps its row block of V [in/tp, K], and
@@ -87,6 +102,16 @@ def project_gradient(g: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup 
     return (gv @ v.T).to(g.dtype)
 
 
+def _stepped_weights(param: torch.Tensor) -> torch.Tensor:
+    """The copy of `param` [out, in] the optimizer steps: Megatron's fp32 master `main_param` under its
+    mixed-precision optimizer, else `param`."""
+    if getattr(param, "main_param_sharded", False):
+        raise NotImplementedError("subspace constraint: the distributed optimizer holds flat shards of the master "
+                                  "weights, which cannot be projected as matrices; train without it")
+    main = getattr(param, "main_param", None)
+    return param if main is None else main
+
+
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient buffer the optimizer reads: Megatron DDP's `main_grad` if present, else `.grad`."""
     main_grad = getattr(param, "main_grad", None)
@@ -99,7 +124,8 @@ class SubspaceConstraint:
     Call `pre_step()` before and `post_step()` after every optimizer step (both are no-ops until a
     capture and outside their mode), and `capture(step)` once at the chosen early step.
 
-    params:   name -> parameter [out, in] (updated in place by the optimizer)
+    params:   name -> parameter [out, in] (updated in place by the optimizer, or through its
+              fp32 master copy `main_param`)
     initial:  name -> W0 [out, in] for the same names (any device, kept as given; pass copies)
     sharding: name -> `Sharding` of the tensor-parallel shards among `params` (absent: a whole
               matrix); capture and projection are then collectives over each shard's group.
@@ -141,14 +167,15 @@ class SubspaceConstraint:
 
     def capture(self, step: int) -> None:
         """Record V_K of W_t - W0 for every matrix; later steps are projected. Collective when sharded."""
-        self.bases = {  # the difference in float64, so a bf16 parameter loses nothing to rounding
-            name: record_subspace(
-                param.detach().double() - self.initial[name].to(param.device, torch.float64), self.k,
-                self.sharding.get(name),
-            )
-            for name, param in self.params.items()
+        self.bases = {
+            name: record_subspace(self._cumulative_update(name), self.k, self.sharding.get(name)) for name in self.params
         }
         self.captured_step = step
+
+    def _cumulative_update(self, name: str) -> torch.Tensor:
+        """W_t - W0 [out, in] float64 (so rounding loses nothing) of matrix `name`, from its stepped weights."""
+        weights = _stepped_weights(self.params[name]).detach()
+        return weights.double() - self.initial[name].to(weights.device, torch.float64)
 
     def _project(self, name: str, g: torch.Tensor) -> torch.Tensor:
         """g V V^T of matrix `name` (this rank's block of it when sharded)."""
@@ -161,7 +188,7 @@ class SubspaceConstraint:
         if not self.bases:
             return
         if self.mode == "update":
-            self._before = {name: param.detach().clone() for name, param in self.params.items()}
+            self._before = {name: _stepped_weights(param).detach().clone() for name, param in self.params.items()}
             return
         for name, param in self.params.items():
             grad = _grad_of(param)
@@ -171,13 +198,16 @@ class SubspaceConstraint:
         self.projected_steps += 1
 
     def post_step(self) -> None:
-        """After optimizer.step(): "update" mode replaces each step W - W_prev by (W - W_prev) V V^T."""
+        """After optimizer.step(): "update" mode replaces each step W - W_prev by (W - W_prev) V V^T, in
+        the stepped weights and (when those are a master copy) the parameter."""
         if not self.bases or self.mode != "update":
             return
         with torch.no_grad():
             for name, param in self.params.items():
-                before = self._before[name].float()
-                param.copy_(before + self._project(name, param.float() - before))
+                weights, before = _stepped_weights(param), self._before[name].float()
+                weights.copy_(before + self._project(name, weights.float() - before))
+                if weights is not param:
+                    param.copy_(weights)  # what the next forward reads
         self._before = {}
         self.projected_steps += 1
 

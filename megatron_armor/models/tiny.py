@@ -1,13 +1,13 @@
 """Tiny Llama/Qwen2/Qwen3-architecture HF checkpoints with a character-level tokenizer, made locally.
 
-The tokenizer has one token per printable ASCII character plus `<|endoftext|>` (EOS and padding):
-96 tokens. The model's vocabulary is padded to `vocab_size` (default 128, a multiple of 128 so it
-divides any tensor-parallel size); the extra rows are simply never produced by the tokenizer.
+The tokenizer has one token per printable ASCII character, newline and tab, plus `<|endoftext|>`
+(EOS and padding): 98 tokens. Any other character (e.g. carriage return) encodes as EOS. The
+model's vocabulary is padded to `vocab_size` (default 128, a multiple of 128 so it divides any
+tensor-parallel size); the extra rows are simply never produced by the tokenizer.
 """
 
 from __future__ import annotations
 
-import json
 import string
 from pathlib import Path
 
@@ -16,14 +16,16 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 EOS_TOKEN = "<|endoftext|>"
-_CHARACTERS = [c for c in string.printable if c.isprintable()]  # the 95 printable ASCII characters
+# The 95 printable ASCII characters (ids 1..95), then newline and tab (96, 97): earlier ids unchanged.
+_CHARACTERS = [c for c in string.printable if c.isprintable()] + ["\n", "\t"]
 
 
 def make_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A lossless character-level tokenizer (no BOS, no normalisation, no inserted spaces)."""
+    """A character-level tokenizer, lossless on `_CHARACTERS` (no BOS, no normalisation, no inserted spaces)."""
     vocab = {EOS_TOKEN: 0, **{c: i + 1 for i, c in enumerate(_CHARACTERS)}}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=Regex("."), behavior="isolated")
+    # One piece per character; `[\s\S]`, unlike `.`, also matches a newline.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
@@ -79,10 +81,3 @@ def _rope_parameters(theta: float, scaling_factor: float | None) -> dict:
         return {"rope_type": "default", "rope_theta": theta}
     return {"rope_type": "llama3", "rope_theta": theta, "factor": scaling_factor, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def checkpoint_summary(model_dir: str | Path) -> dict:
-    """The architecture fields of a checkpoint's config.json (for logs)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
-    return {k: cfg.get(k) for k in keys}

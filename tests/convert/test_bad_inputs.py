@@ -1,17 +1,27 @@
 """Conversion refuses bad inputs with one clear message and leaves nothing half-written behind."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_armor.convert import workers
 from megatron_armor.convert.cli import main
+from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
 from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, name_shards
-from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, INFO_FILE
+from megatron_armor.convert.megatron_checkpoint import (
+    DIST_CHECKPOINT_DIR, INFO_FILE, is_megatron_checkpoint, save_model_checkpoint,
+)
 from megatron_armor.convert.output_dir import staging_dir
+from megatron_armor.convert.streaming_save import StreamingSaveStrategy
+from megatron_armor.convert.weights import TIED_HEAD, CheckpointError, HFCheckpointReader, check_hf_tensors
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.models.gpt import build_gpt_model
+from megatron_armor.models.hf_config import load_model_shape, transformer_config
 
 
 @pytest.fixture
@@ -113,3 +123,52 @@ def test_export_of_a_non_megatron_directory(hf_copy, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["megatron-to-hf", "--megatron-path", str(hf_copy), "--out", str(out)])
     assert_refused(capsys, rc, out, "not a Megatron checkpoint")
+
+
+def test_tied_checkpoint_may_also_store_lm_head(tiny_model_factory, tmp_path):
+    """Some exporters write the tied copy of the embedding as lm_head.weight: accepted and not read;
+    an untied model still needs it, and any other extra tensor is still refused."""
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_model_factory("qwen3", tie_word_embeddings=True, vocab_size=100, head_dim=32), tied)
+    tensors = load_file(tied / "model.safetensors")
+    save_file({**tensors, TIED_HEAD: tensors["model.embed_tokens.weight"].clone()}, tied / "model.safetensors")
+    assert TIED_HEAD not in check_hf_tensors(HFCheckpointReader(tied), inspect_hf_checkpoint(tied).shape)
+
+    save_file({**tensors, TIED_HEAD: tensors["model.embed_tokens.weight"].clone(), "extra.weight": torch.zeros(2)},
+              tied / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected \['extra.weight'\]"):
+        inspect_hf_checkpoint(tied)
+    edit_config(tied, tie_word_embeddings=False)
+    save_file(tensors, tied / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\]"):
+        inspect_hf_checkpoint(tied)
+
+
+def test_shard_writer_closes_its_file_when_the_export_fails(tmp_path):
+    plan = [TensorSpec("a", (2,), torch.float32), TensorSpec("b", (2,), torch.float32)]
+    with pytest.raises(ValueError, match="planned b"):
+        with SafetensorsShardWriter(tmp_path, plan, max_shard_bytes=100) as writer:
+            writer.add("a", torch.zeros(2))
+            writer.add("c", torch.zeros(2))
+    open_files = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+    assert not open_files & {str(p.resolve()) for p in tmp_path.glob("*.safetensors")}
+
+
+def test_failed_save_leaves_no_checkpoint_marker(tiny_model_factory, tmp_path):
+    """armor_checkpoint.json (what marks a Megatron checkpoint) is written only after every shard is saved."""
+    hf_dir = tiny_model_factory("qwen2")
+    shape = load_model_shape(hf_dir)
+
+    def fail(name: str) -> torch.Tensor:
+        raise OSError("disk full")
+
+    initialize_distributed(1, 1, 1)
+    try:
+        with torch.device("meta"):
+            model = build_gpt_model(shape, transformer_config(shape), trainable=False)
+        with pytest.raises(BaseException, match="disk full"):  # torch DCP wraps it in a BaseException
+            save_model_checkpoint(model, shape, tmp_path / "ckpt", side_files_from=hf_dir,
+                                  strategy=StreamingSaveStrategy(model, fail))
+    finally:
+        destroy_distributed()
+    assert (tmp_path / "ckpt" / DIST_CHECKPOINT_DIR).is_dir() and not is_megatron_checkpoint(tmp_path / "ckpt")

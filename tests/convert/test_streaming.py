@@ -12,7 +12,7 @@ import torch
 from launcher import run_workers
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_armor.convert.mapping import hf_to_megatron_shard, model_mappings
+from megatron_armor.convert.mapping import hf_shard_index, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR
 from megatron_armor.convert.output_dir import staging_dir
 from megatron_armor.convert.weights import HFCheckpointReader
@@ -34,11 +34,25 @@ def test_region_reads_across_stored_chunks(tiny_model_factory, tmp_path):
     megatron_dir = convert_hf_to_megatron(hf_dir, tmp_path / "m", tp=2, pp=1)
     shape, hf = load_model_shape(hf_dir), HFCheckpointReader(hf_dir)
     qkv = next(m for m in model_mappings(shape, first_layer=1, num_layers=1) if m.megatron_name.endswith("linear_qkv.weight"))
-    expected = hf_to_megatron_shard(qkv, [hf.get(n) for n in qkv.hf_names], shape, tp_rank=0, tp_size=1)  # [rows, H]
+    expected = hf_to_megatron_shard(qkv, [hf.get(n) for n in qkv.hf_names], shape, tp_size=1)  # [rows, H]
     reader = DistCheckpointReader(megatron_dir / DIST_CHECKPOINT_DIR)
     rows, hidden = expected.shape
     middle = reader.read("decoder.layers.self_attention.linear_qkv.weight", (1, rows // 4, 0), (1, rows // 2, hidden))
     assert torch.equal(middle[0], expected[rows // 4: rows // 4 + rows // 2])
+
+
+def test_tp_shards_are_built_from_their_slices_alone(tiny_model_factory):
+    """At TP=2 each rank reads disjoint rows / columns of the HF tensors (all of them between the ranks,
+    none of the vocabulary padding), and the shards built from them export back to the HF tensors."""
+    hf_dir = tiny_model_factory("qwen3", tie_word_embeddings=True, vocab_size=100, head_dim=32)
+    shape, hf = load_model_shape(hf_dir), HFCheckpointReader(hf_dir)
+    for mapping in model_mappings(shape):
+        parts = [list(map(hf.get, mapping.hf_names, hf_shard_index(mapping, shape, rank, 2))) for rank in range(2)]
+        shards = [hf_to_megatron_shard(mapping, rank_parts, shape, tp_size=2) for rank_parts in parts]
+        for i, (name, exported) in enumerate(zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))):
+            assert torch.equal(exported, hf.get(name)), name
+            read = sum(rank_parts[i].numel() for rank_parts in parts)
+            assert read == exported.numel() * (2 if mapping.layout == "replicated" else 1), name
 
 
 def export(megatron_dir: Path, out: Path) -> subprocess.CompletedProcess:

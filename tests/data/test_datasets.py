@@ -62,7 +62,7 @@ def test_parquet_rows(tmp_path, tokenizer):
 
 def test_tokenizer_model_vocab_mismatch(tokenizer):
     check_tokenizer_fits_model(tokenizer, 128)
-    with pytest.raises(DatasetError, match=r"tokenizer has 96 tokens but the model's vocab_size is 64"):
+    with pytest.raises(DatasetError, match=r"tokenizer has 98 tokens but the model's vocab_size is 64"):
         check_tokenizer_fits_model(tokenizer, 64)
 
 

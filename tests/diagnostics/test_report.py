@@ -91,6 +91,19 @@ def test_report_matches_direct_computations(trajectory):
     assert list(first["by_layer_type"]) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def test_megatron_checkpoints_give_the_hf_report(trajectory, tmp_path):
+    """Megatron checkpoints (TP=2, and a training-style `step_N/model`) are read in place, matrix by
+    matrix, and give exactly the report of their HF originals."""
+    from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
+
+    base, later, _ = trajectory
+    megatron_base = convert_hf_to_megatron(base, tmp_path / "base", tp=2, pp=1)
+    megatron_step = convert_hf_to_megatron(later[1], tmp_path / "step_000010" / "model", tp=1, pp=1)
+    expected = diagnose(base, later, tmp_path / "from-hf", SETTINGS)
+    report = diagnose(megatron_base, [megatron_step, later[0]], tmp_path / "from-megatron", SETTINGS)
+    assert report["checkpoints"] == expected["checkpoints"] and report["matrices"] == expected["matrices"]
+
+
 def test_cli_runs_diagnose_and_reports_bad_checkpoints(trajectory, tmp_path, capsys):
     base, later, _ = trajectory
     parser = build_parser()  # the real `armor` command line

@@ -74,6 +74,27 @@ def test_update_mode_projects_the_optimizer_step():
     assert constraint.summary()["mode"] == "update" and constraint.summary()["projected_steps"] == 1
 
 
+def test_update_mode_projects_the_fp32_master_weights_of_a_mixed_precision_optimizer():
+    """As Megatron's Float16Optimizer: Adam steps `main_param` (fp32), then copies it onto the bf16
+    parameter, as it does again after every later step; the projection must live in the master."""
+    layer, constraint, inside, outside = _setup("update")
+    main = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.data = layer.weight.bfloat16()
+    layer.weight.main_param = main
+    optimizer = torch.optim.Adam([main], lr=1e-2)
+    constraint.capture(step=2)
+    before = main.clone()
+    constraint.pre_step()
+    main.grad = torch.randn(10, 16)
+    optimizer.step()
+    with torch.no_grad():
+        layer.weight.copy_(main)  # the optimizer's master -> model copy
+    constraint.post_step()
+    assert ((main - before) @ outside).abs().max() < 1e-6
+    assert torch.equal(layer.weight, main.bfloat16())  # the forward sees the projected step
+
+
 def test_constraint_rejects_bad_inputs():
     w = torch.nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="only in params: \\['w'\\]"):
