@@ -107,7 +107,7 @@ def run_sft(cfg: ArmorConfig, base: Path, steps: int, save_every: int) -> dict[i
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     updates_per_step, batch_rows = t.train_batch_size // t.mini_batch_size, t.mini_batch_size * cfg.rollout.n_samples
-    snapshots, update = {}, 0
+    snapshots = {}
     for step in range(1, steps + 1):
         for _ in range(updates_per_step):
             input_ids, labels = _sft_batch(tokenizer, rng.sample(rows, batch_rows))
@@ -115,9 +115,8 @@ def run_sft(cfg: ArmorConfig, base: Path, steps: int, save_every: int) -> dict[i
             model(input_ids=input_ids, labels=labels).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(update, schedule)
+                group["lr"] = learning_rate(step - 1, schedule)  # the RL run's rate at this step
             optimizer.step()
-            update += 1
         if step % save_every == 0:
             snapshots[step] = {name: p.detach().clone() for name, p in model.state_dict().items()}
     return snapshots

@@ -154,15 +154,31 @@ class AlgorithmConfig:
     )
     alpha: float = _f(0.9375, "actor weight of the mixed ratio (armor)")
     clip_low: float = _f(0.2, "PPO ratio clip epsilon below 1")
-    clip_high: float = _f(0.28, "PPO ratio clip epsilon above 1")
-    dual_clip: float = _f(10.0, "dual-clip constant c bounding negative-advantage losses")
+    clip_high: float | None = _f(
+        None, "PPO ratio clip epsilon above 1; default: clip_low for mipu (symmetric eps, mipu.md §2), 0.28 otherwise"
+    )
+    dual_clip: float | None = _f(
+        None, "dual-clip constant c bounding negative-advantage losses; default: 1 + 2 clip_low for mipu (1.4), "
+        "10 otherwise"
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator of grpo_kl and mipu")
     kl_coef: float = _f(0.001, "KL-to-reference loss coefficient of grpo_kl and mipu (0: off)")
-    ref_reset_period: int = _f(0, "copy the actor into the reference every N steps (0: frozen)")
+    ref_reset_period: int = _f(
+        0, "copy the actor into the reference every N steps (0: frozen); checkpoints then hold the reference, and "
+        "a resume restores a checkpoint's reference whatever this is set to"
+    )
     filter_groups: bool = _f(True, "drop prompts whose on-policy samples are all correct or all wrong")
     max_num_gen_batches: int = _f(10, "generation batches per step before giving up on filling the batch")
-    allow_partial_batch: bool = _f(False, "train on fewer prompts instead of failing when filtering leaves too few")
+    allow_partial_batch: bool = _f(
+        False, "train on fewer prompts instead of failing when filtering leaves too few (cut to a multiple of "
+        "parallel.data_parallel_size; a step left with none skips its update: train/update_skipped)"
+    )
     adv_eps: float = _f(1e-6, "epsilon of the GRPO advantage normalisation")
+    advantage_baseline: Literal["mean", "quantile"] = _f(
+        "mean", "baseline b of A = (R - b) / (std + eps) within a group: mean (GRPO) | quantile (QAE: "
+        "baseline_quantile of the group's rewards, linear interpolation)"
+    )
+    baseline_quantile: float = _f(0.45, "quantile of the QAE baseline (advantage_baseline quantile)")
     mipu_is_correction: Literal["tis", "mis", "none"] = _f(
         "tis", "mipu Step 1 weight of pi_old/mu per token: tis min(w, w_max) | mis 1[w <= w_max] | none"
     )
@@ -201,6 +217,20 @@ class AlgorithmConfig:
             return self.loss_aggregation
         return "seq_mean_token_mean" if self.name == "mipu" else "token_mean"
 
+    @property
+    def effective_clip_high(self) -> float:
+        """`clip_high`, or the algorithm's default when it is unset: clip_low for mipu, 0.28 otherwise."""
+        if self.clip_high is not None:
+            return self.clip_high
+        return self.clip_low if self.name == "mipu" else 0.28
+
+    @property
+    def effective_dual_clip(self) -> float:
+        """`dual_clip`, or the algorithm's default when it is unset: 1 + 2 clip_low for mipu, 10 otherwise."""
+        if self.dual_clip is not None:
+            return self.dual_clip
+        return 1.0 + 2.0 * self.clip_low if self.name == "mipu" else 10.0
+
 
 @dataclass
 class TrainConfig:
@@ -209,7 +239,10 @@ class TrainConfig:
     mini_batch_size: int = _f(32, "prompts per optimizer step")
     micro_batch_size: int = _f(8, "sequences per forward/backward")
     lr: float = _f(1e-6, "peak learning rate")
-    warmup_steps: int = _f(10, "linear warmup optimizer steps, then constant")
+    warmup_steps: int = _f(
+        10, "linear warmup over this many RL steps (all mini-batches of step k use lr * min(1, (k + 1) / "
+        "warmup_steps), as verl's per-RL-step scheduler), then constant"
+    )
     weight_decay: float = _f(0.1, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.999, "Adam beta2")
@@ -402,9 +435,11 @@ def validate(cfg: ArmorConfig) -> None:
         require(value >= 0, f"{dotted} must be >= 0, got {value}")
     a, r, t = cfg.algorithm, cfg.rollout, cfg.train
     require(0.0 < a.alpha <= 1.0, f"algorithm.alpha must be in (0, 1], got {a.alpha}")
-    require(a.clip_low >= 0 and a.clip_high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {a.clip_low}/{a.clip_high}")
+    clip_high, dual_clip = a.effective_clip_high, a.effective_dual_clip
+    require(a.clip_low >= 0 and clip_high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {a.clip_low}/{clip_high}")
     require(a.clip_low <= 1, f"algorithm.clip_low must be <= 1 (1: no lower clip), got {a.clip_low}")
-    require(a.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {a.dual_clip}")
+    require(dual_clip > 1, f"algorithm.dual_clip must be > 1, got {dual_clip}")
+    require(0.0 <= a.baseline_quantile <= 1.0, f"algorithm.baseline_quantile must be in [0, 1], got {a.baseline_quantile}")
     require(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
     require(a.mipu_w_max > 0, f"algorithm.mipu_w_max must be > 0, got {a.mipu_w_max}")
     require(a.mipu_ramp_steps >= 0, f"algorithm.mipu_ramp_steps must be >= 0, got {a.mipu_ramp_steps}")
@@ -437,10 +472,10 @@ def validate(cfg: ArmorConfig) -> None:
                 "model.teacher_path is required for algorithm.name opd (an HF checkpoint dir of the teacher; the "
                 "synthetic task with task.warm_start_steps > 0 uses its warm start), or model.teacher_url")
         if a.opd_rollouts == "teacher":
-            require(a.clip_low == 1.0 and a.clip_high == 1.0,
+            require(a.clip_low == 1.0 and clip_high == 1.0,
                     f"algorithm.opd_rollouts teacher trains on off-policy tokens with the PPO ratio clip off (eps = "
                     f"1.0, opd.md §1): set algorithm.clip_low=1.0 algorithm.clip_high=1.0, got "
-                    f"{a.clip_low}/{a.clip_high}")
+                    f"{a.clip_low}/{clip_high}")
             require(r.backend == "local",
                     "algorithm.opd_rollouts teacher samples from an in-process engine of model.teacher_path; "
                     "rollout.backend sglang has no teacher rollout servers: use rollout.backend local, or "

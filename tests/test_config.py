@@ -42,11 +42,31 @@ def test_demo_config_loads_with_typed_overrides():
         (["rollout.backend=sglang", "rollout.sglang_urls=http://a:1", "rollout.anchor_engine=shared",
           "rollout.weight_sync=disk"], "rollout.weight_sync disk needs rollout.weight_sync_dir"),
         (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' is not allowed; choose one of"),
+        (["algorithm.baseline_quantile=1.5"], "algorithm.baseline_quantile must be in \\[0, 1\\], got 1.5"),
+        (["algorithm.advantage_baseline=median"], "algorithm.advantage_baseline: 'median' is not allowed"),
+        (["algorithm.name=mipu", "rollout.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],
+         "algorithm.dual_clip must be > 1, got 1.0"),
     ],
 )
 def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, clip_high, dual_clip",
+    [
+        (["algorithm.name=armor"], 0.28, 10.0),  # armor.md §3
+        (["algorithm.name=grpo", "rollout.actor_n=16"], 0.28, 10.0),
+        (["algorithm.name=mipu", "rollout.actor_n=16"], 0.2, 1.4),  # mipu.md §2: symmetric eps, bound 1 + 2 eps
+        (["algorithm.name=mipu", "rollout.actor_n=16", "algorithm.clip_low=0.1"], 0.1, 1.2),
+        (["algorithm.name=mipu", "rollout.actor_n=16", "algorithm.clip_high=0.3", "algorithm.dual_clip=3"], 0.3, 3.0),
+    ],
+)
+def test_clip_defaults_are_per_algorithm_unless_set(overrides, clip_high, dual_clip):
+    cfg = load_config(None, ["task.synthetic=arithmetic", *overrides])  # no recipe: the dataclass defaults
+    assert cfg.algorithm.effective_clip_high == pytest.approx(clip_high)
+    assert cfg.algorithm.effective_dual_clip == pytest.approx(dual_clip)
 
 
 def test_malformed_yaml_files(tmp_path):

@@ -104,13 +104,18 @@ class GroupCollector:
 
 
 def mix_kl_metrics(
-    old_logp: torch.Tensor, ref_logp: torch.Tensor, is_anchor: torch.Tensor, mask: torch.Tensor
+    old_logp: torch.Tensor, ref_logp: torch.Tensor, is_anchor: torch.Tensor, mask: torch.Tensor, *,
+    with_anchors: bool = True,
 ) -> dict[str, float]:
     """ARMOR's k1 KL metrics: mix_kl/kl_on_old = mean(old - ref) over on-policy tokens,
-    mix_kl/kl_on_ref = mean(ref - old) over anchor tokens. [B, T] tensors, is_anchor [B] bool."""
+    mix_kl/kl_on_ref = mean(ref - old) over anchor tokens (0 without any). [B, T] tensors, is_anchor [B] bool.
+
+    kl_on_ref is reported iff `with_anchors` (the algorithm samples anchors), never by the content of
+    the batch, so every data-parallel shard returns the same keys.
+    """
     mask = mask.to(old_logp.dtype)
     anchor_mask = mask * is_anchor[:, None].to(mask.dtype)
     metrics = {"mix_kl/kl_on_old": float(masked_mean(old_logp - ref_logp, mask - anchor_mask))}
-    if bool(is_anchor.any()):
+    if with_anchors:
         metrics["mix_kl/kl_on_ref"] = float(masked_mean(ref_logp - old_logp, anchor_mask))
     return metrics

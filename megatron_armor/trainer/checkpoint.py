@@ -123,8 +123,14 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, modules: dict[str, Any]) -> TrainerState:
-    """Restore `modules` and this rank's RNG state from `path`; returns the trainer state."""
+def load_checkpoint(
+    path: Path, modules: dict[str, Any], *, optional: dict[str, Any] | None = None
+) -> tuple[TrainerState, set[str]]:
+    """Restore `modules` and this rank's RNG state from `path`, and each of `optional` that the
+    checkpoint holds (a missing one is left as it is).
+
+    Returns the trainer state and the names of the `optional` modules that were restored.
+    """
     world = int((path / COMPLETE_MARKER).read_text())
     if world != _world_size():
         raise RuntimeError(f"{path} was saved by {world} ranks; resume it with the same number of processes, not {_world_size()}")
@@ -133,8 +139,11 @@ def load_checkpoint(path: Path, modules: dict[str, Any]) -> TrainerState:
         if name not in payload:
             raise RuntimeError(f"{path}: checkpoint has no {name!r} state (has {sorted(payload)})")
         module.load_state_dict(payload[name])
+    restored = {name for name in (optional or {}) if name in payload}
+    for name in restored:
+        optional[name].load_state_dict(payload[name])
     _set_rng_state(payload["rng"])
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text())), restored
 
 
 def _rng_state() -> dict[str, Any]:

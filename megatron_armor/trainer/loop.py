@@ -49,6 +49,8 @@ class StepPlan:
     adv_eps: float
     ref_reset_period: int
     seed: int
+    advantage_baseline: str = "mean"  # "mean" (GRPO) | "quantile" (QAE): b of A = (R - b) / (std + eps)
+    baseline_quantile: float = 0.45
     opd_beta: float = 1.0  # A_t = opd_alpha * (-opd_beta * (old - teacher)) + (1 - opd_alpha) * A_grpo
     opd_alpha: float = 1.0
     opd_token_fraction: float = 1.0  # keep ceil(fraction * T) tokens of each response's r_t (1: all)
@@ -141,7 +143,11 @@ class RLTrainer:
 
     # ----- rollout -------------------------------------------------------------------------
     def collect_groups(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        """Generate until `train_batch_size` prompts survive filtering (ARMOR §1)."""
+        """Generate until `train_batch_size` prompts survive filtering (ARMOR §1).
+
+        A partial batch (allow_partial_batch) is cut to a multiple of the data-parallel size
+        (`trim_to_data_parallel`); it may then be empty. Every rank holds the same groups.
+        """
         plan = self.plan
         collector = GroupCollector(
             target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
@@ -165,7 +171,7 @@ class RLTrainer:
             collector.add(groups, stats)
             on_policy_all += on_policy
             anchors_all += anchors
-        groups = collector.result()
+        groups = trim_to_data_parallel(collector.result(), self.ctx.dp_size)
         metrics = {
             "train/reward_mean": _mean([s.reward for s in on_policy_all]),
             "train/accuracy": _mean([float(s.correct) for s in on_policy_all]),
@@ -231,14 +237,15 @@ class RLTrainer:
         samples = [s for g in groups for s in g]
         group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        advantages = group_advantages(rewards, group_ids, eps=plan.adv_eps)
+        advantages = group_advantages(rewards, group_ids, eps=plan.adv_eps, baseline=plan.advantage_baseline,
+                                      quantile=plan.baseline_quantile)
         group_start = [0]
         for g in groups:
             group_start.append(group_start[-1] + len(g))
-        rows: list[list[int]] = []  # sample rows of each local mini-batch
-        for start in range(0, len(groups), plan.mini_batch_size):
-            local = [gi for gi in range(start, min(start + plan.mini_batch_size, len(groups))) if gi % ctx.dp_size == ctx.dp_rank]
-            rows.append([r for gi in local for r in range(group_start[gi], group_start[gi + 1])])
+        rows = [  # sample rows of each local mini-batch
+            [r for gi in local for r in range(group_start[gi], group_start[gi + 1])]
+            for local in local_mini_batch_groups(len(groups), plan.mini_batch_size, ctx.dp_size, ctx.dp_rank)
+        ]
         order = [r for mini in rows for r in mini]
         batch = build_sequence_batch(
             [samples[r] for r in order], advantages[order].tolist(), pad_token_id=self.h.pad_token_id
@@ -264,7 +271,7 @@ class RLTrainer:
             bounds.append(bounds[-1] + len(mini))
         return PreparedBatch(
             batch=batch,
-            mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
+            mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])],
             entropy=float(masked_mean(old.entropy, batch.response_mask)),
             num_tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
         )
@@ -285,33 +292,25 @@ class RLTrainer:
             on_policy_mask = batch.response_mask * on_policy[:, None]
             metrics["mismatch/logprob_abs_diff"] = float(per_sample[on_policy].mean()) if on_policy.any() else 0.0
             metrics["mismatch/k3"] = float(mismatch_k3(batch.old_logprobs, batch.engine_logprobs, on_policy_mask))
-        if batch.ref_logprobs is not None:
-            metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask))
+        if batch.ref_logprobs is not None:  # keys from the plan, not the shard: the same on every rank
+            metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask,
+                                          with_anchors=self.plan.uses_anchors))
         if batch.teacher_logprobs is not None:
             metrics["opd/reverse_kl"] = float(reverse_kl(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask))
         return mean_over_data_parallel(metrics)
 
     # ----- one RL step ---------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
-        """Run RL step `step` (0-based) and return its metrics."""
+        """Run RL step `step` (0-based) and return its metrics.
+
+        When filtering leaves no prompts (allow_partial_batch) every rank skips the update, the weight
+        sync and the gate alike, and `train/update_skipped` is 1.
+        """
         t0 = time.perf_counter()
         groups, metrics = self.collect_groups(step)
         t_rollout = time.perf_counter()
-        prepared = self.prepare_batch(groups)
-        metrics.update(self.batch_metrics(prepared))
-        snapshot = TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps) if self.gate else None
-        update = update_policy(
-            self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
-            loss=self.loss, optim=self.optim, first_optimizer_step=self.optimizer_steps, constraint=self.constraint,
-        )
-        self.optimizer_steps += update.optimizer_steps
-        metrics.update(update.metrics)
-        t_train = time.perf_counter()
-        metrics.update(self.sync_actor_to_engine().metrics())
-        if snapshot is not None:
-            t_gate = time.perf_counter()
-            metrics.update(self.gate_update(step, snapshot))
-            metrics["perf/gate_seconds"] = time.perf_counter() - t_gate
+        num_tokens = self.train_on(step, groups, metrics) if groups else 0
+        metrics["train/update_skipped"] = float(not groups)
         if self.constraint is not None:
             if step + 1 == self.constraint_capture_step:
                 self.constraint.capture(step + 1)  # later steps stay in the span of this cumulative update
@@ -322,21 +321,45 @@ class RLTrainer:
         t_end = time.perf_counter()
         metrics.update({
             "perf/rollout_seconds": t_rollout - t0,
-            "perf/train_seconds": t_train - t_rollout,
             "perf/step_seconds": t_end - t0,
-            "perf/tokens_per_second": prepared.num_tokens / max(t_end - t0, 1e-9),
+            "perf/tokens_per_second": num_tokens / max(t_end - t0, 1e-9),
         })
         return metrics
 
+    def train_on(self, step: int, groups: list[list[Sample]], metrics: dict[str, float]) -> int:
+        """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
+        gate it; adds the metrics to `metrics` and returns the step's prompt + response token count."""
+        t0 = time.perf_counter()
+        prepared = self.prepare_batch(groups)
+        metrics.update(self.batch_metrics(prepared))
+        snapshot = (
+            TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps, self.constraint)
+            if self.gate else None
+        )
+        update = update_policy(
+            self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
+            loss=self.loss, optim=self.optim, rl_step=step, constraint=self.constraint,
+        )
+        self.optimizer_steps += update.optimizer_steps
+        metrics.update(update.metrics)
+        metrics["perf/train_seconds"] = time.perf_counter() - t0
+        metrics.update(self.sync_actor_to_engine().metrics())
+        if snapshot is not None:
+            t_gate = time.perf_counter()
+            metrics.update(self.gate_update(step, snapshot))
+            metrics["perf/gate_seconds"] = time.perf_counter() - t_gate
+        return prepared.num_tokens
+
     # ----- MIPU Step 2 ----------------------------------------------------------------------
     def gate_update(self, step: int, snapshot: TrainingSnapshot) -> dict[str, float]:
-        """Measure the synced candidate's inference gap; on reject restore actor, optimizer and engine."""
+        """Measure the synced candidate's inference gap; on reject restore actor, optimizer, subspace
+        constraint and engine."""
         result = self.gate.measure(
             step, self.h.actor, self.h.actor_engine, pad_token_id=self.h.pad_token_id,
             micro_batch_size=self.plan.micro_batch_size, scoring=self.loss.scoring(),
         )
         if not result.accepted:
-            snapshot.restore(self.h.actor, self.h.optimizer)
+            snapshot.restore(self.h.actor, self.h.optimizer, self.constraint)
             self.optimizer_steps = snapshot.optimizer_steps
             self.sync_actor_to_engine()
             self.gate.rollbacks += 1
@@ -369,7 +392,7 @@ class RLTrainer:
         Cached anchors are dropped; a shared engine holding the actor needs no push (it holds both now).
         """
         with torch.no_grad():
-            for ref_param, actor_param in zip(self.h.ref.parameters(), self.h.actor.module.parameters()):
+            for ref_param, actor_param in zip(self.h.ref.parameters(), self.h.actor.module.parameters(), strict=True):
                 ref_param.copy_(actor_param)
         if self.anchor_cache is not None:
             self.anchor_cache.clear()
@@ -385,6 +408,28 @@ class RLTrainer:
         if self.h.shared_engine:
             self.engine_holds = {policy}
         return report
+
+
+def trim_to_data_parallel(groups: list[list[Sample]], dp_size: int) -> list[list[Sample]]:
+    """The first len(groups) - len(groups) % dp_size groups: a multiple of the data-parallel size, so
+    every mini-batch deals at least one group to every rank (`local_mini_batch_groups`)."""
+    return groups[: len(groups) - len(groups) % dp_size]
+
+
+def local_mini_batch_groups(num_groups: int, mini_batch_size: int, dp_size: int, dp_rank: int) -> list[list[int]]:
+    """Group indices of rank `dp_rank`'s share of each mini-batch (group gi goes to rank gi % dp_size).
+
+    Both counts must be multiples of dp_size (config validation, `trim_to_data_parallel`): then no
+    share is empty and every rank gets ceil(num_groups / mini_batch_size) mini-batches, i.e. runs the
+    same optimizer steps (and collectives).
+    """
+    if num_groups % dp_size or mini_batch_size % dp_size:
+        raise ValueError(f"{num_groups} groups in mini-batches of {mini_batch_size} cannot be dealt evenly to "
+                         f"{dp_size} data-parallel ranks (both must be multiples of it)")
+    return [
+        [gi for gi in range(start, min(start + mini_batch_size, num_groups)) if gi % dp_size == dp_rank]
+        for start in range(0, num_groups, mini_batch_size)
+    ]
 
 
 def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:

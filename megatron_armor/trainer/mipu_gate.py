@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_armor.algorithms import accept_update, gap_proxy, group_advantages, tolerance
 from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.batch import build_sequence_batch
 from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
@@ -36,26 +37,33 @@ class GateSettings:
 @dataclass
 class TrainingSnapshot:
     """theta_k and Omega_k of this rank: parameter copies, a deep copy of the Megatron optimizer state
-    (Adam moments and step counts, fp32 master weights for bf16 models) and the optimizer-step counter."""
+    (Adam moments and step counts, fp32 master weights for bf16 models), the optimizer-step counter and
+    the subspace constraint's state (its counters; W0 and the bases are never changed in place)."""
 
     params: list[torch.Tensor]
     optimizer_state: dict
     optimizer_steps: int
+    constraint_state: dict | None = None
 
     @classmethod
-    def capture(cls, ddp: torch.nn.Module, optimizer, optimizer_steps: int) -> TrainingSnapshot:
+    def capture(
+        cls, ddp: torch.nn.Module, optimizer, optimizer_steps: int, constraint: SubspaceConstraint | None = None
+    ) -> TrainingSnapshot:
         return cls(
             params=[p.detach().clone() for p in ddp.module.parameters()],
             optimizer_state=copy.deepcopy(optimizer.state_dict()),
             optimizer_steps=optimizer_steps,
+            constraint_state=None if constraint is None else constraint.state_dict(),
         )
 
     @torch.no_grad()
-    def restore(self, ddp: torch.nn.Module, optimizer) -> None:
-        """Put the weights and optimizer state back bit for bit (the snapshot stays reusable)."""
+    def restore(self, ddp: torch.nn.Module, optimizer, constraint: SubspaceConstraint | None = None) -> None:
+        """Put the weights, optimizer state and constraint state back bit for bit (the snapshot stays reusable)."""
         for param, saved in zip(ddp.module.parameters(), self.params, strict=True):
             param.copy_(saved)
         optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+        if constraint is not None:
+            constraint.load_state_dict(self.constraint_state)
 
 
 @dataclass(frozen=True)

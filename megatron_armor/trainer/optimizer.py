@@ -22,7 +22,7 @@ from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """Adam hyper-parameters (ARMOR recipe defaults: lr 1e-6, 10 warmup steps, wd 0.1, clip 1.0)."""
+    """Adam hyper-parameters (ARMOR recipe defaults: lr 1e-6, 10 warmup RL steps, wd 0.1, clip 1.0)."""
 
     lr: float = 1e-6
     warmup_steps: int = 10
@@ -65,14 +65,16 @@ def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[Dis
     return ddp, optimizer
 
 
-def learning_rate(optimizer_step: int, settings: OptimizerSettings) -> float:
-    """Linear warmup over `warmup_steps` optimizer steps, then constant (verl's `constant` style).
+def learning_rate(rl_step: int, settings: OptimizerSettings) -> float:
+    """lr * min(1, (rl_step + 1) / warmup_steps): linear warmup over `warmup_steps` RL steps, then constant.
 
-    optimizer_step counts from 0, so the first update already uses lr / warmup_steps.
+    As verl's `constant` style, whose scheduler steps once per RL step (`update_actor`): every
+    mini-batch of RL step `rl_step` (0-based) uses this rate, so the first step already uses
+    lr / warmup_steps and a resumed run gets its rate back from the step number alone.
     """
     if settings.warmup_steps == 0:
         return settings.lr
-    return settings.lr * min(1.0, (optimizer_step + 1) / settings.warmup_steps)
+    return settings.lr * min(1.0, (rl_step + 1) / settings.warmup_steps)
 
 
 @dataclass
@@ -81,19 +83,16 @@ class StepResult:
 
     updated: bool
     grad_norm: float
-    lr: float
 
 
 def optimizer_step(
-    ddp: DistributedDataParallel, optimizer: MegatronOptimizer, optimizer_step_index: int, settings: OptimizerSettings,
-    constraint: SubspaceConstraint | None = None,
+    ddp: DistributedDataParallel, optimizer: MegatronOptimizer, lr: float, constraint: SubspaceConstraint | None = None,
 ) -> StepResult:
-    """Apply the accumulated gradients with this step's learning rate, then zero the grad buffers.
+    """Apply the accumulated gradients with learning rate `lr`, then zero the grad buffers.
 
     A `constraint` (subspace-constrained training) projects the reduced gradients before the step
     or the parameter change after it, per its mode.
     """
-    lr = learning_rate(optimizer_step_index, settings)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if constraint is not None:
@@ -102,14 +101,13 @@ def optimizer_step(
         updated, grad_norm, _ = optimizer.step()
     if constraint is not None:
         constraint.post_step()
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
+    zero_grads(ddp, optimizer)
     grad_norm = float(grad_norm) if grad_norm is not None else math.nan
-    return StepResult(updated=bool(updated) and math.isfinite(grad_norm), grad_norm=grad_norm, lr=lr)
+    return StepResult(updated=bool(updated) and math.isfinite(grad_norm), grad_norm=grad_norm)
 
 
 def zero_grads(ddp: DistributedDataParallel, optimizer: MegatronOptimizer) -> None:
-    """Discard accumulated gradients (e.g. after a non-finite loss)."""
+    """Discard the accumulated gradients: DDP's grad buffers (main_grad) and the optimizer's grads."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
 

@@ -14,7 +14,7 @@ from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over
 from megatron_armor.trainer.batch import SequenceBatch
 from megatron_armor.trainer.logprobs import ScoringSettings, TokenScores, forward_backward
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step
+from megatron_armor.trainer.optimizer import OptimizerSettings, learning_rate, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -105,15 +105,16 @@ class UpdateResult:
 
 def update_policy(
     ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batch_size: int, loss: LossSettings,
-    optim: OptimizerSettings, first_optimizer_step: int, constraint: SubspaceConstraint | None = None,
+    optim: OptimizerSettings, rl_step: int, constraint: SubspaceConstraint | None = None,
 ) -> UpdateResult:
-    """One optimizer step per mini-batch (ppo_epochs = 1).
+    """One optimizer step per mini-batch (ppo_epochs = 1), all at RL step `rl_step`'s learning rate.
 
     Returns loss statistics averaged over the whole step (all data-parallel ranks), on every rank.
     """
     loss_fn = policy_loss_fn(loss)
+    lr = learning_rate(rl_step, optim)
     totals: dict[str, float] = {}
-    grad_norms, lrs = [], []
+    grad_norms = []
     for index, mini_batch in enumerate(mini_batches):
         outputs = forward_backward(
             ddp, list(mini_batch.micro_batches(micro_batch_size)), loss_fn, scoring=loss.scoring(), forward_only=False
@@ -121,11 +122,10 @@ def update_policy(
         for out in outputs:
             for name, value in out.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
-        step = optimizer_step(ddp, optimizer, first_optimizer_step + index, optim, constraint)
+        step = optimizer_step(ddp, optimizer, lr, constraint)
         if not step.updated:
-            raise FloatingPointError(f"optimizer step {first_optimizer_step + index}: non-finite gradient norm {step.grad_norm}")
+            raise FloatingPointError(f"RL step {rl_step}, mini-batch {index}: non-finite gradient norm {step.grad_norm}")
         grad_norms.append(step.grad_norm)
-        lrs.append(step.lr)
     if parallel_state.is_pipeline_last_stage():
         totals = sum_over_data_parallel(totals)
     totals = from_last_pipeline_stage(totals)
@@ -133,5 +133,5 @@ def update_policy(
     units = max(totals.pop("num_units", 0.0), 1.0)
     metrics = {name: value / (units if name in PER_UNIT_METRICS else tokens) for name, value in totals.items()}
     metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    metrics["optim/lr"] = lrs[-1]
+    metrics["optim/lr"] = lr
     return UpdateResult(metrics=metrics, optimizer_steps=len(mini_batches))

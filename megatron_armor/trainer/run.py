@@ -69,7 +69,7 @@ class TrainingSetup:
     """Everything `_train` runs: the trainer and what validation and checkpoints need besides it."""
 
     trainer: RLTrainer
-    modules: dict[str, Any]  # checkpointed state_dict owners
+    modules: dict[str, Any]  # checkpointed state_dict owners (the reference joins them when it leaves model.ref_path)
     val_rows: list[PromptRow]
     val_scorer: SampleScorer
     val_sampling: SamplingParams
@@ -127,6 +127,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         filter_groups=algorithm.filter_groups and algorithm.name != "opd",  # OPD learns from every prompt
         max_num_gen_batches=algorithm.max_num_gen_batches,
         allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
+        advantage_baseline=algorithm.advantage_baseline, baseline_quantile=algorithm.baseline_quantile,
         ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed, opd_beta=algorithm.opd_beta,
         opd_alpha=algorithm.opd_alpha, opd_token_fraction=algorithm.opd_token_fraction,
         opd_token_selection=algorithm.opd_token_selection, kl_coef=kl_coef,
@@ -134,7 +135,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     mipu = algorithm.name == "mipu"
     loss = LossSettings(
         alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
-        clip_high=algorithm.clip_high, dual_clip=algorithm.dual_clip,
+        clip_high=algorithm.effective_clip_high, dual_clip=algorithm.effective_dual_clip,
         kl_coef=kl_coef, kl_estimator=algorithm.kl_estimator,
         temperature=cfg.rollout.temperature, logprob_head=resolve_logprob_head(cfg.train.logprob_head),
         sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
@@ -151,8 +152,6 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     modules = {"actor": ddp, "optimizer": optimizer}
     if constraint is not None:
         modules["subspace"] = constraint
-    if algorithm.ref_reset_period:
-        modules["ref"] = ref  # after a reset the reference is no longer the checkpoint on disk
     return TrainingSetup(trainer=trainer, modules=modules, val_rows=all_val_rows[: cfg.eval.max_prompts],
                          val_scorer=val_scorer, val_sampling=val_sampling)
 
@@ -219,8 +218,12 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
                                   side_files_from=paths.model_path)
 
     start_step = 0
+    ref_restored = False
     if resume_from is not None:
-        state = load_checkpoint(resume_from, modules)
+        state, restored = load_checkpoint(resume_from, modules, optional={"ref": handles.ref})
+        ref_restored = "ref" in restored
+        if ref_restored:
+            log.info("reference policy restored from %s (not from %s)", resume_from, paths.ref_path)
         sampler.load_state_dict(state.sampler)
         trainer.optimizer_steps = state.extra["optimizer_steps"]
         if gate is not None:
@@ -235,11 +238,11 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     remote_engines = handles.actor_engine.shared_across_ranks
     if resume_from is not None or remote_engines or is_megatron_checkpoint(paths.model_path):
         trainer.sync_actor_to_engine()
-    ref_stale = remote_engines or is_megatron_checkpoint(paths.ref_path) or (
-        resume_from is not None and algorithm.ref_reset_period
-    )
+    ref_stale = remote_engines or is_megatron_checkpoint(paths.ref_path) or ref_restored
     if handles.ref_engine is not handles.actor_engine and ref_stale:
         trainer.sync_ref_to_engine()
+    if algorithm.ref_reset_period or ref_restored:  # the reference is not (only) model.ref_path's: checkpoint it
+        modules["ref"] = handles.ref
 
     metrics_log = MetricsLogger(
         run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project, enabled=ctx.is_main,

@@ -1,5 +1,8 @@
-"""GRPO advantages against a per-group loop with torch.std (unbiased)."""
+"""GRPO advantages against a per-group loop with torch.std (unbiased); the QAE quantile baseline by hand."""
 
+import math
+
+import pytest
 import torch
 
 from megatron_armor.algorithms import group_advantages
@@ -30,3 +33,22 @@ def test_group_of_fifteen_plus_correct_anchor():
     assert torch.allclose(adv[:5], torch.full((5,), (1 - mean) / (std + 1e-6)))
     assert torch.allclose(adv[5:15], torch.full((10,), (-1 - mean) / (std + 1e-6)))
     assert adv[15] == adv[0]  # the anchor is treated like any other sample
+
+
+def test_quantile_baseline_matches_a_hand_computation():
+    """QAE (armor.md §2): b = torch.quantile(R, 0.45) with linear interpolation, std unchanged.
+
+    Group 0, R = (1, -1, -1, 1, 1) sorted (-1, -1, 1, 1, 1): position 0.45 * 4 = 1.8 lies between
+    -1 (index 1) and 1 (index 2), so b = -1 + 0.8 * 2 = 0.6; mean 0.2, unbiased std
+    sqrt((3 * 0.8^2 + 2 * 1.2^2) / 4) = sqrt(1.2). Group 1, R = (0, 3): b = 0.45 * 3 = 1.35, std sqrt(4.5).
+    """
+    rewards = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 0.0, 3.0])
+    ids = torch.tensor([0, 0, 0, 0, 0, 5, 5])
+    adv = group_advantages(rewards, ids, eps=0.0, baseline="quantile", quantile=0.45)
+    std0, std1 = math.sqrt(1.2), math.sqrt(4.5)
+    expected = [(r - 0.6) / std0 for r in (1, -1, -1, 1, 1)] + [(0 - 1.35) / std1, (3 - 1.35) / std1]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    mean_adv = group_advantages(rewards, ids, eps=0.0)  # same std: the two differ by (mean - b) / std
+    torch.testing.assert_close(adv - mean_adv, torch.tensor([-0.4 / std0] * 5 + [0.15 / std1] * 2))
+    with pytest.raises(ValueError, match="unknown advantage baseline 'median'"):
+        group_advantages(rewards, ids, baseline="median")

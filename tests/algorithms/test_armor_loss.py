@@ -107,16 +107,23 @@ def test_stable_at_extreme_logprobs(alpha):
     assert loss.item() == pytest.approx(sum(expected) / 6, rel=1e-5)
 
 
-def test_mixed_clip_equals_adaptive_clip_on_plain_ratio():
-    """Spec section 3: clipping rho to [1-e_l, 1+e_h] == clipping r to [1-e_l/w, 1+e_h/w]."""
-    logp, old, ref, _, _ = _random_case(3)
-    alpha = 0.875
+def test_loss_and_clip_fraction_equal_the_adaptive_clip_on_the_plain_ratio():
+    """Spec section 3: with w = a pi_old / (a pi_old + (1-a) pi_ref) and r = pi/pi_old, rho = w r + (1 - w),
+    and clipping rho to [1-e_l, 1+e_h] is clipping r to [1 - e_l/w, 1 + e_h/w]. The package's loss and
+    clip fraction must equal that formula, written on r with no mixed ratio at all."""
+    logp, old, ref, adv, mask = _random_case(3, b=6, t=8)
+    logp = old + (logp - old) * 4  # ratios far enough from 1 that both clip bounds bind on some tokens
+    alpha, c = 0.875, 10.0
     w = alpha * old.exp() / (alpha * old.exp() + (1 - alpha) * ref.exp())
     r = (logp - old).exp()
+    positive = adv > 0
+    r_clip = torch.where(positive, torch.minimum(r, 1 + 0.28 / w), torch.maximum(r, 1 - 0.2 / w))
+    token = -adv * (w * r_clip + 1 - w)  # max(-A rho, -A clip(rho)) is -A times the clipped side's ratio
+    token = torch.where(positive, token, torch.minimum(token, -adv * c))
+    clipped = r_clip != r
+    loss, stats = armor_policy_loss(logp, old, ref, adv, mask, alpha=alpha)
+    assert 0 < float((clipped * mask).sum()) < float(mask.sum())  # the case exercises both branches
+    assert loss.item() == pytest.approx(float((token * mask).sum() / mask.sum()), rel=1e-5)
+    assert stats["clip_fraction"].item() == pytest.approx(float((clipped * mask).sum() / mask.sum()))
     rho = w * r + (1 - w)
-    clipped_rho = rho.clamp(0.8, 1.28)
-    clipped_r = torch.minimum(torch.maximum(r, 1 - 0.2 / w), 1 + 0.28 / w)
-    assert torch.allclose(clipped_rho, w * clipped_r + (1 - w), atol=1e-5)
-    adv = torch.ones_like(logp)
-    loss, stats = armor_policy_loss(logp, old, ref, adv, torch.ones_like(logp), alpha=alpha)
-    assert stats["mixed_ratio_mean"].item() == pytest.approx(rho.mean().item(), rel=1e-5)
+    assert stats["mixed_ratio_mean"].item() == pytest.approx(float((rho * mask).sum() / mask.sum()), rel=1e-5)

@@ -67,3 +67,12 @@ def test_mix_kl_metrics():
     m = mix_kl_metrics(old, ref, torch.tensor([False, True]), mask)
     assert m["mix_kl/kl_on_old"] == pytest.approx(((-1 + 1.5) + (-2 + 1)) / 2)
     assert m["mix_kl/kl_on_ref"] == pytest.approx(-3.0 + 1.0)
+
+
+def test_mix_kl_keys_follow_the_plan_not_the_shard():
+    """A data-parallel shard without anchors still reports kl_on_ref (0) under ARMOR, so every rank
+    reduces the same keys; algorithms without anchors never report it."""
+    old, ref, mask = torch.zeros(2, 2), torch.full((2, 2), -1.0), torch.ones(2, 2)
+    no_anchor = torch.tensor([False, False])
+    assert mix_kl_metrics(old, ref, no_anchor, mask) == {"mix_kl/kl_on_old": 1.0, "mix_kl/kl_on_ref": 0.0}
+    assert mix_kl_metrics(old, ref, no_anchor, mask, with_anchors=False) == {"mix_kl/kl_on_old": 1.0}

@@ -106,3 +106,21 @@ def test_tolerance_schedule_endpoints():
     assert tolerance(100, 4e-3, 1e-3) == pytest.approx(1e-3)
     assert tolerance(800, 4e-3, 1e-3) == pytest.approx(1e-3)
     assert tolerance(5, 4e-3, 1e-3, ramp_steps=0) == 1e-3
+
+
+def test_gap_proxy_clamps_the_log_ratio_like_the_sampler_weights():
+    """One -inf engine logprob counts as a log ratio of +20 (LOG_RATIO_CLAMP), not as an infinite rho;
+    off-response positions are ignored whatever they hold."""
+    trainer = torch.zeros(2, 3)
+    engine = torch.tensor([[-math.inf, 0.0, 0.0], [0.0, 0.0, -math.inf]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    rho = torch.tensor([math.exp(20.0 / 3), 1.0])  # response 0: (20 + 0 + 0) / 3; response 1: the -inf is masked out
+    assert gap_proxy(trainer, engine, mask, adv) == pytest.approx(float(-(rho * adv).mean()), rel=1e-6)
+
+
+def test_gap_proxy_raises_on_a_non_finite_gap_instead_of_rejecting_silently():
+    mask = torch.ones(2, 2)
+    trainer = torch.tensor([[math.nan, -1.0], [-1.0, -1.0]])
+    with pytest.raises(FloatingPointError, match="gap proxy T_post is nan"):
+        gap_proxy(trainer, torch.full((2, 2), -1.0), mask, torch.tensor([1.0, -1.0]))

@@ -30,12 +30,25 @@ def test_save_load_round_trip_restores_weights_optimizer_rng_and_state(tmp_path)
     restored = _modules(1)
     assert not torch.equal(restored["actor"].weight, saved["actor"].weight)
     torch.manual_seed(0)
-    loaded_state = load_checkpoint(path, restored)
-    assert loaded_state == state
+    loaded_state, optional = load_checkpoint(path, restored)
+    assert loaded_state == state and optional == set()
     assert torch.equal(restored["actor"].weight, saved["actor"].weight)
     exp_avg = lambda o: next(iter(o.state_dict()["state"].values()))["exp_avg"]  # noqa: E731
     assert torch.equal(exp_avg(restored["optimizer"]), exp_avg(saved["optimizer"]))
     assert torch.equal(torch.rand(3), expected_draw[0]) and random.random() == expected_draw[1]
+
+
+def test_optional_modules_are_restored_only_when_the_checkpoint_holds_them(tmp_path):
+    """The reference is checkpointed only once it leaves model.ref_path; a resume restores it whenever the
+    checkpoint holds it (whatever the current config says) and leaves it alone otherwise."""
+    saved, ref = _modules(0), torch.nn.Linear(3, 2)
+    with_ref = save_checkpoint(tmp_path / "a", 1, {**saved, "ref": ref}, TrainerState(1, {}, {}))
+    without_ref = save_checkpoint(tmp_path / "b", 1, saved, TrainerState(1, {}, {}))
+    fresh = torch.nn.Linear(3, 2)
+    _, restored = load_checkpoint(without_ref, _modules(1), optional={"ref": fresh})
+    assert restored == set() and not torch.equal(fresh.weight, ref.weight)
+    _, restored = load_checkpoint(with_ref, _modules(1), optional={"ref": fresh})
+    assert restored == {"ref"} and torch.equal(fresh.weight, ref.weight)
 
 
 def test_incomplete_checkpoint_is_ignored_and_keep_last_prunes(tmp_path):

@@ -1,10 +1,12 @@
-"""Short ARMOR runs through the whole stack with TP=2 on 2 gloo processes, and exact resume."""
+"""Short ARMOR runs through the whole stack with TP=2 on 2 gloo processes, and exact resume, also of a
+reference that a reset moved away from model.path."""
 
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from launcher import run_workers
 
@@ -23,12 +25,23 @@ def _overrides(cache_dir: Path, run_dir: Path, steps: int) -> list[str]:
     ]
 
 
+def _ref_state(run_dir: Path, step: int) -> dict:
+    # Our own file: its RNG states hold numpy arrays, which weights_only loading refuses.
+    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "rank_00000.pt", weights_only=False)["ref"]
+
+
 def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_path):
+    """The reference is reset to the actor after step 2 (the last reset of a 3-step run). The interrupted
+    run resumes from step 2 with ref_reset_period 0, as run_8b_until_180.sh does (armor.md §4): it must
+    restore the checkpoint's reference, not reload model.path, to match the uninterrupted run."""
     cache_dir = synthetic_cache
     full, part = tmp_path / "full", tmp_path / "part"
-    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(cache_dir, full, 3))
+    reset_every_2 = "algorithm.ref_reset_period=2"
+    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(cache_dir, full, 3), reset_every_2)
     rows = _read_metrics(full)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[2]["armor/ref_reset"] == 1.0 and "armor/ref_reset" not in rows[3]
+    assert abs(rows[3]["mix_kl/kl_on_old"]) < 1e-6  # step 3 starts with the reference equal to the actor
     for row in rows[1:]:
         for key in ("train/reward_mean", "armor/anchors_used", "armor/prompts_kept", "loss/clip_fraction",
                     "loss/mixed_ratio_mean", "policy/entropy", "mismatch/logprob_abs_diff", "perf/step_seconds",
@@ -47,9 +60,14 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
     assert {p: p.read_bytes() for p in (full / "checkpoints").rglob("*") if p.is_file()} == saved
     assert len(_read_metrics(full)) == 4
 
-    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, *_overrides(cache_dir, part, 2))
-    run_workers("train_run.py", 2, tmp_path / "w3", CONFIG, "--resume", *_overrides(cache_dir, part, 3))
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, *_overrides(cache_dir, part, 2), reset_every_2)
+    run_workers("train_run.py", 2, tmp_path / "w3", CONFIG, "--resume", *_overrides(cache_dir, part, 3),
+                "algorithm.ref_reset_period=0")
     resumed = _read_metrics(part)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     deterministic = [k for k in rows[3] if not k.startswith("perf/")]
     assert {k: resumed[3][k] for k in deterministic} == {k: rows[3][k] for k in deterministic}
+    # The frozen reference stays in later checkpoints, so resuming again keeps it too.
+    saved, kept = _ref_state(part, 2), _ref_state(part, 3)
+    tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]  # (Megatron adds None extra states)
+    assert saved.keys() == kept.keys() and tensors and all(torch.equal(saved[k], kept[k]) for k in tensors)

@@ -101,7 +101,8 @@ def assert_head_gradient_path(ranks, head):
 
 
 def test_baseline_step_is_not_trivial(baseline):
-    assert baseline["metrics"]["loss/clip_fraction"] >= 0 and baseline["metrics"]["optim/grad_norm"] > 0
+    # The worker's 0.003 clip binds on part of the second mini-batch; the first, scored at ratio 1, never clips.
+    assert 0 < baseline["metrics"]["loss/clip_fraction"] < 1 and baseline["metrics"]["optim/grad_norm"] > 0
     assert any(g.abs().max() > 0 for g in baseline["grads"].values())
     # The second mini-batch is scored after the first optimizer step, so the mean ratio leaves 1.
     assert abs(baseline["metrics"]["loss/mixed_ratio_mean"] - 1.0) > 1e-5

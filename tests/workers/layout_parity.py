@@ -62,7 +62,9 @@ handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False
 plan = StepPlan(algorithm="armor", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3, ref_n=1,
                 filter_groups=True, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
                 ref_reset_period=0, seed=0)
-loss = LossSettings(alpha=0.75, logprob_head=head)
+# A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
+# layouts are compared on clipped and unclipped tokens alike.
+loss = LossSettings(alpha=0.75, clip_low=0.003, clip_high=0.003, logprob_head=head)
 trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
 
 prepared = trainer.prepare_batch(fixed_groups())
@@ -83,7 +85,7 @@ head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_m
 zero_grads(ddp, optimizer)
 
 update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size, loss=loss,
-                       optim=optim, first_optimizer_step=0)
+                       optim=optim, rl_step=0)
 weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
 torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
             "metrics": update.metrics, "weights": weights,

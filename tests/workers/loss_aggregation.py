@@ -44,7 +44,7 @@ for aggregation in ("token_mean", "seq_mean_token_mean"):
         grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
         zero_grads(ddp, optimizer)
         update = update_policy(ddp, optimizer, [local], micro_batch_size=micro_batch_size, loss=loss, optim=optim,
-                               first_optimizer_step=0)
+                               rl_step=0)
         results[f"{aggregation}/{micro}"] = {"grads": grads, "metrics": update.metrics}
 torch.save(results, Path(out_dir) / f"rank{ctx.rank}.pt")
 write_result(out_dir, {"local_size": local.size})

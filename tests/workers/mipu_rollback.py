@@ -1,8 +1,8 @@
 """Worker: two MIPU steps through `build_training` with a forced accept, then a forced reject.
 
-argv: out_dir config_yaml overrides... Every rank reports both steps' metrics and whether actor
+argv: out_dir config_yaml overrides... Every rank reports both steps' metrics, whether actor
 weights, optimizer state and engine weights after the rejected step equal (bit for bit) those
-after the accepted one.
+after the accepted one, and the clip settings of the loss it built.
 """
 
 import copy
@@ -62,5 +62,6 @@ write_result(out_dir, {
     "accept_changed": [not equal(x, y) for x, y in zip(initial, after_accept)],
     "reject_restored": [equal(x, y) for x, y in zip(after_accept, after_reject)],
     "optimizer_steps": [steps_after_accept, trainer.optimizer_steps],
+    "loss_clip": [trainer.loss.clip_low, trainer.loss.clip_high, trainer.loss.dual_clip],
 })
 destroy_distributed()

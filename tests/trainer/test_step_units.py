@@ -1,0 +1,76 @@
+"""RL-step pieces without processes: the warmup schedule, dealing groups to data-parallel ranks, a step whose
+partial batch is empty, and the MIPU snapshot of the subspace constraint."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_armor.data.datasets import PromptRow
+from megatron_armor.data.types import Sample
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
+from megatron_armor.trainer.loop import RLTrainer, StepPlan, local_mini_batch_groups, trim_to_data_parallel
+from megatron_armor.trainer.mipu_gate import TrainingSnapshot
+from megatron_armor.trainer.optimizer import OptimizerSettings, learning_rate
+
+
+def test_warmup_counts_rl_steps():
+    """armor.md §6: 10 linear-warmup steps are RL steps (verl steps its scheduler once per update_actor):
+    RL step k uses lr * min(1, (k + 1) / 10) for all of its mini-batches."""
+    settings = OptimizerSettings(lr=1e-6, warmup_steps=10)
+    expected = [1e-7 * (k + 1) for k in range(10)] + [1e-6] * 5
+    assert [learning_rate(k, settings) for k in range(15)] == pytest.approx(expected, rel=1e-12)
+    assert learning_rate(0, OptimizerSettings(lr=1e-6, warmup_steps=0)) == 1e-6
+
+
+@pytest.mark.parametrize("dp_size, mini_batch_size", [(1, 4), (2, 4), (4, 8), (4, 4)])
+def test_every_rank_gets_the_same_number_of_non_empty_mini_batches(dp_size, mini_batch_size):
+    for num_groups in range(0, 3 * mini_batch_size + 2):
+        kept = len(trim_to_data_parallel([[]] * num_groups, dp_size))
+        assert kept == num_groups // dp_size * dp_size
+        shares = [local_mini_batch_groups(kept, mini_batch_size, dp_size, rank) for rank in range(dp_size)]
+        assert len({len(s) for s in shares}) == 1 and all(mini for s in shares for mini in s)
+        assert sorted(gi for s in shares for mini in s for gi in mini) == list(range(kept))
+    with pytest.raises(ValueError, match="cannot be dealt evenly"):
+        local_mini_batch_groups(3, 4, 2, 0)
+
+
+def _sample(prompt_index, correct, is_anchor=False):
+    return Sample(prompt_index, [1, 2], [3, 4], [-0.5, -0.5], "stop", is_anchor, 1.0 if correct else -1.0, correct)
+
+
+def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
+    """allow_partial_batch: 1 kept prompt on 2 data-parallel ranks is cut to 0 (one rank would have no
+    batch and skip optimizer steps the other runs); the step then trains on nothing, says so, and
+    touches neither the actor nor the engine."""
+    plan = StepPlan(algorithm="grpo", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=2, ref_n=0,
+                    filter_groups=True, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
+                    ref_reset_period=0, seed=0)
+    handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
+    prompts = SimpleNamespace(next_batch=lambda: [PromptRow(i, [1, 2], {}) for i in range(2)])
+    trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan, prompts, sampling=None, scorer=None,
+                        loss=None, optim=None)
+    # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
+    trainer.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
+                                                             _sample(1, False), _sample(1, False)]
+    metrics = trainer.step(0)
+    assert metrics["train/update_skipped"] == 1.0 and metrics["armor/prompts_kept"] == 0.0
+    assert trainer.optimizer_steps == 0 and not any(k.startswith(("loss/", "optim/")) for k in metrics)
+
+
+def test_rollback_snapshot_restores_the_subspace_constraint_counters():
+    model = torch.nn.Linear(3, 4, bias=False)
+    actor = SimpleNamespace(module=model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    constraint = SubspaceConstraint({"w": model.weight}, {"w": model.weight.detach().clone()}, k=1)
+    with torch.no_grad():
+        model.weight.add_(torch.randn(4, 3))
+    constraint.capture(1)
+    snapshot = TrainingSnapshot.capture(actor, optimizer, 7, constraint)
+    model(torch.randn(2, 3)).sum().backward()
+    constraint.pre_step()  # a projected step of the candidate update
+    optimizer.step()
+    assert constraint.projected_steps == 1
+    snapshot.restore(actor, optimizer, constraint)
+    assert constraint.projected_steps == 0 and constraint.captured_step == 1
+    assert torch.equal(model.weight, snapshot.params[0])
