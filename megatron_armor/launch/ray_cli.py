@@ -34,6 +34,8 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="extra flag for every server, repeatable (e.g. --server-arg=--dtype=bfloat16)")
     group.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs reserved per trainer rank / server")
     group.add_argument("--monitor-interval", type=float, default=30.0, help="seconds between dead-server checks")
+    group.add_argument("--placement-timeout", type=float, default=300.0,
+                       help="seconds Ray may take to place each placement group before the job fails")
     return parser
 
 
@@ -44,7 +46,7 @@ def job_from_args(args: argparse.Namespace) -> RayJobSpec:
         placement=args.placement, num_servers=args.num_servers, num_ref_servers=args.num_ref_servers,
         server_kind=args.server_kind, server_tp_size=args.server_tp, mem_fraction_static=args.mem_fraction,
         server_args=tuple(args.server_arg), cpus_per_actor=args.cpus_per_actor,
-        monitor_interval_s=args.monitor_interval,
+        monitor_interval_s=args.monitor_interval, placement_timeout_s=args.placement_timeout,
     )
 
 
@@ -54,6 +56,7 @@ def run_ray_train(args: argparse.Namespace, cfg: ArmorConfig) -> int:
 
     from megatron_armor.launch.ray_job import run_ray_job
     from megatron_armor.launch.router import RouterError
+    from megatron_armor.launch.servers import PlacementError
     from megatron_armor.launch.trainer_ranks import TrainerJobError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -61,7 +64,7 @@ def run_ray_train(args: argparse.Namespace, cfg: ArmorConfig) -> int:
     try:
         run_ray_job(cfg, job_from_args(args), resume=args.resume, overwrite=args.overwrite)
         return 0
-    except (TrainerJobError, RouterError, ConfigError) as error:
+    except (TrainerJobError, RouterError, PlacementError, ConfigError) as error:
         log.error("%s", error)
         return 1
     finally:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from megatron_armor.config import ArmorConfig, ConfigError, validate
 from megatron_armor.launch.router import RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.launch.server_process import ServerSpec
-from megatron_armor.launch.servers import Placement, ServerGroup
+from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundles
 from megatron_armor.launch.trainer_ranks import TrainerRanks
 from megatron_armor.trainer.task_setup import prepare_task
 
@@ -50,14 +50,16 @@ class RayJobSpec:
     server_host: str | None = None  # None: each node's IP; "127.0.0.1" for a one-node job
     cpus_per_actor: float = 1.0
     monitor_interval_s: float = 30.0  # how often dead servers are looked for
+    placement_timeout_s: float = 300.0  # how long Ray may take to place each placement group
     log_dir: str | None = None  # server logs (default: the node's temp dir)
 
 
 def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, overwrite: bool = False) -> None:
     """Run the training job on the connected Ray cluster (call `ray.init` first).
 
-    Raises trainer_ranks.TrainerJobError naming the rank that failed, or router.RouterError if a router died;
-    servers, routers, actors and placement groups are released in every case.
+    Raises trainer_ranks.TrainerJobError naming the rank that failed, router.RouterError if a router died, or
+    servers.PlacementError if the cluster cannot hold the job; servers, routers, actors and placement groups
+    are released in every case.
     """
     use_gpus = ray.cluster_resources().get("GPU", 0) > 0
     world = cfg.parallel.world_size
@@ -66,8 +68,7 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
                           f"by a trainer rank and its servers); got {'no GPUs' if not use_gpus else f'server_tp_size {job.server_tp_size}'}")
     paths = prepare_task(cfg, is_main=True)  # servers need the checkpoints before the trainer starts
     bundle = {"CPU": job.cpus_per_actor * (3 if job.placement == "colocated" else 1), **({"GPU": 1} if use_gpus else {})}
-    trainer_pg = placement_group([bundle] * world, strategy="PACK", name="armor-trainer")
-    ray.get(trainer_pg.ready())
+    trainer_pg = reserve_bundles(bundle, world, name="armor-trainer", timeout_s=job.placement_timeout_s)
     groups: list[ServerGroup] = []
     routers: list[SGLangRouter] = []
     try:
@@ -84,7 +85,8 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
             )
             offset += count
             placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)
-                         if job.placement == "colocated" else Placement(cpus_per_actor=job.cpus_per_actor))
+                         if job.placement == "colocated"
+                         else Placement(cpus_per_actor=job.cpus_per_actor, timeout_s=job.placement_timeout_s))
             router = None
             if use_sglang_router(cfg.rollout.router, count):
                 router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.router_policy), log_dir=job.log_dir,

@@ -23,18 +23,45 @@ from megatron_armor.launch.server_process import RolloutServer, ServerSpec
 log = logging.getLogger(__name__)
 
 
+class PlacementError(RuntimeError):
+    """Ray could not place a placement group in time (the cluster lacks the resources)."""
+
+
+def reserve_bundles(bundle: dict[str, float], count: int, *, name: str, timeout_s: float) -> PlacementGroup:
+    """A PACK placement group of `count` x `bundle`, once Ray has placed it. PlacementError (the group
+    removed) if it is not placed within `timeout_s`, naming the bundles and the cluster's resources."""
+    group = placement_group([bundle] * count, strategy="PACK", name=name)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        keys = sorted({"CPU", "GPU", *bundle})
+
+        def amounts(resources: dict[str, float]) -> str:
+            return ", ".join(f"{key} {resources.get(key, 0):g}" for key in keys)
+
+        raise PlacementError(
+            f"placement group {name!r}: Ray could not place {count} x {bundle} (strategy PACK) within {timeout_s:g} s; "
+            f"the cluster has {amounts(ray.cluster_resources())} in all, {amounts(ray.available_resources())} free. "
+            "Ask for fewer or smaller bundles (servers, tp size, cpus per actor) or add nodes"
+        ) from None
+    return group
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a group's actors go: their own placement group (None: make one) or given bundles of another.
 
     cpus_per_actor may be fractional (a CPU-only test cluster hosts several actors per core).
     gpu_fraction: the GPU share an actor claims in a shared (colocated) bundle; 1.0 = whole bundle.
+    timeout_s: how long Ray may take to place a group's own placement group.
     """
 
     placement_group: PlacementGroup | None = None
     bundle_indices: tuple[int, ...] | None = None
     cpus_per_actor: float = 1.0
     gpu_fraction: float = 1.0
+    timeout_s: float = 300.0
 
 
 class ServerGroup:
@@ -55,8 +82,8 @@ class ServerGroup:
         self._own_pg = placement.placement_group is None
         if self._own_pg:
             bundle = {"CPU": placement.cpus_per_actor, **({"GPU": gpus} if gpus else {})}
-            self.placement_group = placement_group([bundle] * num_servers, strategy="PACK", name=f"{name}-servers")
-            ray.get(self.placement_group.ready())
+            self.placement_group = reserve_bundles(bundle, num_servers, name=f"{name}-servers",
+                                                   timeout_s=placement.timeout_s)
             bundles = tuple(range(num_servers))
         else:
             self.placement_group = placement.placement_group

@@ -72,7 +72,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace parameters by HF name; every name must exist and every shape must match."""
+        """Replace parameters by HF name; every name must exist and every shape must match. Afterwards
+        nothing computed with the old weights (KV/prefix caches) is served: no `flush_cache` call needed."""
 
     @abc.abstractmethod
     def health(self) -> bool:
@@ -84,4 +85,4 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def flush_cache(self) -> None:
-        """Drop cached KV/prefix state (called after a weight update)."""
+        """Drop cached KV/prefix state (`update_weights` does so itself)."""

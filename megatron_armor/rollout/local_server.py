@@ -1,9 +1,9 @@
 """The state behind the CPU SGLang stand-in: a `LocalEngine` plus request bookkeeping.
 
-Implements what each SGLang endpoint does (generation with `n`, aborts by rid prefix or all,
+Implements what each SGLang endpoint does (generation with `n`, aborts by rid as SGLang matches them,
 pause/continue, weight updates from tensors, disk or a gloo group, busy refusals, loads);
 `http_server` only maps paths and JSON onto it. Generation and weight updates share one engine
-lock; requests queued behind it, or held by a pause, count as waiting.
+lock; requests queued behind it, or held by a pause, count as waiting (held ones not as in flight).
 """
 
 from __future__ import annotations
@@ -82,9 +82,14 @@ class LocalServerState:
     def ready(self) -> bool:
         return self.engine is not None
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.get_input_embeddings().num_embeddings
+
     def in_flight(self) -> int:
+        """Requests running or queued, less those a pause holds (SGLang holds them before its scheduler)."""
         with self._counts:
-            return self.running + self.waiting
+            return self.running + self.waiting - self._held
 
     # ---------------------------------------------------------------- generation
 
@@ -121,8 +126,7 @@ class LocalServerState:
             raise RequestError(f"/generate: sampling_params and rid lists need one entry per prompt ({len(prompts)})")
         items = []
         for prompt, p, rid in zip(prompts, params, rids):
-            if not prompt or not all(isinstance(t, int) for t in prompt):
-                raise RequestError("/generate: every prompt must be a non-empty list of token ids")
+            self._check_prompt(prompt)
             try:
                 options = proto.sampling_from_body(p)
             except (ValueError, TypeError) as error:
@@ -136,6 +140,14 @@ class LocalServerState:
                 for j in range(options.n)
             ]
         return items
+
+    def _check_prompt(self, prompt: Any) -> None:
+        """RequestError (400) unless `prompt` is a non-empty list of ids in [0, vocab_size)."""
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            raise RequestError("/generate: every prompt must be a non-empty list of token ids")
+        outside = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if outside:
+            raise RequestError(f"/generate: input_ids {outside[:8]} are outside the vocabulary [0, {self.vocab_size})")
 
     def _run(self, items: list[_Item], skip: set[str]) -> list[Generation | None]:
         """Generate every item not in `skip` (None there), one engine call per distinct SamplingParams."""
@@ -168,13 +180,15 @@ class LocalServerState:
     def abort(self, body: dict[str, Any]) -> None:
         """POST /abort_request {rid, abort_all}: queued victims are skipped, running ones end with type abort.
 
-        Like SGLang's scheduler, `rid` matches every item whose rid starts with it (a whole batch).
+        As in SGLang, a `rid` that is not the rid of an item in flight is ignored (the tokenizer manager's
+        check; a batch's bare rid names none of its items), and one that is aborts every item whose rid
+        starts with it (the scheduler's match: "q-1" also aborts "q-10").
         """
         with self._counts:
             rid = str(body.get("rid") or "")
             if body.get("abort_all"):
                 self._abort_epoch += 1
-            elif rid and any(r.startswith(rid) for r in self._active):
+            elif rid in self._active:
                 self._aborted.add(rid)
             self._changed.notify_all()
 
@@ -219,6 +233,7 @@ class LocalServerState:
             if not self.paused or self._aborted_locked(epoch, items):
                 return
             self._held += 1
+            self._changed.notify_all()  # a pause waiting for the server to go idle counts held requests as idle
             while self.paused and not self._aborted_locked(epoch, items):
                 self._changed.wait()
             self._held -= 1
@@ -326,8 +341,9 @@ class LocalServerState:
         return params[name][: int(body.get("truncate_size", 100))].float().tolist()
 
     def require_idle(self, path: str, message: str) -> None:
-        if self.in_flight():
-            raise RequestError(f"{path}: {message} ({self.in_flight()} requests in flight)")
+        in_flight = self.in_flight()
+        if in_flight:
+            raise RequestError(f"{path}: {message} ({in_flight} requests in flight)")
 
     def health_generate(self) -> None:
         """200 if the engine produced output: a running request counts, else a 1-token generation."""

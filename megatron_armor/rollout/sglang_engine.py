@@ -5,7 +5,8 @@ Prompts are cut into requests of `prompts_per_request`; a thread pool keeps at m
 A request whose server fails (connection lost, timeout, 5xx) is re-sent to another server after an
 exponential backoff, and the failed server sits out `down_cooldown_s`; prompts SGLang answers with
 finish type "abort" are re-sent too. Every re-send counts in `stats.retries` (metric
-`rollout/retries`); finished prompts are kept, so a retry never loses or repeats a result.
+`rollout/retries`); finished prompts are kept, so a retry never loses or repeats a result. Once one
+request fails for good, `generate` aborts the others in flight, sends no more and raises at once.
 With `router_url` (SGLang's router in front of the same servers, launch/router.py) every /generate
 request goes to the router instead, one prompt per request, and the router picks the worker; the
 retries above still apply. Weight updates, flushes, memory hand-off and health always go to every
@@ -20,7 +21,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -100,6 +101,10 @@ class _ServerFailed(Exception):
     """A request lost to a dead, slow or failing server; another server may succeed."""
 
 
+class _Stopped(Exception):
+    """The `generate` call gave up (another request failed for good): send nothing more."""
+
+
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, malformed
 
 
@@ -154,6 +159,34 @@ class _Dispatcher:
             server.in_flight -= 1
             if failed:
                 server.down_until = time.monotonic() + self.cooldown_s
+
+
+class _InFlight:
+    """One `generate` call's /generate requests in flight, and its stop flag."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._requests: dict[str, tuple[list[str], list[str]]] = {}  # rid -> (urls to abort on, item rids)
+
+    @contextlib.contextmanager
+    def sending(self, rid: str, urls: list[str], item_rids: list[str]) -> Iterator[None]:
+        """Register a request while it is sent; _Stopped (send nothing) once the call has halted."""
+        with self._lock:
+            if self.stopped.is_set():
+                raise _Stopped
+            self._requests[rid] = (urls, item_rids)
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._requests[rid]
+
+    def halt(self) -> list[tuple[list[str], list[str]]]:
+        """Stop every later attempt; returns the requests still in flight as (urls, item rids), to abort."""
+        with self._lock:
+            self.stopped.set()
+            return list(self._requests.values())
 
 
 class SGLangEngine(RolloutEngine):
@@ -218,11 +251,15 @@ class SGLangEngine(RolloutEngine):
         chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
         results: list[Generation | None] = [None] * len(prompts)
         workers = min(len(chunks), self.config.max_in_flight_per_server * per_request * len(self._servers))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-generate") as pool:
-            futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results) for chunk in chunks]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in pending:
-                future.cancel()
+        calls = _InFlight()
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-generate")
+        try:
+            futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results, calls) for chunk in chunks]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        finally:  # after a failure (or an interrupt) nothing else is worth waiting for
+            for urls, item_rids in calls.halt():
+                self._abort(urls, item_rids)
+            pool.shutdown(wait=False, cancel_futures=True)
         errors = [f.exception() for f in done if f.exception() is not None]
         if errors:
             finished = sum(r is not None for r in results)
@@ -232,18 +269,20 @@ class SGLangEngine(RolloutEngine):
 
     def _generate_chunk(
         self, prompts: Sequence[Sequence[int]], pending: list[int], sampling: SamplingParams,
-        results: list[Generation | None],
+        results: list[Generation | None], calls: _InFlight,
     ) -> None:
-        """Fill `results[i]` for every i in `pending`, re-sending failed requests and aborted prompts."""
+        """Fill `results[i]` for every i in `pending`, re-sending failed requests and aborted prompts;
+        _Stopped once `calls` halted."""
         failures: list[str] = []
         avoid: str | None = None
         for attempt in range(self.config.max_retries + 1):
             if attempt:
+                if calls.stopped.wait(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s)):
+                    raise _Stopped
                 self.stats.add(retries=1)
-                time.sleep(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s))
             server = self._dispatcher.acquire(avoid)
             try:
-                outputs = self._send_generate(server, [prompts[i] for i in pending], pending, sampling)
+                outputs = self._send_generate(server, [prompts[i] for i in pending], pending, sampling, calls)
             except _ServerFailed as failure:
                 failures.append(str(failure))
                 avoid = server.url
@@ -263,17 +302,21 @@ class SGLangEngine(RolloutEngine):
         )
 
     def _send_generate(
-        self, server: _Server, prompts: list[Sequence[int]], indices: list[int], sampling: SamplingParams
+        self, server: _Server, prompts: list[Sequence[int]], indices: list[int], sampling: SamplingParams,
+        calls: _InFlight,
     ) -> list[Generation | proto.Aborted]:
         """One /generate request (released to the dispatcher after). _ServerFailed when a retry may help."""
         rid = uuid.uuid4().hex
         routed = server is self._router  # one prompt, unbatched (see generate)
         body = (proto.single_generate_request(prompts[0], sampling, index=indices[0], rid=rid) if routed
                 else proto.generate_request(prompts, sampling, indices=indices, rid=rid))
+        item_rids = [body["rid"]] if routed else body["rid"]
+        abort_urls = self.urls if routed else [server.url]  # the router has no /abort_request
         self.stats.add(requests=1)
         failed = False
         try:
-            reply = http_call(server.url, "/generate", body, timeout=self.config.request_timeout_s)
+            with calls.sending(rid, abort_urls, item_rids):
+                reply = http_call(server.url, "/generate", body, timeout=self.config.request_timeout_s)
             return proto.parse_generate_response(prompts, [reply] if routed else reply)
         except ServerError as error:
             if error.status < 500:
@@ -282,10 +325,8 @@ class SGLangEngine(RolloutEngine):
             raise _ServerFailed(str(error)) from error
         except TRANSPORT_ERRORS as error:
             failed = True
-            if isinstance(error, TimeoutError):  # stop the orphan; the server may be slow or gone, so ignore failures
-                for url in self.urls if routed else [server.url]:  # the router has no /abort_request
-                    with contextlib.suppress(ServerError, *TRANSPORT_ERRORS):
-                        http_call(url, "/abort_request", proto.abort_request(rid), timeout=5.0)
+            if isinstance(error, TimeoutError):  # stop the orphan
+                self._abort(abort_urls, item_rids)
             raise _ServerFailed(f"{server.url}/generate: {type(error).__name__}: {error}") from error
         except ValueError as error:
             raise RolloutError(f"SGLang server {server.url} sent a malformed /generate reply: {error}") from error
@@ -293,6 +334,19 @@ class SGLangEngine(RolloutEngine):
             self._dispatcher.release(server, failed=failed)
             if failed:
                 self.stats.add(failed_requests=1)
+
+    @staticmethod
+    def _abort(urls: list[str], item_rids: list[str]) -> None:
+        """/abort_request for each item rid (SGLang ignores a rid that names no request, such as a batch's
+        own) on each url, best-effort: a server that cannot be reached is skipped."""
+        for url in urls:
+            for rid in item_rids:
+                try:
+                    http_call(url, "/abort_request", proto.abort_request(rid), timeout=5.0)
+                except ServerError:
+                    continue
+                except TRANSPORT_ERRORS:
+                    break
 
     # ---------------------------------------------------------------- weights and control
 
@@ -304,14 +358,42 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push HF-named tensors to every server the way slime does: pause generation (abort mode), flush,
         push in buckets of `bucket_bytes` by `config.weight_sync`, continue. The push ends with a flush and
-        a new weight_version (1, 2, ...)."""
-        self._weight_version += 1
-        self._on_every_server("/pause_generation", lambda s: proto.pause_generation_request("abort"))
+        weight_version n on the n-th successful push. Whatever fails, every server is asked to continue;
+        if that fails too, it is noted on the error raised."""
         try:
+            self._on_every_server("/pause_generation", lambda s: proto.pause_generation_request("abort"))
+            if self._servers_restarted():
+                self._transport.close()  # a restarted server lost the transport's state (its weight-update group)
             self.flush_cache()
-            self._transport.push(list(named_tensors), str(self._weight_version))
-        finally:
+            self._transport.push(list(named_tensors), str(self._weight_version + 1))
+            self._weight_version += 1
+        except BaseException as error:
+            self._continue_generation(noting=error)
+            raise
+        self._continue_generation()
+
+    def _continue_generation(self, noting: BaseException | None = None) -> None:
+        """/continue_generation on every server; a failure is raised, or only noted on `noting` (being raised)."""
+        try:
             self._on_every_server("/continue_generation", lambda s: proto.continue_generation_request())
+        except RolloutError as error:
+            if noting is None:
+                raise
+            noting.add_note(f"then {error}")
+
+    def _servers_restarted(self) -> bool:
+        """True when, after a push by this engine, a server reports another weight_version (or none): it was
+        restarted (launch/servers.py `restart_dead`), or another client pushed."""
+        if not self._weight_version:
+            return False
+        for server in self._servers:
+            try:
+                info = http_call(server.url, "/model_info", method="GET", timeout=self.config.health_timeout_s)
+            except (ServerError, *TRANSPORT_ERRORS):
+                return True
+            if str(info.get("weight_version")) != str(self._weight_version):
+                return True
+        return False
 
     def close(self) -> None:
         """Release server-side weight-sync state (the distributed group); the engine stays usable."""

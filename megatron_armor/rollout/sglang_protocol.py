@@ -172,17 +172,32 @@ def sampling_from_body(params: dict[str, Any]) -> RequestSampling:
 # ---------------------------------------------------------------- /update_weights_from_tensor
 
 
+def _payload_align(load_format: LoadFormat) -> int:
+    """SGLang's flattened_bucket has no padding; load_format null sends views, so every tensor starts at a
+    multiple of the largest element size (16 bytes) and none needs a copy of its own."""
+    return 1 if load_format == "flattened_bucket" else 16
+
+
+def payload_bytes(named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat) -> int:
+    """Bytes `tensor_payload` packs `named_tensors` into (the staging buffer it needs)."""
+    layout = tensor_serialization.flattened_layout(named_tensors, _payload_align(load_format))
+    return layout[-1].end_idx if layout else 0
+
+
 def tensor_payload(
     named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat, staging: torch.Tensor | None = None
 ) -> Any:
-    """One TP rank's /update_weights_from_tensor payload: a flattened bucket (in `staging`, a
-    `tensor_serialization.shared_buffer`, if given), or for load_format null fresh copies of the tensors
-    (pickling moves a storage into shared memory, which must not happen to the caller's tensors). Keep it
-    alive, and `staging` unchanged, until every server has answered: the request carries handles into
-    it, not its bytes."""
+    """One TP rank's /update_weights_from_tensor payload, its bytes packed into one buffer: `staging` (a
+    `tensor_serialization.shared_buffer` or CUDA buffer of >= `payload_bytes`) if given, else a fresh one;
+    never the caller's tensors, whose storage pickling would move into shared memory.
+
+    "flattened_bucket": SGLang's {flattened_tensor, metadata} dict; null: [(name, view into the buffer)].
+    Keep the payload alive, and `staging` unchanged, until every server has answered: the request carries
+    handles into it, not its bytes."""
+    bucket = tensor_serialization.flatten_bucket(named_tensors, out=staging, align=_payload_align(load_format))
     if load_format == "flattened_bucket":
-        return tensor_serialization.flatten_bucket(named_tensors, out=staging)
-    return [(name, t.detach().clone()) for name, t in named_tensors]
+        return bucket
+    return tensor_serialization.unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"])
 
 
 def update_weights_from_tensor_request(
@@ -338,7 +353,7 @@ def destroy_weights_update_group_request(group_name: str) -> dict[str, Any]:
     return {"group_name": group_name}
 
 
-# ---------------------------------------------------------------- pause, continue, version
+# ---------------------------------------------------------------- pause and continue
 
 
 def pause_generation_request(mode: PauseMode = "abort") -> dict[str, Any]:
@@ -350,7 +365,3 @@ def pause_generation_request(mode: PauseMode = "abort") -> dict[str, Any]:
 
 def continue_generation_request() -> dict[str, Any]:
     return {"torch_empty_cache": False}
-
-
-def update_weight_version_request(new_version: str, *, abort_all_requests: bool = False) -> dict[str, Any]:
-    return {"new_version": new_version, "abort_all_requests": abort_all_requests}

@@ -83,22 +83,27 @@ class FlattenedTensorMetadata:
         return meta
 
 
-def flattened_layout(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[FlattenedTensorMetadata]:
-    """Byte layout of `named_tensors` concatenated in order (each tensor's bytes, no padding)."""
+def flattened_layout(named_tensors: Sequence[tuple[str, torch.Tensor]], align: int = 1) -> list[FlattenedTensorMetadata]:
+    """Byte layout of `named_tensors` concatenated in order, each starting at a multiple of `align` bytes
+    (1, SGLang's layout: no padding)."""
     layout, start = [], 0
     for name, tensor in named_tensors:
+        start = -(-start // align) * align
         layout.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, start + tensor.nbytes, tensor.nbytes))
         start += tensor.nbytes
     return layout
 
 
-def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> dict[str, Any]:
-    """SGLang's "flattened_bucket" dict: {flattened_tensor: [N bytes] uint8 CPU, metadata: [FlattenedTensorMetadata]}.
+def flatten_bucket(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None, align: int = 1
+) -> dict[str, Any]:
+    """SGLang's "flattened_bucket" dict: {flattened_tensor: [N bytes] uint8 CPU, metadata: [FlattenedTensorMetadata]}
+    in the `flattened_layout` of `align`.
 
     The bytes go to a fresh buffer, or to the front of `out` ([>= N] uint8, e.g. a `shared_buffer` reused
     for every bucket), never into the caller's tensors' storage.
     """
-    layout = flattened_layout(named_tensors)
+    layout = flattened_layout(named_tensors, align)
     nbytes = layout[-1].end_idx if layout else 0
     if out is not None and out.numel() < nbytes:
         raise ValueError(f"flatten_bucket: the bucket needs {nbytes} bytes, the buffer holds {out.numel()}")

@@ -13,8 +13,8 @@ from megatron_armor.rollout.base import RolloutEngine
 
 @dataclass(frozen=True)
 class SyncReport:
-    """One sync: `bytes` and `tensors` sent; `seconds` from the first gathered tensor to the flushed engine
-    (the gather is lazy, so it is included)."""
+    """One sync: `bytes` and `tensors` sent; `seconds` from the first gathered tensor until the engine has
+    them (the gather is lazy, so it is included)."""
 
     bytes: int
     tensors: int
@@ -31,7 +31,7 @@ class SyncReport:
 def sync_weights(
     engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]], *, send: bool = True
 ) -> SyncReport:
-    """`engine.update_weights(named_tensors)` then `engine.flush_cache()`, counting what went through.
+    """`engine.update_weights(named_tensors)` (which leaves no cache of the old weights), counting what went through.
 
     With `send=False` the tensors are only drawn and counted (a rank that takes part in a collective
     gather while another rank talks to a shared engine).
@@ -47,7 +47,6 @@ def sync_weights(
     start = time.perf_counter()
     if send:
         engine.update_weights(counting())
-        engine.flush_cache()
     else:
         for _ in counting():
             pass

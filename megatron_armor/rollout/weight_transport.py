@@ -1,20 +1,21 @@
 """How `SGLangEngine` moves HF-named weights into its servers: one class per SGLang update path.
 
-- `TensorTransport` (weight_sync "tensor", colocated): /update_weights_from_tensor with flattened
-  buckets whose bytes stay in shared memory (CUDA-IPC handles on GPU); the bucket lives until every
-  server has answered.
+- `TensorTransport` (weight_sync "tensor", colocated): /update_weights_from_tensor with buckets whose
+  bytes stay in shared memory (CUDA-IPC handles on GPU); the bucket lives until every server has answered.
 - `DistributedTransport` ("distributed", disaggregated): a process group of the trainer (rank 0) and
-  every server TP rank, formed on the first push; per bucket, /update_weights_from_distributed goes to
-  all servers while rank 0 broadcasts (the servers' replies come after the broadcast, so both run at
-  once, as slime does). gloo for CPU tensors, NCCL for CUDA ones.
+  every server TP rank, formed on the first push and again after a failed one; per bucket,
+  /update_weights_from_distributed goes to all servers while rank 0 broadcasts (the servers' replies
+  come after the broadcast, so both run at once, as slime does). gloo for CPU tensors, NCCL for CUDA ones.
 - `DiskTransport` ("disk", fallback): one safetensors file in a directory the servers can read,
   then /update_weights_from_disk.
 
-Each `push` ends with flush_cache and the new weight_version on its last request.
+Each `push` ends with flush_cache and the new weight_version on its last request. `close()` releases
+what a transport holds on either side; the next push sets it up again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -36,6 +37,7 @@ from megatron_armor.utils.net import free_port
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Server(Protocol):
@@ -55,12 +57,18 @@ class TransportConfig:
 
 
 class TensorTransport:
-    """Flattened buckets are staged in two buffers of the largest bucket's size, kept between pushes: in
-    /dev/shm for CPU tensors (one copy on this side, no fresh pages to fault in after the first push), on
-    the tensors' GPU for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). While the servers
-    load bucket k from one buffer, bucket k+1 is packed into the other, so the two copies overlap.
-    `close()`, or at the latest interpreter exit, frees them, so no shared-memory segment outlives the
-    process."""
+    """Buckets (either load_format) are staged in two buffers of the largest bucket's size, kept between
+    pushes: in /dev/shm for CPU tensors (one copy on this side, no fresh pages to fault in after the first
+    push), on the tensors' GPU for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). While the
+    servers load bucket k from one buffer, bucket k+1 is packed into the other, so the two copies overlap.
+
+    `close()`, or at the latest interpreter exit, drops the buffers; a CPU buffer's /dev/shm segment goes
+    once no process maps it. Except after a failed push: each body adds a reference to the segment that
+    its server drops when it unpickles the body, and a server that failed before that leaves it behind.
+    It cannot be released here: the client cannot tell whether a failed server unpickled its body, and
+    dropping a reference the server already dropped is as wrong as keeping one it did not. Such a segment
+    stays until torch's shm manager exits (once this process and the servers that mapped it have). Every
+    push sends only the two buffers, so failures leave at most those two behind."""
 
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         self.servers, self.post_all, self.config = servers, post_all, config
@@ -69,14 +77,13 @@ class TensorTransport:
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
-        flattened = self.config.load_format == "flattened_bucket"
-        if flattened and buckets:
+        if buckets:
             self._ensure_staging(buckets)
         with ThreadPoolExecutor(1) as sender:
             in_flight = None  # the previous bucket's request (its payload stays referenced until it is answered)
             for n, bucket in enumerate(buckets):
                 last = n == len(buckets) - 1
-                payload = proto.tensor_payload(bucket, self.config.load_format, self._staging[n % 2] if flattened else None)
+                payload = proto.tensor_payload(bucket, self.config.load_format, self._staging[n % 2])
                 bodies = {
                     s.url: proto.update_weights_from_tensor_request(
                         payload, tp_size=s.tp_size, load_format=self.config.load_format, flush_cache=last,
@@ -91,8 +98,8 @@ class TensorTransport:
                 in_flight.result()
 
     def _ensure_staging(self, buckets: list[NamedTensors]) -> None:
-        """Two [>= largest bucket bytes] uint8 buffers on the tensors' device (shared memory on CPU)."""
-        largest = max(sum(t.nbytes for _, t in bucket) for bucket in buckets)
+        """Two [>= largest bucket's payload bytes] uint8 buffers on the tensors' device (shared memory on CPU)."""
+        largest = max(proto.payload_bytes(bucket, self.config.load_format) for bucket in buckets)
         device = buckets[0][0][1].device
         if not self._staging or self._staging[0].numel() < largest or self._staging[0].device != device:
             self._staging.clear()  # release the old pair before allocating the new one
@@ -112,32 +119,41 @@ def _local_address_towards(url: str) -> str:
 
 
 class DistributedTransport:
+    """The group lives from the push that forms it until a push fails or `close()`; either makes the
+    servers leave it, best-effort (a dead or restarted server is in no group). Every formation takes a
+    fresh group name, so a server left in an old group never clashes with the new one."""
+
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         self.servers, self.post_all, self.config = servers, post_all, config
-        self.group_name = f"armor-weights-{uuid.uuid4().hex[:8]}"
+        self.group_name: str | None = None  # of the group formed, or being formed
         self._group: torch.distributed.ProcessGroup | None = None
         self._device: torch.device | None = None
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         if not named_tensors:
             return
-        if self._group is None:
-            self._device = named_tensors[0][1].device
-            self._group = self._form_group(weight_group.backend_for_device(self._device))
-        buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
-        for n, bucket in enumerate(buckets):
-            last = n == len(buckets) - 1
-            update = proto.DistributedUpdate.of(
-                bucket, group_name=self.group_name, load_format=self.config.load_format, flush_cache=last,
-                weight_version=version if last else None,
-            )
-            self._with_servers(
-                "/update_weights_from_distributed", lambda s: update.body(),
-                lambda: weight_group.broadcast_from_trainer(self._group, bucket, update.load_format, self._device),
-            )
+        try:
+            if self._group is None:
+                self._device = named_tensors[0][1].device
+                self._group = self._form_group(weight_group.backend_for_device(self._device))
+            buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
+            for n, bucket in enumerate(buckets):
+                last = n == len(buckets) - 1
+                update = proto.DistributedUpdate.of(
+                    bucket, group_name=self.group_name, load_format=self.config.load_format, flush_cache=last,
+                    weight_version=version if last else None,
+                )
+                self._with_servers(
+                    "/update_weights_from_distributed", lambda s: update.body(),
+                    lambda: weight_group.broadcast_from_trainer(self._group, bucket, update.load_format, self._device),
+                )
+        except BaseException:
+            self.close()  # a broken or half-formed group is never reused
+            raise
 
     def _form_group(self, backend: str) -> torch.distributed.ProcessGroup:
         """World = trainer + every server TP rank; server i's ranks start after those of servers 0..i-1."""
+        self.group_name = f"armor-weights-{uuid.uuid4().hex[:8]}"
         address = _local_address_towards(self.servers[0].url)
         port, world = free_port(address), 1 + sum(s.tp_size for s in self.servers)
         offsets, offset = {}, 1
@@ -147,7 +163,7 @@ class DistributedTransport:
         timeout = timedelta(seconds=self.config.group_timeout_s)
         return self._with_servers(
             "/init_weights_update_group",
-            lambda s: proto.WeightGroupSpec(address, port, offsets[s.url], world, self.group_name, backend).body(),
+            lambda s: proto.WeightGroupSpec(address, port, offsets[s.url], world, spec.group_name, backend).body(),
             lambda: weight_group.create_as_trainer(spec, timeout),
         )
 
@@ -165,11 +181,15 @@ class DistributedTransport:
         return result
 
     def close(self) -> None:
-        """Servers leave the group (it is re-formed on the next push)."""
-        if self._group is not None:
-            self._group = None
-            self.post_all("/destroy_weights_update_group", lambda s: proto.destroy_weights_update_group_request(
-                self.group_name))
+        """Drop the group here and ask every server to leave it; a server that cannot is logged, not raised
+        (the next push forms a group under another name)."""
+        name, self.group_name, self._group = self.group_name, None, None
+        if name is None:
+            return
+        try:
+            self.post_all("/destroy_weights_update_group", lambda s: proto.destroy_weights_update_group_request(name))
+        except RuntimeError as error:  # the engine's RolloutError naming each server that failed
+            log.warning("leaving weight-update group %r: %s", name, error)
 
 
 class DiskTransport:

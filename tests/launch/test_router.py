@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from megatron_armor.config import ConfigError, load_config
 from megatron_armor.launch.router import RouterError, RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.launch.server_process import RolloutServer, ServerSpec
+from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, http_call
@@ -69,8 +70,8 @@ def router(servers, tmp_path_factory):
         yield r
 
 
-def running(url: str) -> int:
-    return http_call(url, "/v1/loads", method="GET")["loads"][0]["num_running_reqs"]
+def load(url: str, key: str = "num_running_reqs") -> int:
+    return http_call(url, "/v1/loads", method="GET")["loads"][0][key]
 
 
 def same_generation(got, want) -> bool:
@@ -129,11 +130,14 @@ def test_worker_killed_mid_batch_loses_nothing(router, servers, local_engine):
     victim, survivor = servers
     engine = SGLangEngine([victim.url, survivor.url], FAST, router_url=router.url)
     prompts = [[i + 1, i + 2] for i in range(8)]
+    http_call(victim.url, "/pause_generation", proto.pause_generation_request("in_place"))  # its requests wait
     with ThreadPoolExecutor(1) as pool:
         batch = pool.submit(engine.generate, prompts, LONG)
-        while running(victim.url) == 0:
-            assert not batch.done(), "the batch finished before the victim was seen running a request"
+        deadline = time.monotonic() + 30
+        while load(victim.url, "num_waiting_reqs") == 0:
+            assert time.monotonic() < deadline, "the router sent the victim no request"
             time.sleep(0.005)
+        assert not batch.done()  # the victim holds part of it
         os.kill(victim.pid(), signal.SIGKILL)
         out = batch.result(timeout=90)
     assert_same_generations(out, local_engine.generate(prompts, LONG))

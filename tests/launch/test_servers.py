@@ -9,7 +9,7 @@ import pytest
 
 from megatron_armor.launch.router import RouterSpec, SGLangRouter
 from megatron_armor.launch.server_process import ServerSpec, server_command
-from megatron_armor.launch.servers import Placement, ServerGroup
+from megatron_armor.launch.servers import Placement, PlacementError, ServerGroup
 from megatron_armor.rollout.sglang_engine import http_call
 
 
@@ -73,3 +73,15 @@ def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_f
         assert new_ids[group.urls[0]] != worker_ids[group.urls[0]] and new_ids[group.urls[1]] == worker_ids[group.urls[1]]
     assert all(_gone(pid) for pid in new_pids)
     assert group.placement_group is None
+
+
+def test_unplaceable_group_fails_naming_bundles_and_cluster(ray_cluster):
+    from ray.util.placement_group import placement_group_table
+
+    spec = ServerSpec(model_path="/never-started", kind="local")
+    bundles = r"Ray could not place 2 x \{'CPU': 64\.0\} \(strategy PACK\) within 0\.5 s; the cluster has CPU 2, GPU 0 in all"
+    with pytest.raises(PlacementError, match=rf"placement group 'actor-servers': {bundles}, CPU [\d.]+, GPU 0 free"):
+        ServerGroup(spec, 2, name="actor", placement=Placement(cpus_per_actor=64.0, timeout_s=0.5))
+    states = [group["state"] for group in placement_group_table().values()
+              if group["name"] == "actor-servers" and group["bundles"][0].get("CPU") == 64.0]
+    assert states == ["REMOVED"]  # not left pending

@@ -1,18 +1,25 @@
-"""Fixtures for the SGLang-schema tests: real `http_server` subprocesses on loopback, always killed."""
+"""Fixtures for the SGLang-schema tests: real `http_server` subprocesses on loopback, always killed, and
+in-process servers (whose engine lock a test can hold)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from megatron_armor.rollout.http_server import LocalSGLangServer
+from megatron_armor.rollout.local_server import LocalServerState
 from megatron_armor.rollout.sglang_engine import http_call
 from megatron_armor.utils.net import free_port
 
@@ -50,6 +57,57 @@ def start_server(tmp_path_factory):
     for server in started:
         server.proc.kill()
         server.proc.wait(timeout=30)
+
+
+@dataclass
+class StubState:
+    """All that a LocalSGLangServer serving its own `routes` needs of its state."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    ready: bool = True
+
+
+@pytest.fixture(scope="session")
+def serving():
+    """serving(model_dir, port=0, load=True): a context manager around a LocalSGLangServer on loopback,
+    served by a thread and closed on exit. load=False: the model is not loaded yet (every endpoint
+    answers 503 until `server.state.load()`). serving(routes={path: handler}): a stub with only those."""
+
+    @contextlib.contextmanager
+    def serve(model_dir=None, port: int = 0, *, load: bool = True, routes=None):
+        state = StubState(port=port) if routes else LocalServerState(model_dir, host="127.0.0.1", port=port)
+        server = LocalSGLangServer(state, routes)
+        if load and not routes:
+            state.load()
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server
+        finally:
+            server.shutdown()
+            server.server_close()
+
+    return serve
+
+
+@pytest.fixture(scope="session")
+def teacher_logprobs():
+    """teacher_logprobs(model_dir, prompt, response, temperature) -> [R] log_softmax(logits / T) of `response`
+    after `prompt` from one unpadded HF forward (T = 0 counts as 1): an independent reference."""
+    models: dict[str, torch.nn.Module] = {}
+
+    @torch.no_grad()
+    def logprobs(model_dir, prompt, response, temperature=1.0):
+        key = str(model_dir)
+        if key not in models:
+            models[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ids = torch.tensor([list(prompt) + list(response)])
+        logits = models[key](input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [R, V]
+        scaled = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return scaled.gather(-1, torch.tensor(list(response))[:, None]).squeeze(-1)
+
+    return logprobs
 
 
 @pytest.fixture(scope="session")

@@ -1,35 +1,20 @@
-"""The CPU SGLang stand-in, in-process: readiness, /generate shapes, aborts and busy refusals."""
+"""The CPU SGLang stand-in, in-process: readiness, /generate shapes, aborts, pauses and busy refusals."""
 
-import contextlib
+import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
-from megatron_armor.rollout.http_server import LocalSGLangServer
-from megatron_armor.rollout.local_server import LocalServerState
 from megatron_armor.rollout.sglang_engine import ServerError, http_call
 
 
-@contextlib.contextmanager
-def _serving(model_dir):
-    """A bound server thread whose model is not loaded yet (call `state.load()`)."""
-    srv = LocalSGLangServer(LocalServerState(model_dir, host="127.0.0.1", port=0))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield srv
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model_factory):
-    with _serving(tiny_model_factory("qwen2")) as srv:
-        srv.state.load()
+def server(tiny_model_factory, serving):
+    with serving(tiny_model_factory("qwen2")) as srv:
         yield srv
 
 
@@ -38,8 +23,8 @@ def ready_url(server):
     return f"http://127.0.0.1:{server.state.port}"
 
 
-def test_503_until_the_model_is_loaded(tiny_model_factory):
-    with _serving(tiny_model_factory("qwen2")) as server:
+def test_503_until_the_model_is_loaded(tiny_model_factory, serving):
+    with serving(tiny_model_factory("qwen2"), load=False) as server:
         url = f"http://127.0.0.1:{server.state.port}"
         for path in ("/health_generate", "/generate", "/model_info"):
             with pytest.raises(ServerError, match="HTTP 503"):
@@ -51,12 +36,14 @@ def test_503_until_the_model_is_loaded(tiny_model_factory):
         assert (info["tp_size"], info["dp_size"]) == (1, 1) and "version" in info
 
 
-def test_generate_single_batch_and_n(ready_url):
-    params = {"temperature": 1.0, "max_new_tokens": 3, "sampling_seed": 1}
+def test_generate_single_batch_and_n(server, ready_url, teacher_logprobs):
+    params = {"temperature": 0.7, "max_new_tokens": 3, "sampling_seed": 1}
     single = http_call(ready_url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": params})
     assert isinstance(single, dict) and len(single["output_ids"]) == 3
-    lp, token, text = single["meta_info"]["output_token_logprobs"][0]
-    assert isinstance(lp, float) and token == single["output_ids"][0] and text is None
+    logprobs, tokens, texts = zip(*single["meta_info"]["output_token_logprobs"])
+    assert list(tokens) == single["output_ids"] and set(texts) == {None}
+    want = teacher_logprobs(server.state.model_path, [1, 2, 3], single["output_ids"], 0.7)
+    torch.testing.assert_close(torch.tensor(logprobs), want, atol=1e-5, rtol=0)
     assert single["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
     many = http_call(ready_url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {**params, "n": 3}, "rid": "q"})
@@ -80,8 +67,8 @@ def test_stop_token_and_no_stop_trim(ready_url):
     assert [t[1] for t in trimmed["meta_info"]["output_token_logprobs"]] == [first]
 
 
-def test_queued_request_is_aborted_and_busy_server_refuses_flush(server, ready_url, wait_for_load):
-    body = {"input_ids": [[1], [2]], "sampling_params": {"max_new_tokens": 4}, "rid": ["job-0", "job-1"]}
+def test_aborts_match_rids_as_sglang_and_busy_server_refuses_flush(server, ready_url, wait_for_load):
+    body = {"input_ids": [[1], [2], [3]], "sampling_params": {"max_new_tokens": 4}, "rid": ["job-1", "job-10", "job-2"]}
     with ThreadPoolExecutor(1) as pool, server.state.engine_lock:  # hold the engine: the request waits in the queue
         queued = pool.submit(http_call, ready_url, "/generate", body)
         wait_for_load(ready_url, "num_waiting_reqs")
@@ -89,10 +76,12 @@ def test_queued_request_is_aborted_and_busy_server_refuses_flush(server, ready_u
             http_call(ready_url, "/flush_cache")
         with pytest.raises(ServerError, match="HTTP 400.*idle"):
             http_call(ready_url, "/release_memory_occupation", {"tags": None})
-        assert http_call(ready_url, "/abort_request", proto.abort_request("job")) is None
+        for rid in ("job", "job-3"):  # no item has this rid: ignored, like SGLang's tokenizer manager
+            assert http_call(ready_url, "/abort_request", proto.abort_request(rid)) is None
+        http_call(ready_url, "/abort_request", proto.abort_request("job-1"))  # and the prefix match of its scheduler
     reply = queued.result(timeout=30)
-    assert [item["meta_info"]["finish_reason"]["type"] for item in reply] == ["abort", "abort"]
-    assert [item["output_ids"] for item in reply] == [[], []]
+    assert [item["meta_info"]["finish_reason"]["type"] for item in reply] == ["abort", "abort", "length"]
+    assert [len(item["output_ids"]) for item in reply] == [0, 0, 4]
     assert "Cache flushed" in http_call(ready_url, "/flush_cache")
     assert http_call(ready_url, "/release_memory_occupation", {"tags": ["kv_cache"]}) is None
     assert http_call(ready_url, "/resume_memory_occupation", {"tags": None}) is None
@@ -123,7 +112,7 @@ def test_weight_update_formats_and_bad_payloads(server, ready_url, os_system_pay
     payload, restore = _tensor_update([(name, before)], weight_version="v2")
     http_call(ready_url, "/update_weights_from_tensor", restore)
     assert http_call(ready_url, "/model_info", method="GET")["weight_version"] == "v2"
-    assert http_call(ready_url, "/update_weight_version", proto.update_weight_version_request("v3"))["success"]
+    assert http_call(ready_url, "/update_weight_version", {"new_version": "v3"})["success"]
     assert http_call(ready_url, "/model_info", method="GET")["weight_version"] == "v3"
 
 
@@ -134,3 +123,55 @@ def test_refusals_name_the_problem(ready_url):
         http_call(ready_url, "/generate", {"text": "hi"})
     with pytest.raises(ServerError, match="HTTP 400.*top_k"):
         http_call(ready_url, "/generate", {"input_ids": [1], "sampling_params": {"top_k": 5}})
+
+
+def test_out_of_vocabulary_ids_are_a_400_naming_them(server, ready_url):
+    vocab = server.state.vocab_size
+    for prompts, outside in (([1, vocab], [vocab]), ([[1], [-1, 2, vocab + 7]], [-1, vocab + 7])):
+        with pytest.raises(ServerError, match="HTTP 400: .*" + re.escape(f"input_ids {outside} are outside the vocabulary [0, {vocab})")):
+            http_call(ready_url, "/generate", {"input_ids": prompts})
+    assert http_call(ready_url, "/generate", {"input_ids": [vocab - 1], "sampling_params": {"max_new_tokens": 1}})
+
+
+def _until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
+def test_pause_wakes_when_a_request_is_held_after_the_last_one_left(server, ready_url, monkeypatch):
+    """The abort-mode pause waits until only held requests remain. Here "late" is counted as waiting
+    but reaches its hold only after "first" (aborted by the pause) has left, so the pause can only
+    learn of it from the hold itself. The held request also does not count against /flush_cache."""
+    state = server.state
+    first_gone = threading.Event()
+    wait_while_paused = state._wait_while_paused
+
+    def late_hold(epoch, items):
+        if items[0].rid == "late":
+            first_gone.wait(timeout=30)
+        wait_while_paused(epoch, items)
+
+    monkeypatch.setattr(state, "_wait_while_paused", late_hold)
+
+    def generate(rid):
+        return state.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}, "rid": rid})
+
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            with state.engine_lock:
+                first = pool.submit(generate, "first")
+                _until(lambda: state.waiting == 1)
+                pause = pool.submit(state.pause_generation, {"mode": "abort"})
+                _until(lambda: state.paused)
+                late = pool.submit(generate, "late")
+                _until(lambda: state.waiting == 2)
+            assert first.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
+            first_gone.set()
+            assert pause.result(timeout=10)["status"] == "ok"
+            assert not late.done() and "Cache flushed" in http_call(ready_url, "/flush_cache")
+        finally:
+            first_gone.set()
+            state.continue_generation({})
+        assert late.result(timeout=30)["meta_info"]["finish_reason"] == {"type": "length", "length": 2}

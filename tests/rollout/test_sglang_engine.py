@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.local_server import RequestError
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, ServerError, http_call
 from megatron_armor.utils.net import free_port
 
@@ -42,13 +44,17 @@ def engine(servers):
     return SGLangEngine([s.url for s in servers[:2]], FAST)
 
 
-@torch.no_grad()
-def hf_logprobs(model, prompt, response, temperature):
-    """Independent reference: log_softmax(logits / T) of `response` after `prompt`, one unpadded forward."""
-    ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [R, V]
-    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logprobs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+@pytest.fixture(scope="module")
+def inproc(serving, model_dir):
+    """An in-process server: a test can hold its engine lock, or pause it, directly."""
+    with serving(model_dir) as server:
+        yield server
+
+
+def stub(serving, **routes):
+    """A server that passes the engine's readiness checks and answers only `routes` besides: every other
+    call fails with HTTP 404."""
+    return serving(routes={"/health_generate": lambda _: None, "/server_info": lambda _: {"tp_size": 1}, **routes})
 
 
 def assert_same_generations(got, want):
@@ -59,7 +65,7 @@ def assert_same_generations(got, want):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
 
 
-def test_generate_matches_local_engine_and_hf_reference(engine, model_dir):
+def test_generate_matches_local_engine_and_hf_reference(engine, model_dir, teacher_logprobs):
     model = load(model_dir)
     local = LocalEngine(model)
     stop = tuple(local.generate(PROMPTS[:2], GREEDY)[0].response_ids[2:3])  # some prompt stops early
@@ -73,7 +79,7 @@ def test_generate_matches_local_engine_and_hf_reference(engine, model_dir):
         ]
         assert_same_generations(got, want)
         for g in got:
-            reference = hf_logprobs(model, g.prompt_ids, g.response_ids, sampling.temperature)
+            reference = teacher_logprobs(model_dir, g.prompt_ids, g.response_ids, sampling.temperature)
             torch.testing.assert_close(torch.tensor(g.logprobs), reference, atol=1e-5, rtol=0)
     assert "stop" in {g.finish_reason for g in engine.generate(PROMPTS, greedy)}
     assert engine.stats.retries == 0 and engine.stats.requests >= 2 * 4
@@ -103,18 +109,73 @@ def test_bad_weight_update_names_server_and_parameter(engine):
         engine.update_weights([("nope", torch.zeros(2))])
 
 
-def test_flush_cache_waits_for_requests_in_flight(engine, wait_for_load):
-    long = SamplingParams(temperature=1.0, max_new_tokens=100, seed=0)
-    busy = SGLangEngine(engine.urls[:1], replace(FAST, prompts_per_request=8))
-    url = engine.urls[0]
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(busy.generate, [[1, 2]] * 8, long)
-        wait_for_load(url, "num_running_reqs")
-        with pytest.raises(ServerError, match="HTTP 400"):
-            http_call(url, "/flush_cache")
-        engine.flush_cache()  # re-asks until the generation above is done
-        assert running.done() or http_call(url, "/v1/loads", method="GET")["loads"][0]["num_running_reqs"] == 0
-        assert len(running.result(timeout=60)) == 8
+def test_flush_cache_waits_for_requests_in_flight(inproc, wait_for_load):
+    url = f"http://127.0.0.1:{inproc.state.port}"
+    engine = SGLangEngine([url], FAST)
+    busy = SGLangEngine([url], replace(FAST, prompts_per_request=8))
+    with ThreadPoolExecutor(2) as pool:
+        with inproc.state.engine_lock:  # the request cannot run, let alone finish, until this block ends
+            queued = pool.submit(busy.generate, [[1, 2]] * 8, SamplingParams(max_new_tokens=4))
+            wait_for_load(url, "num_waiting_reqs")
+            with pytest.raises(ServerError, match="HTTP 400"):
+                http_call(url, "/flush_cache")
+            flushed = pool.submit(engine.flush_cache)  # re-asks until the generation is done
+            time.sleep(0.2)
+            assert not flushed.done()
+        flushed.result(timeout=60)
+        assert queued.done() or http_call(url, "/v1/loads", method="GET")["loads"][0]["num_waiting_reqs"] == 0
+        assert len(queued.result(timeout=60)) == 8
+
+
+def test_failed_push_leaves_every_server_generating(servers, serving):
+    """The pause fails on one server (and so does the continue there): the others are still told to continue."""
+    url = servers[1].url
+    with stub(serving) as broken:
+        engine = SGLangEngine([url, f"http://127.0.0.1:{broken.state.port}"], FAST)  # waits until both are up
+        version = http_call(url, "/model_info", method="GET")["weight_version"]
+        try:
+            with pytest.raises(RolloutError, match=r"/pause_generation failed on 1/2 servers.*HTTP 404") as failed:
+                engine.update_weights([("model.norm.weight", torch.ones(1))])
+            reply = http_call(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+            assert reply["meta_info"]["finish_reason"] == {"type": "length", "length": 2}  # not held by a pause
+            assert any("/continue_generation failed on 1/2 servers" in note for note in failed.value.__notes__)
+            assert http_call(url, "/model_info", method="GET")["weight_version"] == version
+        finally:
+            http_call(url, "/continue_generation", proto.continue_generation_request())
+
+
+def test_first_fatal_error_aborts_requests_in_flight_and_returns(inproc, serving):
+    """Two requests wait on the paused in-process server when the stub rejects the other two: generate
+    raises at once, having aborted the waiting ones by their item rids, and retries nothing."""
+    url = f"http://127.0.0.1:{inproc.state.port}"
+    reject = threading.Event()
+
+    def rejecting(_):
+        reject.wait(timeout=30)
+        raise RequestError("/generate: rejected by the stub")
+
+    pool = ThreadPoolExecutor(1)
+    inproc.state.pause_generation({"mode": "in_place"})  # requests wait until /continue_generation
+    try:
+        with stub(serving, **{"/generate": rejecting}) as rejector:
+            engine = SGLangEngine([url, f"http://127.0.0.1:{rejector.state.port}"], replace(FAST, max_in_flight_per_server=4))
+            call = pool.submit(engine.generate, [[1, 2]] * 8, SamplingParams(max_new_tokens=4))
+            deadline = time.monotonic() + 30
+            while inproc.state.waiting < 2:  # both of its requests are held by the pause
+                assert time.monotonic() < deadline and not call.done()
+                time.sleep(0.005)
+            reject.set()
+            with pytest.raises(RolloutError, match=r"rejected /generate.*rejected by the stub.*\(0/8 prompts finished\)"):
+                call.result(timeout=30)
+        deadline = time.monotonic() + 30
+        while inproc.state.waiting:  # the held requests return aborted
+            assert time.monotonic() < deadline, "the waiting requests were not aborted"
+            time.sleep(0.005)
+        assert engine.stats.retries == 0
+    finally:
+        reject.set()
+        inproc.state.continue_generation({})
+        pool.shutdown()
 
 
 def test_killed_server_mid_batch_loses_nothing(servers, model_dir, wait_for_load):
@@ -138,4 +199,4 @@ def test_server_that_never_comes_up_times_out_clearly():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"SGLang server {url} was not healthy within 1 s .*ConnectionRefusedError"):
         SGLangEngine([url], replace(FAST, startup_timeout_s=1.0))
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30

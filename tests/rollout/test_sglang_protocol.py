@@ -159,6 +159,19 @@ def test_update_weights_from_tensor_body_one_entry_per_tp_rank(load_format):
         proto.named_tensors_from_request(body, tp_rank=2)
 
 
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_tensor_payload_lives_in_the_staging_buffer(load_format):
+    """Both formats send only the staging buffer's storage (the caller's tensors stay private)."""
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64))]
+    staging = torch.zeros(1024, dtype=torch.uint8)
+    payload = proto.tensor_payload(tensors, load_format, staging)
+    sent = [payload["flattened_tensor"]] if load_format else [t for _, t in payload]
+    assert {t.untyped_storage().data_ptr() for t in sent} == {staging.untyped_storage().data_ptr()}
+    decoded = proto.named_tensors_from_request(proto.update_weights_from_tensor_request(payload, load_format=load_format))
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(decoded, tensors))
+    assert not any(t.is_shared() for _, t in tensors)
+
+
 def test_distributed_and_control_bodies_use_sglang_fields():
     spec = proto.WeightGroupSpec("10.0.0.1", 29500, rank_offset=3, world_size=5, group_name="g", backend="gloo")
     assert spec.body() == {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5,
@@ -182,13 +195,11 @@ def test_distributed_and_control_bodies_use_sglang_fields():
         "/destroy_weights_update_group": proto.destroy_weights_update_group_request("g"),
         "/pause_generation": proto.pause_generation_request("retract"),
         "/continue_generation": proto.continue_generation_request(),
-        "/update_weight_version": proto.update_weight_version_request("9"),
         "/update_weights_from_disk": proto.update_weights_from_disk_request("/ckpt", weight_version="3"),
     }
     for path, body in bodies.items():
         assert_sglang_body(path, body, set())
     assert bodies["/pause_generation"] == {"mode": "retract"}
-    assert bodies["/update_weight_version"] == {"new_version": "9", "abort_all_requests": False}
     with pytest.raises(ValueError, match="abort, retract or in_place"):
         proto.pause_generation_request("stop")
 

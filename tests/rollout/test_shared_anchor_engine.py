@@ -44,7 +44,6 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
         # Each generation batch swaps the weights once: actor samples, reference pushed, anchors; next batch:
         # anchors first, actor pushed back, actor samples.
         assert row["rollout/weight_swaps"] == row["train/num_gen_batches"] >= 2
-        assert row["perf/ref_weight_push_seconds"] > 0 and row["perf/actor_weight_restore_seconds"] > 0
         assert row["mismatch/logprob_abs_diff"] < 1e-3  # every on-policy sample came from the actor's weights
         assert row["armor/anchors_used"] == row["armor/prompts_kept"] == 8  # correct anchors: reference pushed
     assert abs(second["mix_kl/kl_on_old"]) > 1e-3  # the actor left the reference: a missed swap would show above

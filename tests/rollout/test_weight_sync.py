@@ -1,15 +1,30 @@
-"""sync_weights: the engine gets every tensor, the report counts them."""
+"""sync_weights: the engine gets every tensor, the report counts them and times the lazy gather too."""
 
+import time
+
+import pytest
 import torch
 
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.weight_sync import sync_weights
 
+GATHER_S = 0.005  # a simulated gather delay per tensor
 
-def test_sync_weights_reports_bytes_and_updates_the_engine(tiny_model_factory):
+
+def test_sync_weights_reports_bytes_and_updates_the_engine(tiny_model_factory, monkeypatch):
     engine = LocalEngine(tiny_model_factory("qwen2"))
+    monkeypatch.setattr(engine, "flush_cache", lambda: pytest.fail("update_weights leaves no stale cache"))
     new = {name: torch.randn_like(p) for name, p in engine.named_parameters_hf().items()}
-    report = sync_weights(engine, iter(new.items()))
+
+    def gathered():
+        for item in new.items():
+            time.sleep(GATHER_S)
+            yield item
+
+    start = time.perf_counter()
+    report = sync_weights(engine, gathered())
+    elapsed = time.perf_counter() - start
     assert report.tensors == len(new) and report.bytes == sum(t.nbytes for t in new.values())
-    assert report.metrics()["perf/weight_sync_bytes"] == report.bytes and report.seconds > 0
+    assert GATHER_S * len(new) <= report.seconds <= elapsed
+    assert report.metrics()["perf/weight_sync_bytes"] == report.bytes
     assert all(torch.equal(engine.named_parameters_hf()[name], t) for name, t in new.items())

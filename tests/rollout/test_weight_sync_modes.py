@@ -123,3 +123,22 @@ def test_pause_modes_and_continue(url, wait_for_load):
         assert finish(held)["type"] == "abort"
         http_call(url, "/continue_generation", proto.continue_generation_request())
         assert finish(pool.submit(http_call, url, "/generate", short))["type"] == "length"
+
+
+def test_distributed_push_after_a_server_restart_forms_a_new_group(model_dir, serving):
+    """A restarted server (same address, checkpoint weights, no group) does not report the last pushed
+    weight_version, so the next push leaves the old group and forms a new one instead of failing."""
+    name, port = "model.norm.weight", free_port()
+    shape = load(model_dir).get_parameter(name).shape
+    url = f"http://127.0.0.1:{port}"
+    with serving(model_dir, port) as first:
+        engine = SGLangEngine([url], replace(FAST, weight_sync="distributed", weight_group_timeout_s=30))
+        engine.update_weights([(name, torch.full(shape, 0.5))])
+        assert len(first.state._groups) == 1
+    with serving(model_dir, port) as restarted:
+        assert http_call(url, "/model_info", method="GET")["weight_version"] == "default"
+        engine.update_weights([(name, torch.full(shape, 0.25))])
+        assert http_call(url, "/get_weights_by_name", {"name": name}) == [0.25] * shape[0]
+        assert http_call(url, "/model_info", method="GET")["weight_version"] == "2"
+        engine.close()
+        assert restarted.state._groups == {}
