@@ -118,6 +118,11 @@ class RolloutConfig:
         "process starts its own router on loopback when rollout.router picks one"
     )
     sglang_ref_router_url: str | None = _f(None, "the same for sglang_ref_urls")
+    release_memory: bool = _f(
+        False, "servers on the trainer's GPUs (colocated; started with --enable-memory-saver) release their GPU memory "
+        "while the trainer computes and take it back before each weight push (backend sglang; armor ray-train "
+        "--placement colocated sets it)"
+    )
     engine_precision: Literal["fp32", "bf16", "fp8"] = _f(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
         "training/inference mismatch of production engines (backend local)"
@@ -517,6 +522,8 @@ def validate(cfg: ArmorConfig) -> None:
     require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     require(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
     require(0 <= t.weight_decay, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    require(not r.release_memory or r.backend == "sglang",
+            "rollout.release_memory hands GPU memory between SGLang servers and the trainer: it needs rollout.backend sglang")
     if r.backend == "sglang":
         require(bool(r.sglang_urls), "rollout.sglang_urls is required with rollout.backend sglang (e.g. http://host:30000)")
         require(a.name != "armor" or r.anchor_engine == "shared" or bool(r.sglang_ref_urls),

@@ -42,6 +42,7 @@ def test_demo_config_loads_with_typed_overrides():
         (["rollout.backend=sglang", "rollout.sglang_urls=http://a:1", "rollout.anchor_engine=shared",
           "rollout.weight_sync=disk"], "rollout.weight_sync disk needs rollout.weight_sync_dir"),
         (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' is not allowed; choose one of"),
+        (["rollout.release_memory=true"], "rollout.release_memory .* needs rollout.backend sglang"),
         (["algorithm.baseline_quantile=1.5"], "algorithm.baseline_quantile must be in \\[0, 1\\], got 1.5"),
         (["algorithm.advantage_baseline=median"], "algorithm.advantage_baseline: 'median' is not allowed"),
         (["algorithm.name=mipu", "rollout.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],

@@ -10,8 +10,8 @@ Placement:
   own (tp_size GPUs per server). Trainer and rollout GPUs are separate; nothing is handed off.
 - colocated (GPU only): server i shares bundle i (one GPU) with trainer rank i; servers run with
   --enable-memory-saver and a small --mem-fraction-static. One GPU per bundle means server
-  tp_size 1. Handing the GPU memory back and forth (release_memory before training, resume_memory
-  before rollout; `SGLangEngine.release_memory/resume_memory`) is the trainer loop's job.
+  tp_size 1. The trainer loop hands the GPU memory back and forth (`rollout.release_memory`,
+  trainer/memory_handoff.py): the servers release it before training and resume it before the weight push.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
                 routers.append(router)
             groups.append(ServerGroup(spec, count, name=role, host=job.server_host, placement=placement,
                                       log_dir=job.log_dir, router=router))
-        cfg = _pointed_at(cfg, groups)
+        cfg = _pointed_at(cfg, groups, colocated=job.placement == "colocated")
         gpu_share = (COLOCATED_GPU_FRACTION if job.placement == "colocated" else 1.0) if use_gpus else 0.0
         ranks = TrainerRanks(world, trainer_pg, list(range(world)), cpus=job.cpus_per_actor, gpus=gpu_share)
 
@@ -113,13 +113,15 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
         remove_placement_group(trainer_pg)
 
 
-def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup]) -> ArmorConfig:
-    """`cfg` with rollouts from the groups' servers (actor first, reference second if present) and routers."""
+def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup], *, colocated: bool) -> ArmorConfig:
+    """`cfg` with rollouts from the groups' servers (actor first, reference second if present) and routers;
+    colocated servers hand their GPU memory to the trainer ranks for each training phase."""
     router_urls = [group.router.url if group.router else None for group in groups]
     rollout = dataclasses.replace(
         cfg.rollout, backend="sglang", sglang_urls=",".join(groups[0].urls), sglang_router_url=router_urls[0],
         sglang_ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
         sglang_ref_router_url=router_urls[1] if len(groups) > 1 else None,
+        release_memory=cfg.rollout.release_memory or colocated,
     )
     cfg = dataclasses.replace(cfg, rollout=rollout)
     validate(cfg)

@@ -52,13 +52,6 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         recent_payloads.append(named)
         return reply
 
-    def release(body: dict) -> None:
-        proto.memory_occupation_request(body.get("tags"))
-        state.require_idle("/release_memory_occupation", "release needs an idle server")
-
-    def resume(body: dict) -> None:
-        proto.memory_occupation_request(body.get("tags"))
-
     def health(_: dict) -> None:
         state.health_generate()
 
@@ -76,7 +69,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         "/update_weight_version": state.update_weight_version,
         "/pause_generation": state.pause_generation, "/continue_generation": state.continue_generation,
         "/get_weights_by_name": state.weights_by_name,
-        "/release_memory_occupation": release, "/resume_memory_occupation": resume,
+        "/release_memory_occupation": state.release_memory, "/resume_memory_occupation": state.resume_memory,
     }
 
 

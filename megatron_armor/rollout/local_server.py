@@ -68,6 +68,8 @@ class LocalServerState:
         self._active: set[str] = set()  # rids of queued and running items
         self._aborted: set[str] = set()  # rid prefixes to abort
         self._abort_epoch = 0
+        self.released: set[str] = set()  # memory tags released (/release_memory_occupation) and not resumed
+        self.memory_releases = 0
 
     def load(self) -> None:
         """Load the model; from here on the server is ready."""
@@ -103,6 +105,7 @@ class LocalServerState:
         input_ids = body.get("input_ids")
         if not input_ids:
             raise RequestError("/generate: input_ids is required (list[int] or list[list[int]])")
+        self._require_memory("/generate", "weights", "kv_cache")
         single = isinstance(input_ids[0], int)
         prompts = [input_ids] if single else input_ids
         items = self._items(prompts, body)
@@ -266,6 +269,7 @@ class LocalServerState:
     # ---------------------------------------------------------------- weights and control
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], body: dict[str, Any]) -> dict[str, Any]:
+        self._require_memory("weight update", "weights")
         if body.get("abort_all_requests"):
             self.abort({"abort_all": True})
         with self.engine_lock:
@@ -340,6 +344,34 @@ class LocalServerState:
             raise RequestError(f"/get_weights_by_name: no parameter {name!r}")
         return params[name][: int(body.get("truncate_size", 100))].float().tolist()
 
+    # ---------------------------------------------------------------- memory hand-off
+
+    def release_memory(self, body: dict[str, Any]) -> None:
+        """POST /release_memory_occupation: the tags' memory is gone until resumed (this CPU server frees
+        nothing, but refuses what SGLang could not do without it: generation, weight loading)."""
+        tags = self._memory_tags(body)
+        self.require_idle("/release_memory_occupation", "release needs an idle server")
+        self.released |= tags
+        self.memory_releases += 1
+
+    def resume_memory(self, body: dict[str, Any]) -> None:
+        """POST /resume_memory_occupation."""
+        self.released -= self._memory_tags(body)
+
+    @staticmethod
+    def _memory_tags(body: dict[str, Any]) -> set[str]:
+        tags = (body or {}).get("tags")
+        try:
+            proto.memory_occupation_request(tags)
+        except ValueError as error:
+            raise RequestError(str(error)) from error
+        return set(proto.MEMORY_TAGS if tags is None else tags)
+
+    def _require_memory(self, what: str, *tags: str) -> None:
+        missing = sorted(self.released.intersection(tags))
+        if missing:
+            raise RequestError(f"{what}: memory {missing} is released; POST /resume_memory_occupation first")
+
     def require_idle(self, path: str, message: str) -> None:
         in_flight = self.in_flight()
         if in_flight:
@@ -347,7 +379,7 @@ class LocalServerState:
 
     def health_generate(self) -> None:
         """200 if the engine produced output: a running request counts, else a 1-token generation."""
-        if self.in_flight():
+        if self.in_flight() or self.released:  # released memory: alive, but cannot generate
             return
         with self.engine_lock:
             self.engine.generate([[self.eos_token_id or 0]], SamplingParams(temperature=0.0, max_new_tokens=1))
@@ -363,7 +395,8 @@ class LocalServerState:
     def server_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
-            "random_seed": self.random_seed, "skip_tokenizer_init": True, "enable_memory_saver": False,
+            "random_seed": self.random_seed, "skip_tokenizer_init": True, "enable_memory_saver": True,
+            "released_memory_tags": sorted(self.released), "memory_releases": self.memory_releases,
             "weight_version": self.weight_version, "version": SERVER_VERSION,
         }
 

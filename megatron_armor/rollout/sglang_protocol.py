@@ -257,11 +257,13 @@ def abort_request(rid: str = "", *, abort_all: bool = False) -> dict[str, Any]:
     return {"rid": rid, "abort_all": abort_all}
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
 def memory_occupation_request(tags: Sequence[str] | None = None) -> dict[str, Any]:
-    """Body for /release_memory_occupation and /resume_memory_occupation; None means all tags."""
-    allowed = {"weights", "kv_cache", "cuda_graph"}
-    if tags is not None and not set(tags) <= allowed:
-        raise ValueError(f"memory tags must be a subset of {sorted(allowed)}, got {list(tags)}")
+    """Body for /release_memory_occupation and /resume_memory_occupation; None means all `MEMORY_TAGS`."""
+    if tags is not None and not set(tags) <= set(MEMORY_TAGS):
+        raise ValueError(f"memory tags must be a subset of {list(MEMORY_TAGS)}, got {list(tags)}")
     return {"tags": None if tags is None else list(tags)}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from megatron_armor.teacher.scorer import TeacherScorer
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.trainer.logprobs import compute_logprobs
+from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.optimizer import OptimizerSettings
 from megatron_armor.trainer.policy_update import LossSettings, update_policy
@@ -132,12 +134,14 @@ class RLTrainer:
         sampling: SamplingParams, scorer: SampleScorer, loss: LossSettings, optim: OptimizerSettings,
         gate: InferenceGapGate | None = None, constraint: SubspaceConstraint | None = None,
         constraint_capture_step: int = 0, anchor_cache: AnchorCache | None = None,
+        memory_handoff: MemoryHandoff | None = None,
     ) -> None:
         self.ctx, self.h, self.plan, self.sampler = ctx, handles, plan, sampler
         self.sampling, self.scorer, self.loss, self.optim = sampling, scorer, loss, optim
         self.gate = gate
         self.constraint, self.constraint_capture_step = constraint, constraint_capture_step
         self.anchor_cache = anchor_cache
+        self.memory_handoff = memory_handoff
         self.optimizer_steps = 0
         self.engine_holds: set[str] = {"actor"}  # "actor" / "ref": meaningful for a shared engine only
 
@@ -330,19 +334,23 @@ class RLTrainer:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
         gate it; adds the metrics to `metrics` and returns the step's prompt + response token count."""
         t0 = time.perf_counter()
-        prepared = self.prepare_batch(groups)
-        metrics.update(self.batch_metrics(prepared))
-        snapshot = (
-            TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps, self.constraint)
-            if self.gate else None
-        )
-        update = update_policy(
-            self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
-            loss=self.loss, optim=self.optim, rl_step=step, constraint=self.constraint,
-        )
+        handoff = self.memory_handoff.training_phase() if self.memory_handoff else contextlib.nullcontext()
+        with handoff:  # colocated servers free the GPU for logprobs and the update
+            prepared = self.prepare_batch(groups)
+            metrics.update(self.batch_metrics(prepared))
+            snapshot = (
+                TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps, self.constraint)
+                if self.gate else None
+            )
+            update = update_policy(
+                self.h.actor, self.h.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
+                loss=self.loss, optim=self.optim, rl_step=step, constraint=self.constraint,
+            )
         self.optimizer_steps += update.optimizer_steps
         metrics.update(update.metrics)
         metrics["perf/train_seconds"] = time.perf_counter() - t0
+        if self.memory_handoff is not None:
+            metrics["perf/memory_handoff_seconds"] = self.memory_handoff.seconds
         metrics.update(self.sync_actor_to_engine().metrics())
         if snapshot is not None:
             t_gate = time.perf_counter()

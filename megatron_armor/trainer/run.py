@@ -29,6 +29,7 @@ from megatron_armor.teacher.serve_cli import TeacherServerSettings
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
 from megatron_armor.trainer.logprobs import ScoringSettings, resolve_logprob_head
+from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
@@ -146,9 +147,10 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         subspace_constraint(actor, cfg.train.subspace_k, cfg.train.subspace_mode) if cfg.train.subspace_capture_step else None
     )
     anchor_cache = AnchorCache(cfg.rollout.anchor_cache_max_prompts) if cfg.rollout.cache_anchors else None
+    handoff = MemoryHandoff([handles.actor_engine, handles.ref_engine]) if cfg.rollout.release_memory else None
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
                         constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step,
-                        anchor_cache=anchor_cache)
+                        anchor_cache=anchor_cache, memory_handoff=handoff)
     modules = {"actor": ddp, "optimizer": optimizer}
     if constraint is not None:
         modules["subspace"] = constraint

@@ -87,6 +87,29 @@ def test_aborts_match_rids_as_sglang_and_busy_server_refuses_flush(server, ready
     assert http_call(ready_url, "/resume_memory_occupation", {"tags": None}) is None
 
 
+def test_released_memory_refuses_generation_and_weight_loads_until_resumed(server, ready_url):
+    name = "model.norm.weight"
+    weights = [(name, torch.full_like(server.state.engine.named_parameters_hf()[name], 0.5))]
+    generate = {"input_ids": [5, 6], "sampling_params": {"temperature": 0.0, "max_new_tokens": 2}}
+    releases = http_call(ready_url, "/server_info", method="GET")["memory_releases"]
+    http_call(ready_url, "/release_memory_occupation", {"tags": ["weights"]})
+    with pytest.raises(ServerError, match=r"HTTP 400.*\['weights'\] is released"):
+        http_call(ready_url, "/generate", generate)
+    with pytest.raises(ServerError, match="HTTP 400.*weight update"):
+        http_call(ready_url, "/update_weights_from_tensor", _tensor_update(weights)[1])
+    http_call(ready_url, "/release_memory_occupation", {"tags": None})  # the rest too
+    http_call(ready_url, "/resume_memory_occupation", {"tags": ["weights", "cuda_graph"]})
+    with pytest.raises(ServerError, match=r"\['kv_cache'\] is released"):
+        http_call(ready_url, "/generate", generate)
+    http_call(ready_url, "/health_generate", method="GET")  # alive while released
+    http_call(ready_url, "/resume_memory_occupation", {"tags": None})
+    info = http_call(ready_url, "/server_info", method="GET")
+    assert info["released_memory_tags"] == [] and info["memory_releases"] == releases + 2
+    assert len(http_call(ready_url, "/generate", generate)["output_ids"]) == 2
+    with pytest.raises(ServerError, match="HTTP 400.*subset"):
+        http_call(ready_url, "/release_memory_occupation", {"tags": ["gpu"]})
+
+
 def _tensor_update(named, load_format="flattened_bucket", **options):
     payload = proto.tensor_payload(named, load_format)
     return payload, proto.update_weights_from_tensor_request(payload, load_format=load_format, **options)
