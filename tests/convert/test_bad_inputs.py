@@ -104,9 +104,11 @@ def test_existing_checkpoint_needs_overwrite(hf_copy, tmp_path, capsys, monkeypa
     assert "already holds a Megatron checkpoint; pass --overwrite" in capsys.readouterr().err
     assert (out / INFO_FILE).read_text() == "{}"
     # With --overwrite, a worker failure still leaves the old checkpoint untouched and no staging dir.
-    monkeypatch.setattr(workers.subprocess, "call", lambda command: 1)
+    worker_envs = []
+    monkeypatch.setattr(workers.subprocess, "call", lambda command, env: worker_envs.append(env) or 1)
     assert convert(hf_copy, out, "--overwrite") == 1
     assert "failed in a worker process" in capsys.readouterr().err
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in worker_envs] == [""]  # conversion workers claim no GPU
     assert (out / INFO_FILE).read_text() == "{}" and not staging_dir(out).exists()
 
 
