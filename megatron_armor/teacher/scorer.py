@@ -154,19 +154,24 @@ class RemoteTeacher(TeacherScorer):
 def on_first_rank(fn: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
     """Collective over `group` (default: world): run `fn` on its first rank, share the result with all.
 
-    A `TeacherError` or `ModelConfigError` raised by `fn` is raised on every rank of the group.
+    Whatever `fn` raises is raised on every rank of the group, so none waits for a result that never
+    comes: a `ModelConfigError` as itself, anything else as a `TeacherError` naming the original (on
+    the first rank chained to it).
     """
     result: list[Any] = [None]
+    failure: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
             result[0] = ("ok", fn())
-        except (TeacherError, ModelConfigError) as error:
-            result[0] = (type(error).__name__, str(error))
+        except Exception as error:  # noqa: BLE001 - every rank must learn of any failure
+            failure = error
+            message = str(error) if isinstance(error, (TeacherError, ModelConfigError)) else f"{type(error).__name__}: {error}"
+            result[0] = ("ModelConfigError" if isinstance(error, ModelConfigError) else "TeacherError", message)
     dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     kind, value = result[0]
     if kind == "ok":
         return value
-    raise (ModelConfigError if kind == "ModelConfigError" else TeacherError)(value)
+    raise (ModelConfigError if kind == "ModelConfigError" else TeacherError)(value) from failure
 
 
 def connect_remote_teacher(
