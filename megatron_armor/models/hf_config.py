@@ -70,6 +70,7 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         raise ModelConfigError(f"{source}: num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
     if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
         raise ModelConfigError(f"{source}: biased {arch} projections (attention_bias/mlp_bias) are not supported")
+    _refuse_unsupported_attention_and_activation(hf, source)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return ModelShape(
         arch=arch,
@@ -88,6 +89,17 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         qk_norm=arch == "qwen3",
         rope_scaling_factor=_rope_scaling_factor(rope, source),
     )
+
+
+def _refuse_unsupported_attention_and_activation(hf: dict, source: str) -> None:
+    """Options the Megatron model here does not build (SwiGLU with SiLU, full causal attention in every
+    layer): refused rather than converted into a different model."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported; supported: 'silu' (SwiGLU)")
+    windowed = sorted({kind for kind in hf.get("layer_types") or [] if kind != "full_attention"})
+    if hf.get("use_sliding_window") or windowed:
+        raise ModelConfigError(f"{source}: sliding-window attention (use_sliding_window / layer_types {windowed}) is "
+                               f"not supported; supported: full attention in every layer")
 
 
 def _rope_scaling_factor(rope: dict, source: str) -> float | None:

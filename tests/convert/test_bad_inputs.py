@@ -66,6 +66,17 @@ def test_unknown_architecture_lists_supported(hf_copy, tmp_path, capsys):
     assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported", "'llama', 'qwen2', 'qwen3'")
 
 
+@pytest.mark.parametrize("edit, phrase", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"use_sliding_window": True}, "sliding-window attention"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types ['sliding_attention']"),
+])
+def test_options_the_model_would_not_build_are_refused(hf_copy, tmp_path, capsys, edit, phrase):
+    edit_config(hf_copy, **edit)
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(hf_copy, out), out, phrase)
+
+
 def test_missing_shard(hf_copy, tmp_path, capsys):
     missing = shard_files(hf_copy)[1]
     missing.unlink()
