@@ -38,7 +38,9 @@ def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[Dis
     and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
 
     DDP checks gradients for NaN/Inf before reducing them and raises (naming the rank) instead of
-    letting a non-finite update reach the weights.
+    letting a non-finite update reach the weights. Weight decay applies to every parameter, biases and
+    norm weights too, as verl's single-group AdamW (armor.md §6); Megatron's own exemption of those
+    needs its scheduler, which is not used here (`learning_rate` sets the rate per RL step).
     """
     config = model.config
     config.finalize_model_grads_func = finalize_model_grads
@@ -68,9 +70,11 @@ def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[Dis
 def learning_rate(rl_step: int, settings: OptimizerSettings) -> float:
     """lr * min(1, (rl_step + 1) / warmup_steps): linear warmup over `warmup_steps` RL steps, then constant.
 
-    As verl's `constant` style, whose scheduler steps once per RL step (`update_actor`): every
-    mini-batch of RL step `rl_step` (0-based) uses this rate, so the first step already uses
-    lr / warmup_steps and a resumed run gets its rate back from the step number alone.
+    As verl's `constant` style, the schedule advances once per RL step (`update_actor`): every
+    mini-batch of RL step `rl_step` (0-based) uses this rate, and a resumed run gets its rate back
+    from the step number alone. One step ahead of verl, whose scheduler steps after the update and so
+    runs RL step k at k / warmup_steps (its first step at lr 0, an update that changes nothing): here
+    the first step already uses lr / warmup_steps and full lr is reached at step warmup_steps - 1.
     """
     if settings.warmup_steps == 0:
         return settings.lr

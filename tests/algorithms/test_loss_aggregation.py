@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hf_reference import assert_same_grads
 from megatron_armor.algorithms import armor_policy_loss, sampler_corrected_loss
 from megatron_armor.algorithms.reduce import aggregate_loss, aggregation_units
 
@@ -59,81 +60,16 @@ def test_policy_losses_take_the_aggregation():
 
 
 # ----- the trainer's MIPU loss through Megatron: micro-batching and data parallelism ---------------------------
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; Megatron and HF sum in different orders
-KL_COEF = 1e-3
-
-
-@pytest.fixture(scope="module")
-def mipu_case(tiny_model_factory, tmp_path_factory):
-    """A tiny model, a batch of 5 responses of different lengths with old/ref/engine logprobs, and, per
-    aggregation, the single-process reference: -J_S1 + 1e-3 * KL (k3) and its gradients, written out
-    response by response on the HF model."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_armor.data.types import Sample
-    from megatron_armor.trainer.batch import build_sequence_batch
-
-    model_dir = tiny_model_factory()
-    g = torch.Generator().manual_seed(7)
-    samples = []
-    for i, (prompt_len, response_len) in enumerate([(3, 9), (5, 2), (2, 6), (4, 11), (6, 4)]):
-        prompt = torch.randint(1, 120, (prompt_len,), generator=g).tolist()
-        response = torch.randint(1, 120, (response_len,), generator=g).tolist()
-        samples.append(Sample(i, prompt, response, [0.0] * response_len, "stop", False))
-    batch = build_sequence_batch(samples, [1.0, -1.0, 0.5, -0.5, 2.0], pad_token_id=0)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    logp = torch.log_softmax(hf(batch.input_ids).logits, -1).gather(-1, batch.labels[..., None])[..., 0]
-    mask = batch.response_mask
-    batch.old_logprobs = (logp.detach() + 0.3 * torch.randn(logp.shape, generator=g)) * mask  # ratios beyond 1 +- 0.2
-    batch.ref_logprobs = (batch.old_logprobs + 0.2 * torch.randn(logp.shape, generator=g)) * mask
-    batch.engine_logprobs = (batch.old_logprobs + 0.8 * torch.randn(logp.shape, generator=g)) * mask  # w around 2
-    path = tmp_path_factory.mktemp("mipu-batch") / "batch.pt"
-    torch.save(batch, path)
-
-    policy, kl = [], []  # per response: [T_i] token terms
-    for i in range(batch.size):
-        t = mask[i].bool()
-        a = batch.advantages[i]
-        wbar = (batch.old_logprobs[i, t] - batch.engine_logprobs[i, t]).exp().clamp(max=2.0)
-        r = (logp[i, t] - batch.old_logprobs[i, t]).exp()
-        l_clip = torch.minimum(r * a, r.clamp(0.8, 1.2) * a)
-        policy.append(-wbar * (torch.maximum(l_clip, 1.4 * a) if a < 0 else l_clip))
-        d = batch.ref_logprobs[i, t] - logp[i, t]
-        kl.append(d.exp() - d - 1)
-    means = {
-        "seq_mean_token_mean": lambda terms: torch.stack([x.mean() for x in terms]).mean(),
-        "token_mean": lambda terms: torch.cat(terms).mean(),
-    }
-    params = dict(hf.named_parameters())
-    reference = {}
-    for aggregation, mean in means.items():
-        policy_loss, kl_loss = mean(policy), mean(kl)
-        grads = torch.autograd.grad(policy_loss + KL_COEF * kl_loss, list(params.values()), retain_graph=True)
-        reference[aggregation] = {"grads": dict(zip(params, grads)), "policy_loss": policy_loss.item(),
-                                  "kl_to_ref": kl_loss.item()}
-    return model_dir, path, reference
-
-
-def _assert_same_grads(grads, expected):
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
-
-
-def test_mipu_loss_is_exact_under_micro_batching_and_data_parallelism(mipu_case, tmp_path):
+def test_mipu_loss_is_exact_under_micro_batching_and_data_parallelism(mipu_case, loss_workers):
     """Two data-parallel ranks (3 and 2 responses), micro-batches of 1 or all: the gradients and loss
-    metrics equal the single-process per-response reference of each aggregation."""
-    from launcher import run_workers
-
-    model_dir, batch_path, reference = mipu_case
+    metrics equal the single-process per-response reference of each aggregation (conftest.py `mipu_case`)."""
+    _, _, reference = mipu_case
     token, seq = reference["token_mean"]["grads"], reference["seq_mean_token_mean"]["grads"]
     assert any(not torch.allclose(token[n], seq[n], rtol=1e-2) for n in token)  # the modes differ on this batch
-    run_workers("loss_aggregation.py", 2, tmp_path, str(model_dir), str(batch_path))
-    for rank in (0, 1):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, results in enumerate(loss_workers):
         for aggregation, expected in reference.items():
             for micro in ("one", "whole"):
                 result = results[f"{aggregation}/{micro}"]
-                _assert_same_grads(result["grads"], expected["grads"])
+                assert_same_grads(result["grads"], expected["grads"])
                 for name in ("policy_loss", "kl_to_ref"):
                     assert result["metrics"][f"loss/{name}"] == pytest.approx(expected[name], rel=1e-5), (rank, micro)

@@ -1,25 +1,31 @@
-"""Worker: MIPU loss gradients and metrics of a fixed batch under each loss aggregation and micro-batch size.
+"""Worker: MIPU loss gradients and metrics of a fixed batch under each loss aggregation and micro-batch size;
+optionally an ARMOR case: its gradient, RL steps through update_policy and optimizer steps on given gradients.
 
-argv: out_dir model_dir batch_path. The batch (a pickled `SequenceBatch` with old/ref logprobs) is
-dealt to data-parallel ranks as rows rank, rank + dp, ... Every rank saves `rank<r>.pt`:
+argv: out_dir model_dir batch_path [armor_case_path]. The batch (a pickled `SequenceBatch` with old/ref
+logprobs) is dealt to data-parallel ranks as rows rank, rank + dp, ... Every rank saves `rank<r>.pt`:
 {"<aggregation>/<micro>": {"grads": full HF-named gradients, "metrics": update_policy's}} with
-micro-batches of one sequence ("one") and of the whole local batch ("whole").
+micro-batches of one sequence ("one") and of the whole local batch ("whole"), and "armor" (see `armor_run`).
 """
 
 import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
-from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
+from megatron_armor.convert.weights import (  # noqa: E402
+    gather_all_stages_hf_weights, hf_parameter_source, load_hf_weights,
+)
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.trainer.logprobs import forward_backward  # noqa: E402
-from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.optimizer import (  # noqa: E402
+    OptimizerSettings, learning_rate, optimizer_step, wrap_for_training, zero_grads,
+)
 from megatron_armor.trainer.policy_update import (  # noqa: E402
     LossSettings, SamplerCorrection, policy_loss_fn, update_policy,
 )
@@ -46,6 +52,56 @@ for aggregation in ("token_mean", "seq_mean_token_mean"):
         update = update_policy(ddp, optimizer, [local], micro_batch_size=micro_batch_size, loss=loss, optim=optim,
                                rl_step=0)
         results[f"{aggregation}/{micro}"] = {"grads": grads, "metrics": update.metrics}
+
+
+def armor_run(case: dict) -> dict:
+    """The ARMOR case (tests/algorithms/conftest.py `armor_case`), on fresh models from model_dir:
+    "grads" (full HF-named) and "sums" (this rank's loss-callback sums) of the whole batch at the initial
+    weights; "updates": per RL step of case["steps"] (rl_step, mini-batches as global rows), update_policy's
+    metrics and the weights after it; "steps": per (rl_step, HF-named gradient) of case["injected"], the
+    weights after `optimizer_step` at `learning_rate(rl_step)` with that gradient in the grad buffers."""
+    loss, optim, batch = LossSettings(**case["loss"]), OptimizerSettings(**case["optim"]), case["batch"]
+
+    def local(rows):
+        return batch.select(torch.tensor(list(rows)[ctx.dp_rank :: ctx.dp_size]))
+
+    def fresh():
+        m = build_gpt_model(shape, transformer_config(shape), trainable=True)
+        load_hf_weights(m, model_dir, shape)
+        return wrap_for_training(m, optim)
+
+    def hf_weights(d):
+        return {name: w.clone() for name, w in gather_all_stages_hf_weights(d.module, shape)}
+
+    out = {}
+    ddp, optimizer = fresh()
+    outputs = forward_backward(ddp, list(local(range(batch.size)).micro_batches(2)), policy_loss_fn(loss),
+                               scoring=loss.scoring(), forward_only=False)
+    out["grads"] = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
+    out["sums"] = {name: sum(float(o[name]) for o in outputs) for name in outputs[0]}
+    zero_grads(ddp, optimizer)
+    out["updates"] = []
+    for rl_step, mini_batches in case["steps"]:
+        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches], micro_batch_size=1, loss=loss,
+                               optim=optim, rl_step=rl_step)
+        out["updates"].append({"metrics": update.metrics, "weights": hf_weights(ddp)})
+
+    ddp, optimizer = fresh()
+    out["steps"] = []
+    for k, (rl_step, grads) in enumerate(case["injected"]):
+        grads_dir = Path(out_dir) / f"grads-rank{ctx.rank}-{k}"  # read back as a checkpoint: HF -> Megatron layout
+        grads_dir.mkdir()
+        save_file({name: g.contiguous() for name, g in grads.items()}, grads_dir / "model.safetensors")
+        source = hf_parameter_source(ddp.module, grads_dir, shape)
+        for name, param in ddp.module.named_parameters():
+            param.main_grad.copy_(source(name))
+        step = optimizer_step(ddp, optimizer, learning_rate(rl_step, optim))
+        out["steps"].append({"grad_norm": step.grad_norm, "updated": step.updated, "weights": hf_weights(ddp)})
+    return out
+
+
+if len(sys.argv) > 4:
+    results["armor"] = armor_run(torch.load(sys.argv[4], weights_only=False))
 torch.save(results, Path(out_dir) / f"rank{ctx.rank}.pt")
 write_result(out_dir, {"local_size": local.size})
 destroy_distributed()
