@@ -100,8 +100,8 @@ class RolloutConfig:
         "tensor", "how weights reach the SGLang servers (backend sglang): tensor = /update_weights_from_tensor with "
         "shared-memory / CUDA-IPC handles, for servers on the trainer's host (colocated); distributed = a process "
         "group with the servers and /update_weights_from_distributed broadcasts (gloo on CPU, nccl on GPU), for "
-        "servers on other hosts (disaggregated); disk = a safetensors file in weight_sync_dir and "
-        "/update_weights_from_disk (fallback)"
+        "servers on other hosts (disaggregated); disk = safetensors files (one per bucket) in a fresh subdirectory "
+        "of weight_sync_dir and /update_weights_from_disk (fallback)"
     )
     weight_sync_dir: str | None = _f(None, "directory the servers can read, for weight_sync disk")
     router: Literal["auto", "sglang", "none"] = _f(

@@ -357,7 +357,8 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push HF-named tensors to every server the way slime does: pause generation (abort mode), flush,
-        push in buckets of `bucket_bytes` by `config.weight_sync`, continue. The push ends with a flush and
+        push in buckets of `bucket_bytes` by `config.weight_sync`, continue. `named_tensors` is drawn lazily,
+        bucket by bucket as the push goes (a gather runs alongside it). The push ends with a flush and
         weight_version n on the n-th successful push. Whatever fails, every server is asked to continue;
         if that fails too, it is noted on the error raised."""
         try:
@@ -365,7 +366,7 @@ class SGLangEngine(RolloutEngine):
             if self._servers_restarted():
                 self._transport.close()  # a restarted server lost the transport's state (its weight-update group)
             self.flush_cache()
-            self._transport.push(list(named_tensors), str(self._weight_version + 1))
+            self._transport.push(named_tensors, str(self._weight_version + 1))
             self._weight_version += 1
         except BaseException as error:
             self._continue_generation(noting=error)

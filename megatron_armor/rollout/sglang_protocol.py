@@ -8,8 +8,7 @@ are SGLang's own (ForkingPickler, allowlisted unpickling): `tensor_serialization
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -172,7 +171,7 @@ def sampling_from_body(params: dict[str, Any]) -> RequestSampling:
 # ---------------------------------------------------------------- /update_weights_from_tensor
 
 
-def _payload_align(load_format: LoadFormat) -> int:
+def payload_align(load_format: LoadFormat) -> int:
     """SGLang's flattened_bucket has no padding; load_format null sends views, so every tensor starts at a
     multiple of the largest element size (16 bytes) and none needs a copy of its own."""
     return 1 if load_format == "flattened_bucket" else 16
@@ -180,7 +179,7 @@ def _payload_align(load_format: LoadFormat) -> int:
 
 def payload_bytes(named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat) -> int:
     """Bytes `tensor_payload` packs `named_tensors` into (the staging buffer it needs)."""
-    layout = tensor_serialization.flattened_layout(named_tensors, _payload_align(load_format))
+    layout = tensor_serialization.flattened_layout(named_tensors, payload_align(load_format))
     return layout[-1].end_idx if layout else 0
 
 
@@ -194,7 +193,7 @@ def tensor_payload(
     "flattened_bucket": SGLang's {flattened_tensor, metadata} dict; null: [(name, view into the buffer)].
     Keep the payload alive, and `staging` unchanged, until every server has answered: the request carries
     handles into it, not its bytes."""
-    bucket = tensor_serialization.flatten_bucket(named_tensors, out=staging, align=_payload_align(load_format))
+    bucket = tensor_serialization.flatten_bucket(named_tensors, out=staging, align=payload_align(load_format))
     if load_format == "flattened_bucket":
         return bucket
     return tensor_serialization.unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"])
@@ -226,18 +225,25 @@ def named_tensors_from_request(body: dict[str, Any], tp_rank: int = 0) -> list[t
 
 
 def bucket_named_tensors(
-    named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Split into consecutive buckets of at most `bucket_bytes` (a larger tensor gets its own bucket)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = []
-    size = math.inf
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, align: int = 1
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Consecutive buckets of at most `bucket_bytes` as (bucket, is_last), drawn lazily from `named_tensors`.
+
+    A bucket's size is its `flattened_layout` end with `align` (`payload_align`); a larger tensor gets its own
+    bucket. A bucket is yielded once the next tensor is drawn (or the input ends), so `is_last` is known; the
+    generator holds at most the bucket being filled and that one tensor.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    end = 0  # bytes of `bucket`'s layout
     for name, tensor in named_tensors:
-        if size + tensor.nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += tensor.nbytes
-    return buckets
+        start = -(-end // align) * align
+        if bucket and start + tensor.nbytes > bucket_bytes:
+            yield bucket, False
+            bucket, start = [], 0
+        bucket.append((name, tensor))
+        end = start + tensor.nbytes
+    if bucket:
+        yield bucket, True
 
 
 # ---------------------------------------------------------------- control endpoints

@@ -13,8 +13,8 @@ from megatron_armor.rollout.base import RolloutEngine
 
 @dataclass(frozen=True)
 class SyncReport:
-    """One sync: `bytes` and `tensors` sent; `seconds` from the first gathered tensor until the engine has
-    them (the gather is lazy, so it is included)."""
+    """One sync: `bytes` and `tensors` sent, counted as the engine draws them; `seconds` from the call until
+    the engine has them (it draws the lazy gather as it pushes, so the gather is included)."""
 
     bytes: int
     tensors: int

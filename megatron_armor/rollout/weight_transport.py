@@ -6,21 +6,23 @@
   every server TP rank, formed on the first push and again after a failed one; per bucket,
   /update_weights_from_distributed goes to all servers while rank 0 broadcasts (the servers' replies
   come after the broadcast, so both run at once, as slime does). gloo for CPU tensors, NCCL for CUDA ones.
-- `DiskTransport` ("disk", fallback): one safetensors file in a directory the servers can read,
-  then /update_weights_from_disk.
+- `DiskTransport` ("disk", fallback): one safetensors file per bucket in a fresh subdirectory of a
+  directory the servers can read, then /update_weights_from_disk.
 
-Each `push` ends with flush_cache and the new weight_version on its last request. `close()` releases
-what a transport holds on either side; the next push sets it up again.
+Each `push` draws its tensors lazily (`proto.bucket_named_tensors`) and sends bucket by bucket, so the
+trainer's gather runs as the buckets go out and this side holds about two buckets at a time, never the
+whole model. Each push ends with flush_cache and the new weight_version on its last request. `close()`
+releases what a transport holds on either side; the next push sets it up again.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import shutil
 import socket
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,7 +37,7 @@ from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout import tensor_serialization, weight_group
 from megatron_armor.utils.net import free_port
 
-NamedTensors = Sequence[tuple[str, torch.Tensor]]
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -53,14 +55,15 @@ class TransportConfig:
     bucket_bytes: int  # weights per request (slime's --update-weight-buffer-size)
     load_format: proto.LoadFormat  # "flattened_bucket" (a bucket travels as one uint8 tensor) or None (tensor by tensor)
     group_timeout_s: float = 300.0  # forming the distributed group, and each broadcast in it
-    disk_dir: str | None = None  # weight_sync disk: where the safetensors file is written
+    disk_dir: str | None = None  # weight_sync disk: where each push's safetensors files are written
 
 
 class TensorTransport:
-    """Buckets (either load_format) are staged in two buffers of the largest bucket's size, kept between
-    pushes: in /dev/shm for CPU tensors (one copy on this side, no fresh pages to fault in after the first
-    push), on the tensors' GPU for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). While the
-    servers load bucket k from one buffer, bucket k+1 is packed into the other, so the two copies overlap.
+    """Buckets (either load_format) are staged in two buffers of the bucket budget (`bucket_bytes`; a
+    buffer grows when a bucket of one larger tensor needs more), kept between pushes: in /dev/shm for CPU
+    tensors (one copy on this side, no fresh pages to fault in after the first push), on the tensors' GPU
+    for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). While the servers load bucket k from
+    one buffer, bucket k+1 is drawn and packed into the other, so the gather, the copy and the load overlap.
 
     `close()`, or at the latest interpreter exit, drops the buffers; a CPU buffer's /dev/shm segment goes
     once no process maps it. Except after a failed push: each body adds a reference to the segment that
@@ -68,25 +71,24 @@ class TensorTransport:
     It cannot be released here: the client cannot tell whether a failed server unpickled its body, and
     dropping a reference the server already dropped is as wrong as keeping one it did not. Such a segment
     stays until torch's shm manager exits (once this process and the servers that mapped it have). Every
-    push sends only the two buffers, so failures leave at most those two behind."""
+    push sends only the two buffers, replaced only by larger ones, so failures leave at most those behind."""
 
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         self.servers, self.post_all, self.config = servers, post_all, config
-        self._staging: list[torch.Tensor] = []  # [] or two uint8 buffers; a list so the finalizer can empty it
+        self._staging: dict[int, torch.Tensor] = {}  # slot 0/1 -> [>= bucket_bytes] uint8; emptied by the finalizer
         weakref.finalize(self, self._staging.clear)  # also runs at exit, when garbage collection may not
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
-        if buckets:
-            self._ensure_staging(buckets)
+        load_format = self.config.load_format
+        buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes, proto.payload_align(load_format))
         with ThreadPoolExecutor(1) as sender:
             in_flight = None  # the previous bucket's request (its payload stays referenced until it is answered)
-            for n, bucket in enumerate(buckets):
-                last = n == len(buckets) - 1
-                payload = proto.tensor_payload(bucket, self.config.load_format, self._staging[n % 2])
+            for n, (bucket, last) in enumerate(buckets):
+                # Slot n % 2 last held bucket n - 2, whose request was answered before bucket n - 1's went out.
+                payload = proto.tensor_payload(bucket, load_format, self._buffer(n % 2, bucket))
                 bodies = {
                     s.url: proto.update_weights_from_tensor_request(
-                        payload, tp_size=s.tp_size, load_format=self.config.load_format, flush_cache=last,
+                        payload, tp_size=s.tp_size, load_format=load_format, flush_cache=last,
                         weight_version=version if last else None,
                     )
                     for s in self.servers
@@ -97,14 +99,20 @@ class TensorTransport:
             if in_flight is not None:
                 in_flight.result()
 
-    def _ensure_staging(self, buckets: list[NamedTensors]) -> None:
-        """Two [>= largest bucket's payload bytes] uint8 buffers on the tensors' device (shared memory on CPU)."""
-        largest = max(proto.payload_bytes(bucket, self.config.load_format) for bucket in buckets)
-        device = buckets[0][0][1].device
-        if not self._staging or self._staging[0].numel() < largest or self._staging[0].device != device:
-            self._staging.clear()  # release the old pair before allocating the new one
-            self._staging[:] = [torch.empty(largest, dtype=torch.uint8, device=device) if device.type == "cuda"
-                                else tensor_serialization.shared_buffer(largest) for _ in range(2)]
+    def _buffer(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """Staging buffer `slot`: uint8 on the bucket's device (shared memory on CPU) holding at least the
+        bucket's payload. A smaller (or misplaced) one is replaced by one of max(payload, min(bucket_bytes,
+        2 x payload)) bytes: a model smaller than the budget stages in about its own size, a large one
+        reaches the budget in a step or two. No request may reference the slot's buffer."""
+        needed = proto.payload_bytes(bucket, self.config.load_format)
+        device = bucket[0][1].device
+        buffer = self._staging.get(slot)
+        if buffer is None or buffer.numel() < needed or buffer.device != device:
+            size = max(needed, min(self.config.bucket_bytes, 2 * needed))
+            self._staging.pop(slot, None)  # release the old buffer before allocating its successor
+            buffer = self._staging[slot] = (torch.empty(size, dtype=torch.uint8, device=device) if device.type == "cuda"
+                                            else tensor_serialization.shared_buffer(size))
+        return buffer
 
     def close(self) -> None:
         self._staging.clear()
@@ -130,15 +138,11 @@ class DistributedTransport:
         self._device: torch.device | None = None
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        if not named_tensors:
-            return
         try:
-            if self._group is None:
-                self._device = named_tensors[0][1].device
-                self._group = self._form_group(weight_group.backend_for_device(self._device))
-            buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
-            for n, bucket in enumerate(buckets):
-                last = n == len(buckets) - 1
+            for bucket, last in proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes):
+                if self._group is None:  # formed once the first bucket is drawn: its device picks the backend
+                    self._device = bucket[0][1].device
+                    self._group = self._form_group(weight_group.backend_for_device(self._device))
                 update = proto.DistributedUpdate.of(
                     bucket, group_name=self.group_name, load_format=self.config.load_format, flush_cache=last,
                     weight_version=version if last else None,
@@ -193,22 +197,40 @@ class DistributedTransport:
 
 
 class DiskTransport:
+    """Each push writes a fresh subdirectory of `disk_dir`, so the servers never read a mix of two pushes;
+    the previous push's subdirectory is removed once every server has loaded the new one."""
+
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         if not config.disk_dir:
             raise ValueError("weight_sync disk needs a directory the servers can read (rollout.weight_sync_dir)")
-        self.post_all, self.directory = post_all, Path(config.disk_dir)
+        self.post_all, self.config = post_all, config
+        self._loaded: Path | None = None  # the subdirectory the servers loaded last
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        """Write model.safetensors atomically (tmp + rename), then every server reloads it."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        staging = self.directory / "model.safetensors.tmp"
-        save_file({name: t.detach().cpu().contiguous() for name, t in named_tensors}, str(staging))
-        os.replace(staging, self.directory / "model.safetensors")
-        body = proto.update_weights_from_disk_request(str(self.directory.resolve()), weight_version=version)
-        self.post_all("/update_weights_from_disk", lambda s: body)
+        """Write model-NNNNN.safetensors bucket by bucket, then every server loads the subdirectory."""
+        target = Path(self.config.disk_dir) / f"push-{uuid.uuid4().hex[:12]}"
+        target.mkdir(parents=True)
+        try:
+            buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
+            for n, (bucket, _) in enumerate(buckets):
+                save_file({name: t.detach().cpu().contiguous() for name, t in bucket},
+                          str(target / f"model-{n:05d}.safetensors"))
+            if not any(target.iterdir()):  # no tensors: nothing to send, as with the other transports
+                target.rmdir()
+                return
+            body = proto.update_weights_from_disk_request(str(target.resolve()), weight_version=version)
+            self.post_all("/update_weights_from_disk", lambda s: body)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        self.close()
+        self._loaded = target
 
     def close(self) -> None:
-        pass
+        """Remove the subdirectory the servers loaded last (they hold its weights in memory)."""
+        if self._loaded is not None:
+            shutil.rmtree(self._loaded, ignore_errors=True)
+            self._loaded = None
 
 
 TRANSPORTS = {"tensor": TensorTransport, "distributed": DistributedTransport, "disk": DiskTransport}

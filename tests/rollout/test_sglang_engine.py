@@ -91,7 +91,7 @@ def test_update_weights_from_tensor_then_from_disk(engine, model_dir, second_tin
     other = load(second_tiny_model)
     pusher = SGLangEngine(engine.urls, replace(FAST, load_format=load_format, bucket_bytes=64 << 10))
     named = list(other.named_parameters())
-    assert len(proto.bucket_named_tensors(named, pusher.config.bucket_bytes)) > 1  # several requests
+    assert len(list(proto.bucket_named_tensors(named, pusher.config.bucket_bytes))) > 1  # several requests
     pusher.update_weights(named)
     assert_same_generations(engine.generate(PROMPTS, GREEDY), LocalEngine(other).generate(PROMPTS, GREEDY))
     name = "model.layers.1.mlp.down_proj.weight"

@@ -206,9 +206,28 @@ def test_distributed_and_control_bodies_use_sglang_fields():
 
 def test_bucketing_respects_byte_budget_and_order():
     tensors = [(f"w{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]  # float32: 40, 40, 120, 20, 20 bytes
-    buckets = proto.bucket_named_tensors(tensors, bucket_bytes=80)
-    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4"]]
-    assert proto.bucket_named_tensors([], 80) == []
+    buckets = list(proto.bucket_named_tensors(tensors, bucket_bytes=80))
+    assert [([name for name, _ in b], last) for b, last in buckets] == [
+        (["w0", "w1"], False), (["w2"], False), (["w3", "w4"], True)
+    ]
+    assert list(proto.bucket_named_tensors([], 80)) == []
+    odd = [("b", torch.zeros(3, dtype=torch.uint8)), ("f", torch.zeros(4))]  # 16-byte aligned: f at 16, ends at 32
+    assert [len(b) for b, _ in proto.bucket_named_tensors(odd, 24, align=16)] == [1, 1]
+    assert [len(b) for b, _ in proto.bucket_named_tensors(odd, 24)] == [2]
+
+
+def test_bucketing_draws_lazily_one_tensor_ahead():
+    drawn = []
+
+    def source():
+        for i in range(5):
+            drawn.append(i)
+            yield f"w{i}", torch.zeros(10)  # 40 bytes: two per 80-byte bucket
+
+    buckets = proto.bucket_named_tensors(source(), bucket_bytes=80)
+    first, last = next(buckets)
+    assert ([n for n, _ in first], last, drawn) == (["w0", "w1"], False, [0, 1, 2])
+    assert [([n for n, _ in b], last) for b, last in buckets] == [(["w2", "w3"], False), (["w4"], True)]
 
 
 def test_control_bodies():

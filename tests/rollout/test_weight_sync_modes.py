@@ -1,7 +1,9 @@
 """Weight sync into a real `armor serve-local` process in every mode, pause/continue, and group errors."""
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
 from megatron_armor.rollout.weight_group import WORLD_SIZE_KEY
+from megatron_armor.rollout.weight_sync import sync_weights
+from megatron_armor.rollout.weight_transport import TensorTransport, TransportConfig
 from megatron_armor.utils.net import free_port
 
 FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, bucket_bytes=64 << 10, weight_group_timeout_s=60)
@@ -66,6 +70,90 @@ def test_every_mode_makes_server_logprobs_equal_the_trainers(
         before = reference_logprobs(original, g.prompt_ids, g.response_ids)
         assert (want - before).abs().max() > 1e-2  # the push changed what the server computes
     assert http_call(engine.urls[0], "/model_info", method="GET")["weight_version"] == "1"
+
+
+class LiveTensors:
+    """Yields fresh copies of tensors and records the peak bytes of those yielded and still alive."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+        self.peak = 0
+
+    def alive(self) -> int:
+        return sum(t.nbytes for t in (r() for r in self.refs) if t is not None)
+
+    def stream(self, named):
+        for name, tensor in named:
+            copy = tensor.detach().clone()
+            self.refs.append(weakref.ref(copy))
+            self.peak = max(self.peak, self.alive())
+            yield name, copy
+
+
+@pytest.mark.parametrize(
+    "weight_sync, load_format",
+    [("tensor", "flattened_bucket"), ("tensor", None), ("distributed", "flattened_bucket"), ("distributed", None),
+     ("disk", None)],
+)
+def test_every_mode_streams_a_generator_holding_about_two_buckets(
+    engine, model_dir, second_tiny_model, tmp_path, weight_sync, load_format
+):
+    """The push draws the generator as buckets go out (here 40 KiB, below the MLP weights' 44 KiB, so those go
+    alone and the staging buffers grow): at most two buckets and one tensor ahead are alive at once."""
+    trained = dict(load(second_tiny_model).named_parameters())
+    engine.update_weights_from_disk(str(model_dir))
+    config = replace(FAST, bucket_bytes=40 << 10, weight_sync=weight_sync, load_format=load_format,
+                     weight_sync_dir=str(tmp_path / "weights"))
+    pusher, live = SGLangEngine(engine.urls, config), LiveTensors()
+    report = sync_weights(pusher, live.stream(trained.items()))
+    pusher.close()
+    sizes = [t.nbytes for t in trained.values()]
+    assert (report.tensors, report.bytes) == (len(sizes), sum(sizes))
+    largest = max(sizes)
+    assert live.peak <= 2 * max(config.bucket_bytes, largest) + largest < sum(sizes) / 3
+    assert live.alive() == 0  # nothing yielded is kept after the push
+    for name, want in trained.items():
+        got = http_call(engine.urls[0], "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]})
+        torch.testing.assert_close(torch.tensor(got), want.detach(), atol=0, rtol=0)
+
+
+def test_tensor_staging_grows_to_the_budget_only_as_buckets_need():
+    server, sent = SimpleNamespace(url="stub", tp_size=1), []
+    transport = TensorTransport([server], lambda path, body_for: sent.append(body_for(server)),
+                                TransportConfig(bucket_bytes=64, load_format="flattened_bucket"))
+
+    def named():  # buckets of 64, 160 (one tensor over the budget) and 32 bytes
+        return iter([("a", torch.zeros(8)), ("b", torch.zeros(8)), ("c", torch.zeros(40)), ("d", torch.zeros(8))])
+
+    transport.push(named(), "1")
+    staging = dict(transport._staging)
+    assert {slot: buffer.numel() for slot, buffer in staging.items()} == {0: 64, 1: 160}
+    transport.push(named(), "2")
+    assert all(transport._staging[slot] is buffer for slot, buffer in staging.items())  # kept between pushes
+    assert [(b["flush_cache"], b.get("weight_version")) for b in sent] == [
+        (False, None), (False, None), (True, "1"), (False, None), (False, None), (True, "2")
+    ]
+    transport.close()
+    small = TensorTransport([server], lambda path, body_for: None,
+                            TransportConfig(bucket_bytes=1 << 20, load_format="flattened_bucket"))
+    small.push(iter([("a", torch.zeros(16))]), "1")  # a 64-byte model under a 1 MiB budget
+    assert {slot: buffer.numel() for slot, buffer in small._staging.items()} == {0: 128}
+    small.close()
+
+
+def test_disk_push_replaces_the_previous_push_directory(engine, model_dir, tmp_path):
+    name = "model.norm.weight"
+    size = load(model_dir).get_parameter(name).numel()
+    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync="disk", weight_sync_dir=str(tmp_path)))
+    seen = set()
+    for value in (0.5, 0.25):
+        pusher.update_weights(iter([(name, torch.full((size,), value))]))
+        (pushed,) = tmp_path.iterdir()  # the previous push's directory is gone
+        assert pushed not in seen and [f.name for f in pushed.iterdir()] == ["model-00000.safetensors"]
+        seen.add(pushed)
+        assert http_call(engine.urls[0], "/get_weights_by_name", {"name": name}) == [value] * size
+    pusher.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_distributed_group_errors_are_clear(url):
