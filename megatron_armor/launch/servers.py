@@ -122,6 +122,8 @@ class ServerGroup:
         for i in restarted:
             log.warning("%s server %d (%s) had died and was restarted", self.name, i, self.urls[i])
         if self.router is not None and restarted:
+            for i in restarted:  # one that died after the liveness check above is still registered
+                self.router.remove_worker(self.urls[i])
             self.router.add_workers([self.urls[i] for i in restarted])
         return restarted
 
