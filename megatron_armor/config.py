@@ -192,7 +192,11 @@ class AlgorithmConfig:
     mipu_c_start: float = _f(4e-3, "mipu tolerance c at step 0 (accept iff gap proxy >= -c)")
     mipu_c_end: float = _f(1e-3, "mipu tolerance c after the ramp")
     mipu_ramp_steps: int = _f(100, "mipu steps over which c goes linearly from c_start to c_end")
-    mipu_gate_prompts: int = _f(8, "mipu held-out prompts (from the validation set) per gate check")
+    mipu_gate_prompts: int = _f(
+        8, "mipu held-out prompts (from the validation set, scored by reward.val_fn without the overlong penalty) "
+        "per gate check; the gate's accept decisions then depend on validation prompts, so report accuracy on "
+        "a separate test set when that matters"
+    )
     mipu_gate_n: int = _f(8, "mipu responses per held-out prompt (validation group size)")
     opd_beta: float = _f(1.0, "opd reverse-KL coefficient beta of A_t = -beta (log pi_old - log q_teacher)")
     opd_alpha: float = _f(1.0, "opd weight of the distillation advantage; 1 - alpha goes to the GRPO advantage")

@@ -142,7 +142,8 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
         aggregation=algorithm.aggregation,
     )
-    gate = _mipu_gate(cfg, all_val_rows, train_scorer, sampling) if mipu and algorithm.mipu_gate else None
+    # The gate's advantages come from verifier rewards (mipu.md §3): the validation scorer, no overlong penalty.
+    gate = _mipu_gate(cfg, all_val_rows, val_scorer, sampling) if mipu and algorithm.mipu_gate else None
     constraint = (
         subspace_constraint(actor, cfg.train.subspace_k, cfg.train.subspace_mode) if cfg.train.subspace_capture_step else None
     )
