@@ -21,6 +21,9 @@ from megatron_armor.utils.net import free_port
 FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, bucket_bytes=64 << 10, weight_group_timeout_s=60)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5)
+# Every weight_sync mode with each load_format it takes (disk writes safetensors: no load_format).
+SYNC_MODES = [("tensor", "flattened_bucket"), ("tensor", None), ("distributed", "flattened_bucket"),
+              ("distributed", None), ("disk", None)]
 
 
 def load(model_dir):
@@ -50,11 +53,7 @@ def url(engine):
     return engine.urls[0]
 
 
-@pytest.mark.parametrize(
-    "weight_sync, load_format",
-    [("tensor", "flattened_bucket"), ("tensor", None), ("distributed", "flattened_bucket"), ("distributed", None),
-     ("disk", None)],
-)
+@pytest.mark.parametrize("weight_sync, load_format", SYNC_MODES)
 def test_every_mode_makes_server_logprobs_equal_the_trainers(
     engine, model_dir, second_tiny_model, tmp_path, weight_sync, load_format
 ):
@@ -90,11 +89,7 @@ class LiveTensors:
             yield name, copy
 
 
-@pytest.mark.parametrize(
-    "weight_sync, load_format",
-    [("tensor", "flattened_bucket"), ("tensor", None), ("distributed", "flattened_bucket"), ("distributed", None),
-     ("disk", None)],
-)
+@pytest.mark.parametrize("weight_sync, load_format", SYNC_MODES)
 def test_every_mode_streams_a_generator_holding_about_two_buckets(
     engine, model_dir, second_tiny_model, tmp_path, weight_sync, load_format
 ):
