@@ -123,6 +123,11 @@ class RolloutConfig:
         "while the trainer computes and take it back before each weight push (backend sglang; armor ray-train "
         "--placement colocated sets it)"
     )
+    offload_trainer: bool = _f(
+        False, "the trainer's weights, optimizer state and grad buffers leave the GPU for host memory outside its "
+        "training phases (rollouts, weight pushes, validation), so colocated servers fit beside it; costs two "
+        "host-device copies of them per step (armor ray-train --placement colocated sets it; on CPU it saves nothing)"
+    )
     engine_precision: Literal["fp32", "bf16", "fp8"] = _f(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
         "training/inference mismatch of production engines (backend local)"

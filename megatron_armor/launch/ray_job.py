@@ -122,6 +122,7 @@ def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup], *, colocated: bool)
         sglang_ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
         sglang_ref_router_url=router_urls[1] if len(groups) > 1 else None,
         release_memory=cfg.rollout.release_memory or colocated,
+        offload_trainer=cfg.rollout.offload_trainer or colocated,
     )
     cfg = dataclasses.replace(cfg, rollout=rollout)
     validate(cfg)

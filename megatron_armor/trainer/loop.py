@@ -30,6 +30,7 @@ from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.trainer.logprobs import compute_logprobs
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
+from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import OptimizerSettings
 from megatron_armor.trainer.policy_update import LossSettings, update_policy
 from megatron_armor.trainer.rollout_stage import RolloutCounters, SampleScorer, call_seed, generate_samples
@@ -123,6 +124,10 @@ class RLTrainer:
     and engine when the post-update inference gap is out of tolerance. With an `anchor_cache` a
     prompt's anchors are sampled once per reference (see trainer/anchor_cache.py).
 
+    Colocated with its servers, the trainer frees the GPU for them: a `memory_handoff` has the servers
+    release their memory for each training phase, an `offload` parks the trainer's own state for the
+    rest of the step (`trainer_phase`, `weights_resident`).
+
     With one engine shared by both policies, `engine_holds` names the policies whose current weights
     it holds: the actor's after every push of them (engines start with them: run.py pushes them when
     they might not), both right after a reference reset (the reference is then the actor), the
@@ -134,14 +139,14 @@ class RLTrainer:
         sampling: SamplingParams, scorer: SampleScorer, loss: LossSettings, optim: OptimizerSettings,
         gate: InferenceGapGate | None = None, constraint: SubspaceConstraint | None = None,
         constraint_capture_step: int = 0, anchor_cache: AnchorCache | None = None,
-        memory_handoff: MemoryHandoff | None = None,
+        memory_handoff: MemoryHandoff | None = None, offload: TrainerOffload | None = None,
     ) -> None:
         self.ctx, self.h, self.plan, self.sampler = ctx, handles, plan, sampler
         self.sampling, self.scorer, self.loss, self.optim = sampling, scorer, loss, optim
         self.gate = gate
         self.constraint, self.constraint_capture_step = constraint, constraint_capture_step
         self.anchor_cache = anchor_cache
-        self.memory_handoff = memory_handoff
+        self.memory_handoff, self.offload = memory_handoff, offload
         self.optimizer_steps = 0
         self.engine_holds: set[str] = {"actor"}  # "actor" / "ref": meaningful for a shared engine only
 
@@ -311,17 +316,22 @@ class RLTrainer:
         sync and the gate alike, and `train/update_skipped` is 1.
         """
         t0 = time.perf_counter()
+        if self.offload is not None:
+            self.offload.park()  # the rollout phase: the GPU is the servers'
         groups, metrics = self.collect_groups(step)
         t_rollout = time.perf_counter()
         num_tokens = self.train_on(step, groups, metrics) if groups else 0
         metrics["train/update_skipped"] = float(not groups)
-        if self.constraint is not None:
-            if step + 1 == self.constraint_capture_step:
-                self.constraint.capture(step + 1)  # later steps stay in the span of this cumulative update
-            metrics["subspace/projected_steps"] = float(self.constraint.projected_steps)
-        if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
-            self.reset_reference()
-            metrics["armor/ref_reset"] = 1.0
+        with self.weights_resident():
+            if self.constraint is not None:
+                if step + 1 == self.constraint_capture_step:
+                    self.constraint.capture(step + 1)  # later steps stay in the span of this cumulative update
+                metrics["subspace/projected_steps"] = float(self.constraint.projected_steps)
+            if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
+                self.reset_reference()
+                metrics["armor/ref_reset"] = 1.0
+        if self.offload is not None:
+            metrics.update(self.offload.metrics())
         t_end = time.perf_counter()
         metrics.update({
             "perf/rollout_seconds": t_rollout - t0,
@@ -334,12 +344,12 @@ class RLTrainer:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
         gate it; adds the metrics to `metrics` and returns the step's prompt + response token count."""
         t0 = time.perf_counter()
-        handoff = self.memory_handoff.training_phase() if self.memory_handoff else contextlib.nullcontext()
-        with handoff:  # colocated servers free the GPU for logprobs and the update
+        with self.trainer_phase():
             prepared = self.prepare_batch(groups)
             metrics.update(self.batch_metrics(prepared))
-            snapshot = (
-                TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps, self.constraint)
+            snapshot = (  # on the host when the GPU is to be shared until the gate has decided
+                TrainingSnapshot.capture(self.h.actor, self.h.optimizer, self.optimizer_steps, self.constraint,
+                                         to_host=self.offload is not None)
                 if self.gate else None
             )
             update = update_policy(
@@ -367,7 +377,8 @@ class RLTrainer:
             micro_batch_size=self.plan.micro_batch_size, scoring=self.loss.scoring(),
         )
         if not result.accepted:
-            snapshot.restore(self.h.actor, self.h.optimizer, self.constraint)
+            with self.trainer_phase():
+                snapshot.restore(self.h.actor, self.h.optimizer, self.constraint)
             self.optimizer_steps = snapshot.optimizer_steps
             self.sync_actor_to_engine()
             self.gate.rollbacks += 1
@@ -378,6 +389,23 @@ class RLTrainer:
             "mipu/rollbacks": float(self.gate.rollbacks),
             "mipu/gate_reward_mean": result.reward_mean,
         }
+
+    # ----- GPU phases (colocated) ---------------------------------------------------------
+    @contextlib.contextmanager
+    def trainer_phase(self) -> Iterator[None]:
+        """Collective: the trainer owns the GPU inside (logprobs, the update, a rollback, a checkpoint save).
+
+        The servers release their memory (`memory_handoff`) before the trainer's state comes back
+        (`offload`); after the block the optimizer state and grads leave again before the servers
+        take their memory back. The weights stay for the push and the gate that follow.
+        """
+        handoff = self.memory_handoff.training_phase() if self.memory_handoff else contextlib.nullcontext()
+        with handoff, (self.offload.training_phase() if self.offload else contextlib.nullcontext()):
+            yield
+
+    def weights_resident(self) -> contextlib.AbstractContextManager:
+        """The models' weights on the GPU inside the block (a push, a reference reset), parked after if they were."""
+        return self.offload.weights_resident() if self.offload else contextlib.nullcontext()
 
     # ----- weights -------------------------------------------------------------------------
     def sync_actor_to_engine(self) -> SyncReport:
@@ -412,7 +440,8 @@ class RLTrainer:
     def _push(self, policy: str) -> SyncReport:
         h = self.h
         engine, module = (h.actor_engine, h.actor.module) if policy == "actor" else (h.ref_engine, h.ref)
-        report = push_weights(engine, gather_all_stages_hf_weights(module, self.h.shape))
+        with self.weights_resident():
+            report = push_weights(engine, gather_all_stages_hf_weights(module, self.h.shape))
         if self.h.shared_engine:
             self.engine_holds = {policy}
         return report

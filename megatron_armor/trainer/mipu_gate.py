@@ -47,11 +47,14 @@ class TrainingSnapshot:
 
     @classmethod
     def capture(
-        cls, ddp: torch.nn.Module, optimizer, optimizer_steps: int, constraint: SubspaceConstraint | None = None
+        cls, ddp: torch.nn.Module, optimizer, optimizer_steps: int, constraint: SubspaceConstraint | None = None, *,
+        to_host: bool = False,
     ) -> TrainingSnapshot:
+        """Copy the state; `to_host` keeps the copies in CPU memory (a GPU shared with colocated servers)."""
+        device = torch.device("cpu") if to_host else None
         return cls(
-            params=[p.detach().clone() for p in ddp.module.parameters()],
-            optimizer_state=copy.deepcopy(optimizer.state_dict()),
+            params=[p.detach().to(device, copy=True) for p in ddp.module.parameters()],
+            optimizer_state=_copy_tensors(optimizer.state_dict(), device),
             optimizer_steps=optimizer_steps,
             constraint_state=None if constraint is None else constraint.state_dict(),
         )
@@ -64,6 +67,17 @@ class TrainingSnapshot:
         optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
         if constraint is not None:
             constraint.load_state_dict(self.constraint_state)
+
+
+def _copy_tensors(tree, device: torch.device | None):
+    """A deep copy of a state-dict tree whose tensors are copied to `device` (None: where they are)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to(device, copy=True)
+    if isinstance(tree, dict):
+        return {key: _copy_tensors(value, device) for key, value in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(_copy_tensors(value, device) for value in tree)
+    return copy.deepcopy(tree)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[Dis
     needs its scheduler, which is not used here (`learning_rate` sets the rate per RL step).
     """
     config = model.config
+    if config.bf16 and not next(model.parameters()).is_cuda:
+        raise ValueError("model.params_dtype bfloat16 trains through Megatron's mixed-precision optimizer, which "
+                         "needs CUDA tensors: on CPU train in float32")
     config.finalize_model_grads_func = finalize_model_grads
     with megatron_device_scope():
         ddp = DistributedDataParallel(

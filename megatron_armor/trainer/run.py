@@ -32,6 +32,7 @@ from megatron_armor.trainer.logprobs import ScoringSettings, resolve_logprob_hea
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
+from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.policy_update import LossSettings, SamplerCorrection
 from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
@@ -149,9 +150,11 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     )
     anchor_cache = AnchorCache(cfg.rollout.anchor_cache_max_prompts) if cfg.rollout.cache_anchors else None
     handoff = MemoryHandoff([handles.actor_engine, handles.ref_engine]) if cfg.rollout.release_memory else None
+    frozen = [ref] + ([teacher.model] if isinstance(teacher, InProcessTeacher) else [])
+    offload = TrainerOffload(ddp, optimizer, frozen) if cfg.rollout.offload_trainer else None
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
                         constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step,
-                        anchor_cache=anchor_cache, memory_handoff=handoff)
+                        anchor_cache=anchor_cache, memory_handoff=handoff, offload=offload)
     modules = {"actor": ddp, "optimizer": optimizer}
     if constraint is not None:
         modules["subspace"] = constraint
@@ -282,7 +285,9 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             if trainer.anchor_cache is not None:
                 extra["anchor_cache"] = trainer.anchor_cache.state_dict()
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
-            save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last, write_extra=export_model)
+            with trainer.trainer_phase():  # the optimizer state is read from the GPU
+                save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last,
+                                write_extra=export_model)
     metrics_log.close()
     engines = (handles.actor_engine, handles.ref_engine, handles.teacher_engine)
     for engine in {id(e): e for e in engines if e is not None}.values():

@@ -5,9 +5,10 @@ import json
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from megatron_armor.config import load_config
-from megatron_armor.launch.ray_job import RayJobSpec, run_ray_job
+from megatron_armor.launch.ray_job import RayJobSpec, _pointed_at, run_ray_job
 
 CONFIG = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
 
@@ -34,3 +35,16 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
     while ray_cluster.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_cluster.available_resources().get("CPU", 0) == 2  # every actor and placement group released
+
+
+def test_colocated_jobs_hand_the_gpu_over_both_ways():
+    """Colocated: the servers release their memory for training phases, the trainer parks its state for the rest."""
+    cfg = load_config(CONFIG, [])
+    groups = [SimpleNamespace(urls=["http://10.0.0.1:30000"], router=None),
+              SimpleNamespace(urls=["http://10.0.0.1:30001"], router=None)]
+    colocated = _pointed_at(cfg, groups, colocated=True).rollout
+    assert (colocated.backend, colocated.sglang_urls, colocated.sglang_ref_urls) == (
+        "sglang", "http://10.0.0.1:30000", "http://10.0.0.1:30001")
+    assert colocated.release_memory and colocated.offload_trainer
+    disaggregated = _pointed_at(cfg, groups, colocated=False).rollout
+    assert not disaggregated.release_memory and not disaggregated.offload_trainer

@@ -1,5 +1,6 @@
 """MIPU through the trainer with TP=2 on 2 gloo processes and a simulated-FP8 engine: the Step-1 loss,
-the gate's decisions, bit-exact rollback of actor, optimizer and engine, and a full `armor train` run."""
+the gate's decisions, bit-exact rollback of actor, optimizer and engine (with the trainer offloaded
+between its phases, as colocated runs do), and a full `armor train` run."""
 
 import json
 import math
@@ -21,7 +22,10 @@ def _overrides(cache_dir: Path, run_dir: Path) -> list[str]:
 
 
 def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic_cache, tmp_path):
-    ranks = run_workers("mipu_rollback.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, tmp_path / "run"))
+    """rollout.offload_trainer on: the rollback snapshot lives on the host and the restore runs in a
+    training phase; the rollouts run with the actor's weights parked, the gate's with them resident."""
+    ranks = run_workers("mipu_rollback.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, tmp_path / "run"),
+                        "rollout.offload_trainer=true")
     for result in ranks:
         accepted, rejected = result["accepted"], result["rejected"]
         assert accepted["mipu/accepted"] == 1.0 and accepted["mipu/rollbacks"] == 0.0
@@ -30,6 +34,9 @@ def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic
         assert result["reject_restored"] == [True, True, True]
         assert result["optimizer_steps"] == [2, 2]
         assert result["loss_clip"] == [0.2, 0.2, 1.4]  # mipu.md §2: symmetric eps 0.2, dual bound 1 + 2 eps
+        parked = [[True] * int(m["train/num_gen_batches"]) + [False] for m in (accepted, rejected)]
+        assert result["weights_parked_at_generate"] == parked[0] + parked[1]  # each step: rollouts, then the gate
+        assert rejected["memory/trainer_parked_gib"] > 0 and rejected["perf/trainer_offload_seconds"] > 0
         for metrics in (accepted, rejected):
             for key in ("mipu/gap_proxy", "mismatch/k3", "loss/is_weight_mean", "loss/is_truncated_fraction",
                         "loss/policy_loss", "optim/grad_norm"):
@@ -41,12 +48,12 @@ def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic
 def test_mipu_tp2_run_logs_gate_decisions(synthetic_cache, tmp_path):
     run_dir = tmp_path / "run"
     run_workers("train_run.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, run_dir), "train.max_steps=2",
-                "checkpoint.every=2")
+                "checkpoint.every=2", "rollout.offload_trainer=true")  # the checkpoint is saved from a parked trainer
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for key in ("mipu/gap_proxy", "mipu/rollbacks", "mismatch/k3", "train/reward_mean",
-                    "loss/kl_to_ref"):  # the 1e-3 k3 KL-to-reference term of mipu.md §2 is on
+                    "loss/kl_to_ref", "memory/trainer_parked_gib"):  # the 1e-3 k3 KL-to-reference term of mipu.md §2 is on
             assert math.isfinite(row[key]), (key, row)
         t = row["step"] - 1  # the RL step the row logs, from 0
         c_t = 4e-3 + min(t, 100) / 100 * (1e-3 - 4e-3)  # mipu.md §3 with examples/tiny/mipu.yaml's schedule

@@ -2,7 +2,8 @@
 
 argv: out_dir config_yaml overrides... Every rank reports both steps' metrics, whether actor
 weights, optimizer state and engine weights after the rejected step equal (bit for bit) those
-after the accepted one, and the clip settings of the loss it built.
+after the accepted one, and the clip settings of the loss it built. With rollout.offload_trainer
+it also reports, for every generate call, whether the actor's weights were parked during it.
 """
 
 import copy
@@ -26,12 +27,26 @@ trainer = build_training(ctx, cfg, prepare_task(cfg, is_main=ctx.is_main)).train
 
 
 def state():
-    """(actor params, optimizer state, engine weights) of this rank, copied."""
-    return (
-        [p.detach().clone() for p in trainer.h.actor.module.parameters()],
-        copy.deepcopy(trainer.h.optimizer.state_dict()),
-        {n: t.clone() for n, t in trainer.h.actor_engine.named_parameters_hf().items()},
-    )
+    """(actor params, optimizer state, engine weights) of this rank, copied (collective)."""
+    with trainer.trainer_phase():  # the optimizer state may be parked between steps
+        return (
+            [p.detach().clone() for p in trainer.h.actor.module.parameters()],
+            copy.deepcopy(trainer.h.optimizer.state_dict()),
+            {n: t.clone() for n, t in trainer.h.actor_engine.named_parameters_hf().items()},
+        )
+
+
+weights_parked_at_generate = []
+generate = trainer.h.actor_engine.generate
+
+
+def recording_generate(prompts, sampling):
+    params = trainer.h.actor.module.parameters()
+    weights_parked_at_generate.append(all(p.untyped_storage().nbytes() == 0 for p in params))
+    return generate(prompts, sampling)
+
+
+trainer.h.actor_engine.generate = recording_generate
 
 
 def equal(a, b) -> bool:
@@ -63,5 +78,6 @@ write_result(out_dir, {
     "reject_restored": [equal(x, y) for x, y in zip(after_accept, after_reject)],
     "optimizer_steps": [steps_after_accept, trainer.optimizer_steps],
     "loss_clip": [trainer.loss.clip_low, trainer.loss.clip_high, trainer.loss.dual_clip],
+    "weights_parked_at_generate": weights_parked_at_generate,
 })
 destroy_distributed()

@@ -1,0 +1,117 @@
+"""Trainer offload (rollout.offload_trainer) on a real Megatron actor, DDP and optimizer in one process:
+parking frees every storage of the weights, the optimizer state and the grad buffers; restoring gives
+them back bit for bit; training with a park/restore cycle between optimizer steps is bit-identical to
+training without one; a forward pass of parked weights is refused."""
+
+import pytest
+import torch
+
+from megatron_armor.data.types import Sample
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.models.hf_config import load_model_shape
+from megatron_armor.models.loading import load_gpt_model
+from megatron_armor.trainer.batch import build_sequence_batch
+from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.trainer.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
+from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training
+from megatron_armor.trainer.policy_update import LossSettings, update_policy
+
+OPTIM = OptimizerSettings(lr=1e-3, warmup_steps=0, weight_decay=0.1)
+LOSS = LossSettings(alpha=1.0)  # plain dual-clip PPO: no reference logprobs needed
+
+
+@pytest.fixture
+def megatron_world():
+    initialize_distributed(1, 1, 1)
+    yield
+    destroy_distributed()
+
+
+def _trainer_state(checkpoint):
+    shape = load_model_shape(checkpoint)
+    ddp, optimizer = wrap_for_training(load_gpt_model(checkpoint, shape, trainable=True), OPTIM)
+    return ddp, optimizer, load_gpt_model(checkpoint, shape)
+
+
+def _batch(vocab_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    samples = [
+        Sample(i // 2, torch.randint(vocab_size, (5,), generator=g).tolist(),
+               torch.randint(vocab_size, (3 + i,), generator=g).tolist(), [-1.0] * (3 + i), "stop", False)
+        for i in range(4)
+    ]
+    return build_sequence_batch(samples, [1.0, -1.0, 0.5, -0.5], pad_token_id=0)
+
+
+def _update(ddp, optimizer, batch, step: int) -> None:
+    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=2, scoring=ScoringSettings()).logprobs
+    update_policy(ddp, optimizer, [batch], micro_batch_size=2, loss=LOSS, optim=OPTIM, rl_step=step)
+
+
+def _snapshot(ddp, optimizer, ref) -> list[torch.Tensor]:
+    tensors = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer)]
+    return [t.detach().clone() for t in tensors]
+
+
+def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, tiny_model_factory):
+    """fp32 (bf16 training needs CUDA): the optimizer updates the model's parameters themselves, which park
+    with the weights; its own part is the Adam moments."""
+    checkpoint = tiny_model_factory("qwen2")
+    ddp, optimizer, ref = _trainer_state(checkpoint)
+    vocab = load_model_shape(checkpoint).vocab_size
+    _update(ddp, optimizer, _batch(vocab, 0), 0)  # Adam moments exist from here on
+    before = _snapshot(ddp, optimizer, ref)
+    moments = [t for t in optimizer_tensors(optimizer, skip={id(p) for p in ddp.module.parameters()}) if t.dim()]
+    assert len(moments) == 2 * len(list(ddp.module.parameters()))  # exp_avg, exp_avg_sq
+
+    parked = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer),
+              *(b.grad_data for b in ddp.buffers)]  # main_grad: views of grad_data
+    expected = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parked}.values())
+    offload = TrainerOffload(ddp, optimizer, [ref])
+    offload.park()
+    assert all(t.untyped_storage().nbytes() == 0 for t in parked)
+    assert offload.metrics()["memory/trainer_parked_gib"] * 2**30 == expected
+    with pytest.raises(ParkedWeightsError, match="parked"):
+        compute_logprobs(ddp, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
+
+    with offload.weights_resident():  # a weight push between rollouts
+        assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
+        assert all(m.untyped_storage().nbytes() == 0 for m in moments)
+    assert all(p.untyped_storage().nbytes() == 0 for p in ddp.module.parameters())
+
+    with offload.training_phase():
+        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(ddp, optimizer, ref), strict=True))
+        assert all(not b.grad_data.any() for b in ddp.buffers)  # dropped and re-zeroed
+    assert all(m.untyped_storage().nbytes() == 0 for m in moments)  # parked again after the phase...
+    assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())  # ...the weights stay
+
+
+def test_training_through_park_cycles_equals_training_without(megatron_world, tiny_model_factory):
+    checkpoint = tiny_model_factory("qwen2")
+    vocab = load_model_shape(checkpoint).vocab_size
+    finals = []
+    for cycle in (False, True):
+        ddp, optimizer, ref = _trainer_state(checkpoint)
+        initial = [p.detach().clone() for p in ddp.module.parameters()]
+        offload = TrainerOffload(ddp, optimizer, [ref]) if cycle else None
+        for step in range(3):
+            if offload is not None:
+                offload.park()
+                with offload.training_phase():
+                    _update(ddp, optimizer, _batch(vocab, step), step)
+            else:
+                _update(ddp, optimizer, _batch(vocab, step), step)
+        if offload is not None:
+            offload.restore()
+        assert not all(torch.equal(a, b) for a, b in zip(initial, ddp.module.parameters()))  # it trained
+        finals.append(_snapshot(ddp, optimizer, ref))
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+
+
+def test_bf16_training_on_cpu_is_refused_with_the_reason(megatron_world, tiny_model_factory):
+    """The bf16 path (separate fp32 master weights, parked with the optimizer) runs on GPUs only; on CPU
+    Megatron's mixed-precision optimizer would fail with a type error naming CUDA tensor classes."""
+    checkpoint = tiny_model_factory("qwen2")
+    model = load_gpt_model(checkpoint, load_model_shape(checkpoint), params_dtype=torch.bfloat16, trainable=True)
+    with pytest.raises(ValueError, match="on CPU train in float32"):
+        wrap_for_training(model, OPTIM)
