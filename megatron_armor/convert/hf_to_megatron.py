@@ -29,6 +29,8 @@ from megatron_armor.models.hf_config import check_parallel_layout, transformer_c
 def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, overwrite: bool = False) -> Path:
     """Convert `hf_dir` to a Megatron checkpoint at `out` saved at layout tp x pp; returns `out`.
 
+    1 x 1 runs here, initialising (and tearing down) a one-process torch.distributed group: call it
+    outside torchrun. Larger layouts launch tp x pp processes under torchrun, one rank each.
     Every check runs before anything is written; on failure nothing is left at `out` (an existing
     checkpoint there is only replaced, with `overwrite`, once the new one is complete).
     """
@@ -37,11 +39,14 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int, pp: 
     check_parallel_layout(summary.shape, tp, pp)
     check_output_dir(out, overwrite=overwrite, is_checkpoint=is_megatron_checkpoint, kind="Megatron")
     with staged_output(out):
-        run_conversion_workers(
-            tp * pp, ["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", str(tp), "--pp", str(pp),
-                      "--worker"],
-            failure=f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}",
-        )
+        if tp * pp == 1:
+            write_megatron_shards(hf_dir, out, tp=1, pp=1)
+        else:
+            run_conversion_workers(
+                tp * pp, ["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", str(tp), "--pp",
+                          str(pp), "--worker"],
+                failure=f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}",
+            )
     return Path(out)
 
 

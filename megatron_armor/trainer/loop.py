@@ -403,6 +403,11 @@ class RLTrainer:
         with handoff, (self.offload.training_phase() if self.offload else contextlib.nullcontext()):
             yield
 
+    def state_resident(self) -> contextlib.AbstractContextManager:
+        """Collective: all of the trainer's state readable inside (a checkpoint save). Offloaded, that takes a
+        trainer phase (the servers' memory for the optimizer state); otherwise it is always there."""
+        return self.trainer_phase() if self.offload else contextlib.nullcontext()
+
     def weights_resident(self) -> contextlib.AbstractContextManager:
         """The models' weights on the GPU inside the block (a push, a reference reset), parked after if they were."""
         return self.offload.weights_resident() if self.offload else contextlib.nullcontext()

@@ -285,7 +285,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             if trainer.anchor_cache is not None:
                 extra["anchor_cache"] = trainer.anchor_cache.state_dict()
             state = TrainerState(step=done, sampler=sampler.state_dict(), extra=extra)
-            with trainer.trainer_phase():  # the optimizer state is read from the GPU
+            with trainer.state_resident():
                 save_checkpoint(run_dir, done, modules, state, keep_last=cfg.checkpoint.keep_last,
                                 write_extra=export_model)
     metrics_log.close()

@@ -1,6 +1,6 @@
-"""HF -> Megatron (saved at TP=2 x PP=2) -> HF round trips (exported by one process, or one per
-pipeline stage), and logits of the converted checkpoints loaded at TP=1, TP=2 and PP=2 against the
-HF forward, for each supported architecture."""
+"""HF -> Megatron (saved at TP=2 x PP=2, TP=2 or PP=2) -> HF round trips (exported by one process, or
+one per pipeline stage), and logits of the converted checkpoints loaded at TP=1, TP=2 and PP=2 (so
+resharded) against the HF forward, for each supported architecture."""
 
 import json
 import shutil
@@ -29,6 +29,8 @@ VARIANTS = {
     "qwen3-tied-padded": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True, "vocab_size": 100}),
     "llama3-rope-scaling": ("llama", {"rope_scaling_factor": 8.0, "max_position_embeddings": 16384}),
 }
+# Layout each is saved at (tp, pp): every split of the weights, in fewer processes than 2 x 2 each.
+SAVE_LAYOUT = {"qwen2": (2, 2), "qwen3-tied-padded": (2, 1), "llama3-rope-scaling": (1, 2)}
 BF16 = "qwen3-bf16"  # round trip only, saved at TP=1 x PP=1: Megatron holds norm weights in fp32
 # Export shard limit: tiny for qwen2 (several safetensors files + index), default for the others.
 MAX_SHARD_GB = {"qwen2": "0.0001"}
@@ -48,11 +50,12 @@ def bf16_copy(hf_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(tiny_model_factory, tmp_path_factory):
-    """variant -> (HF dir, Megatron checkpoint dir saved at TP=2 x PP=2 (bf16: TP=1 x PP=1)), each converted once."""
+    """variant -> (HF dir, Megatron checkpoint dir saved at SAVE_LAYOUT (bf16: TP=1 x PP=1)), each converted once."""
     made = {}
     for variant, (arch, options) in VARIANTS.items():
         hf_dir = tiny_model_factory(arch, **options)
-        made[variant] = hf_dir, convert_hf_to_megatron(hf_dir, tmp_path_factory.mktemp(variant) / "megatron", tp=2, pp=2)
+        tp, pp = SAVE_LAYOUT[variant]
+        made[variant] = hf_dir, convert_hf_to_megatron(hf_dir, tmp_path_factory.mktemp(variant) / "megatron", tp=tp, pp=pp)
     hf_dir = bf16_copy(tiny_model_factory("qwen3", **VARIANTS["qwen3-tied-padded"][1]), tmp_path_factory.mktemp(BF16) / "hf")
     made[BF16] = hf_dir, convert_hf_to_megatron(hf_dir, hf_dir.parent / "megatron", tp=1, pp=1)
     return made
@@ -63,12 +66,16 @@ def test_round_trip_is_bitwise(variant, converted, tmp_path):
     hf_dir, megatron_dir = converted[variant]
     info = read_checkpoint_info(megatron_dir)
     assert is_megatron_checkpoint(megatron_dir)
-    assert (info.tensor_parallel_size, info.pipeline_parallel_size) == ((1, 1) if variant == BF16 else (2, 2))
+    assert (info.tensor_parallel_size, info.pipeline_parallel_size) == SAVE_LAYOUT.get(variant, (1, 1))
     out = tmp_path / "hf"
-    command = [sys.executable, str(TOOLS / "convert_megatron_to_hf.py"), "--megatron-path", str(megatron_dir),
-               "--out", str(out), "--max-shard-size", MAX_SHARD_GB.get(variant, "2"), "--pp", EXPORT_PP.get(variant, "1")]
-    done = subprocess.run(command, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    args = ["--megatron-path", str(megatron_dir), "--out", str(out), "--max-shard-size", MAX_SHARD_GB.get(variant, "2"),
+            "--pp", EXPORT_PP.get(variant, "1")]
+    if variant == "qwen2":  # the tool, as users run it
+        done = subprocess.run([sys.executable, str(TOOLS / "convert_megatron_to_hf.py"), *args], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+    else:  # the same main in this process (pp 1 exports here, pp 2 launches its stage processes)
+        assert main(["megatron-to-hf", *args]) == 0
 
     original, exported = HFCheckpointReader(hf_dir), HFCheckpointReader(out)
     assert exported.names() == original.names()

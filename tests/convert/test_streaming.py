@@ -3,13 +3,11 @@ refuses checkpoints whose tensors disagree with their config.json."""
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from launcher import run_workers
+from megatron_armor.convert.cli import main
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.convert.mapping import hf_shard_index, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings
@@ -17,8 +15,6 @@ from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR
 from megatron_armor.convert.output_dir import staging_dir
 from megatron_armor.convert.weights import HFCheckpointReader
 from megatron_armor.models.hf_config import load_model_shape
-
-TOOLS = Path(__file__).parents[2] / "tools"
 
 
 def test_import_builds_each_parameter_once_and_frees_it(tiny_model_factory, tmp_path):
@@ -55,12 +51,8 @@ def test_tp_shards_are_built_from_their_slices_alone(tiny_model_factory):
             assert read == exported.numel() * (2 if mapping.layout == "replicated" else 1), name
 
 
-def export(megatron_dir: Path, out: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(TOOLS / "convert_megatron_to_hf.py"), "--megatron-path", str(megatron_dir), "--out", str(out)]
-    return subprocess.run(command, capture_output=True, text=True)
-
-
-def test_export_refuses_tensors_that_disagree_with_config(tiny_model_factory, tmp_path):
+def test_export_refuses_tensors_that_disagree_with_config(tiny_model_factory, tmp_path, capsys):
+    """`armor convert megatron-to-hf` (tools/convert_megatron_to_hf.py calls the same main), in this process."""
     megatron_dir = convert_hf_to_megatron(tiny_model_factory("qwen2"), tmp_path / "m", tp=1, pp=1)
     config = json.loads((megatron_dir / "config.json").read_text())
     cases = {
@@ -72,6 +64,7 @@ def test_export_refuses_tensors_that_disagree_with_config(tiny_model_factory, tm
         shutil.copytree(megatron_dir, edited)
         (edited / "config.json").write_text(json.dumps({**config, **fields}))
         out = tmp_path / f"{name}-hf"
-        done = export(edited, out)
-        assert done.returncode != 0 and phrase in done.stderr, done.stderr[-3000:]
+        assert main(["megatron-to-hf", "--megatron-path", str(edited), "--out", str(out)]) != 0
+        stderr = capsys.readouterr().err
+        assert phrase in stderr, stderr[-3000:]
         assert not out.exists() and not staging_dir(out).exists()
