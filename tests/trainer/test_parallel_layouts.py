@@ -33,44 +33,48 @@ def tied_checkpoints(tmp_path_factory):
                           head_dim=32)
 
 
+# job name -> (tied checkpoints?, tp, pp, head); the jobs of one process count share one launch.
+JOBS = {
+    1: {"base": (False, 1, 1, "torch"), "tied-base": (True, 1, 1, "torch")},
+    2: {"tp2": (False, 2, 1, "torch"), "pp2": (False, 1, 2, "torch"), "dp2": (False, 1, 1, "torch"),
+        "tp2-fused-head": (False, 2, 1, "fused"), "tied-pp2": (True, 1, 2, "torch"),
+        "tied-tp2-fused-head": (True, 2, 1, "fused")},
+    4: {"tp2xpp2": (False, 2, 2, "torch")},
+}
+
+
 @pytest.fixture(scope="module")
-def tied_baseline(tied_checkpoints, tmp_path_factory):
-    return _run(tied_checkpoints, tmp_path_factory.mktemp("tied-base"), 1, 1, 1)[0]
+def runs(checkpoints, tied_checkpoints, tmp_path_factory):
+    """job name -> every rank's result, from one launch per process count."""
+    results = {}
+    for nproc, jobs in JOBS.items():
+        out = tmp_path_factory.mktemp(f"n{nproc}")
+        specs = [",".join(map(str, (name, *(tied_checkpoints if tied else checkpoints), tp, pp, head)))
+                 for name, (tied, tp, pp, head) in jobs.items()]
+        run_workers("layout_parity.py", nproc, out, *specs)
+        results.update({name: [torch.load(out / name / f"rank{r}.pt") for r in range(nproc)] for name in jobs})
+    return results
 
 
-def _run(checkpoints, tmp_path, tp, pp, nproc, head="torch"):
-    out = tmp_path / f"tp{tp}pp{pp}n{nproc}{head}"
-    run_workers("layout_parity.py", nproc, out, str(checkpoints[0]), str(checkpoints[1]), str(tp), str(pp), head)
-    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
-
-
-@pytest.fixture(scope="module")
-def baseline(checkpoints, tmp_path_factory):
-    return _run(checkpoints, tmp_path_factory.mktemp("base"), 1, 1, 1)[0]
-
-
-@pytest.mark.parametrize("tp, pp, nproc, head", [(2, 1, 2, "torch"), (1, 2, 2, "torch"), (1, 1, 2, "torch"),
-                                                 (2, 2, 4, "torch"), (2, 1, 2, "fused")],
-                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-fused-head"])
-def test_layout_matches_single_rank(checkpoints, baseline, tmp_path, tp, pp, nproc, head):
-    ranks = _run(checkpoints, tmp_path, tp, pp, nproc, head)
-    assert ranks[0]["layout"] == (tp, pp, nproc // (tp * pp))
-    assert_same_step(ranks, baseline)
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2xpp2", "tp2-fused-head"])
+def test_layout_matches_single_rank(runs, name):
+    ranks = runs[name]
+    _, tp, pp, head = next(jobs[name] for jobs in JOBS.values() if name in jobs)
+    assert ranks[0]["layout"] == (tp, pp, len(ranks) // (tp * pp))
+    assert_same_step(ranks, runs["base"][0])
     assert_head_gradient_path(ranks, head)
 
 
-def test_tied_embeddings_under_pipeline_parallelism(tied_checkpoints, tied_baseline, tmp_path):
-    ranks = _run(tied_checkpoints, tmp_path, 1, 2, 2)
-    assert "lm_head.weight" not in tied_baseline["grads"]  # tied: exported once, as the embedding
-    assert_same_step(ranks, tied_baseline)
+def test_tied_embeddings_under_pipeline_parallelism(runs):
+    assert "lm_head.weight" not in runs["tied-base"][0]["grads"]  # tied: exported once, as the embedding
+    assert_same_step(runs["tied-pp2"], runs["tied-base"][0])
 
 
-def test_fused_head_on_padded_tied_vocabulary(tied_checkpoints, tied_baseline, tmp_path):
+def test_fused_head_on_padded_tied_vocabulary(runs):
     """Vocabulary 100 padded to 128: at TP=2 the second shard holds rows 64-127, 28 of them padding. The
     output weight is the embedding (Megatron's zero_out_wgrad case); the torch-head TP=1 step is the reference."""
-    ranks = _run(tied_checkpoints, tmp_path, 2, 1, 2, "fused")
-    assert_same_step(ranks, tied_baseline)
-    assert_head_gradient_path(ranks, "fused")
+    assert_same_step(runs["tied-tp2-fused-head"], runs["tied-base"][0])
+    assert_head_gradient_path(runs["tied-tp2-fused-head"], "fused")
 
 
 def assert_same_step(ranks, baseline):
@@ -100,7 +104,8 @@ def assert_head_gradient_path(ranks, head):
     assert flags and all(flag == (head == "fused") for flag in flags), flags
 
 
-def test_baseline_step_is_not_trivial(baseline):
+def test_baseline_step_is_not_trivial(runs):
+    baseline = runs["base"][0]
     # The worker's 0.003 clip binds on part of the second mini-batch; the first, scored at ratio 1, never clips.
     assert 0 < baseline["metrics"]["loss/clip_fraction"] < 1 and baseline["metrics"]["optim/grad_norm"] > 0
     assert any(g.abs().max() > 0 for g in baseline["grads"].values())

@@ -1,9 +1,11 @@
-"""Worker: one ARMOR step on a fixed batch under a given TP x PP (x DP) layout.
+"""Worker: one ARMOR step on a fixed batch under given TP x PP (x DP) layouts, one job after another.
 
-argv: out_dir actor_dir ref_dir tp pp head ("torch" | "fused"). Every rank saves `rank<r>.pt` with its shard's old/ref
-logprobs (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output
-weight's gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last
-stage), the step's loss metrics and the full weights after the step.
+argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head (head "torch" | "fused"); the process
+group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
+a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
+(keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
+gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
+the step's loss metrics and the full weights after the step.
 """
 
 import os
@@ -19,6 +21,8 @@ from launcher import write_result  # noqa: E402
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
@@ -26,18 +30,6 @@ from megatron_armor.trainer.logprobs import forward_backward  # noqa: E402
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan  # noqa: E402
 from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn, update_policy  # noqa: E402
-
-out_dir, actor_dir, ref_dir = sys.argv[1:4]
-tp, pp, head = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-ctx = initialize_distributed(tp, pp, seed=0)
-shape = load_model_shape(actor_dir)
-
-
-def model(path, trainable):
-    m = build_gpt_model(shape, transformer_config(shape, tp_size=tp, pp_size=pp), trainable=trainable)
-    load_hf_weights(m, path, shape)
-    return m
-
 
 def fixed_groups(num_groups=4, group_size=4):
     """Random sequences of varying length; one correct anchor closes each group."""
@@ -55,40 +47,58 @@ def fixed_groups(num_groups=4, group_size=4):
     return groups
 
 
-optim = OptimizerSettings(lr=1e-3, warmup_steps=0)
-ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
-handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
-                        actor_engine=None, ref_engine=None, pad_token_id=0)
-plan = StepPlan(algorithm="armor", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3, ref_n=1,
-                filter_groups=True, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
-                ref_reset_period=0, seed=0)
-# A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
-# layouts are compared on clipped and unclipped tokens alike.
-loss = LossSettings(alpha=0.75, clip_low=0.003, clip_high=0.003, logprob_head=head)
-trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
 
-prepared = trainer.prepare_batch(fixed_groups())
-batch = prepared.batch
-logprobs = {}
-for row in range(batch.size):
-    mask = batch.response_mask[row].bool()
-    key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
-    logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
+def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str) -> None:
+    ctx = initialize_distributed(tp, pp, seed=0)
+    shape = load_model_shape(actor_dir)
 
-forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)), policy_loss_fn(loss),
-                 scoring=loss.scoring(), forward_only=False)
-grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
-head_weight = ddp.module.output_layer.weight if ddp.module.post_process else None
-if head_weight is None and ddp.module.post_process:  # tied to the embedding on this stage
-    head_weight = ddp.module.shared_embedding_or_output_weight()
-head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
-zero_grads(ddp, optimizer)
+    def model(path, trainable):
+        m = build_gpt_model(shape, transformer_config(shape, tp_size=tp, pp_size=pp), trainable=trainable)
+        load_hf_weights(m, path, shape)
+        return m
 
-update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size, loss=loss,
-                       optim=optim, rl_step=0)
-weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
-torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
-            "metrics": update.metrics, "weights": weights,
-            "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / f"rank{ctx.rank}.pt")
-write_result(out_dir, {"rank": ctx.rank})
+    optim = OptimizerSettings(lr=1e-3, warmup_steps=0)
+    ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
+    handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
+                            actor_engine=None, ref_engine=None, pad_token_id=0)
+    plan = StepPlan(algorithm="armor", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3, ref_n=1,
+                    filter_groups=True, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
+                    ref_reset_period=0, seed=0)
+    # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
+    # layouts are compared on clipped and unclipped tokens alike.
+    loss = LossSettings(alpha=0.75, clip_low=0.003, clip_high=0.003, logprob_head=head)
+    trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
+
+    prepared = trainer.prepare_batch(fixed_groups())
+    batch = prepared.batch
+    logprobs = {}
+    for row in range(batch.size):
+        mask = batch.response_mask[row].bool()
+        key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
+        logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
+
+    forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)), policy_loss_fn(loss),
+                     scoring=loss.scoring(), forward_only=False)
+    grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
+    head_weight = ddp.module.output_layer.weight if ddp.module.post_process else None
+    if head_weight is None and ddp.module.post_process:  # tied to the embedding on this stage
+        head_weight = ddp.module.shared_embedding_or_output_weight()
+    head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
+    zero_grads(ddp, optimizer)
+
+    update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size, loss=loss,
+                           optim=optim, rl_step=0)
+    weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
+    (Path(out_dir) / name).mkdir(exist_ok=True)
+    torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
+                "metrics": update.metrics, "weights": weights,
+                "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
+    parallel_state.destroy_model_parallel()  # the next job builds its own layout on the same process group
+
+
+out_dir, *jobs = sys.argv[1:]
+for job in jobs:
+    name, actor_dir, ref_dir, tp, pp, head = job.split(",")
+    run_job(name, actor_dir, ref_dir, int(tp), int(pp), head)
+write_result(out_dir, {"jobs": len(jobs)})
 destroy_distributed()
