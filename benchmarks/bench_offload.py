@@ -69,9 +69,9 @@ def main() -> None:
         for buffer in ddp.buffers:
             buffer.grad_data.normal_(std=1e-3)
         optimizer_step(ddp, optimizer, lr=1e-6)  # Adam moments exist from here on
-        offload = TrainerOffload(ddp, optimizer, [ref])
+        offload = TrainerOffload(ddp, optimizer, {"ref": ref})
         offload.park()
-        moved = sum(entry.host.nbytes() for entry in offload.weights.parked + offload.optimizer.parked)
+        moved = sum(park.parked_bytes for park in (*offload.weights.values(), offload.optimizer))
         offload.restore()
         print(f"device {ctx.device}; {moved / 2**20:.0f} MiB copied each way (weights of actor and reference, Adam "
               f"state); torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -124,9 +124,10 @@ class RolloutConfig:
         "--placement colocated sets it)"
     )
     offload_trainer: bool = _f(
-        False, "the trainer's weights, optimizer state and grad buffers leave the GPU for host memory outside its "
-        "training phases (rollouts, weight pushes, validation), so colocated servers fit beside it; costs two "
-        "host-device copies of them per step (armor ray-train --placement colocated sets it; on CPU it saves nothing)"
+        False, "the trainer's weights, optimizer state and grad buffers leave the GPU for host memory while the "
+        "rollout servers generate (the actor's weights come back after each update for the push, the MIPU gate and "
+        "validation), so colocated servers fit beside it; costs about two host-device copies of them per step and "
+        "that much page-locked host memory (armor ray-train --placement colocated sets it; on CPU it saves nothing)"
     )
     engine_precision: Literal["fp32", "bf16", "fp8"] = _f(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "

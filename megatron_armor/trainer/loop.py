@@ -126,7 +126,7 @@ class RLTrainer:
 
     Colocated with its servers, the trainer frees the GPU for them: a `memory_handoff` has the servers
     release their memory for each training phase, an `offload` parks the trainer's own state for the
-    rest of the step (`trainer_phase`, `weights_resident`).
+    rollout phase (`park_for_rollouts`, `trainer_phase`, `weights_resident`).
 
     With one engine shared by both policies, `engine_holds` names the policies whose current weights
     it holds: the actor's after every push of them (engines start with them: run.py pushes them when
@@ -316,20 +316,19 @@ class RLTrainer:
         sync and the gate alike, and `train/update_skipped` is 1.
         """
         t0 = time.perf_counter()
-        if self.offload is not None:
-            self.offload.park()  # the rollout phase: the GPU is the servers'
+        self.park_for_rollouts()
         groups, metrics = self.collect_groups(step)
         t_rollout = time.perf_counter()
         num_tokens = self.train_on(step, groups, metrics) if groups else 0
         metrics["train/update_skipped"] = float(not groups)
-        with self.weights_resident():
-            if self.constraint is not None:
-                if step + 1 == self.constraint_capture_step:
+        if self.constraint is not None:
+            if step + 1 == self.constraint_capture_step:
+                with self.state_resident():  # reads the optimizer's fp32 master weights of a bf16 model
                     self.constraint.capture(step + 1)  # later steps stay in the span of this cumulative update
-                metrics["subspace/projected_steps"] = float(self.constraint.projected_steps)
-            if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
-                self.reset_reference()
-                metrics["armor/ref_reset"] = 1.0
+            metrics["subspace/projected_steps"] = float(self.constraint.projected_steps)
+        if self.plan.ref_reset_period and (step + 1) % self.plan.ref_reset_period == 0:
+            self.reset_reference()
+            metrics["armor/ref_reset"] = 1.0
         if self.offload is not None:
             metrics.update(self.offload.metrics())
         t_end = time.perf_counter()
@@ -403,14 +402,20 @@ class RLTrainer:
         with handoff, (self.offload.training_phase() if self.offload else contextlib.nullcontext()):
             yield
 
+    def park_for_rollouts(self) -> None:
+        """Offloaded: nothing of the trainer on the GPU (a rollout phase starts; also after start-up)."""
+        if self.offload is not None:
+            self.offload.park()
+
     def state_resident(self) -> contextlib.AbstractContextManager:
         """Collective: all of the trainer's state readable inside (a checkpoint save). Offloaded, that takes a
         trainer phase (the servers' memory for the optimizer state); otherwise it is always there."""
         return self.trainer_phase() if self.offload else contextlib.nullcontext()
 
-    def weights_resident(self) -> contextlib.AbstractContextManager:
-        """The models' weights on the GPU inside the block (a push, a reference reset), parked after if they were."""
-        return self.offload.weights_resident() if self.offload else contextlib.nullcontext()
+    def weights_resident(self, *models: str) -> contextlib.AbstractContextManager:
+        """The named models' ("actor", "ref") weights on the GPU inside the block (a push, a reference reset),
+        parked after if they were."""
+        return self.offload.weights_resident(*models) if self.offload else contextlib.nullcontext()
 
     # ----- weights -------------------------------------------------------------------------
     def sync_actor_to_engine(self) -> SyncReport:
@@ -432,7 +437,7 @@ class RLTrainer:
 
         Cached anchors are dropped; a shared engine holding the actor needs no push (it holds both now).
         """
-        with torch.no_grad():
+        with torch.no_grad(), self.weights_resident("actor", "ref"):
             for ref_param, actor_param in zip(self.h.ref.parameters(), self.h.actor.module.parameters(), strict=True):
                 ref_param.copy_(actor_param)
         if self.anchor_cache is not None:
@@ -445,7 +450,7 @@ class RLTrainer:
     def _push(self, policy: str) -> SyncReport:
         h = self.h
         engine, module = (h.actor_engine, h.actor.module) if policy == "actor" else (h.ref_engine, h.ref)
-        with self.weights_resident():
+        with self.weights_resident(policy):
             report = push_weights(engine, gather_all_stages_hf_weights(module, self.h.shape))
         if self.h.shared_engine:
             self.engine_holds = {policy}

@@ -37,6 +37,9 @@ class MemoryHandoff:
         self.seconds = time.perf_counter() - start
         try:
             yield
+            # Every rank has freed what it parks (rollout.offload_trainer) before a server reclaims its memory;
+            # on the normal path only, so that a failing rank never waits for the others.
+            dist.barrier()
         finally:
             start = time.perf_counter()
             if dist.get_rank() == 0:

@@ -150,7 +150,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     )
     anchor_cache = AnchorCache(cfg.rollout.anchor_cache_max_prompts) if cfg.rollout.cache_anchors else None
     handoff = MemoryHandoff([handles.actor_engine, handles.ref_engine]) if cfg.rollout.release_memory else None
-    frozen = [ref] + ([teacher.model] if isinstance(teacher, InProcessTeacher) else [])
+    frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
     offload = TrainerOffload(ddp, optimizer, frozen) if cfg.rollout.offload_trainer else None
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
                         constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step,
@@ -238,6 +238,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             trainer.anchor_cache.load_state_dict(state.extra["anchor_cache"])
         start_step = state.step
         log.info("resumed from %s (step %d)", resume_from, start_step)
+    trainer.park_for_rollouts()  # offloaded: the trainer's state leaves the GPU before the servers get weights
     # Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything;
     # a local engine for a Megatron checkpoint is built from its config): push what the trainer holds.
     # A shared engine gets the reference's weights before its first anchor phase.

@@ -67,23 +67,26 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     parked = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer),
               *(b.grad_data for b in ddp.buffers)]  # main_grad: views of grad_data
     expected = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parked}.values())
-    offload = TrainerOffload(ddp, optimizer, [ref])
+    offload = TrainerOffload(ddp, optimizer, {"ref": ref})
     offload.park()
     assert all(t.untyped_storage().nbytes() == 0 for t in parked)
     assert offload.metrics()["memory/trainer_parked_gib"] * 2**30 == expected
     with pytest.raises(ParkedWeightsError, match="parked"):
         compute_logprobs(ddp, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
 
-    with offload.weights_resident():  # a weight push between rollouts
-        assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
-        assert all(m.untyped_storage().nbytes() == 0 for m in moments)
-    assert all(p.untyped_storage().nbytes() == 0 for p in ddp.module.parameters())
+    with offload.weights_resident("ref"):  # a push of the reference's weights between rollouts
+        assert all(p.untyped_storage().nbytes() for p in ref.parameters())
+        assert all(p.untyped_storage().nbytes() == 0 for p in [*ddp.module.parameters(), *moments])
+    assert all(p.untyped_storage().nbytes() == 0 for p in ref.parameters())
 
     with offload.training_phase():
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(ddp, optimizer, ref), strict=True))
         assert all(not b.grad_data.any() for b in ddp.buffers)  # dropped and re-zeroed
-    assert all(m.untyped_storage().nbytes() == 0 for m in moments)  # parked again after the phase...
-    assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())  # ...the weights stay
+    # parked again after the phase, but for the actor's weights (the push and the gate read them)
+    assert all(t.untyped_storage().nbytes() == 0 for t in [*ref.parameters(), *moments])
+    assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
+    with pytest.raises(ParkedWeightsError, match="the ref model"):
+        compute_logprobs(ref, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
 
 
 def test_training_through_park_cycles_equals_training_without(megatron_world, tiny_model_factory):
@@ -93,7 +96,7 @@ def test_training_through_park_cycles_equals_training_without(megatron_world, ti
     for cycle in (False, True):
         ddp, optimizer, ref = _trainer_state(checkpoint)
         initial = [p.detach().clone() for p in ddp.module.parameters()]
-        offload = TrainerOffload(ddp, optimizer, [ref]) if cycle else None
+        offload = TrainerOffload(ddp, optimizer, {"ref": ref}) if cycle else None
         for step in range(3):
             if offload is not None:
                 offload.park()
