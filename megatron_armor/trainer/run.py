@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import traceback
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.config import ArmorConfig, save_config
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
@@ -82,18 +84,18 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
-    dtype = PARAMS_DTYPES[cfg.model.params_dtype]
-
-    actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True)
+    algorithm = cfg.algorithm
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
+    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.opd_rollouts == "teacher" else None
+    handoff = MemoryHandoff([actor_engine, ref_engine]) if cfg.rollout.release_memory else None
     optim = OptimizerSettings(
         lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,
         grad_clip=cfg.train.grad_clip,
     )
-    ddp, optimizer = wrap_for_training(actor, optim)
-    ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype)
-    algorithm = cfg.algorithm
-    teacher = _opd_teacher(cfg, paths, shape) if algorithm.name == "opd" else None
+    models = _build_models(cfg, paths, shape, optim, handoff)
+    ddp, optimizer, ref, teacher = models.ddp, models.optimizer, models.ref, models.teacher
 
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams(
@@ -104,9 +106,6 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         temperature=cfg.rollout.val_temperature, top_p=cfg.rollout.val_top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
     )
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
-    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.opd_rollouts == "teacher" else None
     handles = PolicyHandles(
         actor=ddp, optimizer=optimizer, ref=ref, shape=shape, actor_engine=actor_engine, ref_engine=ref_engine,
         pad_token_id=pad_token_id, teacher=teacher, teacher_engine=teacher_engine,
@@ -145,21 +144,51 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     )
     # The gate's advantages come from verifier rewards (mipu.md §3): the validation scorer, no overlong penalty.
     gate = _mipu_gate(cfg, all_val_rows, val_scorer, sampling) if mipu and algorithm.mipu_gate else None
-    constraint = (
-        subspace_constraint(actor, cfg.train.subspace_k, cfg.train.subspace_mode) if cfg.train.subspace_capture_step else None
-    )
+    constraint = models.constraint
     anchor_cache = AnchorCache(cfg.rollout.anchor_cache_max_prompts) if cfg.rollout.cache_anchors else None
-    handoff = MemoryHandoff([handles.actor_engine, handles.ref_engine]) if cfg.rollout.release_memory else None
-    frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
-    offload = TrainerOffload(ddp, optimizer, frozen) if cfg.rollout.offload_trainer else None
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
                         constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step,
-                        anchor_cache=anchor_cache, memory_handoff=handoff, offload=offload)
+                        anchor_cache=anchor_cache, memory_handoff=handoff, offload=models.offload)
     modules = {"actor": ddp, "optimizer": optimizer}
     if constraint is not None:
         modules["subspace"] = constraint
     return TrainingSetup(trainer=trainer, modules=modules, val_rows=all_val_rows[: cfg.eval.max_prompts],
                          val_scorer=val_scorer, val_sampling=val_sampling)
+
+
+@dataclass
+class TrainerModels:
+    """A rank's models: the DDP-wrapped actor and its optimizer, the frozen reference, the OPD teacher, the
+    subspace constraint over the actor's weights, and the offload of them all (rollout.offload_trainer)."""
+
+    ddp: torch.nn.Module
+    optimizer: Any
+    ref: torch.nn.Module
+    teacher: TeacherScorer | None
+    constraint: SubspaceConstraint | None
+    offload: TrainerOffload | None
+
+
+def _build_models(
+    cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape, optim: OptimizerSettings, handoff: MemoryHandoff | None
+) -> TrainerModels:
+    """The models of this rank (collective). Colocated, the servers release their GPU memory while the
+    models are built (`handoff`), and an offloaded trainer parks them before the servers take it back:
+    the GPU never holds both (the servers get their weights from the first push)."""
+    dtype = PARAMS_DTYPES[cfg.model.params_dtype]
+    with handoff.training_phase() if handoff else contextlib.nullcontext():
+        ddp, optimizer = wrap_for_training(load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True),
+                                           optim)
+        ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype)
+        teacher = _opd_teacher(cfg, paths, shape) if cfg.algorithm.name == "opd" else None
+        constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
+                      if cfg.train.subspace_capture_step else None)
+        offload = None
+        if cfg.rollout.offload_trainer:
+            frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
+            offload = TrainerOffload(ddp, optimizer, frozen)
+            offload.park()
+    return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
 
 
 def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
@@ -226,7 +255,8 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     start_step = 0
     ref_restored = False
     if resume_from is not None:
-        state, restored = load_checkpoint(resume_from, modules, optional={"ref": handles.ref})
+        with trainer.state_resident():
+            state, restored = load_checkpoint(resume_from, modules, optional={"ref": handles.ref})
         ref_restored = "ref" in restored
         if ref_restored:
             log.info("reference policy restored from %s (not from %s)", resume_from, paths.ref_path)
@@ -238,7 +268,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             trainer.anchor_cache.load_state_dict(state.extra["anchor_cache"])
         start_step = state.step
         log.info("resumed from %s (step %d)", resume_from, start_step)
-    trainer.park_for_rollouts()  # offloaded: the trainer's state leaves the GPU before the servers get weights
+    trainer.park_for_rollouts()  # offloaded: only the weights each push needs come back for it
     # Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything;
     # a local engine for a Megatron checkpoint is built from its config): push what the trainer holds.
     # A shared engine gets the reference's weights before its first anchor phase.
