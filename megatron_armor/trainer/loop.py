@@ -395,8 +395,8 @@ class RLTrainer:
         """Collective: the trainer owns the GPU inside (logprobs, the update, a rollback, a checkpoint save).
 
         The servers release their memory (`memory_handoff`) before the trainer's state comes back
-        (`offload`); after the block the optimizer state and grads leave again before the servers
-        take their memory back. The weights stay for the push and the gate that follow.
+        (`offload`); after the block all of it but the actor's weights, which the push and the gate
+        that follow read, leaves again before the servers take their memory back.
         """
         handoff = self.memory_handoff.training_phase() if self.memory_handoff else contextlib.nullcontext()
         with handoff, (self.offload.training_phase() if self.offload else contextlib.nullcontext()):
