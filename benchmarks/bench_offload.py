@@ -71,7 +71,7 @@ def main() -> None:
         optimizer_step(ddp, optimizer, lr=1e-6)  # Adam moments exist from here on
         offload = TrainerOffload(ddp, optimizer, {"ref": ref})
         offload.park()
-        moved = sum(park.parked_bytes for park in (*offload.weights.values(), offload.optimizer))
+        moved = sum(park.parked_bytes for park in (*offload.weights.values(), offload.training_state))
         offload.restore()
         print(f"device {ctx.device}; {moved / 2**20:.0f} MiB copied each way (weights of actor and reference, Adam "
               f"state); torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -5,8 +5,8 @@ frees the servers' memory for every training phase; this module frees the traine
 phase. Parts, parked and restored on their own:
 
   - each model's weights: the actor, the reference, an in-process OPD teacher;
-  - the optimizer: its state (Adam moments) and its own parameter copies (fp32 master weights of
-    a bf16 model);
+  - the training state: the optimizer's state (Adam moments) and its own parameter copies (fp32
+    master weights of a bf16 model), and a subspace constraint's W0 and bases;
   - grads: DDP's grad buffers, whose contents are dropped (they are zero between optimizer steps)
     through Megatron's own `offload_grad_buffers` / `restore_grad_buffers`.
 
@@ -30,6 +30,7 @@ is not.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 
 
@@ -113,7 +115,10 @@ class TrainerOffload:
     module; the others are frozen). `seconds` accumulates park and restore time until `metrics`.
     """
 
-    def __init__(self, ddp: torch.nn.Module, optimizer, frozen: Mapping[str, torch.nn.Module]) -> None:
+    def __init__(
+        self, ddp: torch.nn.Module, optimizer, frozen: Mapping[str, torch.nn.Module],
+        constraint: SubspaceConstraint | None = None,
+    ) -> None:
         device = training_device()
         self.ddp = ddp
         self.modules = {"actor": ddp.module, **frozen}
@@ -121,7 +126,10 @@ class TrainerOffload:
         for name, module in self.modules.items():
             module.register_forward_pre_hook(self._weights_check(name))
         actor_ids = {id(p) for p in ddp.module.parameters()}
-        self.optimizer = StoragePark(lambda: optimizer_tensors(optimizer, skip=actor_ids), device)
+        constraint_tensors = (lambda: [*constraint.initial.values(), *constraint.bases.values()]) if constraint else list
+        self.training_state = StoragePark(
+            lambda: itertools.chain(optimizer_tensors(optimizer, skip=actor_ids), constraint_tensors()), device
+        )
         self.grads_parked = False
         self.seconds = 0.0
         self.parked_bytes = 0  # by the last full park (grad buffers included)
@@ -133,7 +141,7 @@ class TrainerOffload:
             self._park_training_state()
             for park in self.weights.values():
                 park.park()
-        self.parked_bytes = sum(park.parked_bytes for park in (self.optimizer, *self.weights.values()))
+        self.parked_bytes = sum(park.parked_bytes for park in (self.training_state, *self.weights.values()))
         self.parked_bytes += sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
                                  for buffer in _grad_buffers(self.ddp))
         if self.ddp_on_gpu:
@@ -142,7 +150,7 @@ class TrainerOffload:
     def restore(self) -> None:
         """Everything back on the device (idempotent)."""
         with self._timed():
-            for park in (*self.weights.values(), self.optimizer):
+            for park in (*self.weights.values(), self.training_state):
                 park.restore()
             if self.grads_parked:
                 self.ddp.restore_grad_buffers(synchronize=self.ddp_on_gpu)  # reallocated and zeroed
@@ -189,7 +197,7 @@ class TrainerOffload:
         return next(self.ddp.parameters()).is_cuda
 
     def _park_training_state(self) -> None:
-        self.optimizer.park()
+        self.training_state.park()
         if not self.grads_parked:
             self.ddp.offload_grad_buffers(synchronize=self.ddp_on_gpu, empty_cache=False)
             self.grads_parked = True

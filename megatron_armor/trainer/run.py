@@ -186,7 +186,7 @@ def _build_models(
         offload = None
         if cfg.rollout.offload_trainer:
             frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
-            offload = TrainerOffload(ddp, optimizer, frozen)
+            offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
     return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
 

@@ -13,7 +13,7 @@ from megatron_armor.models.loading import load_gpt_model
 from megatron_armor.trainer.batch import build_sequence_batch
 from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
 from megatron_armor.trainer.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
-from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training
+from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.policy_update import LossSettings, update_policy
 
 OPTIM = OptimizerSettings(lr=1e-3, warmup_steps=0, weight_decay=0.1)
@@ -48,26 +48,31 @@ def _update(ddp, optimizer, batch, step: int) -> None:
     update_policy(ddp, optimizer, [batch], micro_batch_size=2, loss=LOSS, optim=OPTIM, rl_step=step)
 
 
-def _snapshot(ddp, optimizer, ref) -> list[torch.Tensor]:
+def _snapshot(ddp, optimizer, ref, constraint=None) -> list[torch.Tensor]:
     tensors = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer)]
+    if constraint is not None:
+        tensors += [*constraint.initial.values(), *constraint.bases.values()]
     return [t.detach().clone() for t in tensors]
 
 
 def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, tiny_model_factory):
     """fp32 (bf16 training needs CUDA): the optimizer updates the model's parameters themselves, which park
-    with the weights; its own part is the Adam moments."""
+    with the weights; the training state is the Adam moments and the subspace constraint's W0 and bases."""
     checkpoint = tiny_model_factory("qwen2")
     ddp, optimizer, ref = _trainer_state(checkpoint)
+    constraint = subspace_constraint(ddp.module, 2, "gradient")
     vocab = load_model_shape(checkpoint).vocab_size
     _update(ddp, optimizer, _batch(vocab, 0), 0)  # Adam moments exist from here on
-    before = _snapshot(ddp, optimizer, ref)
+    constraint.capture(1)
+    before = _snapshot(ddp, optimizer, ref, constraint)
     moments = [t for t in optimizer_tensors(optimizer, skip={id(p) for p in ddp.module.parameters()}) if t.dim()]
     assert len(moments) == 2 * len(list(ddp.module.parameters()))  # exp_avg, exp_avg_sq
 
-    parked = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer),
+    constrained = [*constraint.initial.values(), *constraint.bases.values()]
+    parked = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer), *constrained,
               *(b.grad_data for b in ddp.buffers)]  # main_grad: views of grad_data
     expected = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parked}.values())
-    offload = TrainerOffload(ddp, optimizer, {"ref": ref})
+    offload = TrainerOffload(ddp, optimizer, {"ref": ref}, constraint)
     offload.park()
     assert all(t.untyped_storage().nbytes() == 0 for t in parked)
     assert offload.metrics()["memory/trainer_parked_gib"] * 2**30 == expected
@@ -80,10 +85,10 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(p.untyped_storage().nbytes() == 0 for p in ref.parameters())
 
     with offload.training_phase():
-        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(ddp, optimizer, ref), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(ddp, optimizer, ref, constraint), strict=True))
         assert all(not b.grad_data.any() for b in ddp.buffers)  # dropped and re-zeroed
     # parked again after the phase, but for the actor's weights (the push and the gate read them)
-    assert all(t.untyped_storage().nbytes() == 0 for t in [*ref.parameters(), *moments])
+    assert all(t.untyped_storage().nbytes() == 0 for t in [*ref.parameters(), *moments, *constrained])
     assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
     with pytest.raises(ParkedWeightsError, match="the ref model"):
         compute_logprobs(ref, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
