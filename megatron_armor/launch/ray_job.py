@@ -82,6 +82,8 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
                 model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
                 mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + offset * job.server_tp_size,
                 enable_memory_saver=job.placement == "colocated", extra_args=job.server_args,
+                # The reference's weights are pushed once, not after every hand-off: they must survive releases.
+                enable_weights_cpu_backup=job.placement == "colocated" and role == "reference",
             )
             offset += count
             placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)

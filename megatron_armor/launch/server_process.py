@@ -36,6 +36,8 @@ class ServerSpec:
     mem_fraction_static: float | None = None  # None: SGLang picks
     seed: int = 0
     enable_memory_saver: bool = False  # needed for release/resume_memory_occupation (colocated)
+    # Weights keep their values across a release (colocated servers whose weights are not pushed after each one)
+    enable_weights_cpu_backup: bool = False
     extra_args: tuple[str, ...] = ()  # passed through verbatim, e.g. ("--dtype", "bfloat16")
     startup_timeout_s: float = 900.0
     poll_interval_s: float = 2.0  # slime polls /health_generate every 2 s
@@ -56,14 +58,17 @@ class ServerSpec:
 def server_command(spec: ServerSpec, *, host: str, port: int, seed: int) -> list[str]:
     """The argv that starts one server of `spec` on `host:port`."""
     if spec.kind == "local":
+        backup = ["--enable-weights-cpu-backup"] if spec.enable_weights_cpu_backup else []
         return [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", spec.model_path,
-                "--host", host, "--port", str(port), "--random-seed", str(seed), *spec.extra_args]
+                "--host", host, "--port", str(port), "--random-seed", str(seed), *backup, *spec.extra_args]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
            "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(seed), "--skip-tokenizer-init"]
     if spec.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.enable_memory_saver:
         cmd.append("--enable-memory-saver")
+    if spec.enable_weights_cpu_backup:
+        cmd.append("--enable-weights-cpu-backup")
     return cmd + list(spec.extra_args)
 
 

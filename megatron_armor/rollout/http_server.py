@@ -139,9 +139,13 @@ class LocalSGLangServer(ThreadingHTTPServer):
         self.routes = _routes(state) if routes is None else routes
 
 
-def serve_local(model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, *, random_seed: int = 0) -> None:
+def serve_local(
+    model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, *, random_seed: int = 0,
+    weights_cpu_backup: bool = False,
+) -> None:
     """Serve `model_dir` until interrupted: bind, answer 503 while loading, then serve."""
-    server = LocalSGLangServer(LocalServerState(model_dir, host=host, port=port, random_seed=random_seed))
+    server = LocalSGLangServer(LocalServerState(model_dir, host=host, port=port, random_seed=random_seed,
+                                                weights_cpu_backup=weights_cpu_backup))
     failure: list[BaseException] = []
 
     def load() -> None:

@@ -52,8 +52,11 @@ class _Item:
 class LocalServerState:
     """The engine behind the server plus request bookkeeping (thread-safe)."""
 
-    def __init__(self, model_dir: str | Path, *, host: str, port: int, random_seed: int = 0) -> None:
+    def __init__(
+        self, model_dir: str | Path, *, host: str, port: int, random_seed: int = 0, weights_cpu_backup: bool = False,
+    ) -> None:
         self.model_path = str(model_dir)
+        self.weights_cpu_backup = weights_cpu_backup  # SGLang --enable-weights-cpu-backup
         self.host, self.port, self.random_seed = host, port, random_seed
         self.engine: LocalEngine | None = None
         self.eos_token_id: int | None = None
@@ -70,6 +73,7 @@ class LocalServerState:
         self._abort_epoch = 0
         self.released: set[str] = set()  # memory tags released (/release_memory_occupation) and not resumed
         self.memory_releases = 0
+        self.stale_weights: set[str] = set()  # HF names lost by a weights release without CPU backup, not reloaded
 
     def load(self) -> None:
         """Load the model; from here on the server is ready."""
@@ -106,6 +110,7 @@ class LocalServerState:
         if not input_ids:
             raise RequestError("/generate: input_ids is required (list[int] or list[list[int]])")
         self._require_memory("/generate", "weights", "kv_cache")
+        self._require_fresh_weights("/generate")
         single = isinstance(input_ids[0], int)
         prompts = [input_ids] if single else input_ids
         items = self._items(prompts, body)
@@ -274,6 +279,7 @@ class LocalServerState:
             self.abort({"abort_all": True})
         with self.engine_lock:
             self.engine.update_weights(named_tensors)
+            self.stale_weights.difference_update(name for name, _ in named_tensors)
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
         return {"success": True, "message": "Succeeded to update model weights."}
@@ -348,11 +354,17 @@ class LocalServerState:
 
     def release_memory(self, body: dict[str, Any]) -> None:
         """POST /release_memory_occupation: the tags' memory is gone until resumed (this CPU server frees
-        nothing, but refuses what SGLang could not do without it: generation, weight loading)."""
+        nothing, but refuses what SGLang could not do without it: generation, weight loading).
+
+        As SGLang's memory saver, a release of the weights loses their values unless the server keeps
+        a CPU backup (--enable-weights-cpu-backup): SGLang would then sample from whatever the resumed
+        memory holds; this server refuses to generate until every weight has been loaded again."""
         tags = self._memory_tags(body)
         self.require_idle("/release_memory_occupation", "release needs an idle server")
         self.released |= tags
         self.memory_releases += 1
+        if "weights" in tags and not self.weights_cpu_backup:
+            self.stale_weights = set(self.engine.named_parameters_hf())
 
     def resume_memory(self, body: dict[str, Any]) -> None:
         """POST /resume_memory_occupation."""
@@ -372,6 +384,13 @@ class LocalServerState:
         if missing:
             raise RequestError(f"{what}: memory {missing} is released; POST /resume_memory_occupation first")
 
+    def _require_fresh_weights(self, what: str) -> None:
+        if self.stale_weights:
+            raise RequestError(
+                f"{what}: {len(self.stale_weights)} weights (e.g. {min(self.stale_weights)}) lost their values to a "
+                f"memory release without --enable-weights-cpu-backup and were not loaded again since"
+            )
+
     def require_idle(self, path: str, message: str) -> None:
         in_flight = self.in_flight()
         if in_flight:
@@ -379,7 +398,7 @@ class LocalServerState:
 
     def health_generate(self) -> None:
         """200 if the engine produced output: a running request counts, else a 1-token generation."""
-        if self.in_flight() or self.released:  # released memory: alive, but cannot generate
+        if self.in_flight() or self.released or self.stale_weights:  # alive, but cannot generate
             return
         with self.engine_lock:
             self.engine.generate([[self.eos_token_id or 0]], SamplingParams(temperature=0.0, max_new_tokens=1))
@@ -396,6 +415,7 @@ class LocalServerState:
         return {
             "model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
             "random_seed": self.random_seed, "skip_tokenizer_init": True, "enable_memory_saver": True,
+            "enable_weights_cpu_backup": self.weights_cpu_backup, "stale_weight_tensors": len(self.stale_weights),
             "released_memory_tags": sorted(self.released), "memory_releases": self.memory_releases,
             "weight_version": self.weight_version, "version": SERVER_VERSION,
         }

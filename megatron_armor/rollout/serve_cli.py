@@ -12,6 +12,9 @@ def add_serve_local_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (keep loopback unless you mean it)")
     parser.add_argument("--port", type=int, default=30000, help="port to bind (0 picks a free one)")
     parser.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="weights keep their values across /release_memory_occupation (as SGLang's flag); "
+                             "without it they must be loaded again before the next generation")
     return parser
 
 
@@ -30,7 +33,8 @@ def run_serve_local(args: argparse.Namespace) -> int:
     from megatron_armor.rollout.http_server import serve_local
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    serve_local(args.model, host=args.host, port=args.port, random_seed=args.random_seed)
+    serve_local(args.model, host=args.host, port=args.port, random_seed=args.random_seed,
+                weights_cpu_backup=args.enable_weights_cpu_backup)
     return 0
 
 

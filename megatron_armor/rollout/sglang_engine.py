@@ -413,6 +413,11 @@ class SGLangEngine(RolloutEngine):
         body = proto.memory_occupation_request(tags)
         self._on_every_server("/resume_memory_occupation", lambda s: body)
 
+    def keeps_weights_across_release(self) -> bool:
+        """Whether every server's weights keep their values across a memory release (started with
+        --enable-weights-cpu-backup, as its /server_info says); without it they must be pushed again."""
+        return all(http_call(s.url, "/server_info", method="GET").get("enable_weights_cpu_backup") for s in self._servers)
+
     def flush_cache(self) -> None:
         """Flush every server's cache, re-asking while it answers 400 (requests still in flight)."""
         self._on_every_server("/flush_cache", lambda s: None, call=self._flush_one)

@@ -89,6 +89,12 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
     teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.opd_rollouts == "teacher" else None
     handoff = MemoryHandoff([actor_engine, ref_engine]) if cfg.rollout.release_memory else None
+    if handoff is not None and ref_engine is not actor_engine and not ref_engine.keeps_weights_across_release():
+        raise ValueError(
+            "rollout.release_memory with separate reference servers (rollout.sglang_ref_urls) needs them started with "
+            "--enable-weights-cpu-backup: their weights are pushed once, not after every release, and SGLang's "
+            "memory saver loses them otherwise (armor ray-train --placement colocated starts them so)"
+        )
     optim = OptimizerSettings(
         lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,

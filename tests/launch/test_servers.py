@@ -15,14 +15,15 @@ from megatron_armor.rollout.sglang_engine import http_call
 
 def test_sglang_command_carries_the_launch_settings():
     spec = ServerSpec(model_path="/ckpt", tp_size=2, mem_fraction_static=0.8, seed=7, enable_memory_saver=True,
-                      extra_args=("--dtype", "bfloat16"))
+                      enable_weights_cpu_backup=True, extra_args=("--dtype", "bfloat16"))
     cmd = server_command(spec, host="10.0.0.1", port=30001, seed=spec.seed_for(3))
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     value = {flag: cmd[cmd.index(flag) + 1] for flag in ("--model-path", "--tp-size", "--port", "--random-seed",
                                                          "--mem-fraction-static")}
     assert value == {"--model-path": "/ckpt", "--tp-size": "2", "--port": "30001",
                      "--random-seed": "13", "--mem-fraction-static": "0.8"}  # seed 7 + 3 servers x 2 GPUs
-    assert "--enable-memory-saver" in cmd and cmd[-2:] == ["--dtype", "bfloat16"]
+    assert "--enable-memory-saver" in cmd and "--enable-weights-cpu-backup" in cmd and cmd[-2:] == ["--dtype", "bfloat16"]
+    assert "--enable-weights-cpu-backup" not in server_command(ServerSpec(model_path="/ckpt"), host="h", port=1, seed=0)
 
 
 def test_local_stand_in_has_no_tensor_parallelism():

@@ -36,18 +36,20 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """start_server(model_dir) -> ServerProcess running `python -m megatron_armor.rollout.http_server`.
+    """start_server(model_dir, *args) -> ServerProcess running `python -m megatron_armor.rollout.http_server`
+    (args: more of its flags).
 
     Every server a test module starts is killed when the module ends.
     """
     started: list[ServerProcess] = []
     logs = tmp_path_factory.mktemp("server-logs")
 
-    def start(model_dir: Path) -> ServerProcess:
+    def start(model_dir: Path, *args: str) -> ServerProcess:
         port = free_port()
         log = logs / f"server-{port}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port)]
+        cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port),
+               *args]
         with log.open("w") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
         started.append(ServerProcess(f"http://127.0.0.1:{port}", proc, log))

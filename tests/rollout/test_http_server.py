@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
-from megatron_armor.rollout.sglang_engine import ServerError, http_call
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,33 @@ def test_released_memory_refuses_generation_and_weight_loads_until_resumed(serve
     http_call(ready_url, "/resume_memory_occupation", {"tags": None})
     info = http_call(ready_url, "/server_info", method="GET")
     assert info["released_memory_tags"] == [] and info["memory_releases"] == releases + 2
+    # Without --enable-weights-cpu-backup the release lost the weights' values (SGLang's memory saver):
+    # no generation until every one of them is loaded again.
+    params = {n: t.clone() for n, t in server.state.engine.named_parameters_hf().items()}
+    assert info["stale_weight_tensors"] == len(params) and not info["enable_weights_cpu_backup"]
+    http_call(ready_url, "/update_weights_from_tensor", _tensor_update(list(params.items())[:-1])[1])
+    with pytest.raises(ServerError, match=r"HTTP 400.*1 weights \(e\.g\. .*\) lost their values"):
+        http_call(ready_url, "/generate", generate)
+    http_call(ready_url, "/update_weights_from_tensor", _tensor_update(list(params.items())[-1:])[1])
     assert len(http_call(ready_url, "/generate", generate)["output_ids"]) == 2
     with pytest.raises(ServerError, match="HTTP 400.*subset"):
         http_call(ready_url, "/release_memory_occupation", {"tags": ["gpu"]})
+
+
+def test_weights_with_a_cpu_backup_survive_a_release(tiny_model_factory, serving):
+    """--enable-weights-cpu-backup: generation right after resume, as before the release; the client sees it."""
+    with serving(tiny_model_factory("qwen2")) as server:
+        server.state.weights_cpu_backup = True
+        url = f"http://127.0.0.1:{server.state.port}"
+        generate = {"input_ids": [5, 6], "sampling_params": {"temperature": 0.0, "max_new_tokens": 3}}
+        before = http_call(url, "/generate", generate)["output_ids"]
+        http_call(url, "/release_memory_occupation", {"tags": None})
+        http_call(url, "/resume_memory_occupation", {"tags": None})
+        assert http_call(url, "/generate", generate)["output_ids"] == before
+        engine = SGLangEngine([url], SGLangEngineConfig(startup_timeout_s=30))
+        assert engine.keeps_weights_across_release()
+        server.state.weights_cpu_backup = False
+        assert not engine.keeps_weights_across_release()
 
 
 def _tensor_update(named, load_format="flattened_bucket", **options):

@@ -16,7 +16,10 @@ CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthetic_cache, tmp_path):
     # The servers load an untrained checkpoint of the same shape: the trainer must push the actor's
     # and the reference's (warm-started) weights before the first rollout.
-    actor, ref = (start_server(tiny_model_factory("qwen2")) for _ in range(2))
+    # The reference's weights are pushed once: its server keeps them across releases; the actor's, pushed
+    # after every update, need no backup (serve-local refuses to generate from weights a release lost).
+    actor = start_server(tiny_model_factory("qwen2"))
+    ref = start_server(tiny_model_factory("qwen2"), "--enable-weights-cpu-backup")
     SGLangEngine([actor.url, ref.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "1",
