@@ -74,6 +74,7 @@ class LocalServerState:
         self.released: set[str] = set()  # memory tags released (/release_memory_occupation) and not resumed
         self.memory_releases = 0
         self.stale_weights: set[str] = set()  # HF names lost by a weights release without CPU backup, not reloaded
+        self.loads_without_kv_cache = 0  # weight updates while the KV cache was released (a staged resume)
 
     def load(self) -> None:
         """Load the model; from here on the server is ready."""
@@ -280,6 +281,7 @@ class LocalServerState:
         with self.engine_lock:
             self.engine.update_weights(named_tensors)
             self.stale_weights.difference_update(name for name, _ in named_tensors)
+            self.loads_without_kv_cache += "kv_cache" in self.released
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
         return {"success": True, "message": "Succeeded to update model weights."}
@@ -416,6 +418,7 @@ class LocalServerState:
             "model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
             "random_seed": self.random_seed, "skip_tokenizer_init": True, "enable_memory_saver": True,
             "enable_weights_cpu_backup": self.weights_cpu_backup, "stale_weight_tensors": len(self.stale_weights),
+            "weight_loads_without_kv_cache": self.loads_without_kv_cache,
             "released_memory_tags": sorted(self.released), "memory_releases": self.memory_releases,
             "weight_version": self.weight_version, "version": SERVER_VERSION,
         }

@@ -343,7 +343,7 @@ class RLTrainer:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
         gate it; adds the metrics to `metrics` and returns the step's prompt + response token count."""
         t0 = time.perf_counter()
-        with self.trainer_phase():
+        with self.trainer_phase(resume_serving=False):
             prepared = self.prepare_batch(groups)
             metrics.update(self.batch_metrics(prepared))
             snapshot = (  # on the host when the GPU is to be shared until the gate has decided
@@ -358,9 +358,9 @@ class RLTrainer:
         self.optimizer_steps += update.optimizer_steps
         metrics.update(update.metrics)
         metrics["perf/train_seconds"] = time.perf_counter() - t0
+        metrics.update(self.push_actor_and_serve(keep_weights=snapshot is not None).metrics())
         if self.memory_handoff is not None:
             metrics["perf/memory_handoff_seconds"] = self.memory_handoff.seconds
-        metrics.update(self.sync_actor_to_engine().metrics())
         if snapshot is not None:
             t_gate = time.perf_counter()
             metrics.update(self.gate_update(step, snapshot))
@@ -376,10 +376,10 @@ class RLTrainer:
             micro_batch_size=self.plan.micro_batch_size, scoring=self.loss.scoring(),
         )
         if not result.accepted:
-            with self.trainer_phase():
+            with self.trainer_phase(resume_serving=False):
                 snapshot.restore(self.h.actor, self.h.optimizer, self.constraint)
             self.optimizer_steps = snapshot.optimizer_steps
-            self.sync_actor_to_engine()
+            self.push_actor_and_serve()
             self.gate.rollbacks += 1
         return {
             "mipu/gap_proxy": result.gap,
@@ -391,16 +391,30 @@ class RLTrainer:
 
     # ----- GPU phases (colocated) ---------------------------------------------------------
     @contextlib.contextmanager
-    def trainer_phase(self) -> Iterator[None]:
+    def trainer_phase(self, *, resume_serving: bool = True) -> Iterator[None]:
         """Collective: the trainer owns the GPU inside (logprobs, the update, a rollback, a checkpoint save).
 
         The servers release their memory (`memory_handoff`) before the trainer's state comes back
         (`offload`); after the block all of it but the actor's weights, which the push and the gate
-        that follow read, leaves again before the servers take their memory back.
+        that follow read, leaves again before the servers take their memory back: all of it, or with
+        `resume_serving` False their weights' memory only (`push_actor_and_serve` follows).
         """
-        handoff = self.memory_handoff.training_phase() if self.memory_handoff else contextlib.nullcontext()
+        handoff = (self.memory_handoff.training_phase(resume_serving=resume_serving) if self.memory_handoff
+                   else contextlib.nullcontext())
         with handoff, (self.offload.training_phase() if self.offload else contextlib.nullcontext()):
             yield
+
+    def push_actor_and_serve(self, *, keep_weights: bool = False) -> SyncReport:
+        """Collective, after `trainer_phase(resume_serving=False)`: push the actor's weights into servers that
+        have their weights' memory back, park the trainer's copy (unless `keep_weights`: the MIPU gate scores
+        with it), then give the servers their KV cache and CUDA graphs back. The push never shares the GPU
+        with a KV cache, the KV cache never with the trainer's weights (but for the gate)."""
+        report = self.sync_actor_to_engine()
+        if not keep_weights:
+            self.park_for_rollouts()
+        if self.memory_handoff is not None:
+            self.memory_handoff.resume_serving()
+        return report
 
     def park_for_rollouts(self) -> None:
         """Offloaded: nothing of the trainer on the GPU (a rollout phase starts; also after start-up)."""

@@ -2,9 +2,11 @@
 
 Colocated placement puts each SGLang server (started with --enable-memory-saver) on a trainer rank's
 GPU. While the trainer computes logprobs and updates the actor, the servers release their weights,
-KV cache and CUDA graphs; they take them back before the updated weights are pushed. Rank 0 alone
-talks to the servers (every rank's engine is a client of the same ones); the other ranks wait for
-the release before they allocate.
+KV cache and CUDA graphs. They take them back in two stages, as verl does: the weights' memory first,
+for the push of the updated weights (beside the trainer's copy of them), then, once the trainer has
+parked that copy (`rollout.offload_trainer`), the KV cache and CUDA graphs for generation. Rank 0
+alone talks to the servers (every rank's engine is a client of the same ones); the other ranks wait
+at barriers, so that no rank allocates before the release or generates before the resume.
 """
 
 from __future__ import annotations
@@ -17,22 +19,25 @@ import torch.distributed as dist
 
 from megatron_armor.rollout.sglang_engine import SGLangEngine
 
+WEIGHT_TAGS = ("weights",)
+SERVING_TAGS = ("kv_cache", "cuda_graph")  # what generation needs besides the weights
+
 
 class MemoryHandoff:
-    """Releases the servers' GPU memory for the training phase of each step. `seconds`: what the last
-    phase's release, barrier and resume took."""
+    """Releases the servers' GPU memory for the trainer's phases. `seconds`: what the hand-offs since the
+    last `training_phase` took (release, barriers, resumes)."""
 
     def __init__(self, engines: Sequence[SGLangEngine]) -> None:
         self.engines = list({id(engine): engine for engine in engines}.values())  # a shared engine once
         self.seconds = 0.0
 
     @contextlib.contextmanager
-    def training_phase(self) -> Iterator[None]:
-        """Collective: the servers hold no GPU memory inside the block, and all of it again after."""
+    def training_phase(self, *, resume_serving: bool = True) -> Iterator[None]:
+        """Collective: the servers hold no GPU memory inside the block. After it they take back their
+        weights' memory and, unless `resume_serving` is False (the caller pushes weights first, then
+        calls `resume_serving`), the rest."""
         start = time.perf_counter()
-        if dist.get_rank() == 0:
-            for engine in self.engines:
-                engine.release_memory()
+        self._on_rank0(lambda engine: engine.release_memory())
         dist.barrier()
         self.seconds = time.perf_counter() - start
         try:
@@ -42,7 +47,21 @@ class MemoryHandoff:
             dist.barrier()
         finally:
             start = time.perf_counter()
-            if dist.get_rank() == 0:
-                for engine in self.engines:
-                    engine.resume_memory()
+            self._on_rank0(lambda engine: engine.resume_memory(WEIGHT_TAGS if not resume_serving else None))
             self.seconds += time.perf_counter() - start
+        if resume_serving:
+            dist.barrier()  # no rank generates before rank 0 has resumed the servers
+
+    def resume_serving(self) -> None:
+        """Collective: after a `training_phase(resume_serving=False)` and the weight push, the servers take
+        back their KV cache and CUDA graphs."""
+        start = time.perf_counter()
+        dist.barrier()  # every rank has parked the weights it pushed
+        self._on_rank0(lambda engine: engine.resume_memory(SERVING_TAGS))
+        dist.barrier()
+        self.seconds += time.perf_counter() - start
+
+    def _on_rank0(self, call) -> None:
+        if dist.get_rank() == 0:
+            for engine in self.engines:
+                call(engine)

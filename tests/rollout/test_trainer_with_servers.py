@@ -38,8 +38,11 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     assert rows[0]["val/accuracy"] > 0.05
     # The servers refuse to generate or load weights while released: the run succeeding shows the trainer
     # released them only for its own phases (building the models, the step's update, the final checkpoint,
-    # which reads the parked optimizer state); each took its memory back.
+    # which reads the parked optimizer state); each took its memory back. After the update the actor's
+    # servers got their weights' memory back first, the push, then their KV cache (a staged resume).
     assert step["perf/memory_handoff_seconds"] > 0 and step["memory/trainer_parked_gib"] > 0
     for server in (actor, ref):
         info = http_call(server.url, "/server_info", method="GET", timeout=10)
         assert info["memory_releases"] == 3 and info["released_memory_tags"] == []
+    loads = [http_call(server.url, "/server_info", method="GET")["weight_loads_without_kv_cache"] for server in (actor, ref)]
+    assert loads[0] > 0 and loads[1] == 0  # every bucket of the update's push; the reference is pushed at start only
