@@ -251,8 +251,11 @@ def _host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pinned and nbytes:
         cudart = torch.cuda.cudart()
-        if cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (rollout.offload_trainer)")
+        try:
+            torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        except torch.cuda.CudaError as error:
+            raise RuntimeError(f"rollout.offload_trainer: page-locking {nbytes / 2**30:.2f} GiB of host memory "
+                               f"(cudaHostRegister) failed: {error}") from error
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer
 
