@@ -360,17 +360,23 @@ class LocalServerState:
 
         As SGLang's memory saver, a release of the weights loses their values unless the server keeps
         a CPU backup (--enable-weights-cpu-backup): SGLang would then sample from whatever the resumed
-        memory holds; this server refuses to generate until every weight has been loaded again."""
+        memory holds; this server refuses to generate until every weight has been loaded again. A tag
+        released twice is refused, as the memory saver refuses to pause what it paused."""
         tags = self._memory_tags(body)
         self.require_idle("/release_memory_occupation", "release needs an idle server")
+        if tags & self.released:
+            raise RequestError(f"/release_memory_occupation: {sorted(tags & self.released)} already released")
         self.released |= tags
         self.memory_releases += 1
         if "weights" in tags and not self.weights_cpu_backup:
             self.stale_weights = set(self.engine.named_parameters_hf())
 
     def resume_memory(self, body: dict[str, Any]) -> None:
-        """POST /resume_memory_occupation."""
-        self.released -= self._memory_tags(body)
+        """POST /resume_memory_occupation: only released tags (SGLang fails to resume what it did not release)."""
+        tags = self._memory_tags(body)
+        if tags - self.released:
+            raise RequestError(f"/resume_memory_occupation: {sorted(tags - self.released)} not released")
+        self.released -= tags
 
     @staticmethod
     def _memory_tags(body: dict[str, Any]) -> set[str]:

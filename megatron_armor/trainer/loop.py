@@ -365,6 +365,7 @@ class RLTrainer:
             t_gate = time.perf_counter()
             metrics.update(self.gate_update(step, snapshot))
             metrics["perf/gate_seconds"] = time.perf_counter() - t_gate
+            self.park_for_rollouts()  # the gate has decided: the trainer's weights leave before validation
         return prepared.num_tokens
 
     # ----- MIPU Step 2 ----------------------------------------------------------------------
@@ -406,12 +407,17 @@ class RLTrainer:
 
     def push_actor_and_serve(self, *, keep_weights: bool = False) -> SyncReport:
         """Collective, after `trainer_phase(resume_serving=False)`: push the actor's weights into servers that
-        have their weights' memory back, park the trainer's copy (unless `keep_weights`: the MIPU gate scores
-        with it), then give the servers their KV cache and CUDA graphs back. The push never shares the GPU
-        with a KV cache, the KV cache never with the trainer's weights (but for the gate)."""
-        report = self.sync_actor_to_engine()
-        if not keep_weights:
-            self.park_for_rollouts()
+        have their weights' memory back (their old values are lost without --enable-weights-cpu-backup),
+        park the trainer's copy (unless `keep_weights`: the MIPU gate scores with it), then give the
+        servers their KV cache and CUDA graphs back: this push never shares the GPU with a KV cache."""
+        try:
+            report = self.sync_actor_to_engine()
+            if not keep_weights:
+                self.park_for_rollouts()
+        except BaseException:
+            if self.memory_handoff is not None:
+                self.memory_handoff.recover()
+            raise
         if self.memory_handoff is not None:
             self.memory_handoff.resume_serving()
         return report
@@ -421,10 +427,21 @@ class RLTrainer:
         if self.offload is not None:
             self.offload.park()
 
-    def state_resident(self) -> contextlib.AbstractContextManager:
-        """Collective: all of the trainer's state readable inside (a checkpoint save). Offloaded, that takes a
-        trainer phase (the servers' memory for the optimizer state); otherwise it is always there."""
-        return self.trainer_phase() if self.offload else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def state_resident(self) -> Iterator[None]:
+        """Collective: all of the trainer's state readable inside (a checkpoint save, the subspace capture).
+
+        Offloaded, that takes a trainer phase (the servers' memory for the optimizer state), after which
+        servers that released their memory get the actor's weights pushed again, which the release lost
+        (a shared engine then holds the actor's); not offloaded, the state is always there.
+        """
+        if self.offload is None:
+            yield
+            return
+        with self.trainer_phase(resume_serving=False):
+            yield
+        if self.memory_handoff is not None:
+            self.push_actor_and_serve()
 
     def weights_resident(self, *models: str) -> contextlib.AbstractContextManager:
         """The named models' ("actor", "ref") weights on the GPU inside the block (a push, a reference reset),

@@ -12,12 +12,16 @@ at barriers, so that no rank allocates before the release or generates before th
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
 from megatron_armor.rollout.sglang_engine import SGLangEngine
+from megatron_armor.rollout.sglang_protocol import MEMORY_TAGS
+
+log = logging.getLogger(__name__)
 
 WEIGHT_TAGS = ("weights",)
 SERVING_TAGS = ("kv_cache", "cuda_graph")  # what generation needs besides the weights
@@ -25,19 +29,21 @@ SERVING_TAGS = ("kv_cache", "cuda_graph")  # what generation needs besides the w
 
 class MemoryHandoff:
     """Releases the servers' GPU memory for the trainer's phases. `seconds`: what the hand-offs since the
-    last `training_phase` took (release, barriers, resumes)."""
+    last `training_phase` took (release, barriers, resumes). Every tag is released and resumed once in
+    turn (SGLang's memory saver refuses a second release or a resume of what is not released)."""
 
     def __init__(self, engines: Sequence[SGLangEngine]) -> None:
         self.engines = list({id(engine): engine for engine in engines}.values())  # a shared engine once
         self.seconds = 0.0
+        self.released: set[str] = set()  # tags the servers hold released (rank 0 alone talks to them)
 
     @contextlib.contextmanager
     def training_phase(self, *, resume_serving: bool = True) -> Iterator[None]:
         """Collective: the servers hold no GPU memory inside the block. After it they take back their
         weights' memory and, unless `resume_serving` is False (the caller pushes weights first, then
-        calls `resume_serving`), the rest."""
+        calls `resume_serving`), the rest. A failure inside gives everything back (`recover`)."""
         start = time.perf_counter()
-        self._on_rank0(lambda engine: engine.release_memory())
+        self._call(MEMORY_TAGS, release=True)
         dist.barrier()
         self.seconds = time.perf_counter() - start
         try:
@@ -45,23 +51,41 @@ class MemoryHandoff:
             # Every rank has freed what it parks (rollout.offload_trainer) before a server reclaims its memory;
             # on the normal path only, so that a failing rank never waits for the others.
             dist.barrier()
-        finally:
-            start = time.perf_counter()
-            self._on_rank0(lambda engine: engine.resume_memory(WEIGHT_TAGS if not resume_serving else None))
-            self.seconds += time.perf_counter() - start
+        except BaseException:
+            self.recover()
+            raise
+        start = time.perf_counter()
+        self._call(MEMORY_TAGS if resume_serving else WEIGHT_TAGS, release=False)
         if resume_serving:
             dist.barrier()  # no rank generates before rank 0 has resumed the servers
+        self.seconds += time.perf_counter() - start
 
     def resume_serving(self) -> None:
         """Collective: after a `training_phase(resume_serving=False)` and the weight push, the servers take
         back their KV cache and CUDA graphs."""
         start = time.perf_counter()
         dist.barrier()  # every rank has parked the weights it pushed
-        self._on_rank0(lambda engine: engine.resume_memory(SERVING_TAGS))
+        self._call(SERVING_TAGS, release=False)
         dist.barrier()
         self.seconds += time.perf_counter() - start
 
-    def _on_rank0(self, call) -> None:
-        if dist.get_rank() == 0:
-            for engine in self.engines:
-                call(engine)
+    def recover(self) -> None:
+        """After a failure inside a hand-off (no barrier: the other ranks may be anywhere): rank 0 gives the
+        servers back what they hold released, best effort, so that long-lived servers serve again and a
+        resumed run can release them again."""
+        if dist.get_rank() != 0 or not self.released:
+            return
+        try:
+            self._call(tuple(tag for tag in MEMORY_TAGS if tag in self.released), release=False)
+        except Exception as error:  # the original failure is what the caller reports
+            log.warning("could not give the rollout servers their memory back after a failure: %s", error)
+
+    def _call(self, tags: Sequence[str], *, release: bool) -> None:
+        if dist.get_rank() != 0:
+            return
+        for engine in self.engines:
+            if release:
+                engine.release_memory(list(tags))
+            else:
+                engine.resume_memory(list(tags))
+        self.released = self.released | set(tags) if release else self.released - set(tags)

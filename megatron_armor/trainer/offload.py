@@ -11,8 +11,8 @@ phase. Parts, parked and restored on their own:
     through Megatron's own `offload_grad_buffers` / `restore_grad_buffers`.
 
 A rollout phase parks everything; a training phase restores everything and, at its end, parks all
-but the actor's weights, which the weight push, the MIPU gate and validation's engine sync read
-until the next rollout phase parks them too. Pushes of a parked model bring back that model alone.
+but the actor's weights, which the weight push (and the MIPU gate) read before they are parked too.
+Pushes of a parked model bring back that model alone.
 
 Storages are freed in place (`UntypedStorage.resize_(0)`, as Megatron frees its grad buffers): every
 view (a parameter, `main_grad`, an optimizer state tensor) stays the same Python object and is valid

@@ -179,8 +179,9 @@ def _build_models(
     cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape, optim: OptimizerSettings, handoff: MemoryHandoff | None
 ) -> TrainerModels:
     """The models of this rank (collective). Colocated, the servers release their GPU memory while the
-    models are built (`handoff`), and an offloaded trainer parks them before the servers take it back:
-    the GPU never holds both (the servers get their weights from the first push)."""
+    models are built (`handoff`), and an offloaded trainer parks them before the servers take it back
+    (the servers get their weights from the first pushes, which bring the trainer's copy of each back
+    for the push alone)."""
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
         ddp, optimizer = wrap_for_training(load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True),
@@ -261,7 +262,8 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
     start_step = 0
     ref_restored = False
     if resume_from is not None:
-        with trainer.state_resident():
+        # Offloaded, loading needs the whole state on the GPU: a trainer phase (the pushes below refill the servers).
+        with trainer.trainer_phase() if trainer.offload else contextlib.nullcontext():
             state, restored = load_checkpoint(resume_from, modules, optional={"ref": handles.ref})
         ref_restored = "ref" in restored
         if ref_restored:

@@ -84,7 +84,7 @@ def test_aborts_match_rids_as_sglang_and_busy_server_refuses_flush(server, ready
     assert [len(item["output_ids"]) for item in reply] == [0, 0, 4]
     assert "Cache flushed" in http_call(ready_url, "/flush_cache")
     assert http_call(ready_url, "/release_memory_occupation", {"tags": ["kv_cache"]}) is None
-    assert http_call(ready_url, "/resume_memory_occupation", {"tags": None}) is None
+    assert http_call(ready_url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) is None
 
 
 def test_released_memory_refuses_generation_and_weight_loads_until_resumed(server, ready_url):
@@ -97,12 +97,16 @@ def test_released_memory_refuses_generation_and_weight_loads_until_resumed(serve
         http_call(ready_url, "/generate", generate)
     with pytest.raises(ServerError, match="HTTP 400.*weight update"):
         http_call(ready_url, "/update_weights_from_tensor", _tensor_update(weights)[1])
-    http_call(ready_url, "/release_memory_occupation", {"tags": None})  # the rest too
+    with pytest.raises(ServerError, match=r"HTTP 400.*\['weights'\] already released"):
+        http_call(ready_url, "/release_memory_occupation", {"tags": None})
+    http_call(ready_url, "/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})  # the rest too
     http_call(ready_url, "/resume_memory_occupation", {"tags": ["weights", "cuda_graph"]})
+    with pytest.raises(ServerError, match=r"HTTP 400.*\['cuda_graph', 'weights'\] not released"):
+        http_call(ready_url, "/resume_memory_occupation", {"tags": None})
     with pytest.raises(ServerError, match=r"\['kv_cache'\] is released"):
         http_call(ready_url, "/generate", generate)
     http_call(ready_url, "/health_generate", method="GET")  # alive while released
-    http_call(ready_url, "/resume_memory_occupation", {"tags": None})
+    http_call(ready_url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     info = http_call(ready_url, "/server_info", method="GET")
     assert info["released_memory_tags"] == [] and info["memory_releases"] == releases + 2
     # Without --enable-weights-cpu-backup the release lost the weights' values (SGLang's memory saver):

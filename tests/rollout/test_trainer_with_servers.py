@@ -22,7 +22,8 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     ref = start_server(tiny_model_factory("qwen2"), "--enable-weights-cpu-backup")
     SGLangEngine([actor.url, ref.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "1",
+    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "2",
+           "--checkpoint.every", "1",
            "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
            "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
            "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang_urls", actor.url,
@@ -37,12 +38,13 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     # Validation also ran on the pushed (warm-started) weights: an untrained model scores about 0.
     assert rows[0]["val/accuracy"] > 0.05
     # The servers refuse to generate or load weights while released: the run succeeding shows the trainer
-    # released them only for its own phases (building the models, the step's update, the final checkpoint,
-    # which reads the parked optimizer state); each took its memory back. After the update the actor's
-    # servers got their weights' memory back first, the push, then their KV cache (a staged resume).
+    # released them only for its own phases (building the models, each step's update, each checkpoint,
+    # which reads the parked optimizer state); each took its memory back. After an update or a checkpoint
+    # the actor's servers got their weights' memory back first, the push (the release lost the old ones:
+    # serve-local refuses to generate from them), then their KV cache (a staged resume).
     assert step["perf/memory_handoff_seconds"] > 0 and step["memory/trainer_parked_gib"] > 0
     for server in (actor, ref):
         info = http_call(server.url, "/server_info", method="GET", timeout=10)
-        assert info["memory_releases"] == 3 and info["released_memory_tags"] == []
+        assert info["memory_releases"] == 5 and info["released_memory_tags"] == []  # build, 2 x (update, checkpoint)
     loads = [http_call(server.url, "/server_info", method="GET")["weight_loads_without_kv_cache"] for server in (actor, ref)]
     assert loads[0] > 0 and loads[1] == 0  # every bucket of the update's push; the reference is pushed at start only
