@@ -111,8 +111,8 @@ class StoragePark:
 class TrainerOffload:
     """Weights, optimizer state and grad buffers of one trainer rank, on the device only when needed.
 
-    `models` names the modules whose weights park separately ("actor" is the DDP-wrapped actor's
-    module; the others are frozen). `seconds` accumulates park and restore time until `metrics`.
+    The actor's weights ("actor", the DDP-wrapped module) and each of the `frozen` models' park
+    separately. `seconds` accumulates park and restore time until `metrics`.
     """
 
     def __init__(
@@ -120,10 +120,10 @@ class TrainerOffload:
         constraint: SubspaceConstraint | None = None,
     ) -> None:
         device = training_device()
-        self.ddp = ddp
-        self.modules = {"actor": ddp.module, **frozen}
-        self.weights = {name: StoragePark(_parameters_of(module), device) for name, module in self.modules.items()}
-        for name, module in self.modules.items():
+        self.ddp, self.on_gpu = ddp, device.type == "cuda"
+        modules = {"actor": ddp.module, **frozen}
+        self.weights = {name: StoragePark(_parameters_of(module), device) for name, module in modules.items()}
+        for name, module in modules.items():
             module.register_forward_pre_hook(self._weights_check(name))
         actor_ids = {id(p) for p in ddp.module.parameters()}
         constraint_tensors = (lambda: [*constraint.initial.values(), *constraint.bases.values()]) if constraint else list
@@ -144,7 +144,7 @@ class TrainerOffload:
         self.parked_bytes = sum(park.parked_bytes for park in (self.training_state, *self.weights.values()))
         self.parked_bytes += sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
                                  for buffer in _grad_buffers(self.ddp))
-        if self.ddp_on_gpu:
+        if self.on_gpu:
             self.reserved_after_park = torch.cuda.memory_reserved()
 
     def restore(self) -> None:
@@ -153,7 +153,7 @@ class TrainerOffload:
             for park in (*self.weights.values(), self.training_state):
                 park.restore()
             if self.grads_parked:
-                self.ddp.restore_grad_buffers(synchronize=self.ddp_on_gpu)  # reallocated and zeroed
+                self.ddp.restore_grad_buffers(synchronize=self.on_gpu)  # reallocated and zeroed
                 self.grads_parked = False
 
     @contextlib.contextmanager
@@ -187,26 +187,22 @@ class TrainerOffload:
         """Park/restore time since the last call, GiB parked by the last rollout phase's park and (GPU)
         what the caching allocator still reserves after it."""
         metrics = {"perf/trainer_offload_seconds": self.seconds, "memory/trainer_parked_gib": self.parked_bytes / 2**30}
-        if self.ddp_on_gpu:
+        if self.on_gpu:
             metrics["memory/trainer_gpu_reserved_gib"] = self.reserved_after_park / 2**30
         self.seconds = 0.0
         return metrics
 
-    @property
-    def ddp_on_gpu(self) -> bool:
-        return next(self.ddp.parameters()).is_cuda
-
     def _park_training_state(self) -> None:
         self.training_state.park()
         if not self.grads_parked:
-            self.ddp.offload_grad_buffers(synchronize=self.ddp_on_gpu, empty_cache=False)
+            self.ddp.offload_grad_buffers(synchronize=self.on_gpu, empty_cache=False)
             self.grads_parked = True
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
         start = time.perf_counter()
         yield
-        if self.ddp_on_gpu:
+        if self.on_gpu:
             torch.cuda.empty_cache()  # hand the freed blocks to the colocated server
         self.seconds += time.perf_counter() - start
 
