@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_models import qwen2_of_width
 
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.models.loading import load_gpt_model
-from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step, wrap_for_training
 
@@ -56,11 +56,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model_dir = make_tiny_checkpoint(
-        Path(tempfile.mkdtemp(prefix="bench-offload-")) / "model", hidden_size=args.hidden, num_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
-        intermediate_size=args.hidden * 11 // 4, vocab_size=args.vocab, max_position_embeddings=512,
-    )
+    model_dir = qwen2_of_width(Path(tempfile.mkdtemp(prefix="bench-offload-")) / "model", hidden=args.hidden,
+                               layers=args.layers, vocab=args.vocab)
     ctx = initialize_distributed(1, 1, 1)
     try:
         shape = load_model_shape(model_dir)

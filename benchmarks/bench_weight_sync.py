@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_models import qwen2_of_width
 
-from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from megatron_armor.rollout.weight_sync import sync_weights
@@ -69,11 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
-    model_dir = make_tiny_checkpoint(
-        work / "model", hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 256), intermediate_size=args.hidden * 11 // 4,
-        vocab_size=args.vocab, max_position_embeddings=512,
-    )
+    model_dir = qwen2_of_width(work / "model", hidden=args.hidden, layers=args.layers, vocab=args.vocab)
     local = LocalEngine(model_dir)
     new = {name: torch.randn_like(p) for name, p in local.named_parameters_hf().items()}
     total = sum(t.nbytes for t in new.values())
