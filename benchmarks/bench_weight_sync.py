@@ -9,8 +9,13 @@ set of its weights through `sync_weights` (pause, flush, push, continue), best o
 The baseline is one memcpy of all the bytes into a preallocated buffer, timed right after each row.
 Ratio = sync / memcpy (issue goal: <= 1.2).
 
+With --device cuda the weights and the server (`--device cuda`) live on this host's GPU: tensor
+pushes travel as CUDA-IPC handles and the memcpy is a device-to-device copy. The distributed mode is
+left out there (NCCL needs the trainer and the server on different GPUs).
+
     python benchmarks/bench_weight_sync.py                       # defaults
     python benchmarks/bench_weight_sync.py --hidden 2048 --layers 8 --buckets 64 512
+    python benchmarks/bench_weight_sync.py --device cuda --hidden 2048 --layers 8
 """
 
 from __future__ import annotations
@@ -44,16 +49,24 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
-    """One copy of all the bytes ([N] uint8) into a preallocated, already-touched buffer: the floor of any sync."""
+    """One copy of all the bytes ([N] uint8) into a preallocated, already-touched buffer on the tensors'
+    device: the floor of any sync."""
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
     target = torch.empty_like(flat)
     target.copy_(flat)
-    return timed(lambda: target.copy_(flat))
+    synchronize(flat.device)
+    return timed(lambda: (target.copy_(flat), synchronize(flat.device)))
 
 
-def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def start_server(model_dir: Path, log: Path, device: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port),
+           "--device", device]
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, f"http://127.0.0.1:{port}"
@@ -66,15 +79,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--buckets", type=int, nargs="+", default=[64, 512], help="bucket sizes in MiB")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: weights and server on this host's GPU")
     args = parser.parse_args()
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     model_dir = qwen2_of_width(work / "model", hidden=args.hidden, layers=args.layers, vocab=args.vocab)
     local = LocalEngine(model_dir)
+    local.model.to(args.device)
     new = {name: torch.randn_like(p) for name, p in local.named_parameters_hf().items()}
     total = sum(t.nbytes for t in new.values())
     print(f"model: {len(new)} tensors, {total / 2**20:.0f} MiB ({next(iter(new.values())).dtype}); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     print(f"{'path':<44}{'sync s':>9}{'memcpy s':>9}{'ratio':>8}{'GB/s':>8}")
 
     def row(label: str, sync: Callable[[], float]) -> None:
@@ -83,16 +98,22 @@ def main() -> None:
         raw_s = best_of(args.repeats, lambda: memcpy_seconds(new))
         print(f"{label:<44}{sync_s:9.3f}{raw_s:9.3f}{sync_s / raw_s:8.2f}{total / sync_s / 1e9:8.2f}")
 
-    row("LocalEngine (in-process copy_)", lambda: sync_weights(local, new.items()).seconds)
+    device = torch.device(args.device)
 
-    proc, url = start_server(model_dir, work / "server.log")
+    def sync_seconds(engine) -> float:
+        """`sync_weights` until the copies are done (a GPU queues them; the server answers after its own)."""
+        return timed(lambda: (sync_weights(engine, new.items()), synchronize(device)))
+
+    row("LocalEngine (in-process copy_)", lambda: sync_seconds(local))
+
+    proc, url = start_server(model_dir, work / "server.log", args.device)
+    modes = ("tensor",) if args.device.startswith("cuda") else ("tensor", "distributed")
     try:
-        for mode, mib in [(m, b) for m in ("tensor", "distributed") for b in args.buckets] + [("disk", 0)]:
+        for mode, mib in [(m, b) for m in modes for b in args.buckets] + [("disk", 0)]:
             config = SGLangEngineConfig(bucket_bytes=mib << 20, weight_sync=mode, weight_sync_dir=str(work / "disk"),
                                         startup_timeout_s=300)
             engine = SGLangEngine([url], config)
-            row(f"http_server, {mode}" + (f", {mib} MiB buckets" if mode != "disk" else ""),
-                lambda: sync_weights(engine, new.items()).seconds)
+            row(f"http_server, {mode}" + (f", {mib} MiB buckets" if mode != "disk" else ""), lambda: sync_seconds(engine))
             engine.close()
     finally:
         proc.kill()

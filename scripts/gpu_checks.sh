@@ -1,22 +1,50 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a session lent a GPU machine (the device tool's `run`):
-#     run(command="bash scripts/gpu_checks.sh", timeout_s=540)
-# The machine's image has python3 with torch, triton and pytest, which is all the kernels need (no
-# megatron-core, no virtualenv). Logs land in $OUT (they come back); record the numbers, with the date
-# and this command, in docs/benchmarks.md.
-#   1. tests/kernels on CUDA: the fused kernels compiled for the GPU against the torch reference
-#      (forward, backward, fp32/bf16, odd shapes, padded vocabularies, main_grad, TP=2 over gloo);
-#   2. benchmarks/bench_fused_logprobs.py: eager vs chunked vs fused vs the GEMM floor, N in {1k, 4k, 8k},
-#      H=4096, V=151936, bf16 (issue 7's table);
-#   3. tests/trainer/test_storage_park.py: the trainer offload's park/restore of CUDA storages into
-#      cudaHostRegister-ed host memory (rollout.offload_trainer; its Megatron-level tests need megatron-core).
+# The GPU checks, as one script for a session lent a GPU machine (the device tool's `run`). Two parts,
+# each well inside one call's 10 minutes; run both in one call or one per call:
+#     run(command="bash scripts/gpu_checks.sh kernels", timeout_s=540)
+#     run(command="bash scripts/gpu_checks.sh serving", carry=[".whl"], timeout_s=540)
+# The machine's image has python3 with torch, triton, transformers and pytest, no megatron-core and no
+# virtualenv. The serving part needs megatron-core as a wheel in .whl/ (ignored by git; fetch it here with
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
+# ). Logs land in $OUT (they come back); record the numbers, with the date and the command, in
+# docs/benchmarks.md.
+#   kernels (issue 7):
+#     tests/kernels on CUDA: the fused kernels compiled for the GPU against the torch reference (forward,
+#     backward, fp32/bf16, odd shapes, padded vocabularies, main_grad, TP=2 over gloo);
+#     benchmarks/bench_fused_logprobs.py: eager vs chunked vs fused vs the GEMM floor, N in {1k, 4k, 8k},
+#     H=4096, V=151936, bf16.
+#   serving (issue 5; one GPU shared by the trainer and serve-local --device cuda, as colocated placement):
+#     tests/utils/test_storage_park.py: park/restore of CUDA storages into cudaHostRegister-ed host memory;
+#     tests/trainer/test_offload.py: the trainer offload of a Megatron actor, fp32 and bf16, bit for bit;
+#     tests/rollout/test_cuda_server.py: CUDA-IPC weight pushes, a memory release seen by another
+#     process, `armor train` (bf16, offload, release) on one GPU beside its servers;
+#     benchmarks/bench_weight_sync.py --device cuda: CUDA-IPC sync against a device-to-device copy.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
+PARTS=${*:-kernels serving}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" || status=1
-timeout 240 python3 benchmarks/bench_fused_logprobs.py 2>&1 | tee "$OUT/bench_fused_logprobs.txt" || status=1
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/trainer/test_storage_park.py 2>&1 | tee "$OUT/offload_tests.log" || status=1
+for part in $PARTS; do
+  case $part in
+    kernels)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" || status=1
+      timeout 240 python3 benchmarks/bench_fused_logprobs.py 2>&1 | tee "$OUT/bench_fused_logprobs.txt" || status=1
+      ;;
+    serving)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        || { echo "serving: no megatron-core wheel in .whl/ (see the header)"; exit 1; }
+      export PYTHONPATH=$PWD:/tmp/site
+      # Deterministic cuBLAS for the offload's bit-for-bit training comparison.
+      CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 330 python3 -m pytest -q -rs -s -p no:cacheprovider \
+        tests/utils/test_storage_park.py tests/trainer/test_offload.py tests/rollout/test_cuda_server.py 2>&1 \
+        | tee "$OUT/serving_tests.log" || status=1
+      (cd benchmarks && timeout 150 python3 bench_weight_sync.py --device cuda --hidden 2048 --layers 8 --repeats 3) 2>&1 \
+        | tee "$OUT/bench_weight_sync_cuda.txt" || status=1
+      ;;
+    *) echo "unknown part $part (kernels, serving)"; exit 2 ;;
+  esac
+done
 exit $status

@@ -1,4 +1,5 @@
-"""A `LocalEngine` behind SGLang's HTTP schema, so the SGLang client can be tested on CPU.
+"""A `LocalEngine` behind SGLang's HTTP schema, so the SGLang client can be tested without SGLang (on
+the CPU, or on a GPU with `--device cuda`).
 
 Same paths, fields and logprob layout as SGLang 0.5.15 with --skip-tokenizer-init (input_ids in,
 no text out); the endpoint logic lives in `local_server.LocalServerState`. The port is bound first
@@ -38,14 +39,14 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         state.require_idle("/flush_cache", "Cache not flushed because there are pending requests")
         return FLUSHED
 
-    # The last payloads' shared-memory storages stay mapped: a sender reusing its staging buffers
-    # then sends the same handles, which torch resolves from its cache instead of mapping (and
-    # faulting in) the segment again, as it caches CUDA-IPC handles on GPU.
+    # The last payloads' shared storages stay mapped: a sender reusing its staging buffers then sends
+    # the same handles, which torch resolves from its cache instead of mapping (and faulting in) the
+    # shared-memory segment, or opening the CUDA-IPC handle, again.
     recent_payloads: deque[NamedTensors] = deque(maxlen=2)
 
     def weights_from_tensor(body: dict) -> dict:
         try:
-            named = proto.named_tensors_from_request(body)
+            named = proto.named_tensors_from_request(body, allow_cuda=state.device.type == "cuda")
         except PayloadError as error:
             raise RequestError(f"/update_weights_from_tensor: bad payload: {error}") from error
         reply = state.update_weights(named, body)
@@ -141,11 +142,11 @@ class LocalSGLangServer(ThreadingHTTPServer):
 
 def serve_local(
     model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, *, random_seed: int = 0,
-    weights_cpu_backup: bool = False,
+    weights_cpu_backup: bool = False, device: str = "cpu",
 ) -> None:
-    """Serve `model_dir` until interrupted: bind, answer 503 while loading, then serve."""
+    """Serve `model_dir` on `device` until interrupted: bind, answer 503 while loading, then serve."""
     server = LocalSGLangServer(LocalServerState(model_dir, host=host, port=port, random_seed=random_seed,
-                                                weights_cpu_backup=weights_cpu_backup))
+                                                weights_cpu_backup=weights_cpu_backup, device=device))
     failure: list[BaseException] = []
 
     def load() -> None:

@@ -2,7 +2,7 @@
 
 The CPU default behind `RolloutEngine`; the SGLang client implements the same interface for GPU
 clusters. Prompts are left-padded into one batch (position ids restart at each row's first real
-token) and decoded incrementally with HF's `DynamicCache`.
+token) and decoded incrementally with HF's `DynamicCache`, on the device the model lives on.
 
 `weight_precision` ("fp32" | "bf16" | "fp8", see `rollout/precision.py`) rounds the weights the
 engine loads and receives, so its logprobs differ from the trainer's the way production engines do.
@@ -45,7 +45,7 @@ def sample_next_tokens(
 
 
 class LocalEngine(RolloutEngine):
-    """Samples from an HF causal LM on this process's device (CPU by default)."""
+    """Samples from an HF causal LM on the device its parameters live on (the CPU unless moved)."""
 
     def __init__(
         self, model: str | Path | PreTrainedModel, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 256,
@@ -66,7 +66,8 @@ class LocalEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        device = self.device
+        generator = torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
         out: list[Generation] = []
         for start in range(0, len(prompts), self.max_batch_size):
             out += self._generate_batch(prompts[start : start + self.max_batch_size], sampling, generator)
@@ -81,26 +82,29 @@ class LocalEngine(RolloutEngine):
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
             attention[row, width - len(prompt) :] = 1
+        device = self.device
+        input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+        stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.long, device=device)
         responses: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
-        finished = torch.zeros(batch, dtype=torch.bool)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
         step_ids = input_ids
         for _ in range(sampling.max_new_tokens):
             logits = self.model(
                 input_ids=step_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True
             ).logits[:, -1]
             tokens, token_logprobs = sample_next_tokens(logits, sampling, generator)
+            token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()  # one device sync per step
             for row in (~finished).nonzero().flatten().tolist():
-                responses[row].append(int(tokens[row]))
-                logprobs[row].append(float(token_logprobs[row]))
+                responses[row].append(token_list[row])
+                logprobs[row].append(logprob_list[row])
             finished |= torch.isin(tokens, stop)
             if bool(finished.all()):
                 break
             step_ids = tokens[:, None]
-            attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            attention = torch.cat([attention, attention.new_ones(batch, 1)], dim=1)
             positions = positions[:, -1:] + 1
         return [
             Generation(
@@ -125,6 +129,10 @@ class LocalEngine(RolloutEngine):
                 )
         for name, tensor in updates:
             params[name].copy_(quantize_weight(tensor.detach(), self.weight_precision))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def named_parameters_hf(self) -> dict[str, torch.Tensor]:
         """The engine's current weights by HF name (detached views)."""

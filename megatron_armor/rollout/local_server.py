@@ -1,9 +1,14 @@
-"""The state behind the CPU SGLang stand-in: a `LocalEngine` plus request bookkeeping.
+"""The state behind the SGLang stand-in: a `LocalEngine` plus request bookkeeping.
 
 Implements what each SGLang endpoint does (generation with `n`, aborts by rid as SGLang matches them,
-pause/continue, weight updates from tensors, disk or a gloo group, busy refusals, loads);
-`http_server` only maps paths and JSON onto it. Generation and weight updates share one engine
-lock; requests queued behind it, or held by a pause, count as waiting (held ones not as in flight).
+pause/continue, weight updates from tensors, disk or a weight-update group, busy refusals, loads,
+memory release); `http_server` only maps paths and JSON onto it. Generation and weight updates share
+one engine lock; requests queued behind it, or held by a pause, count as waiting (held ones not as in
+flight).
+
+The engine runs on the CPU (the default) or a GPU of this host (`device`): there it takes tensor
+updates as CUDA-IPC handles, joins NCCL weight-update groups and, on a memory release, really frees
+the weights' device memory, so the colocated hand-off can be checked on one GPU without SGLang.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout import weight_group
 from megatron_armor.rollout.base import Generation, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.utils.storage_park import StoragePark
 
 SERVER_VERSION = "megatron-armor-local"
 WEIGHT_GROUP_TIMEOUT = timedelta(seconds=120)  # joining a weight-update group, and each broadcast in it
@@ -37,6 +43,22 @@ class RequestError(Exception):
     def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _engine_device(device: torch.device | str) -> torch.device:
+    """`device` as a concrete CPU or visible GPU (ValueError otherwise)."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"serve-local: device {str(device)!r} is not a device name ({error})") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"serve-local: device must be cpu or cuda[:N], got {str(device)!r}")
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"serve-local: device {str(device)!r} is not a visible GPU "
+                         f"({torch.cuda.device_count()} visible)")
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
 
 
 @dataclass
@@ -54,11 +76,14 @@ class LocalServerState:
 
     def __init__(
         self, model_dir: str | Path, *, host: str, port: int, random_seed: int = 0, weights_cpu_backup: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model_path = str(model_dir)
         self.weights_cpu_backup = weights_cpu_backup  # SGLang --enable-weights-cpu-backup
+        self.device = _engine_device(device)
         self.host, self.port, self.random_seed = host, port, random_seed
         self.engine: LocalEngine | None = None
+        self._weights: StoragePark | None = None  # the engine's weights, freed while "weights" is released
         self.eos_token_id: int | None = None
         self.weight_version = "default"
         self.engine_lock = threading.Lock()  # generation and weight updates
@@ -80,9 +105,14 @@ class LocalServerState:
         """Load the model; from here on the server is ready."""
         torch.manual_seed(self.random_seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        with torch.no_grad():
+            for param in model.parameters():  # own storages on the device: the loader may map them from the file,
+                param.data = param.data.to(self.device, copy=True)  # and a memory release resizes them
+        model.to(self.device)  # the buffers
         eos = model.config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         pad = model.config.pad_token_id
+        self._weights = StoragePark(model.parameters, self.device)
         self.engine = LocalEngine(model, pad_token_id=0 if pad is None else pad)
 
     @property
@@ -280,6 +310,8 @@ class LocalServerState:
             self.abort({"abort_all": True})
         with self.engine_lock:
             self.engine.update_weights(named_tensors)
+            if self.device.type == "cuda":  # the reply frees the sender's buffers for reuse: the copies out of
+                torch.cuda.synchronize(self.device)  # them (queued on this GPU) must have finished
             self.stale_weights.difference_update(name for name, _ in named_tensors)
             self.loads_without_kv_cache += "kv_cache" in self.released
             if body.get("weight_version") is not None:
@@ -311,9 +343,9 @@ class LocalServerState:
     def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's group as rank rank_offset (this server has one TP rank); blocks until all joined."""
         spec = proto.WeightGroupSpec.from_body(body)
-        if spec.backend != "gloo":
-            raise RequestError(f"/init_weights_update_group: this CPU server joins gloo groups only, got backend "
-                               f"{spec.backend!r}")
+        if spec.backend == "nccl" and self.device.type != "cuda":
+            raise RequestError("/init_weights_update_group: backend 'nccl' needs a server on a GPU (--device cuda); "
+                               "this one runs on the CPU and joins gloo groups")
         if spec.group_name in self._groups:
             raise RequestError(f"/init_weights_update_group: group {spec.group_name!r} exists; destroy it first")
         try:
@@ -330,7 +362,7 @@ class LocalServerState:
             raise RequestError(f"/update_weights_from_distributed: no weight update group {update.group_name!r} "
                                f"(groups: {sorted(self._groups)}); call /init_weights_update_group first")
         try:
-            named = weight_group.receive_on_server(group, update)
+            named = weight_group.receive_on_server(group, update, self.device)
         except RuntimeError as error:
             raise RequestError(
                 f"/update_weights_from_distributed: broadcast in {update.group_name!r} failed: {error}"
@@ -346,6 +378,7 @@ class LocalServerState:
 
     def weights_by_name(self, body: dict[str, Any]) -> list:
         """The first `truncate_size` rows of a parameter as float32 lists (SGLang /get_weights_by_name)."""
+        self._require_memory("/get_weights_by_name", "weights")
         params = self.engine.named_parameters_hf()
         name = body.get("name")
         if name not in params:
@@ -355,27 +388,38 @@ class LocalServerState:
     # ---------------------------------------------------------------- memory hand-off
 
     def release_memory(self, body: dict[str, Any]) -> None:
-        """POST /release_memory_occupation: the tags' memory is gone until resumed (this CPU server frees
-        nothing, but refuses what SGLang could not do without it: generation, weight loading).
+        """POST /release_memory_occupation: the tags' memory is gone until resumed, and the server refuses
+        what SGLang could not do without it (generation, weight loading).
 
-        As SGLang's memory saver, a release of the weights loses their values unless the server keeps
-        a CPU backup (--enable-weights-cpu-backup): SGLang would then sample from whatever the resumed
-        memory holds; this server refuses to generate until every weight has been loaded again. A tag
-        released twice is refused, as the memory saver refuses to pause what it paused."""
+        The weights' storages are freed in place. As SGLang's memory saver, a release of the weights loses
+        their values unless the server keeps a CPU backup (--enable-weights-cpu-backup): SGLang would then
+        sample from whatever the resumed memory holds; this server refuses to generate until every weight
+        has been loaded again. The KV cache lives inside each generation here: its release returns the
+        allocator's cached blocks on a GPU. A tag released twice is refused, as the memory saver refuses
+        to pause what it paused."""
         tags = self._memory_tags(body)
         self.require_idle("/release_memory_occupation", "release needs an idle server")
         if tags & self.released:
             raise RequestError(f"/release_memory_occupation: {sorted(tags & self.released)} already released")
+        with self.engine_lock:
+            if "weights" in tags:
+                self._weights.park(keep_values=self.weights_cpu_backup)
+                if not self.weights_cpu_backup:
+                    self.stale_weights = set(self.engine.named_parameters_hf())
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.empty_cache()
         self.released |= tags
         self.memory_releases += 1
-        if "weights" in tags and not self.weights_cpu_backup:
-            self.stale_weights = set(self.engine.named_parameters_hf())
 
     def resume_memory(self, body: dict[str, Any]) -> None:
         """POST /resume_memory_occupation: only released tags (SGLang fails to resume what it did not release)."""
         tags = self._memory_tags(body)
         if tags - self.released:
             raise RequestError(f"/resume_memory_occupation: {sorted(tags - self.released)} not released")
+        if "weights" in tags:
+            with self.engine_lock:
+                self._weights.restore()
         self.released -= tags
 
     @staticmethod
@@ -426,8 +470,14 @@ class LocalServerState:
             "enable_weights_cpu_backup": self.weights_cpu_backup, "stale_weight_tensors": len(self.stale_weights),
             "weight_loads_without_kv_cache": self.loads_without_kv_cache,
             "released_memory_tags": sorted(self.released), "memory_releases": self.memory_releases,
+            "device": str(self.device), "weight_bytes_resident": self._resident_weight_bytes(),
             "weight_version": self.weight_version, "version": SERVER_VERSION,
         }
+
+    def _resident_weight_bytes(self) -> int:
+        """Bytes of the engine's weight storages now allocated (0 while the weights are released)."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.engine.model.parameters()}
+        return sum(storages.values())
 
     def loads(self) -> dict[str, Any]:
         """GET /v1/loads (field names inferred: running and waiting counts per DP rank)."""

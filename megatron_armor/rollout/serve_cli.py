@@ -1,4 +1,4 @@
-"""`armor serve-local`: serve a local HF checkpoint over SGLang's HTTP schema (CPU stand-in for SGLang)."""
+"""`armor serve-local`: serve a local HF checkpoint over SGLang's HTTP schema (a stand-in for SGLang)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ def add_serve_local_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
                         help="weights keep their values across /release_memory_occupation (as SGLang's flag); "
                              "without it they must be loaded again before the next generation")
+    parser.add_argument("--device", default="cpu",
+                        help="where the engine runs: cpu, or cuda[:N] (tensor updates then arrive as CUDA-IPC handles, "
+                             "weight-update groups may use NCCL, and a memory release frees GPU memory)")
     return parser
 
 
 def add_serve_local_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve-local` on a CLI's subparsers; dispatch it with `run_serve_local(args)`."""
     parser = subparsers.add_parser(
-        "serve-local", help="serve a checkpoint over SGLang's HTTP API on CPU",
+        "serve-local", help="serve a checkpoint over SGLang's HTTP API (CPU, or one GPU), without SGLang",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve an HF checkpoint with the in-process engine behind SGLang's HTTP endpoints "
                     "(/generate, /update_weights_from_tensor, /flush_cache, ...).",
@@ -34,7 +37,7 @@ def run_serve_local(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     serve_local(args.model, host=args.host, port=args.port, random_seed=args.random_seed,
-                weights_cpu_backup=args.enable_weights_cpu_backup)
+                weights_cpu_backup=args.enable_weights_cpu_backup, device=args.device)
     return 0
 
 

@@ -213,14 +213,17 @@ def update_weights_from_tensor_request(
     return _with_version(body, weight_version)
 
 
-def named_tensors_from_request(body: dict[str, Any], tp_rank: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """Decode rank `tp_rank`'s entry of an /update_weights_from_tensor body (PayloadError if it is bad)."""
+def named_tensors_from_request(
+    body: dict[str, Any], tp_rank: int = 0, *, allow_cuda: bool = False
+) -> list[tuple[str, torch.Tensor]]:
+    """Decode rank `tp_rank`'s entry of an /update_weights_from_tensor body (PayloadError if it is bad;
+    CUDA-IPC handles only if `allow_cuda`)."""
     entries = body.get("serialized_named_tensors")
     if not isinstance(entries, list) or len(entries) <= tp_rank or not isinstance(entries[tp_rank], str):
         raise tensor_serialization.PayloadError(
             f"serialized_named_tensors must be a list of base64 strings with an entry for TP rank {tp_rank}"
         )
-    payload = tensor_serialization.deserialize(entries[tp_rank])
+    payload = tensor_serialization.deserialize(entries[tp_rank], allow_cuda=allow_cuda)
     return tensor_serialization.named_tensors_from_payload(payload, body.get("load_format"))
 
 
@@ -352,9 +355,10 @@ class DistributedUpdate:
                    str(body.get("group_name", "weight_update_group")), load_format, bool(body.get("flush_cache", True)),
                    None if version is None else str(version))
 
-    def empty_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Receive buffers: one uninitialised CPU tensor per name."""
-        return [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+    def empty_tensors(self, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+        """Receive buffers: one uninitialised tensor per name on `device`."""
+        return [(n, torch.empty(s, dtype=getattr(torch, d), device=device))
+                for n, d, s in zip(self.names, self.dtypes, self.shapes)]
 
 
 def destroy_weights_update_group_request(group_name: str) -> dict[str, Any]:

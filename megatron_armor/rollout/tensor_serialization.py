@@ -97,17 +97,18 @@ def flattened_layout(named_tensors: Sequence[tuple[str, torch.Tensor]], align: i
 def flatten_bucket(
     named_tensors: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None, align: int = 1
 ) -> dict[str, Any]:
-    """SGLang's "flattened_bucket" dict: {flattened_tensor: [N bytes] uint8 CPU, metadata: [FlattenedTensorMetadata]}
+    """SGLang's "flattened_bucket" dict: {flattened_tensor: [N bytes] uint8, metadata: [FlattenedTensorMetadata]}
     in the `flattened_layout` of `align`.
 
-    The bytes go to a fresh buffer, or to the front of `out` ([>= N] uint8, e.g. a `shared_buffer` reused
-    for every bucket), never into the caller's tensors' storage.
+    The bytes go to a fresh buffer on the first tensor's device, or to the front of `out` ([>= N] uint8,
+    e.g. a `shared_buffer` reused for every bucket), never into the caller's tensors' storage.
     """
     layout = flattened_layout(named_tensors, align)
     nbytes = layout[-1].end_idx if layout else 0
     if out is not None and out.numel() < nbytes:
         raise ValueError(f"flatten_bucket: the bucket needs {nbytes} bytes, the buffer holds {out.numel()}")
-    flat = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
+    device = named_tensors[0][1].device if named_tensors else None
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if out is None else out[:nbytes]
     for meta, (_, tensor) in zip(layout, named_tensors):
         flat[meta.start_idx : meta.end_idx].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     return {"flattened_tensor": flat, "metadata": layout}
@@ -226,29 +227,45 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+# CUDA tensors travel as CUDA-IPC handles (`reduce_tensor` names the typed storage class), accepted by a
+# server whose engine runs on a GPU of this host.
+CUDA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch.storage", "TypedStorage")}
+)
+
+
 class SafeUnpickler(pickle.Unpickler):
-    """Resolves only `ALLOWED_GLOBALS`: CPU tensor rebuilds from shared memory, storages, dtypes, Size and
-    SimpleNamespace. Anything else (os.system, eval, a CUDA-IPC or fd-passing rebuild) is refused."""
+    """Resolves only `ALLOWED_GLOBALS` (plus `CUDA_GLOBALS` if `allow_cuda`): CPU tensor rebuilds from
+    shared memory, storages, dtypes, Size and SimpleNamespace. Anything else (os.system, eval, an
+    fd-passing rebuild, a CUDA-IPC one on a CPU server) is refused."""
+
+    def __init__(self, file: io.BytesIO, *, allow_cuda: bool = False) -> None:
+        super().__init__(file)
+        self.allowed = ALLOWED_GLOBALS | CUDA_GLOBALS if allow_cuda else ALLOWED_GLOBALS
+        self.allow_cuda = allow_cuda
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in ALLOWED_GLOBALS:
+        if (module, name) not in self.allowed:
+            tensors = "CPU tensors shared through /dev/shm with torch's file_system strategy" + (
+                " or CUDA tensors as CUDA-IPC handles" if self.allow_cuda else "")
             raise PayloadError(
-                f"tensor payload refers to {module}.{name}, which this server does not unpickle (allowed: CPU tensors "
-                f"shared through /dev/shm with torch's file_system strategy, torch dtypes, torch.Size, "
-                f"types.SimpleNamespace); send tensors with megatron_armor's SGLang client or SGLang's "
-                f"MultiprocessingSerializer from a CPU process on this host"
+                f"tensor payload refers to {module}.{name}, which this server does not unpickle (allowed: {tensors}, "
+                f"torch dtypes, torch.Size, types.SimpleNamespace); send tensors with megatron_armor's SGLang client "
+                f"or SGLang's MultiprocessingSerializer from a process on this host"
+                + ("" if self.allow_cuda else " (CUDA tensors only to a server started with --device cuda)")
             )
         return super().find_class(module, name)
 
 
-def deserialize(text: str) -> Any:
-    """Inverse of `serialize`; PayloadError for bad base64, a truncated pickle or a global outside the allowlist."""
+def deserialize(text: str, *, allow_cuda: bool = False) -> Any:
+    """Inverse of `serialize`; PayloadError for bad base64, a truncated pickle or a global outside the
+    allowlist (CUDA-IPC rebuilds only if `allow_cuda`)."""
     try:
         data = base64.b64decode(text, validate=True)
     except (TypeError, ValueError) as error:
         raise PayloadError(f"tensor payload is not base64 text: {error}") from error
     try:
-        return SafeUnpickler(io.BytesIO(data)).load()
+        return SafeUnpickler(io.BytesIO(data), allow_cuda=allow_cuda).load()
     except PayloadError:
         raise
     except (pickle.UnpicklingError, EOFError, RuntimeError, TypeError, ValueError, AttributeError) as error:

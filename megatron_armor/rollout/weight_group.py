@@ -88,11 +88,14 @@ def broadcast_from_trainer(
         work.wait()
 
 
-def receive_on_server(group: dist.ProcessGroup, update: DistributedUpdate) -> NamedTensors:
-    """A server rank's side: fresh CPU tensors filled by rank 0's broadcasts, in the order of `update.names`."""
-    buffers = update.empty_tensors()
+def receive_on_server(
+    group: dist.ProcessGroup, update: DistributedUpdate, device: torch.device | str = "cpu"
+) -> NamedTensors:
+    """A server rank's side: fresh tensors on `device` (CUDA for an NCCL group) filled by rank 0's
+    broadcasts, in the order of `update.names`."""
+    buffers = update.empty_tensors(device)
     if update.load_format == "flattened_bucket":
-        flat = torch.empty(sum(t.nbytes for _, t in buffers), dtype=torch.uint8)
+        flat = torch.empty(sum(t.nbytes for _, t in buffers), dtype=torch.uint8, device=device)
         _broadcast(group, flat).wait()
         return unflatten_bucket(flat, flattened_layout(buffers))
     works = [_broadcast(group, tensor) for _, tensor in buffers]

@@ -116,6 +116,8 @@ class TensorTransport:
 
     def close(self) -> None:
         self._staging.clear()
+        if torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # frees CUDA buffers once the servers dropped their handles to them
 
 
 def _local_address_towards(url: str) -> str:

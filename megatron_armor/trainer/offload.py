@@ -14,17 +14,11 @@ A rollout phase parks everything; a training phase restores everything and, at i
 but the actor's weights, which the weight push (and the MIPU gate) read before they are parked too.
 Pushes of a parked model bring back that model alone.
 
-Storages are freed in place (`UntypedStorage.resize_(0)`, as Megatron frees its grad buffers): every
-view (a parameter, `main_grad`, an optimizer state tensor) stays the same Python object and is valid
-again once its storage is restored, so nothing that holds one (optimizer groups, DDP hooks) needs
-rewiring. Reading a parked tensor reads freed memory (a crash, or garbage on a GPU), as with
-Megatron's freed grad buffers: the trainer touches the models only inside the phases of
-`TrainerOffload`, and a forward pass of a parked model raises `ParkedWeightsError`.
-
-Host memory: one flat buffer per part, exactly its size and reused from step to step; on a GPU it is
-page-locked with cudaHostRegister (torch's pinned allocator would round each request up to a power
-of two). On CPU the host copy is as large as what it frees: the code path is the GPU's, the saving
-is not.
+Storages are freed in place by `utils.storage_park.StoragePark` (one page-locked host buffer per
+part, reused from step to step): every view stays valid once restored, so optimizer groups and DDP
+hooks need no rewiring. The trainer touches the models only inside the phases of `TrainerOffload`,
+and a forward pass of a parked model raises `ParkedWeightsError`. On CPU the host copy is as large as
+what it frees: the code path is the GPU's, the saving is not.
 """
 
 from __future__ import annotations
@@ -32,80 +26,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
+from megatron_armor.utils.storage_park import StoragePark
 
 
 class ParkedWeightsError(RuntimeError):
     """A forward pass of a model whose weights are parked (a trainer bug, never a user error)."""
-
-
-@dataclass(frozen=True)
-class _Parked:
-    storage: torch.UntypedStorage  # resized to 0 bytes while parked
-    offset: int  # of its bytes in the part's host buffer
-    nbytes: int
-
-
-class StoragePark:
-    """The storages of `tensors()` on `device` (deduplicated), copied to one host buffer and freed, then
-    restored in place.
-
-    `tensors` is called at every `park`: optimizer state that appeared (or was replaced by a
-    `load_state_dict`) since the last one is included. Storages elsewhere (e.g. torch's CPU `step`
-    counters of a GPU optimizer) stay where they are.
-    """
-
-    def __init__(self, tensors: Callable[[], Iterable[torch.Tensor]], device: torch.device) -> None:
-        self.tensors, self.device = tensors, device
-        self.parked: list[_Parked] | None = None  # None: resident
-        self.host = torch.empty(0, dtype=torch.uint8)  # [bytes of the last park], reused while the size holds
-
-    @property
-    def is_parked(self) -> bool:
-        return self.parked is not None
-
-    @property
-    def parked_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self.parked) if self.parked else 0
-
-    def park(self) -> None:
-        """Copy every live storage to the host buffer and free it (nothing when already parked)."""
-        if self.parked is not None:
-            return
-        storages: dict[int, torch.UntypedStorage] = {}
-        for tensor in self.tensors():
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and storage.device == self.device:  # empty: nothing to free
-                storages.setdefault(storage.data_ptr(), storage)
-        parked, offset = [], 0
-        for storage in storages.values():
-            parked.append(_Parked(storage, offset, storage.nbytes()))
-            offset += storage.nbytes()
-        if self.host.numel() != offset:
-            self.host = _host_buffer(offset, pinned=self.device.type == "cuda")
-        for entry in parked:
-            self.host[entry.offset: entry.offset + entry.nbytes].copy_(_as_bytes(entry.storage), non_blocking=True)
-        _synchronize(self.device)
-        for entry in parked:
-            entry.storage.resize_(0)
-        self.parked = parked
-
-    def restore(self) -> None:
-        """Reallocate every parked storage and copy its bytes back (nothing when resident)."""
-        if self.parked is None:
-            return
-        for entry in self.parked:
-            entry.storage.resize_(entry.nbytes)
-            _as_bytes(entry.storage).copy_(self.host[entry.offset: entry.offset + entry.nbytes], non_blocking=True)
-        _synchronize(self.device)
-        self.parked = None
 
 
 class TrainerOffload:
@@ -234,28 +165,3 @@ def _parameters_of(module: torch.nn.Module) -> Callable[[], Iterator[torch.Tenso
 
 def _grad_buffers(ddp) -> list:
     return list(ddp.buffers) + list(ddp.expert_parallel_buffers)
-
-
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """[nbytes] uint8 view of `storage` (valid while its size holds)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
-    """[nbytes] uint8 in host memory; `pinned` page-locks exactly these bytes (cudaHostRegister, released
-    with the buffer) for asynchronous copies, where torch's pinned allocator would round up to a power of two."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if pinned and nbytes:
-        cudart = torch.cuda.cudart()
-        try:
-            torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-        except torch.cuda.CudaError as error:
-            raise RuntimeError(f"rollout.offload_trainer: page-locking {nbytes / 2**30:.2f} GiB of host memory "
-                               f"(cudaHostRegister) failed: {error}") from error
-        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

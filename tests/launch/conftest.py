@@ -1,11 +1,14 @@
-"""A local Ray cluster (2 CPUs, small object store) shared by the launch tests, always shut down."""
+"""A local Ray cluster (2 CPUs, small object store) shared by the launch tests, always shut down.
+
+Package-scoped: it is gone before the tests after `tests/launch` run (its daemons take a tenth of
+the box's two cores while up)."""
 
 import os
 
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_DISABLE_IMPORT_WARNING", "1")

@@ -91,10 +91,16 @@ def test_released_memory_refuses_generation_and_weight_loads_until_resumed(serve
     name = "model.norm.weight"
     weights = [(name, torch.full_like(server.state.engine.named_parameters_hf()[name], 0.5))]
     generate = {"input_ids": [5, 6], "sampling_params": {"temperature": 0.0, "max_new_tokens": 2}}
-    releases = http_call(ready_url, "/server_info", method="GET")["memory_releases"]
+    params = {n: t.clone() for n, t in server.state.engine.named_parameters_hf().items()}
+    info = http_call(ready_url, "/server_info", method="GET")
+    releases, resident = info["memory_releases"], info["weight_bytes_resident"]
+    assert resident == sum(p.nbytes for p in server.state.engine.model.parameters())
     http_call(ready_url, "/release_memory_occupation", {"tags": ["weights"]})
+    assert http_call(ready_url, "/server_info", method="GET")["weight_bytes_resident"] == 0  # freed in place
     with pytest.raises(ServerError, match=r"HTTP 400.*\['weights'\] is released"):
         http_call(ready_url, "/generate", generate)
+    with pytest.raises(ServerError, match=r"HTTP 400.*/get_weights_by_name.*\['weights'\] is released"):
+        http_call(ready_url, "/get_weights_by_name", {"name": name})
     with pytest.raises(ServerError, match="HTTP 400.*weight update"):
         http_call(ready_url, "/update_weights_from_tensor", _tensor_update(weights)[1])
     with pytest.raises(ServerError, match=r"HTTP 400.*\['weights'\] already released"):
@@ -109,15 +115,16 @@ def test_released_memory_refuses_generation_and_weight_loads_until_resumed(serve
     http_call(ready_url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     info = http_call(ready_url, "/server_info", method="GET")
     assert info["released_memory_tags"] == [] and info["memory_releases"] == releases + 2
+    assert info["weight_bytes_resident"] == resident
     # Without --enable-weights-cpu-backup the release lost the weights' values (SGLang's memory saver):
     # no generation until every one of them is loaded again.
-    params = {n: t.clone() for n, t in server.state.engine.named_parameters_hf().items()}
     assert info["stale_weight_tensors"] == len(params) and not info["enable_weights_cpu_backup"]
     http_call(ready_url, "/update_weights_from_tensor", _tensor_update(list(params.items())[:-1])[1])
     with pytest.raises(ServerError, match=r"HTTP 400.*1 weights \(e\.g\. .*\) lost their values"):
         http_call(ready_url, "/generate", generate)
     http_call(ready_url, "/update_weights_from_tensor", _tensor_update(list(params.items())[-1:])[1])
     assert len(http_call(ready_url, "/generate", generate)["output_ids"]) == 2
+    assert all(torch.equal(t, params[n]) for n, t in server.state.engine.named_parameters_hf().items())
     with pytest.raises(ServerError, match="HTTP 400.*subset"):
         http_call(ready_url, "/release_memory_occupation", {"tags": ["gpu"]})
 
@@ -129,8 +136,12 @@ def test_weights_with_a_cpu_backup_survive_a_release(tiny_model_factory, serving
         url = f"http://127.0.0.1:{server.state.port}"
         generate = {"input_ids": [5, 6], "sampling_params": {"temperature": 0.0, "max_new_tokens": 3}}
         before = http_call(url, "/generate", generate)["output_ids"]
+        weights = {name: t.clone() for name, t in server.state.engine.named_parameters_hf().items()}
         http_call(url, "/release_memory_occupation", {"tags": None})
+        assert http_call(url, "/server_info", method="GET")["weight_bytes_resident"] == 0  # freed, values kept on the host
         http_call(url, "/resume_memory_occupation", {"tags": None})
+        restored = server.state.engine.named_parameters_hf()
+        assert all(torch.equal(restored[name], weights[name]) for name in weights)
         assert http_call(url, "/generate", generate)["output_ids"] == before
         engine = SGLangEngine([url], SGLangEngineConfig(startup_timeout_s=30))
         assert engine.keeps_weights_across_release()

@@ -84,6 +84,26 @@ def test_unpickler_refuses_code_and_leaves_no_trace(os_system_payload):
         ts.deserialize("not base64!")
 
 
+class _CudaIpcTensor:
+    """Pickles as torch's reduction of a CUDA tensor does (a CUDA-IPC handle), without a GPU."""
+
+    def __reduce__(self):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor, (torch.Tensor, torch.Size([2]), (1,), 0, torch.storage.TypedStorage, torch.float32, 0,
+                                     b"ipc-handle", 8, 0, False, b"ref-counter", 0, b"event", True)
+
+
+def test_cuda_ipc_handles_pass_the_allowlist_only_for_a_gpu_server():
+    payload = base64.b64encode(pickle.dumps([("w", _CudaIpcTensor())])).decode()
+    with pytest.raises(ts.PayloadError, match=r"reductions\.rebuild_cuda_tensor, which this server does not unpickle.*"
+                                              r"CUDA tensors only to a server started with --device cuda"):
+        ts.deserialize(payload)
+    with pytest.raises(BaseException) as opened:  # past the allowlist: opening the handle needs a GPU
+        ts.deserialize(payload, allow_cuda=True)
+    assert "does not unpickle" not in str(opened.value)
+
+
 def test_malformed_buckets_are_refused():
     bucket = ts.flatten_bucket(TENSORS)
     short = bucket["flattened_tensor"][:80]

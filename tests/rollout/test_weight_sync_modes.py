@@ -158,7 +158,7 @@ def test_distributed_group_errors_are_clear(url):
     spec = proto.WeightGroupSpec("127.0.0.1", port, rank_offset=1, world_size=3, group_name=name, backend="gloo")
     with pytest.raises(ServerError, match="HTTP 400.*says world_size 3, but the trainer .* created it for 2 ranks"):
         http_call(url, "/init_weights_update_group", spec.body())
-    with pytest.raises(ServerError, match="HTTP 400.*gloo groups only, got backend 'nccl'"):
+    with pytest.raises(ServerError, match="HTTP 400.*backend 'nccl' needs a server on a GPU \\(--device cuda\\)"):
         http_call(url, "/init_weights_update_group", replace(spec, backend="nccl").body())
     update = proto.DistributedUpdate.of([("model.norm.weight", torch.zeros(4))], group_name="nope")
     with pytest.raises(ServerError, match="HTTP 400.*no weight update group 'nope' .*call /init_weights_update_group"):

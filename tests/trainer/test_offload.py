@@ -1,7 +1,10 @@
 """Trainer offload (rollout.offload_trainer) on a real Megatron actor, DDP and optimizer in one process:
 parking frees every storage of the weights, the optimizer state and the grad buffers; restoring gives
 them back bit for bit; training with a park/restore cycle between optimizer steps is bit-identical to
-training without one; a forward pass of parked weights is refused."""
+training without one; a forward pass of parked weights is refused.
+
+On the training device: fp32 on CPU; fp32 and bf16 (fp32 master weights in the optimizer) on a GPU,
+where scripts/gpu_checks.sh runs this file with deterministic kernels."""
 
 import pytest
 import torch
@@ -20,17 +23,26 @@ OPTIM = OptimizerSettings(lr=1e-3, warmup_steps=0, weight_decay=0.1)
 LOSS = LossSettings(alpha=1.0)  # plain dual-clip PPO: no reference logprobs needed
 
 
+ON_GPU = torch.cuda.is_available()
+# bf16 training (Megatron's mixed-precision optimizer) needs CUDA tensors.
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not ON_GPU, reason="bf16 trains on GPUs"))]
+
+
 @pytest.fixture
 def megatron_world():
     initialize_distributed(1, 1, 1)
+    if ON_GPU:  # bit-identical runs need deterministic kernels (embedding backward accumulates atomically)
+        torch.use_deterministic_algorithms(True)
     yield
+    torch.use_deterministic_algorithms(False)
     destroy_distributed()
 
 
-def _trainer_state(checkpoint):
+def _trainer_state(checkpoint, dtype=torch.float32):
     shape = load_model_shape(checkpoint)
-    ddp, optimizer = wrap_for_training(load_gpt_model(checkpoint, shape, trainable=True), OPTIM)
-    return ddp, optimizer, load_gpt_model(checkpoint, shape)
+    model = load_gpt_model(checkpoint, shape, params_dtype=dtype, trainable=True)
+    ddp, optimizer = wrap_for_training(model, OPTIM)
+    return ddp, optimizer, load_gpt_model(checkpoint, shape, params_dtype=dtype)
 
 
 def _batch(vocab_size: int, seed: int):
@@ -55,18 +67,21 @@ def _snapshot(ddp, optimizer, ref, constraint=None) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 
 
-def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, tiny_model_factory):
-    """fp32 (bf16 training needs CUDA): the optimizer updates the model's parameters themselves, which park
-    with the weights; the training state is the Adam moments and the subspace constraint's W0 and bases."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, tiny_model_factory, dtype):
+    """fp32: the optimizer updates the model's parameters themselves, which park with the weights; the
+    training state is the Adam moments and the subspace constraint's W0 and bases. bf16: the training
+    state also holds the optimizer's fp32 master weights."""
     checkpoint = tiny_model_factory("qwen2")
-    ddp, optimizer, ref = _trainer_state(checkpoint)
+    ddp, optimizer, ref = _trainer_state(checkpoint, dtype)
     constraint = subspace_constraint(ddp.module, 2, "gradient")
     vocab = load_model_shape(checkpoint).vocab_size
     _update(ddp, optimizer, _batch(vocab, 0), 0)  # Adam moments exist from here on
     constraint.capture(1)
     before = _snapshot(ddp, optimizer, ref, constraint)
     moments = [t for t in optimizer_tensors(optimizer, skip={id(p) for p in ddp.module.parameters()}) if t.dim()]
-    assert len(moments) == 2 * len(list(ddp.module.parameters()))  # exp_avg, exp_avg_sq
+    per_parameter = 2 if dtype == torch.float32 else 3  # exp_avg, exp_avg_sq (and the fp32 master weight)
+    assert len(moments) == per_parameter * len(list(ddp.module.parameters()))
 
     constrained = [*constraint.initial.values(), *constraint.bases.values()]
     parked = [*ddp.module.parameters(), *ref.parameters(), *optimizer_tensors(optimizer), *constrained,
@@ -94,12 +109,13 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
         compute_logprobs(ref, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
 
 
-def test_training_through_park_cycles_equals_training_without(megatron_world, tiny_model_factory):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_training_through_park_cycles_equals_training_without(megatron_world, tiny_model_factory, dtype):
     checkpoint = tiny_model_factory("qwen2")
     vocab = load_model_shape(checkpoint).vocab_size
     finals = []
     for cycle in (False, True):
-        ddp, optimizer, ref = _trainer_state(checkpoint)
+        ddp, optimizer, ref = _trainer_state(checkpoint, dtype)
         initial = [p.detach().clone() for p in ddp.module.parameters()]
         offload = TrainerOffload(ddp, optimizer, {"ref": ref}) if cycle else None
         for step in range(3):
@@ -116,6 +132,7 @@ def test_training_through_park_cycles_equals_training_without(megatron_world, ti
     assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
 
 
+@pytest.mark.skipif(ON_GPU, reason="the refusal is the CPU's")
 def test_bf16_training_on_cpu_is_refused_with_the_reason(megatron_world, tiny_model_factory):
     """The bf16 path (separate fp32 master weights, parked with the optimizer) runs on GPUs only; on CPU
     Megatron's mixed-precision optimizer would fail with a type error naming CUDA tensor classes."""

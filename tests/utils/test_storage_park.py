@@ -1,11 +1,11 @@
-"""`StoragePark`, the mechanism under the trainer offload, on the training device (CPU here; CUDA in
-scripts/gpu_checks.sh, whose image has no Megatron): shared storages park once, views survive, bytes
-come back exactly, the device memory is returned and, on a GPU, the host buffer is page-locked."""
+"""`StoragePark`, the mechanism under the trainer offload and serve-local's memory release, on the
+training device (CPU here; CUDA in scripts/gpu_checks.sh): shared storages park once, views survive,
+bytes come back exactly, the device memory is returned and, on a GPU, the host buffer is page-locked."""
 
 import torch
 
 from megatron_armor.distributed.device import training_device
-from megatron_armor.trainer.offload import StoragePark
+from megatron_armor.utils.storage_park import StoragePark
 
 
 def test_views_survive_a_park_and_get_their_bytes_back():
@@ -39,3 +39,25 @@ def test_views_survive_a_park_and_get_their_bytes_back():
     assert park.host is host  # same sizes: the host buffer is reused
     park.restore()
     assert torch.equal(views[1], before[1])
+
+
+def test_a_park_without_values_frees_without_a_host_copy():
+    device = training_device()
+    weight = torch.ones(64, 8, device=device)
+    tied = weight.view(-1)  # a second view of the same storage
+    park = StoragePark(lambda: [weight, tied], device)
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+    park.park(keep_values=False)
+    assert park.parked_bytes == 64 * 8 * 4 and weight.untyped_storage().nbytes() == 0
+    assert park.host.numel() == 0  # nothing copied out
+    if device.type == "cuda":
+        assert torch.cuda.memory_allocated(device) <= allocated - park.parked_bytes
+    park.restore()
+    assert weight.untyped_storage().nbytes() == 64 * 8 * 4  # reallocated, values undefined
+    weight.fill_(2.0)
+    assert torch.equal(tied, torch.full((512,), 2.0, device=device))  # the views share it again
+
+    park.park()  # a later park that keeps values works as before
+    park.restore()
+    assert torch.equal(weight, torch.full((64, 8), 2.0, device=device))
