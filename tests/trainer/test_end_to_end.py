@@ -2,13 +2,17 @@
 reference that a reset moved away from model.path."""
 
 import json
+import logging
 import math
+import re
+import shutil
 from pathlib import Path
 
-import pytest
 import torch
 
 from launcher import run_workers
+from megatron_armor.config import load_config
+from megatron_armor.trainer.run import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
@@ -30,14 +34,16 @@ def _ref_state(run_dir: Path, step: int) -> dict:
     return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "rank_00000.pt", weights_only=False)["ref"]
 
 
-def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_path):
+def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_path, caplog):
     """The reference is reset to the actor after step 2 (the last reset of a 3-step run). The interrupted
-    run resumes from step 2 with ref_reset_period 0, as run_8b_until_180.sh does (armor.md §4): it must
-    restore the checkpoint's reference, not reload model.path, to match the uninterrupted run."""
+    run (the 3-step run's checkpoint and metrics up to step 2: what a 2-step run leaves, as the same code
+    saves every checkpoint) resumes from step 2 with ref_reset_period 0, as run_8b_until_180.sh does
+    (armor.md §4): it must restore the checkpoint's reference, not reload model.path, to match the
+    uninterrupted run."""
     cache_dir = synthetic_cache
     full, part = tmp_path / "full", tmp_path / "part"
-    reset_every_2 = "algorithm.ref_reset_period=2"
-    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(cache_dir, full, 3), reset_every_2)
+    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(cache_dir, full, 3),
+                "algorithm.ref_reset_period=2")
     rows = _read_metrics(full)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[2]["armor/ref_reset"] == 1.0 and "armor/ref_reset" not in rows[3]
@@ -53,15 +59,20 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
     assert (full / "curves.png").is_file()
     assert (full / "checkpoints" / "step_000003" / "COMPLETE").is_file()
 
-    # Starting again over a run directory that holds checkpoints is refused and touches nothing.
+    # Starting again over a run directory that holds checkpoints is refused and touches nothing (the
+    # refusal comes first on every rank, so one in-process rank shows it).
     saved = {p: p.read_bytes() for p in (full / "checkpoints").rglob("*") if p.is_file()}
-    with pytest.raises(AssertionError, match="already holds checkpoints.*--resume.*--overwrite"):
-        run_workers("train_run.py", 2, tmp_path / "w0", CONFIG, *_overrides(cache_dir, full, 5))
+    refused = load_config(CONFIG, [*_overrides(cache_dir, full, 5), "parallel.tensor_parallel_size=1"])
+    with caplog.at_level(logging.ERROR):
+        assert run_training(refused) == 1
+    assert re.search("already holds checkpoints.*--resume.*--overwrite", caplog.text)
     assert {p: p.read_bytes() for p in (full / "checkpoints").rglob("*") if p.is_file()} == saved
     assert len(_read_metrics(full)) == 4
 
-    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, *_overrides(cache_dir, part, 2), reset_every_2)
-    run_workers("train_run.py", 2, tmp_path / "w3", CONFIG, "--resume", *_overrides(cache_dir, part, 3),
+    shutil.copytree(full / "checkpoints" / "step_000002", part / "checkpoints" / "step_000002")
+    metrics = (full / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (part / "metrics.jsonl").write_text("".join(metrics[:3]))  # steps 0-2
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *_overrides(cache_dir, part, 3),
                 "algorithm.ref_reset_period=0")
     resumed = _read_metrics(part)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
