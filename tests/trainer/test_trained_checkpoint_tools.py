@@ -1,5 +1,6 @@
 """A training run's checkpoints (TP=2) through the tools: `armor convert megatron-to-hf` and
-`armor diagnose` read `checkpoints/step_N/model/`, checked against the per-rank TP shards."""
+`armor diagnose` (the CLI's `main`, in this process) read `checkpoints/step_N/model/`, checked against
+the per-rank TP shards."""
 
 import json
 import os
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from megatron_armor.cli import main
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -34,20 +37,18 @@ def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     steps = run / "checkpoints"
 
-    proc = armor("convert", "megatron-to-hf", "--megatron-path", str(steps / "step_000003" / "model"),
-                 "--out", str(tmp_path / "hf3"))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert main(["convert", "megatron-to-hf", "--megatron-path", str(steps / "step_000003" / "model"),
+                 "--out", str(tmp_path / "hf3")]) == 0
     hf = load_file(tmp_path / "hf3" / "model.safetensors")
     assert torch.equal(hf["model.norm.weight"], shards(steps / "step_000003", "decoder.final_layernorm.weight")[0])
     assert torch.equal(hf["lm_head.weight"], torch.cat(shards(steps / "step_000003", "output_layer.weight")))
     o_proj = torch.cat(shards(steps / "step_000003", "decoder.layers.1.self_attention.linear_proj.weight"), dim=1)
     assert torch.equal(hf["model.layers.1.self_attn.o_proj.weight"], o_proj)
 
-    proc = armor("diagnose", "--base", str(steps / "step_000001" / "model"), "--checkpoints",
+    assert main(["diagnose", "--base", str(steps / "step_000001" / "model"), "--checkpoints",
                  str(steps / "step_000002" / "model"), str(steps / "step_000003" / "model"),
                  "--out-dir", str(tmp_path / "diag"), "--k-angles", "4", "--k-sim", "2", "--k-hill", "2",
-                 "--mask-rank", "4")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+                 "--mask-rank", "4"]) == 0
     report = json.loads((tmp_path / "diag" / "report.json").read_text())
     assert [c["step"] for c in report["checkpoints"]] == [2, 3]
     row_parallel = lambda step: torch.cat(  # noqa: E731
