@@ -31,7 +31,8 @@ def load_gpt_model(
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(), params_dtype=params_dtype, device=device,
     )
     # As Megatron-LM's `get_model`: build (on the GPU, per the config), then `.cuda()` what Megatron
-    # leaves on the CPU (e.g. torch RMSNorm weights), then load the checkpoint into the placed model.
-    model = build_gpt_model(shape, config, trainable=trainable).to(device)
+    # leaves on the CPU and cast to params_dtype what it builds in fp32 (the local spec's torch RMSNorm
+    # weights; Megatron-LM's Float16Module casts the whole model), then load the checkpoint into it.
+    model = build_gpt_model(shape, config, trainable=trainable).to(device=device, dtype=params_dtype)
     load_model_weights(model, path, shape)
     return model

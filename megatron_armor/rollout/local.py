@@ -10,6 +10,7 @@ engine loads and receives, so its logprobs differ from the trainer's the way pro
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -56,6 +57,9 @@ class LocalEngine(RolloutEngine):
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = model.eval()
+        # transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name stays an alias for a
+        # while); a name the model does not take would vanish into **kwargs and decode without the history.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
         self.weight_precision = weight_precision
@@ -93,7 +97,8 @@ class LocalEngine(RolloutEngine):
         step_ids = input_ids
         for _ in range(sampling.max_new_tokens):
             logits = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True
+                input_ids=step_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                **{self._cache_argument: cache},
             ).logits[:, -1]
             tokens, token_logprobs = sample_next_tokens(logits, sampling, generator)
             token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()  # one device sync per step

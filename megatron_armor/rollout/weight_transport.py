@@ -85,7 +85,10 @@ class TensorTransport:
             in_flight = None  # the previous bucket's request (its payload stays referenced until it is answered)
             for n, (bucket, last) in enumerate(buckets):
                 # Slot n % 2 last held bucket n - 2, whose request was answered before bucket n - 1's went out.
-                payload = proto.tensor_payload(bucket, load_format, self._buffer(n % 2, bucket))
+                staging = self._buffer(n % 2, bucket)
+                payload = proto.tensor_payload(bucket, load_format, staging)
+                if staging.is_cuda:  # a server that cached this buffer's IPC handle reads it without waiting
+                    torch.cuda.current_stream(staging.device).synchronize()  # for our packing copies
                 bodies = {
                     s.url: proto.update_weights_from_tensor_request(
                         payload, tp_size=s.tp_size, load_format=load_format, flush_cache=last,
