@@ -1,9 +1,10 @@
 """`armor ray-train`: the training job as a Ray job: trainer ranks and rollout servers as actors.
 
     driver: prepare the task (model/data paths) -> start servers (actor policy, and reference for
-            ARMOR), each group behind its own SGLang router on the driver when `rollout.router` picks
-            one -> trainer ranks run `run_training` with `rollout.backend sglang` pointed at them
-            -> restart (and re-register) dead servers while training -> shut everything down.
+            ARMOR; disaggregated groups at once), each group behind its own SGLang router on the driver
+            when `rollout.router` picks one -> trainer ranks run `run_training` with `rollout.backend
+            sglang` pointed at them -> restart (and re-register) dead servers while training -> shut
+            everything down.
 
 Placement:
 - disaggregated: the trainer ranks get one placement group (a GPU each) and every server group its
@@ -94,8 +95,13 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
                 router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.router_policy), log_dir=job.log_dir,
                                       host=job.server_host or ray.util.get_node_ip_address())
                 routers.append(router)
+            # Disaggregated groups (their own GPUs) start at once; colocated ones one after the other, since
+            # an SGLang server sizes its KV cache from the memory it finds free on the shared GPU.
             groups.append(ServerGroup(spec, count, name=role, host=job.server_host, placement=placement,
-                                      log_dir=job.log_dir, router=router))
+                                      log_dir=job.log_dir, router=router, wait=job.placement == "colocated"))
+        if job.placement == "disaggregated":
+            for group in groups:
+                group.wait_ready()
         cfg = _pointed_at(cfg, groups, colocated=job.placement == "colocated")
         gpu_share = (COLOCATED_GPU_FRACTION if job.placement == "colocated" else 1.0) if use_gpus else 0.0
         ranks = TrainerRanks(world, trainer_pg, list(range(world)), cpus=job.cpus_per_actor, gpus=gpu_share)

@@ -65,7 +65,8 @@ class Placement:
 
 
 class ServerGroup:
-    """`num_servers` servers of `spec`, started in parallel and healthy when the constructor returns.
+    """`num_servers` servers of `spec`, started in parallel and healthy when the constructor returns
+    (with `wait=False`: once `wait_ready()` returns, so that several groups can start at once).
 
     host None binds each server to its node's IP (reachable from other nodes); "127.0.0.1" keeps a
     single-node job on loopback.
@@ -74,6 +75,7 @@ class ServerGroup:
     def __init__(
         self, spec: ServerSpec, num_servers: int, *, name: str = "rollout", host: str | None = None,
         placement: Placement = Placement(), log_dir: str | None = None, router: SGLangRouter | None = None,
+        wait: bool = True,
     ) -> None:
         if num_servers < 1:
             raise ValueError(f"ServerGroup {name!r} needs num_servers >= 1, got {num_servers}")
@@ -98,14 +100,21 @@ class ServerGroup:
             ).remote(spec, i, host, log_dir)
             for i, b in enumerate(bundles)
         ]
+        self.urls: list[str] = []  # known once the servers are healthy
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every server is healthy, then register them with the router (the group is shut
+        down if one fails)."""
         try:
-            self.urls: list[str] = self._gather("wait_healthy")
-            if router is not None:
-                router.add_workers(self.urls)
+            self.urls = self._gather("wait_healthy")
+            if self.router is not None:
+                self.router.add_workers(self.urls)
         except Exception:
             self.shutdown()
             raise
-        log.info("%s servers ready: %s", name, ", ".join(self.urls))
+        log.info("%s servers ready: %s", self.name, ", ".join(self.urls))
 
     def pids(self) -> list[int]:
         """Process id of each server (on its node), in server order."""
