@@ -83,6 +83,10 @@ class RolloutEngine(abc.ABC):
         """Release what the engine holds besides its weights (e.g. a weight-update process group);
         idempotent, and the engine stays usable."""
 
+    def release_transfer_buffers(self) -> None:
+        """Free what this side keeps between weight pushes only to speed them up (e.g. staging buffers on
+        the trainer's GPU); the next push allocates them again."""
+
     @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop cached KV/prefix state (`update_weights` does so itself)."""

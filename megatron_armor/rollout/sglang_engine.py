@@ -400,6 +400,9 @@ class SGLangEngine(RolloutEngine):
         """Release server-side weight-sync state (the distributed group); the engine stays usable."""
         self._transport.close()
 
+    def release_transfer_buffers(self) -> None:
+        self._transport.release_buffers()
+
     def update_weights_from_disk(self, model_path: str) -> None:
         """Every server reloads its weights from the HF checkpoint at `model_path` (a path the servers can read)."""
         self._on_every_server("/update_weights_from_disk", lambda s: proto.update_weights_from_disk_request(model_path))

@@ -58,7 +58,21 @@ class TransportConfig:
     disk_dir: str | None = None  # weight_sync disk: where each push's safetensors files are written
 
 
-class TensorTransport:
+class Transport:
+    """One SGLang weight-update path: `push` sends a model's tensors, `close` releases the state kept on either
+    side (the next push sets it up again)."""
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def release_buffers(self) -> None:
+        """Free memory kept on this side only to speed up the next push (nothing by default)."""
+
+
+class TensorTransport(Transport):
     """Buckets (either load_format) are staged in two buffers of the bucket budget (`bucket_bytes`; a
     buffer grows when a bucket of one larger tensor needs more), kept between pushes: in /dev/shm for CPU
     tensors (one copy on this side, no fresh pages to fault in after the first push), on the tensors' GPU
@@ -118,6 +132,10 @@ class TensorTransport:
         return buffer
 
     def close(self) -> None:
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Drop the staging buffers (a colocated trainer's rollout phase wants their GPU memory back)."""
         self._staging.clear()
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # frees CUDA buffers once the servers dropped their handles to them
@@ -131,7 +149,7 @@ def _local_address_towards(url: str) -> str:
         return probe.getsockname()[0]
 
 
-class DistributedTransport:
+class DistributedTransport(Transport):
     """The group lives from the push that forms it until a push fails or `close()`; either makes the
     servers leave it, best-effort (a dead or restarted server is in no group). Every formation takes a
     fresh group name, so a server left in an old group never clashes with the new one."""
@@ -201,7 +219,7 @@ class DistributedTransport:
             log.warning("leaving weight-update group %r: %s", name, error)
 
 
-class DiskTransport:
+class DiskTransport(Transport):
     """Each push writes a fresh subdirectory of `disk_dir`, so the servers never read a mix of two pushes;
     the previous push's subdirectory is removed once every server has loaded the new one."""
 

@@ -483,6 +483,8 @@ class RLTrainer:
         engine, module = (h.actor_engine, h.actor.module) if policy == "actor" else (h.ref_engine, h.ref)
         with self.weights_resident(policy):
             report = push_weights(engine, gather_all_stages_hf_weights(module, self.h.shape))
+        if self.offload is not None:  # offloaded: the push's staging buffers leave the GPU with the weights
+            engine.release_transfer_buffers()
         if self.h.shared_engine:
             self.engine_holds = {policy}
         return report

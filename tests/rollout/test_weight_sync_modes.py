@@ -128,6 +128,10 @@ def test_tensor_staging_grows_to_the_budget_only_as_buckets_need():
     assert [(b["flush_cache"], b.get("weight_version")) for b in sent] == [
         (False, None), (False, None), (True, "1"), (False, None), (False, None), (True, "2")
     ]
+    transport.release_buffers()  # an offloaded trainer's rollout phase: the buffers go, the next push makes them again
+    assert transport._staging == {}
+    transport.push(named(), "3")
+    assert {slot: buffer.numel() for slot, buffer in transport._staging.items()} == {0: 64, 1: 160}
     transport.close()
     small = TensorTransport([server], lambda path, body_for: None,
                             TransportConfig(bucket_bytes=1 << 20, load_format="flattened_bucket"))
