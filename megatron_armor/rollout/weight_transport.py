@@ -76,8 +76,9 @@ class TensorTransport(Transport):
     """Buckets (either load_format) are staged in two buffers of the bucket budget (`bucket_bytes`; a
     buffer grows when a bucket of one larger tensor needs more), kept between pushes: in /dev/shm for CPU
     tensors (one copy on this side, no fresh pages to fault in after the first push), on the tensors' GPU
-    for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU). While the servers load bucket k from
-    one buffer, bucket k+1 is drawn and packed into the other, so the gather, the copy and the load overlap.
+    for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU); an offloaded trainer releases them
+    after each push (`release_buffers`). While the servers load bucket k from one buffer, bucket k+1 is
+    drawn and packed into the other, so the gather, the copy and the load overlap.
 
     `close()`, or at the latest interpreter exit, drops the buffers; a CPU buffer's /dev/shm segment goes
     once no process maps it. Except after a failed push: each body adds a reference to the segment that
