@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ def load_prompt_rows(
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": row[prompt_key]}], add_generation_prompt=True, tokenize=True
             )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # transformers 5: a BatchEncoding
         else:
             ids = tokenizer.encode(row[prompt_key], add_special_tokens=False)
         if not ids or len(ids) > max_prompt_length:

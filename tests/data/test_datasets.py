@@ -23,6 +23,17 @@ def test_rows_are_tokenized_and_keep_their_fields(tmp_path, tokenizer):
     assert rows[0].row["answer"] == "3" and rows[0].row["source"] == "x"
 
 
+def test_chat_template_wraps_the_prompt_in_the_tokenizers_template(tmp_path):
+    """transformers 5 returns the template's ids in a BatchEncoding (a Mapping, not a dict)."""
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant]{% endif %}")
+    path = tmp_path / "train.jsonl"
+    write_jsonl([{"prompt": "1+2=", "answer": "3"}], path)
+    (row,) = load_prompt_rows(path, tokenizer=tokenizer, apply_chat_template=True)
+    assert row.prompt_ids == tokenizer.encode("[user]1+2=[assistant]", add_special_tokens=False)
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
