@@ -73,7 +73,10 @@ class ParallelConfig:
 class DataConfig:
     train_path: str | None = _f(None, "training prompts (.jsonl or .parquet with prompt/answer fields)")
     val_path: str | None = _f(None, "validation prompts (same format); none disables validation")
-    prompt_key: str = _f("prompt", "row field holding the prompt text")
+    prompt_key: str = _f(
+        "prompt", "row field holding the prompt: text, or a list of {role, content} chat messages (verl parquet "
+        "files; needs apply_chat_template)"
+    )
     answer_key: str = _f("answer", "row field holding the reference answer")
     apply_chat_template: bool = _f(False, "wrap prompts in the tokenizer's chat template")
     max_prompt_length: int = _f(2048, "longest allowed prompt in tokens (longer rows are an error)")

@@ -1,4 +1,7 @@
-"""Prompt datasets (JSONL / parquet rows with `prompt` and `answer`) and a resumable sampler."""
+"""Prompt datasets (JSONL / parquet rows with `prompt` and `answer`) and a resumable sampler.
+
+A prompt is a string, or (with data.apply_chat_template) a list of chat messages as in verl's parquet files.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +53,11 @@ def load_prompt_rows(
     path: str | Path, *, tokenizer, prompt_key: str = "prompt", answer_key: str = "answer",
     apply_chat_template: bool = False, max_prompt_length: int = 2048,
 ) -> list[PromptRow]:
-    """Read and tokenize a prompt dataset; every row needs `prompt_key` and `answer_key`."""
+    """Read and tokenize a prompt dataset; every row needs `prompt_key` and `answer_key`.
+
+    The prompt is a string (wrapped in a user message when `apply_chat_template`) or a list of
+    {"role", "content"} messages, rendered as they are by the chat template (which they require).
+    """
     path = Path(path)
     rows = _read_rows(path)
     if not rows:
@@ -66,13 +73,25 @@ def load_prompt_rows(
                 raise DatasetError(
                     f"{path} row {number}: missing required field {key!r}; every row needs {prompt_key!r} and {answer_key!r}"
                 )
+        prompt = row[prompt_key]
+        messages = _chat_messages(prompt)
+        if messages is None and not isinstance(prompt, str):
+            raise DatasetError(
+                f"{path} row {number}: field {prompt_key!r} must be a string or a list of chat messages "
+                f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}"
+            )
+        if messages is not None and not apply_chat_template:
+            raise DatasetError(
+                f"{path} row {number}: field {prompt_key!r} is a list of chat messages; set "
+                f"data.apply_chat_template=true to render them with the tokenizer's chat template"
+            )
         if apply_chat_template:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": row[prompt_key]}], add_generation_prompt=True, tokenize=True
+                messages or [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
             ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # transformers 5: a BatchEncoding
         else:
-            ids = tokenizer.encode(row[prompt_key], add_special_tokens=False)
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
         if not ids or len(ids) > max_prompt_length:
             raise DatasetError(
                 f"{path} row {number}: prompt has {len(ids)} tokens; it must have 1..data.max_prompt_length "
@@ -82,6 +101,18 @@ def load_prompt_rows(
             row = {**row, "answer": row[answer_key]}
         prompts.append(PromptRow(index=number - 1, prompt_ids=ids, row=row))
     return prompts
+
+
+def _chat_messages(prompt: Any) -> list[dict] | None:
+    """A chat-style prompt (verl / DAPO-Math-17k parquet files: a list of {"role", "content"} messages)
+    as a list of dicts; None for anything else."""
+    if not isinstance(prompt, (list, tuple)):
+        return None
+    messages = list(prompt)
+    if messages and all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                        and isinstance(m.get("content"), str) for m in messages):
+        return [dict(m) for m in messages]
+    return None
 
 
 def check_tokenizer_fits_model(tokenizer, model_vocab_size: int) -> None:

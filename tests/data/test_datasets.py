@@ -34,6 +34,32 @@ def test_chat_template_wraps_the_prompt_in_the_tokenizers_template(tmp_path):
     assert row.prompt_ids == tokenizer.encode("[user]1+2=[assistant]", add_special_tokens=False)
 
 
+def test_chat_style_prompt_column_is_rendered_as_its_messages(tmp_path):
+    """verl-style parquet (e.g. DAPO-Math-17k): the prompt column is a list of {content, role} messages; the
+    chat template renders those messages, not the list's Python repr inside one user message."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant]{% endif %}")
+    path = tmp_path / "dapo.parquet"
+    messages = [[{"content": "be brief", "role": "system"}, {"content": "1+2=", "role": "user"}],
+                [{"content": "4-1=", "role": "user"}]]
+    pq.write_table(pa.table({"prompt": messages, "answer": ["3", "3"]}), path)
+    rows = load_prompt_rows(path, tokenizer=tokenizer, apply_chat_template=True, max_prompt_length=64)
+    assert [tokenizer.decode(r.prompt_ids) for r in rows] == ["[system]be brief[user]1+2=[assistant]",
+                                                              "[user]4-1=[assistant]"]
+    with pytest.raises(DatasetError, match=r"dapo.parquet row 1: field 'prompt' is a list of chat messages; set "
+                                           r"data.apply_chat_template=true"):
+        load_prompt_rows(path, tokenizer=tokenizer, max_prompt_length=64)
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl([{"prompt": ["1+2="], "answer": "3"}], bad)
+    with pytest.raises(DatasetError, match=r"bad.jsonl row 1: field 'prompt' must be a string or a list of chat "
+                                           r"messages .*got list"):
+        load_prompt_rows(bad, tokenizer=tokenizer, apply_chat_template=True)
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
