@@ -42,3 +42,13 @@ def test_launch_script_states_its_hardware_and_parses(recipe, script):
     path = EXAMPLES / recipe / script
     assert "Hardware:" in path.read_text() and f"examples/{recipe}/armor.yaml" in path.read_text()
     subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_pushes_weights_to_servers_on_other_nodes(recipe):
+    """Both launch scripts put the SGLang servers on nodes of their own (torchrun: nodes 8-15; Ray: disaggregated
+    placement); weight_sync tensor hands the servers shared-memory / CUDA-IPC handles, which only a process on the
+    trainer's host can open, so the first weight push would fail: the recipe must broadcast (distributed)."""
+    assert "--placement disaggregated" in (EXAMPLES / recipe / "run_ray.sh").read_text()
+    assert "Nodes 0-7 (64 GPUs) train" in (EXAMPLES / recipe / "run_torchrun.sh").read_text()
+    assert load_config(EXAMPLES / recipe / "armor.yaml").rollout.weight_sync == "distributed"
