@@ -1,10 +1,12 @@
 """The multi-node recipes load as valid configs and carry the paper's hyperparameters (armor.md section 6)."""
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import load_config
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -52,3 +54,15 @@ def test_recipe_pushes_weights_to_servers_on_other_nodes(recipe):
     assert "--placement disaggregated" in (EXAMPLES / recipe / "run_ray.sh").read_text()
     assert "Nodes 0-7 (64 GPUs) train" in (EXAMPLES / recipe / "run_torchrun.sh").read_text()
     assert load_config(EXAMPLES / recipe / "armor.yaml").rollout.weight_sync == "distributed"
+
+
+def test_qwen3_follow_up_command_resumes_with_steps_left():
+    """The header's follow-up run (run_8b_until_180.sh) resumes the step-180 checkpoint with resets off; train.max_steps
+    counts from step 0, so the command must raise it past 180 or the resumed loop (steps 180..max_steps) is empty."""
+    path = EXAMPLES / "qwen3-8b-base" / "armor.yaml"
+    header = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
+    (command,) = re.findall(r"`(--resume[^`]*)`", header)
+    args = build_parser().parse_args(["train", "--config", str(path), *command.split()])
+    cfg = load_config(args.config, overrides_from_args(args))
+    assert args.resume and cfg.algorithm.ref_reset_period == 0 and cfg.train.gen_batch_size == 2048  # armor.md §6
+    assert cfg.train.max_steps > 180 == load_config(path).train.max_steps

@@ -276,6 +276,9 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
             trainer.anchor_cache.load_state_dict(state.extra["anchor_cache"])
         start_step = state.step
         log.info("resumed from %s (step %d)", resume_from, start_step)
+        if start_step >= cfg.train.max_steps:
+            log.warning("resumed at step %d but train.max_steps is %d: no step is left to run (max_steps counts "
+                        "from step 0; raise it to continue training)", start_step, cfg.train.max_steps)
     trainer.park_for_rollouts()  # offloaded: only the weights each push needs come back for it
     # Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything;
     # a local engine for a Megatron checkpoint is built from its config): push what the trainer holds.
