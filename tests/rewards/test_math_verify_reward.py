@@ -17,6 +17,14 @@ from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
     ("Answer: 4\nwait, Answer: 5", "5", True),  # the last Answer line wins
     ("Answer: 4\nwait, Answer: 5", "4", False),
     ("Answer: 7" + " and so on" * 40, "7", False),  # the answer lies before the last 300 characters
+    # Without an Answer line only a \boxed{} counts, not the tail's last number (a truncated or unfinished
+    # response that merely mentions the answer is wrong, as DAPO's math_dapo verifier scores it: armor.md §5).
+    ("so x = 7 and y = 3", "3", False),
+    ("we get 3. But wait, that is wrong, let me recompute", "3", False),
+    ("The final answer is $\\boxed{\\dfrac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt{3}}{2}", True),  # nested braces
+    ("first \\boxed{5}, no: \\boxed{6}", "6", True),  # the last boxed wins
+    ("first \\boxed{5}, no: \\boxed{6}", "5", False),
+    ("\\boxed{5} hmm, actually \\boxed{\\frac{6", "5", False),  # the last boxed is cut off: no answer
 ])
 def test_math_verify_reward(response, answer, correct):
     assert verify(response, {"answer": answer}) == ((1.0, True) if correct else (-1.0, False))
