@@ -32,6 +32,7 @@ import torch
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_transport import TRANSPORTS, TransportConfig
+from megatron_armor.utils.net import on_this_host
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,14 @@ class SGLangEngine(RolloutEngine):
     ) -> None:
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
+        if config.weight_sync == "tensor":
+            elsewhere = [url for url in urls if not on_this_host(url)]
+            if elsewhere:
+                raise ValueError(
+                    f"weight_sync tensor hands the servers shared-memory / CUDA-IPC handles, which only a server on "
+                    f"this host can open, but {', '.join(elsewhere)} {'is' if len(elsewhere) == 1 else 'are'} not on "
+                    f"this host: use rollout.weight_sync distributed (or disk)"
+                )
         self.config = config
         self.stats = RolloutStats()
         self._servers = [_Server(url.rstrip("/")) for url in urls]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -28,14 +27,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 import torch
 from safetensors.torch import save_file
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout import tensor_serialization, weight_group
-from megatron_armor.utils.net import free_port
+from megatron_armor.utils.net import free_port, local_address_towards
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -142,14 +140,6 @@ class TensorTransport(Transport):
             torch.cuda.ipc_collect()  # frees CUDA buffers once the servers dropped their handles to them
 
 
-def _local_address_towards(url: str) -> str:
-    """This host's address on the route to `url` (what a server must dial to reach our store)."""
-    parts = urlsplit(url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((parts.hostname, parts.port or 80))
-        return probe.getsockname()[0]
-
-
 class DistributedTransport(Transport):
     """The group lives from the push that forms it until a push fails or `close()`; either makes the
     servers leave it, best-effort (a dead or restarted server is in no group). Every formation takes a
@@ -182,7 +172,7 @@ class DistributedTransport(Transport):
     def _form_group(self, backend: str) -> torch.distributed.ProcessGroup:
         """World = trainer + every server TP rank; server i's ranks start after those of servers 0..i-1."""
         self.group_name = f"armor-weights-{uuid.uuid4().hex[:8]}"
-        address = _local_address_towards(self.servers[0].url)
+        address = local_address_towards(self.servers[0].url)
         port, world = free_port(address), 1 + sum(s.tp_size for s in self.servers)
         offsets, offset = {}, 1
         for server in self.servers:
