@@ -77,7 +77,10 @@ class DataConfig:
         "prompt", "row field holding the prompt: text, or a list of {role, content} chat messages (verl parquet "
         "files; needs apply_chat_template)"
     )
-    answer_key: str = _f("answer", "row field holding the reference answer")
+    answer_key: str = _f(
+        "answer", "row field holding the reference answer; a dotted key reads a nested field (verl parquet files: "
+        "reward_model.ground_truth)"
+    )
     apply_chat_template: bool = _f(False, "wrap prompts in the tokenizer's chat template")
     max_prompt_length: int = _f(2048, "longest allowed prompt in tokens (longer rows are an error)")
     shuffle: bool = _f(True, "reshuffle training prompts every epoch")

@@ -69,11 +69,11 @@ def load_prompt_rows(
         if not isinstance(row, dict):
             raise DatasetError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")
         for key in (prompt_key, answer_key):
-            if row.get(key) is None:
+            if _field(row, key) is None:
                 raise DatasetError(
                     f"{path} row {number}: missing required field {key!r}; every row needs {prompt_key!r} and {answer_key!r}"
                 )
-        prompt = row[prompt_key]
+        prompt = _field(row, prompt_key)
         messages = _chat_messages(prompt)
         if messages is None and not isinstance(prompt, str):
             raise DatasetError(
@@ -98,9 +98,21 @@ def load_prompt_rows(
                 f"({max_prompt_length}) tokens"
             )
         if answer_key != "answer":
-            row = {**row, "answer": row[answer_key]}
+            row = {**row, "answer": _field(row, answer_key)}
         prompts.append(PromptRow(index=number - 1, prompt_ids=ids, row=row))
     return prompts
+
+
+def _field(row: dict, key: str) -> Any:
+    """row[key], or for a dotted key the nested field (verl's "reward_model.ground_truth"); None if absent."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def _chat_messages(prompt: Any) -> list[dict] | None:

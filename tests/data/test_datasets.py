@@ -60,6 +60,17 @@ def test_chat_style_prompt_column_is_rendered_as_its_messages(tmp_path):
         load_prompt_rows(bad, tokenizer=tokenizer, apply_chat_template=True)
 
 
+def test_a_dotted_answer_key_reads_a_nested_field(tmp_path, tokenizer):
+    """verl's parquet files keep the answer in reward_model.ground_truth."""
+    path = tmp_path / "train.jsonl"
+    write_jsonl([{"prompt": "1+2=", "reward_model": {"ground_truth": "3", "style": "rule"}}], path)
+    (row,) = load_prompt_rows(path, tokenizer=tokenizer, answer_key="reward_model.ground_truth")
+    assert row.row["answer"] == "3"
+    write_jsonl([{"prompt": "1+2=", "reward_model": {"style": "rule"}}], path)
+    with pytest.raises(DatasetError, match=r"row 1: missing required field 'reward_model\.ground_truth'"):
+        load_prompt_rows(path, tokenizer=tokenizer, answer_key="reward_model.ground_truth")
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
