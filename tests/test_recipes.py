@@ -66,3 +66,16 @@ def test_qwen3_follow_up_command_resumes_with_steps_left():
     cfg = load_config(args.config, overrides_from_args(args))
     assert args.resume and cfg.algorithm.ref_reset_period == 0 and cfg.train.gen_batch_size == 2048  # armor.md §6
     assert cfg.train.max_steps > 180 == load_config(path).train.max_steps
+
+
+def test_a_context_longer_than_the_models_positions_is_named_at_start_up():
+    """Qwen2.5-Math-7B's stock config has 4096 positions; the 7B recipe needs 2048 + 8192."""
+    from megatron_armor.models.hf_config import model_shape_from_dict
+    from megatron_armor.trainer.run import context_length_warning
+
+    cfg = load_config(EXAMPLES / "qwen2.5-math-7b" / "armor.yaml", [])
+    hf = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,
+          "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944}
+    warning = context_length_warning(cfg, model_shape_from_dict({**hf, "max_position_embeddings": 4096}))
+    assert warning is not None and "10240 positions" in warning and "max_position_embeddings 4096" in warning
+    assert context_length_warning(cfg, model_shape_from_dict({**hf, "max_position_embeddings": 10240})) is None

@@ -79,11 +79,23 @@ class TrainingSetup:
     val_sampling: SamplingParams
 
 
+def context_length_warning(cfg: ArmorConfig, shape: ModelShape) -> str | None:
+    """Why SGLang servers would refuse the run's longest requests, or None."""
+    positions = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if positions <= shape.max_position_embeddings:
+        return None
+    return (f"data.max_prompt_length + rollout.max_new_tokens = {positions} positions, but the model's config.json says "
+            f"max_position_embeddings {shape.max_position_embeddings}: SGLang servers refuse longer requests unless "
+            f"started with --context-length (or the config raises it)")
+
+
 def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) -> TrainingSetup:
     """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` says (collective)."""
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
+    if (warning := context_length_warning(cfg, shape)) and ctx.is_main:
+        log.warning("%s (%s)", warning, paths.model_path)
     algorithm = cfg.algorithm
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
