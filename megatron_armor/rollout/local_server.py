@@ -470,14 +470,9 @@ class LocalServerState:
             "enable_weights_cpu_backup": self.weights_cpu_backup, "stale_weight_tensors": len(self.stale_weights),
             "weight_loads_without_kv_cache": self.loads_without_kv_cache,
             "released_memory_tags": sorted(self.released), "memory_releases": self.memory_releases,
-            "device": str(self.device), "weight_bytes_resident": self._resident_weight_bytes(),
+            "device": str(self.device), "weight_bytes_resident": self._weights.resident_bytes(),
             "weight_version": self.weight_version, "version": SERVER_VERSION,
         }
-
-    def _resident_weight_bytes(self) -> int:
-        """Bytes of the engine's weight storages now allocated (0 while the weights are released)."""
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.engine.model.parameters()}
-        return sum(storages.values())
 
     def loads(self) -> dict[str, Any]:
         """GET /v1/loads (field names inferred: running and waiting counts per DP rank)."""

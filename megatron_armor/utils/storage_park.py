@@ -53,18 +53,17 @@ class StoragePark:
     def parked_bytes(self) -> int:
         return sum(entry.nbytes for entry in self.parked) if self.parked else 0
 
+    def resident_bytes(self) -> int:
+        """Bytes of the storages `park` would free now (0 while parked)."""
+        return sum(storage.nbytes() for storage in self._live_storages())
+
     def park(self, *, keep_values: bool = True) -> None:
         """Free every live storage, first copying it to the host buffer if `keep_values` (nothing when
         already parked). Without `keep_values` the storages come back uninitialised."""
         if self.parked is not None:
             return
-        storages: dict[int, torch.UntypedStorage] = {}
-        for tensor in self.tensors():
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and storage.device == self.device:  # empty: nothing to free
-                storages.setdefault(storage.data_ptr(), storage)
         parked, offset = [], 0
-        for storage in storages.values():
+        for storage in self._live_storages():
             parked.append(_Parked(storage, offset, storage.nbytes()))
             offset += storage.nbytes()
         if keep_values:
@@ -87,6 +86,15 @@ class StoragePark:
                 _as_bytes(entry.storage).copy_(self.host[entry.offset: entry.offset + entry.nbytes], non_blocking=True)
         _synchronize(self.device)
         self.parked = None
+
+    def _live_storages(self) -> list[torch.UntypedStorage]:
+        """The allocated storages of `tensors()` on `device`, each once."""
+        storages: dict[int, torch.UntypedStorage] = {}
+        for tensor in self.tensors():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.device == self.device:  # empty: nothing to free
+                storages.setdefault(storage.data_ptr(), storage)
+        return list(storages.values())
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
