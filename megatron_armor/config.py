@@ -110,6 +110,13 @@ class RolloutConfig:
         "of weight_sync_dir and /update_weights_from_disk (fallback)"
     )
     weight_sync_dir: str | None = _f(None, "directory the servers can read, for weight_sync disk")
+    weight_sync_payload: Literal["flattened_bucket", "per_tensor"] = _f(
+        "flattened_bucket", "payload of weight_sync tensor: flattened_bucket = each bucket packed into one staging "
+        "buffer, sent as one handle (SGLang's load_format flattened_bucket); per_tensor = SGLang's load_format null: "
+        "tensors the servers can map where they are go as handles to the trainer's own storage, with no staging copy "
+        "(CUDA tensors; on CPU the pushing rank keeps its models' weights in shared memory for it, unless "
+        "offload_trainer), the rest (TP-gathered, split fused QKV) is staged"
+    )
     router: Literal["auto", "sglang", "none"] = _f(
         "auto", "dispatch of generation requests over the SGLang servers (backend sglang): auto (SGLang's router "
         "for 2+ servers when the sglang_router package is installed, else the client's least-loaded dispatcher) | sglang (the "

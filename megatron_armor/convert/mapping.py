@@ -181,16 +181,23 @@ def hf_to_megatron_shard(
 
 
 def megatron_shards_to_hf(mapping: ParamMapping, shards: list[torch.Tensor], shape: ModelShape) -> list[torch.Tensor]:
-    """HF tensors (in `hf_names` order) from the Megatron tensors of all TP ranks (in rank order)."""
+    """HF tensors (in `hf_names` order) from the Megatron tensors of all TP ranks (in rank order).
+
+    From one shard (no TP), all but a split fused QKV of several KV groups are views of it."""
     if mapping.layout == "replicated":
         return [shards[0]]
     if mapping.layout == "column":
-        return [torch.cat(shards, dim=0)[: shape.vocab_size]]
+        return [_join(shards, dim=0)[: shape.vocab_size]]
     if mapping.layout == "row":
-        return [torch.cat(shards, dim=1)]
+        return [_join(shards, dim=1)]
     if mapping.layout == "qkv":
-        return list(_split_qkv(torch.cat(shards, dim=0), shape))
+        return list(_split_qkv(_join(shards, dim=0), shape))
     if mapping.layout == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        return [_join([h[0] for h in halves], dim=0), _join([h[1] for h in halves], dim=0)]
     raise ValueError(f"unknown layout {mapping.layout!r}")
+
+
+def _join(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that a single tensor comes back as it is (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)

@@ -165,7 +165,8 @@ def gather_hf_weights(
     on the parameters' device (consumers such as the weight transports handle GPU tensors).
 
     With `use_grads`, yields the reduced gradients (`main_grad` of Megatron DDP, else `.grad`) instead.
-    Unsplit tensors are views of the live parameter (or gradient) storage: clone what you keep.
+    Without TP, all but a split fused QKV are views of the live parameter (or gradient) storage: clone what
+    you keep.
     A collective over the TP group: all TP ranks must iterate it together.
     """
     params = dict(model.named_parameters())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,10 +38,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         state.require_idle("/flush_cache", "Cache not flushed because there are pending requests")
         return FLUSHED
 
-    # The last payloads' shared storages stay mapped: a sender reusing its staging buffers then sends
-    # the same handles, which torch resolves from its cache instead of mapping (and faulting in) the
-    # shared-memory segment, or opening the CUDA-IPC handle, again.
-    recent_payloads: deque[NamedTensors] = deque(maxlen=2)
+    mapped = _MappedPayloads(keep=state.device.type == "cpu")
 
     def weights_from_tensor(body: dict) -> dict:
         try:
@@ -50,7 +46,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         except PayloadError as error:
             raise RequestError(f"/update_weights_from_tensor: bad payload: {error}") from error
         reply = state.update_weights(named, body)
-        recent_payloads.append(named)
+        mapped.loaded(named, ends_push=bool(body.get("flush_cache", True)))
         return reply
 
     def health(_: dict) -> None:
@@ -72,6 +68,28 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         "/get_weights_by_name": state.weights_by_name,
         "/release_memory_occupation": state.release_memory, "/resume_memory_occupation": state.resume_memory,
     }
+
+
+class _MappedPayloads:
+    """A CPU server keeps the shared-memory storages of the last whole push (a push ends with a request
+    that flushes the cache) and of the push arriving mapped. A sender that reuses its storages (staging
+    buffers, parameters kept in shared memory) then sends the same handles, which torch resolves from its
+    cache instead of mapping the segment, and faulting in every page, again: that costs about as much as
+    the copy itself. Holding them costs no memory while the sender keeps them, and at most one push of
+    shared memory after it frees them. A GPU server drops each payload at once, as SGLang does: its
+    CUDA-IPC handles would keep the sender's GPU buffers from being freed or reused."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.previous: list[NamedTensors] = []
+        self.arriving: list[NamedTensors] = []
+
+    def loaded(self, named: NamedTensors, *, ends_push: bool) -> None:
+        if not self.keep:
+            return
+        self.arriving.append(named)
+        if ends_push:
+            self.previous, self.arriving = self.arriving, []
 
 
 class _Handler(BaseHTTPRequestHandler):

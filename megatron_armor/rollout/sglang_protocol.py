@@ -177,26 +177,41 @@ def payload_align(load_format: LoadFormat) -> int:
     return 1 if load_format == "flattened_bucket" else 16
 
 
+def staged_tensors(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors `tensor_payload` copies into its buffer: all of a flattened bucket; with load_format null,
+    those that cannot travel as a handle to their own storage (`tensor_serialization.maps_without_copy`)."""
+    if load_format == "flattened_bucket":
+        return list(named_tensors)
+    return [(name, t) for name, t in named_tensors if not tensor_serialization.maps_without_copy(t)]
+
+
 def payload_bytes(named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat) -> int:
-    """Bytes `tensor_payload` packs `named_tensors` into (the staging buffer it needs)."""
-    layout = tensor_serialization.flattened_layout(named_tensors, payload_align(load_format))
+    """Bytes `tensor_payload` packs `named_tensors` into (the staging buffer it needs; 0 if none)."""
+    layout = tensor_serialization.flattened_layout(staged_tensors(named_tensors, load_format), payload_align(load_format))
     return layout[-1].end_idx if layout else 0
 
 
 def tensor_payload(
     named_tensors: Sequence[tuple[str, torch.Tensor]], load_format: LoadFormat, staging: torch.Tensor | None = None
 ) -> Any:
-    """One TP rank's /update_weights_from_tensor payload, its bytes packed into one buffer: `staging` (a
-    `tensor_serialization.shared_buffer` or CUDA buffer of >= `payload_bytes`) if given, else a fresh one;
-    never the caller's tensors, whose storage pickling would move into shared memory.
+    """One TP rank's /update_weights_from_tensor payload. `staged_tensors` are packed into one buffer:
+    `staging` (a `tensor_serialization.shared_buffer` or CUDA buffer of >= `payload_bytes`) if given, else a
+    fresh one; never pickled as they are, since pickling would move a CPU tensor's storage into shared memory.
 
-    "flattened_bucket": SGLang's {flattened_tensor, metadata} dict; null: [(name, view into the buffer)].
-    Keep the payload alive, and `staging` unchanged, until every server has answered: the request carries
-    handles into it, not its bytes."""
-    bucket = tensor_serialization.flatten_bucket(named_tensors, out=staging, align=payload_align(load_format))
+    "flattened_bucket": SGLang's {flattened_tensor, metadata} dict; null: [(name, tensor)] in order, each a
+    view into the buffer or, if it maps without a copy (a CUDA tensor, a CPU tensor in shared memory), the
+    caller's tensor itself: the server copies from the trainer's own storage, with no staging copy.
+    Keep the payload alive, and `staging` and those tensors unchanged, until every server has answered:
+    the request carries handles to them, not their bytes."""
+    staged = staged_tensors(named_tensors, load_format)
+    bucket = tensor_serialization.flatten_bucket(staged, out=staging, align=payload_align(load_format))
     if load_format == "flattened_bucket":
         return bucket
-    return tensor_serialization.unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"])
+    views = iter(tensor_serialization.unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"]))
+    return [next(views) if not tensor_serialization.maps_without_copy(t) else (name, t.detach())
+            for name, t in named_tensors]
 
 
 def update_weights_from_tensor_request(

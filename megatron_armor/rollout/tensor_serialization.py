@@ -28,7 +28,7 @@ import pickle
 import sys
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -186,11 +186,56 @@ def _file_system_sharing() -> Iterator[None]:
             torch.multiprocessing.set_sharing_strategy(previous)
 
 
+SHARED_MEMORY_DIR = "/dev/shm"
+
+
+class SharedMemoryError(RuntimeError):
+    """/dev/shm has too little room for what is to be shared (a write past it would kill the process with SIGBUS)."""
+
+
+def _require_shared_memory(nbytes: int, what: str) -> None:
+    stats = os.statvfs(SHARED_MEMORY_DIR)
+    free = stats.f_bavail * stats.f_frsize
+    if nbytes > free:
+        raise SharedMemoryError(
+            f"{what} needs {nbytes / 2**20:.0f} MiB of shared memory, {SHARED_MEMORY_DIR} has {free / 2**20:.0f} MiB free: "
+            f"enlarge it (docker run --shm-size), or set rollout.weight_sync_payload flattened_bucket with a smaller "
+            f"rollout.sglang_update_bucket_mb (two buckets are staged there), or use rollout.weight_sync distributed"
+        )
+
+
 def shared_buffer(nbytes: int) -> torch.Tensor:
     """[nbytes] uint8 already in /dev/shm: buckets written here are sent without another copy (and, reused,
-    without page faults)."""
+    without page faults). SharedMemoryError if /dev/shm has no room for it."""
+    _require_shared_memory(nbytes, "a weight-push staging buffer")
     with _file_system_sharing():
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+
+def share_storages(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the CPU storages of `tensors` into /dev/shm in place, shared by name as `serialize` shares them
+    (one copy now; every view, e.g. Megatron's parameters and their DDP hooks, stays valid). From then on
+    `maps_without_copy` holds for them and pushes send handles to these storages instead of staging their
+    bytes. A shared storage can no longer be resized (freed in place). Returns the bytes moved;
+    SharedMemoryError, before moving any, if /dev/shm has no room for them."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if tensor.device.type == "cpu" and storage.nbytes() and not storage.is_shared():
+            storages.setdefault(storage.data_ptr(), storage)
+    moved = sum(storage.nbytes() for storage in storages.values())
+    _require_shared_memory(moved, "keeping the trainer's weights in shared memory (weight_sync_payload per_tensor)")
+    with _file_system_sharing():
+        for storage in storages.values():
+            storage.share_memory_()
+    return moved
+
+
+def maps_without_copy(tensor: torch.Tensor) -> bool:
+    """Whether `serialize` sends `tensor` as a handle to its own storage, leaving it where it is: a contiguous
+    CUDA tensor (CUDA-IPC), or a contiguous CPU tensor whose storage is in shared memory (`share_storages`;
+    a storage shared by descriptor moves to a named segment once, on its first push)."""
+    return tensor.is_contiguous() and (tensor.is_cuda or (tensor.device.type == "cpu" and tensor.is_shared()))
 
 
 def serialize(obj: Any) -> str:

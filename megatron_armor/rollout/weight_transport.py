@@ -1,7 +1,8 @@
 """How `SGLangEngine` moves HF-named weights into its servers: one class per SGLang update path.
 
-- `TensorTransport` (weight_sync "tensor", colocated): /update_weights_from_tensor with buckets whose
-  bytes stay in shared memory (CUDA-IPC handles on GPU); the bucket lives until every server has answered.
+- `TensorTransport` (weight_sync "tensor", colocated): /update_weights_from_tensor with handles to shared
+  memory (CUDA-IPC handles on GPU): to staging buffers, or with load_format null to the trainer's own
+  storage where it can be mapped; a bucket lives until every server has answered.
 - `DistributedTransport` ("distributed", disaggregated): a process group of the trainer (rank 0) and
   every server TP rank, formed on the first push and again after a failed one; per bucket,
   /update_weights_from_distributed goes to all servers while rank 0 broadcasts (the servers' replies
@@ -71,12 +72,15 @@ class Transport:
 
 
 class TensorTransport(Transport):
-    """Buckets (either load_format) are staged in two buffers of the bucket budget (`bucket_bytes`; a
-    buffer grows when a bucket of one larger tensor needs more), kept between pushes: in /dev/shm for CPU
-    tensors (one copy on this side, no fresh pages to fault in after the first push), on the tensors' GPU
-    for CUDA ones (sent as CUDA-IPC handles; not yet run on a GPU); an offloaded trainer releases them
-    after each push (`release_buffers`). While the servers load bucket k from one buffer, bucket k+1 is
-    drawn and packed into the other, so the gather, the copy and the load overlap.
+    """A flattened bucket is staged whole; with load_format null only the tensors that cannot be mapped where
+    they are (`proto.staged_tensors`: CPU tensors outside shared memory, non-contiguous ones) are, and the
+    others go as handles to their own storage, so the servers' copy is the only one. Staging uses two
+    buffers of the bucket budget (`bucket_bytes`; a buffer grows when a bucket of one larger tensor needs
+    more, and none is made while nothing is staged), kept between pushes: in /dev/shm for CPU tensors (one
+    copy on this side, no fresh pages to fault in after the first push), on the tensors' GPU for CUDA ones
+    (sent as CUDA-IPC handles; not yet run on a GPU); an offloaded trainer releases them after each push
+    (`release_buffers`). While the servers load bucket k, bucket k+1 is drawn and packed into the other
+    buffer, so the gather, the copy and the load overlap.
 
     `close()`, or at the latest interpreter exit, drops the buffers; a CPU buffer's /dev/shm segment goes
     once no process maps it. Except after a failed push: each body adds a reference to the segment that
@@ -95,13 +99,12 @@ class TensorTransport(Transport):
         load_format = self.config.load_format
         buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes, proto.payload_align(load_format))
         with ThreadPoolExecutor(1) as sender:
-            in_flight = None  # the previous bucket's request (its payload stays referenced until it is answered)
+            in_flight = None  # the previous bucket's request and payload (referenced until it is answered)
             for n, (bucket, last) in enumerate(buckets):
                 # Slot n % 2 last held bucket n - 2, whose request was answered before bucket n - 1's went out.
-                staging = self._buffer(n % 2, bucket)
-                payload = proto.tensor_payload(bucket, load_format, staging)
-                if staging.is_cuda:  # a server that cached this buffer's IPC handle reads it without waiting
-                    torch.cuda.current_stream(staging.device).synchronize()  # for our packing copies
+                payload = proto.tensor_payload(bucket, load_format, self._buffer(n % 2, bucket))
+                if bucket[0][1].is_cuda:  # a server reads the handles without waiting for our stream's kernels
+                    torch.cuda.current_stream(bucket[0][1].device).synchronize()  # (packing, the gather)
                 bodies = {
                     s.url: proto.update_weights_from_tensor_request(
                         payload, tp_size=s.tp_size, load_format=load_format, flush_cache=last,
@@ -110,17 +113,19 @@ class TensorTransport(Transport):
                     for s in self.servers
                 }
                 if in_flight is not None:
-                    in_flight.result()  # frees the buffer bucket n+1 will be packed into
-                in_flight = sender.submit(self.post_all, "/update_weights_from_tensor", lambda s, b=bodies: b[s.url])
+                    in_flight[0].result()  # frees the buffer bucket n+1 will be packed into
+                in_flight = sender.submit(self.post_all, "/update_weights_from_tensor", lambda s, b=bodies: b[s.url]), payload
             if in_flight is not None:
-                in_flight.result()
+                in_flight[0].result()
 
-    def _buffer(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    def _buffer(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
         """Staging buffer `slot`: uint8 on the bucket's device (shared memory on CPU) holding at least the
-        bucket's payload. A smaller (or misplaced) one is replaced by one of max(payload, min(bucket_bytes,
-        2 x payload)) bytes: a model smaller than the budget stages in about its own size, a large one
-        reaches the budget in a step or two. No request may reference the slot's buffer."""
+        bucket's payload (None if nothing of it is staged). A smaller (or misplaced) one is replaced by one of
+        max(payload, min(bucket_bytes, 2 x payload)) bytes: a model smaller than the budget stages in about its
+        own size, a large one reaches the budget in a step or two. No request may reference the slot's buffer."""
         needed = proto.payload_bytes(bucket, self.config.load_format)
+        if needed == 0:
+            return None
         device = bucket[0][1].device
         buffer = self._staging.get(slot)
         if buffer is None or buffer.numel() < needed or buffer.device != device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import sys
 import traceback
@@ -19,6 +20,7 @@ from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
+from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
 from megatron_armor.models.loading import PARAMS_DTYPES, load_gpt_model
@@ -26,6 +28,7 @@ from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerSettings
 from megatron_armor.trainer.anchor_cache import AnchorCache
@@ -207,7 +210,19 @@ def _build_models(
             frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
+        elif _pushes_cpu_weights_by_handle(cfg) and dist.get_rank() == 0:  # the rank that pushes
+            moved = share_storages(itertools.chain(ddp.module.parameters(), ref.parameters()))
+            log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)
     return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
+
+
+def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
+    """Whether weight pushes send handles to the trainer's own CPU weights (rollout.weight_sync_payload
+    per_tensor), which must then live in shared memory; an offloaded trainer's cannot (a parked storage is
+    freed in place, a shared one cannot be), so its weights are staged."""
+    r = cfg.rollout
+    return (r.backend == "sglang" and r.weight_sync == "tensor" and r.weight_sync_payload == "per_tensor"
+            and training_device().type == "cpu" and not r.offload_trainer)
 
 
 def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
@@ -370,7 +385,8 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 
     client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20, weight_sync=rollout.weight_sync,
-                                weight_sync_dir=rollout.weight_sync_dir)
+                                weight_sync_dir=rollout.weight_sync_dir,
+                                load_format=None if rollout.weight_sync_payload == "per_tensor" else "flattened_bucket")
     log_dir = cfg.logging.run_dir  # routers' logs
     actor = make_sglang_engine(rollout.sglang_urls, rollout.sglang_router_url, rollout, client, log_dir=log_dir)
     ref = (make_sglang_engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url, rollout, client, log_dir=log_dir)

@@ -51,6 +51,20 @@ def test_tp_shards_are_built_from_their_slices_alone(tiny_model_factory):
             assert read == exported.numel() * (2 if mapping.layout == "replicated" else 1), name
 
 
+def test_one_shard_exports_as_views_of_it(tiny_model_factory):
+    """Without TP, the HF tensors of a parameter are views of it (a weight push sends them without copying),
+    except the split of a fused QKV over several KV groups, and equal the HF checkpoint's."""
+    hf_dir = tiny_model_factory("qwen2")
+    shape, hf = load_model_shape(hf_dir), HFCheckpointReader(hf_dir)
+    assert shape.num_kv_heads > 1
+    for mapping in model_mappings(shape):
+        shard = hf_to_megatron_shard(mapping, [hf.get(n) for n in mapping.hf_names], shape, tp_size=1)
+        for name, exported in zip(mapping.hf_names, megatron_shards_to_hf(mapping, [shard], shape)):
+            assert torch.equal(exported, hf.get(name)), name
+            shares = exported.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+            assert shares == (mapping.layout != "qkv"), f"{name} ({mapping.layout})"
+
+
 def test_export_refuses_tensors_that_disagree_with_config(tiny_model_factory, tmp_path, capsys):
     """`armor convert megatron-to-hf` (tools/convert_megatron_to_hf.py calls the same main), in this process."""
     megatron_dir = convert_hf_to_megatron(tiny_model_factory("qwen2"), tmp_path / "m", tp=1, pp=1)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout import tensor_serialization
 from megatron_armor.rollout.base import Generation, SamplingParams
 
 # A batched /generate reply as SGLang's tokenizer manager returns it with --skip-tokenizer-init,
@@ -170,6 +171,25 @@ def test_tensor_payload_lives_in_the_staging_buffer(load_format):
     decoded = proto.named_tensors_from_request(proto.update_weights_from_tensor_request(payload, load_format=load_format))
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(decoded, tensors))
     assert not any(t.is_shared() for _, t in tensors)
+
+
+def test_per_tensor_payload_sends_shared_tensors_as_they_are():
+    """load_format null: a tensor in shared memory goes as a handle to its own storage, the rest is staged
+    (payload_bytes counts only those); a flattened bucket stages every tensor."""
+    shared, private = torch.randn(3, 5), torch.arange(7, dtype=torch.int64)
+    tensor_serialization.share_storages([shared])
+    tensors = [("shared", shared), ("private", private), ("transposed", shared.t())]
+    assert proto.payload_bytes(tensors, None) == 64 + 60  # private at 0 (56 B), transposed at 64 (16-byte aligned)
+    assert proto.payload_bytes(tensors, "flattened_bucket") == 60 + 56 + 60
+    staging = tensor_serialization.shared_buffer(256)
+    payload = proto.tensor_payload(tensors, None, staging)
+    assert [n for n, _ in payload] == ["shared", "private", "transposed"]
+    assert payload[0][1].data_ptr() == shared.data_ptr()
+    assert {t.untyped_storage().data_ptr() for _, t in payload[1:]} == {staging.untyped_storage().data_ptr()}
+    decoded = proto.named_tensors_from_request(proto.update_weights_from_tensor_request(payload, load_format=None))
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(decoded, tensors))
+    assert not private.is_shared()
+    assert proto.payload_bytes([("shared", shared)], None) == 0
 
 
 def test_distributed_and_control_bodies_use_sglang_fields():

@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,6 +45,34 @@ def test_flatten_into_a_reused_shared_buffer():
     assert torch.equal(bucket["flattened_tensor"], ts.flatten_bucket(TENSORS)["flattened_tensor"])
     with pytest.raises(ValueError, match="needs 90 bytes, the buffer holds 64"):
         ts.flatten_bucket(TENSORS, out=ts.shared_buffer(64))
+
+
+def test_share_storages_moves_them_in_place_and_once():
+    """Views keep their storage (now in /dev/shm) and values; tensors on it then map without a copy."""
+    base = torch.randn(6, 4)
+    gate, up = base.chunk(2)
+    private, values = torch.randn(5), base.clone()
+    assert not any(ts.maps_without_copy(t) for t in (gate, up))
+    assert ts.share_storages([gate, up, base]) == base.nbytes  # one storage, counted once
+    assert torch.equal(base, values) and gate.data_ptr() == base.data_ptr() and up.data_ptr() == base[3].data_ptr()
+    assert all(ts.maps_without_copy(t) for t in (base, gate, up)) and not ts.maps_without_copy(private)
+    assert not ts.maps_without_copy(base.t())  # not contiguous: staged
+    assert ts.share_storages([base]) == 0
+    before = base.data_ptr()
+    ts.serialize([("gate", gate)])
+    assert base.data_ptr() == before  # sent from where it is
+
+
+def test_too_little_shared_memory_is_refused_before_anything_moves(monkeypatch):
+    """A write past a full /dev/shm kills the process with SIGBUS: the room is checked first."""
+    monkeypatch.setattr(ts.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64, f_frsize=4096))  # 256 KiB
+    weights = torch.randn(1 << 17)  # 512 KiB
+    with pytest.raises(ts.SharedMemoryError, match=r"needs 1 MiB of shared memory, /dev/shm has 0 MiB free: enlarge"):
+        ts.share_storages([weights, torch.randn(1 << 17)])
+    assert not weights.is_shared()
+    with pytest.raises(ts.SharedMemoryError, match="a weight-push staging buffer needs"):
+        ts.shared_buffer(1 << 20)
+    assert ts.shared_buffer(1 << 10).is_shared()
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])

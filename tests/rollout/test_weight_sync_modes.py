@@ -11,6 +11,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout import tensor_serialization
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
 from megatron_armor.rollout.weight_group import WORLD_SIZE_KEY
@@ -138,6 +139,43 @@ def test_tensor_staging_grows_to_the_budget_only_as_buckets_need():
     small.push(iter([("a", torch.zeros(16))]), "1")  # a 64-byte model under a 1 MiB budget
     assert {slot: buffer.numel() for slot, buffer in small._staging.items()} == {0: 128}
     small.close()
+
+
+def test_per_tensor_push_of_shared_weights_stages_nothing(engine, model_dir, second_tiny_model):
+    """Weights the trainer keeps in shared memory reach the server from their own storage: no staging buffer
+    is made, the server copies them (a later change on the trainer's side does not reach it), and pushes
+    that reuse those storages keep working; a private tensor among them is staged alone."""
+    trained = {name: p.detach().clone() for name, p in load(second_tiny_model).named_parameters()}
+    tensor_serialization.share_storages(trained.values())
+    engine.update_weights_from_disk(str(model_dir))
+    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync="tensor", load_format=None))
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def served() -> torch.Tensor:
+        return torch.tensor(http_call(engine.urls[0], "/get_weights_by_name", {"name": name, "truncate_size": 4}))
+
+    for version in range(2):
+        pusher.update_weights(trained.items())
+        assert pusher._transport._staging == {}
+        torch.testing.assert_close(served(), trained[name][:4], atol=0, rtol=0)
+        for g in engine.generate(PROMPTS, GREEDY):
+            want = reference_logprobs(load_with(model_dir, trained), g.prompt_ids, g.response_ids)
+            torch.testing.assert_close(torch.tensor(g.logprobs), want, atol=1e-5, rtol=0)
+        pushed = trained[name].clone()
+        trained[name].mul_(2)  # the trainer's next update, in place
+        torch.testing.assert_close(served(), pushed[:4], atol=0, rtol=0)
+    private = torch.full_like(trained["model.norm.weight"], 0.5)
+    pusher.update_weights([*trained.items(), ("model.norm.weight", private)])
+    assert [b.numel() for b in pusher._transport._staging.values()] == [2 * private.nbytes]
+    got = http_call(engine.urls[0], "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2})
+    assert got == [0.5, 0.5]
+    pusher.close()
+
+
+def load_with(model_dir, weights):
+    model = load(model_dir)
+    model.load_state_dict(weights)
+    return model
 
 
 def test_disk_push_replaces_the_previous_push_directory(engine, model_dir, tmp_path):
