@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,8 @@ def load_prompt_rows(
 
     The prompt is a string (wrapped in a user message when `apply_chat_template`) or a list of
     {"role", "content"} messages, rendered as they are by the chat template (which they require).
+    Each distinct prompt is tokenized once and its rows share one id list (verl's DAPO-Math-17k file
+    repeats 17k prompts to 1.79M rows): do not modify `prompt_ids` in place.
     """
     path = Path(path)
     rows = _read_rows(path)
@@ -65,6 +67,7 @@ def load_prompt_rows(
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise DatasetError(f"{path}: data.apply_chat_template is set but the tokenizer has no chat template")
     prompts = []
+    tokenized: dict[Hashable, list[int]] = {}  # prompt text, or its messages -> ids
     for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise DatasetError(f"{path} row {number}: expected a JSON object, got {type(row).__name__}")
@@ -85,13 +88,10 @@ def load_prompt_rows(
                 f"{path} row {number}: field {prompt_key!r} is a list of chat messages; set "
                 f"data.apply_chat_template=true to render them with the tokenizer's chat template"
             )
-        if apply_chat_template:
-            ids = tokenizer.apply_chat_template(
-                messages or [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # transformers 5: a BatchEncoding
-        else:
-            ids = tokenizer.encode(prompt, add_special_tokens=False)
+        key = prompt if messages is None else tuple((m["role"], m["content"]) for m in messages)
+        ids = tokenized.get(key)
+        if ids is None:
+            ids = tokenized[key] = _tokenize(tokenizer, prompt, messages, apply_chat_template)
         if not ids or len(ids) > max_prompt_length:
             raise DatasetError(
                 f"{path} row {number}: prompt has {len(ids)} tokens; it must have 1..data.max_prompt_length "
@@ -101,6 +101,15 @@ def load_prompt_rows(
             row = {**row, "answer": _field(row, answer_key)}
         prompts.append(PromptRow(index=number - 1, prompt_ids=ids, row=row))
     return prompts
+
+
+def _tokenize(tokenizer, prompt: str | list, messages: list[dict] | None, apply_chat_template: bool) -> list[int]:
+    if not apply_chat_template:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.apply_chat_template(
+        messages or [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # transformers 5: a BatchEncoding
 
 
 def _field(row: dict, key: str) -> Any:

@@ -60,6 +60,27 @@ def test_chat_style_prompt_column_is_rendered_as_its_messages(tmp_path):
         load_prompt_rows(bad, tokenizer=tokenizer, apply_chat_template=True)
 
 
+def test_each_distinct_prompt_is_tokenized_once(tmp_path, monkeypatch):
+    """verl's DAPO-Math-17k repeats 17k prompts to 1.79M rows: repeats reuse the first tokenization."""
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    calls = []
+    render = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda messages, **kw: calls.append(messages) or render(messages, **kw))
+    chat = [{"role": "user", "content": "4-1="}]
+    path = tmp_path / "repeated.jsonl"
+    write_jsonl([{"prompt": p, "answer": "3"} for p in ["1+2=", chat, "1+2=", chat, "2+1=", "1+2="]], path)
+    rows = load_prompt_rows(path, tokenizer=tokenizer, apply_chat_template=True, max_prompt_length=64)
+    assert calls == [[{"role": "user", "content": "1+2="}], chat, [{"role": "user", "content": "2+1="}]]
+    assert [tokenizer.decode(r.prompt_ids) for r in rows] == ["[user]1+2=", "[user]4-1=", "[user]1+2=", "[user]4-1=",
+                                                              "[user]2+1=", "[user]1+2="]
+    assert rows[0].prompt_ids is rows[2].prompt_ids is rows[5].prompt_ids
+    assert [r.index for r in rows] == list(range(6))
+    write_jsonl([{"prompt": "1+2=", "answer": "3"}, {"prompt": "x" * 70, "answer": "3"}, {"prompt": "x" * 70, "answer": "3"}], path)
+    with pytest.raises(DatasetError, match="repeated.jsonl row 2: prompt has 76 tokens"):
+        load_prompt_rows(path, tokenizer=tokenizer, apply_chat_template=True, max_prompt_length=64)
+
+
 def test_a_dotted_answer_key_reads_a_nested_field(tmp_path, tokenizer):
     """verl's parquet files keep the answer in reward_model.ground_truth."""
     path = tmp_path / "train.jsonl"
