@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from bench_models import qwen2_of_width
 
-from megatron_armor.convert.weights import gather_hf_weights
+from megatron_armor.convert.weights import gather_hf_weights, parameters_exported_as_views
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.models.loading import load_gpt_model
@@ -124,7 +124,7 @@ def main() -> None:
     try:
         shape = load_model_shape(model_dir)
         trainer = load_gpt_model(model_dir, shape)
-        share_storages(trainer.parameters())
+        share_storages(parameters_exported_as_views(trainer, shape))  # as `armor train` does for per_tensor
         gathered = sum(t.nbytes for _, t in gather_hf_weights(trainer, shape))
         assert gathered == total, f"the trainer gathers {gathered} bytes, the HF model has {total}"
 

@@ -114,8 +114,8 @@ class RolloutConfig:
         "flattened_bucket", "payload of weight_sync tensor: flattened_bucket = each bucket packed into one staging "
         "buffer, sent as one handle (SGLang's load_format flattened_bucket); per_tensor = SGLang's load_format null: "
         "tensors the servers can map where they are go as handles to the trainer's own storage, with no staging copy "
-        "(CUDA tensors; on CPU the pushing rank keeps its models' weights in shared memory for it, unless "
-        "offload_trainer), the rest (TP-gathered, split fused QKV) is staged"
+        "(every CUDA tensor; on CPU the weights the push reads in place, which the pushing rank then keeps in "
+        "shared memory unless offload_trainer), the rest (on CPU: TP-gathered, split fused QKV) is staged"
     )
     router: Literal["auto", "sglang", "none"] = _f(
         "auto", "dispatch of generation requests over the SGLang servers (backend sglang): auto (SGLang's router "

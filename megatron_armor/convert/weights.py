@@ -185,6 +185,18 @@ def gather_hf_weights(
             yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))
 
 
+def parameters_exported_as_views(model: GPTModel, shape: ModelShape) -> list[torch.nn.Parameter]:
+    """The parameters of this rank whose `gather_hf_weights` tensors are views of them: without TP every one
+    but a fused QKV of several KV groups (split by copying), with TP only the replicated ones (norms)."""
+    params = dict(model.named_parameters())
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    split_by_copy = "qkv" if shape.num_kv_heads > 1 else None
+    return [
+        params[m.megatron_name] for m in stage_mappings(model, shape)
+        if m.exported and (m.layout == "replicated" or (tp_size == 1 and m.layout != split_by_copy))
+    ]
+
+
 def gather_all_stages_hf_weights(
     model: GPTModel, shape: ModelShape, *, use_grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.local_server import LocalServerState, RequestError
@@ -38,7 +41,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         state.require_idle("/flush_cache", "Cache not flushed because there are pending requests")
         return FLUSHED
 
-    mapped = _MappedPayloads(keep=state.device.type == "cpu")
+    mapped = _MappedPayloads(state)
 
     def weights_from_tensor(body: dict) -> dict:
         try:
@@ -46,7 +49,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         except PayloadError as error:
             raise RequestError(f"/update_weights_from_tensor: bad payload: {error}") from error
         reply = state.update_weights(named, body)
-        mapped.loaded(named, ends_push=bool(body.get("flush_cache", True)))
+        mapped.loaded(named)
         return reply
 
     def health(_: dict) -> None:
@@ -71,25 +74,32 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
 
 
 class _MappedPayloads:
-    """A CPU server keeps the shared-memory storages of the last whole push (a push ends with a request
-    that flushes the cache) and of the push arriving mapped. A sender that reuses its storages (staging
-    buffers, parameters kept in shared memory) then sends the same handles, which torch resolves from its
-    cache instead of mapping the segment, and faulting in every page, again: that costs about as much as
-    the copy itself. Holding them costs no memory while the sender keeps them, and at most one push of
-    shared memory after it frees them. A GPU server drops each payload at once, as SGLang does: its
-    CUDA-IPC handles would keep the sender's GPU buffers from being freed or reused."""
+    """A CPU server keeps the shared-memory storages it loaded from mapped, most recent first, up to twice
+    its model's bytes (the actor's and the reference's weights of a shared engine, or two staging buffers).
+    A sender that reuses its storages then sends the same handles, which torch resolves from its cache
+    instead of mapping the segment, and faulting in every page, again: that costs about as much as the copy
+    itself. Holding them costs no memory while the sender keeps them, and at most that budget after it
+    frees them. A GPU server drops each payload at once, as SGLang does: its CUDA-IPC handles would keep
+    the sender's GPU buffers from being freed or reused."""
 
-    def __init__(self, keep: bool) -> None:
-        self.keep = keep
-        self.previous: list[NamedTensors] = []
-        self.arriving: list[NamedTensors] = []
+    def __init__(self, state: LocalServerState) -> None:
+        self.state = state
+        self.storages: OrderedDict[int, torch.UntypedStorage] = OrderedDict()  # data_ptr -> storage, oldest first
+        self._lock = threading.Lock()
 
-    def loaded(self, named: NamedTensors, *, ends_push: bool) -> None:
-        if not self.keep:
+    def loaded(self, named: NamedTensors) -> None:
+        """Keep the shared storages of one loaded payload; drop the oldest others beyond the budget."""
+        if self.state.device.type != "cpu":
             return
-        self.arriving.append(named)
-        if ends_push:
-            self.previous, self.arriving = self.arriving, []
+        latest = {s.data_ptr(): s for s in (t.untyped_storage() for _, t in named) if s.is_shared()}
+        budget = 2 * sum(p.nbytes for p in self.state.engine.model.parameters())
+        with self._lock:
+            for address, storage in latest.items():
+                self.storages[address] = storage
+                self.storages.move_to_end(address)
+            held = sum(storage.nbytes() for storage in self.storages.values())
+            while held > budget and next(iter(self.storages)) not in latest:
+                held -= self.storages.popitem(last=False)[1].nbytes()
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing
+from torch.multiprocessing.reductions import StorageWeakRef
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -200,7 +201,8 @@ def _require_shared_memory(nbytes: int, what: str) -> None:
         raise SharedMemoryError(
             f"{what} needs {nbytes / 2**20:.0f} MiB of shared memory, {SHARED_MEMORY_DIR} has {free / 2**20:.0f} MiB free: "
             f"enlarge it (docker run --shm-size), or set rollout.weight_sync_payload flattened_bucket with a smaller "
-            f"rollout.sglang_update_bucket_mb (two buckets are staged there), or use rollout.weight_sync distributed"
+            f"rollout.sglang_update_bucket_mb (two buckets are staged there), or use rollout.weight_sync distributed. "
+            f"A trainer that was killed leaves its segments there until the servers it pushed to exit"
         )
 
 
@@ -212,11 +214,15 @@ def shared_buffer(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
+_MOVED_BY_US: dict[int, StorageWeakRef] = {}  # StorageImpl address -> weak ref: the storages share_storages moved
+
+
 def share_storages(tensors: Iterable[torch.Tensor]) -> int:
     """Move the CPU storages of `tensors` into /dev/shm in place, shared by name as `serialize` shares them
     (one copy now; every view, e.g. Megatron's parameters and their DDP hooks, stays valid). From then on
     `maps_without_copy` holds for them and pushes send handles to these storages instead of staging their
-    bytes. A shared storage can no longer be resized (freed in place). Returns the bytes moved;
+    bytes. A shared storage can no longer be resized (freed in place). Storages that are already shared
+    otherwise (by descriptor, a mapped file) are left as they are, and staged. Returns the bytes moved;
     SharedMemoryError, before moving any, if /dev/shm has no room for them."""
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:
@@ -228,14 +234,21 @@ def share_storages(tensors: Iterable[torch.Tensor]) -> int:
     with _file_system_sharing():
         for storage in storages.values():
             storage.share_memory_()
+    for address in [a for a, ref in _MOVED_BY_US.items() if ref.expired()]:
+        del _MOVED_BY_US[address]
+    _MOVED_BY_US.update((storage._cdata, StorageWeakRef(storage)) for storage in storages.values())
     return moved
 
 
 def maps_without_copy(tensor: torch.Tensor) -> bool:
     """Whether `serialize` sends `tensor` as a handle to its own storage, leaving it where it is: a contiguous
-    CUDA tensor (CUDA-IPC), or a contiguous CPU tensor whose storage is in shared memory (`share_storages`;
-    a storage shared by descriptor moves to a named segment once, on its first push)."""
-    return tensor.is_contiguous() and (tensor.is_cuda or (tensor.device.type == "cpu" and tensor.is_shared()))
+    CUDA tensor (CUDA-IPC), or a contiguous CPU tensor whose storage `share_storages` moved to /dev/shm."""
+    if not tensor.is_contiguous():
+        return False
+    if tensor.is_cuda:
+        return True
+    moved = _MOVED_BY_US.get(tensor.untyped_storage()._cdata)
+    return tensor.device.type == "cpu" and moved is not None and not moved.expired()
 
 
 def serialize(obj: Any) -> str:

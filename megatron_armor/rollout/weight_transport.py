@@ -87,8 +87,10 @@ class TensorTransport(Transport):
     its server drops when it unpickles the body, and a server that failed before that leaves it behind.
     It cannot be released here: the client cannot tell whether a failed server unpickled its body, and
     dropping a reference the server already dropped is as wrong as keeping one it did not. Such a segment
-    stays until torch's shm manager exits (once this process and the servers that mapped it have). Every
-    push sends only the two buffers, replaced only by larger ones, so failures leave at most those behind."""
+    stays until torch's shm manager exits (once this process and the servers that mapped it have). A push
+    sends only the two buffers, replaced only by larger ones, and the weights `share_storages` moved (which
+    live as long as the trainer anyway), so failures leave at most those behind; so does a trainer killed
+    while the servers run."""
 
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         self.servers, self.post_all, self.config = servers, post_all, config

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_armor.config import ArmorConfig, save_config
+from megatron_armor.config import ArmorConfig, RolloutConfig, save_config
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
+from megatron_armor.convert.weights import parameters_exported_as_views
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
@@ -211,18 +212,25 @@ def _build_models(
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
         elif _pushes_cpu_weights_by_handle(cfg) and dist.get_rank() == 0:  # the rank that pushes
-            moved = share_storages(itertools.chain(ddp.module.parameters(), ref.parameters()))
+            moved = share_storages(itertools.chain.from_iterable(
+                parameters_exported_as_views(module, shape) for module in (ddp.module, ref)))
             log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)
     return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
 
 
 def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
     """Whether weight pushes send handles to the trainer's own CPU weights (rollout.weight_sync_payload
-    per_tensor), which must then live in shared memory; an offloaded trainer's cannot (a parked storage is
-    freed in place, a shared one cannot be), so its weights are staged."""
+    per_tensor), which must then live in shared memory: those the push reads in place
+    (`parameters_exported_as_views`). An offloaded trainer's cannot (a parked storage is freed in place, a
+    shared one cannot be), so its weights are staged."""
     r = cfg.rollout
-    return (r.backend == "sglang" and r.weight_sync == "tensor" and r.weight_sync_payload == "per_tensor"
-            and training_device().type == "cpu" and not r.offload_trainer)
+    return r.backend == "sglang" and _pushes_per_tensor(r) and training_device().type == "cpu" and not r.offload_trainer
+
+
+def _pushes_per_tensor(rollout: RolloutConfig) -> bool:
+    """weight_sync tensor with SGLang's load_format null (weight_sync_payload per_tensor); the other update
+    paths send flattened buckets."""
+    return rollout.weight_sync == "tensor" and rollout.weight_sync_payload == "per_tensor"
 
 
 def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
@@ -386,7 +394,7 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
 
     client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20, weight_sync=rollout.weight_sync,
                                 weight_sync_dir=rollout.weight_sync_dir,
-                                load_format=None if rollout.weight_sync_payload == "per_tensor" else "flattened_bucket")
+                                load_format=None if _pushes_per_tensor(rollout) else "flattened_bucket")
     log_dir = cfg.logging.run_dir  # routers' logs
     actor = make_sglang_engine(rollout.sglang_urls, rollout.sglang_router_url, rollout, client, log_dir=log_dir)
     ref = (make_sglang_engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url, rollout, client, log_dir=log_dir)

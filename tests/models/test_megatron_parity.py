@@ -27,6 +27,7 @@ def test_megatron_matches_hf_tp1_and_tp2(tiny_model_factory, tmp_path):
             assert result["logprob_diff"] < TOL, variant
             assert result["entropy_diff"] < TOL, variant
             assert result["export_diff"] == 0.0 and result["export_keys_match"], variant
+            assert result["views_match"] and result["views"] > 0, variant  # what per-tensor pushes read in place
             # The in-process engine samples with HF kernels and a KV cache; agreement is logged here.
             print(f"{variant}: engine vs trainer max |logprob diff| = {result['engine_diff']:.2e}")
             assert result["engine_diff"] < 1e-4, variant

@@ -48,7 +48,9 @@ def test_cuda_tensors_reach_a_gpu_server_as_ipc_handles(
                           replace(CLIENT, weight_sync="tensor", load_format=load_format))
     assert http_call(engine.urls[0], "/server_info", method="GET")["device"] == "cuda:0"
     trained = named_cuda_parameters(second_tiny_model)
-    engine.update_weights(trained)  # 64 KiB buckets: several pushes through the two CUDA staging buffers
+    engine.update_weights(trained)  # 64 KiB buckets: several requests
+    # flattened buckets go through the two CUDA staging buffers; per tensor (null), every CUDA tensor as itself
+    assert (engine._transport._staging == {}) == (load_format is None)
     for name, want in trained:
         got = http_call(engine.urls[0], "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]})
         torch.testing.assert_close(torch.tensor(got), want.cpu(), atol=0, rtol=0)

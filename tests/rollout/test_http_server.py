@@ -4,12 +4,15 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
+from megatron_armor.rollout.http_server import _MappedPayloads
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
+from megatron_armor.rollout.tensor_serialization import share_storages
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +240,30 @@ def test_pause_wakes_when_a_request_is_held_after_the_last_one_left(server, read
             first_gone.set()
             state.continue_generation({})
         assert late.result(timeout=30)["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
+def test_a_cpu_server_keeps_recent_shared_storages_mapped_within_twice_its_weights():
+    """Reused handles resolve from torch's cache while mapped; the oldest go beyond 2 x the model's bytes,
+    never those of the payload just loaded; private copies (misaligned flattened entries) and everything on a
+    GPU server are not kept."""
+    model = torch.nn.Linear(16, 16, bias=False)  # 1 KiB of weights: a 2 KiB budget
+    state = SimpleNamespace(device=torch.device("cpu"), engine=SimpleNamespace(model=model))
+    mapped = _MappedPayloads(state)
+
+    def shared(nbytes):
+        tensor = torch.zeros(nbytes // 4)
+        share_storages([tensor])
+        return tensor
+
+    a, b, c, big = shared(1024), shared(512), shared(1024), shared(4096)
+    mapped.loaded([("a", a), ("b", b[:64]), ("private", torch.zeros(8))])
+    assert set(mapped.storages) == {a.data_ptr(), b.data_ptr()}
+    mapped.loaded([("c", c)])  # 2.5 KiB held: a, the oldest, goes
+    assert list(mapped.storages) == [b.data_ptr(), c.data_ptr()]
+    mapped.loaded([("b", b)])  # reused: the most recent again
+    assert list(mapped.storages) == [c.data_ptr(), b.data_ptr()]
+    mapped.loaded([("big", big)])  # over the budget alone: kept, everything older goes
+    assert list(mapped.storages) == [big.data_ptr()]
+    on_gpu = _MappedPayloads(SimpleNamespace(device=torch.device("cuda"), engine=state.engine))
+    on_gpu.loaded([("a", a)])
+    assert not on_gpu.storages

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
-from megatron_armor.convert.weights import gather_hf_weights, load_hf_weights  # noqa: E402
+from megatron_armor.convert.weights import gather_hf_weights, load_hf_weights, parameters_exported_as_views  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import PADDED_VOCAB_LOGIT, build_gpt_model  # noqa: E402
@@ -63,10 +63,16 @@ def check(model_dir: str) -> dict:
     exported = dict(gather_hf_weights(model, shape))
     hf_state = dict(hf.named_parameters())  # tied lm_head appears once, as embed_tokens
     export_diff = max((exported[k] - hf_state[k]).abs().max().item() for k in hf_state)
+    # The exports that are views of a parameter are exactly those of parameters_exported_as_views.
+    view_storages = {p.untyped_storage().data_ptr() for p in parameters_exported_as_views(model, shape)}
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exported_storages = {t.untyped_storage().data_ptr() for t in exported.values()}
+    views_match = exported_storages & param_storages == view_storages
     return {
         "forward_diff": forward_diff, "padding_masked": padding_masked, "engine_diff": engine_diff,
         "logprob_diff": logprob_diff, "entropy_diff": entropy_diff, "export_diff": export_diff,
-        "export_keys_match": set(exported) == set(hf_state), "logprobs": trainer.logprobs[mask].tolist(),
+        "export_keys_match": set(exported) == set(hf_state),
+        "views_match": views_match, "views": len(view_storages), "logprobs": trainer.logprobs[mask].tolist(),
     }
 
 
