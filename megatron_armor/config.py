@@ -88,7 +88,11 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    train_fn: str = _f("megatron_armor.rewards.math_verify_reward:verify", "training reward, module:function")
+    train_fn: str = _f(
+        "megatron_armor.rewards.math_dapo:verify", "training reward, module:function; default: DAPO's exact match of "
+        "the last 'Answer:' line, as the ARMOR paper (megatron_armor.rewards.math_verify_reward:verify: math-verify's "
+        "value equality, also of a final \\boxed{})"
+    )
     val_fn: str | None = _f(None, "validation reward, module:function (default: train_fn)")
     overlong_buffer: int = _f(4096, "DAPO overlong penalty buffer in tokens (0 disables)")
     overlong_factor: float = _f(1.0, "DAPO overlong penalty factor")

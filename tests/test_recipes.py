@@ -21,6 +21,7 @@ COMMON = {
     "data.max_prompt_length": 2048, "reward.overlong_buffer": 4096, "reward.overlong_factor": 1.0,
     "eval.every": 5, "eval.before_train": True,
     "reward.train_fn": "megatron_armor.rewards.math_dapo:verify", "reward.val_fn": None,  # DAPO's verifier (section 5)
+    "data.apply_chat_template": True, "data.answer_key": "reward_model.ground_truth",  # verl's parquet files as they are
 }
 RECIPES = {
     "qwen2.5-math-7b": {"algorithm.alpha": 0.9375, "algorithm.ref_reset_period": 0, "rollout.max_new_tokens": 8192,
