@@ -40,6 +40,31 @@ def test_recipe_has_the_paper_hyperparameters(recipe):
     assert cfg.parallel.world_size == 64 and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
 
 
+# mipu.md section 4; the batch reading (prompts, one optimizer step per RL step) is the recipe's stated choice.
+MIPU = {
+    "rollout.n_samples": 8, "rollout.actor_n": 8, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
+    "rollout.val_temperature": 0.7, "rollout.val_top_p": 1.0, "rollout.val_n": 16, "rollout.max_new_tokens": 8192,
+    "data.max_prompt_length": 512, "reward.overlong_buffer": 0, "train.lr": 1e-6, "train.warmup_steps": 0,
+    "train.train_batch_size": 64, "train.mini_batch_size": 64, "algorithm.name": "mipu", "algorithm.clip_low": 0.2,
+    "algorithm.clip_high": 0.2, "algorithm.dual_clip": 1.4, "algorithm.kl_coef": 0.001, "algorithm.mipu_w_max": 2.0,
+    "algorithm.mipu_is_correction": "tis", "algorithm.mipu_gate": True, "algorithm.filter_groups": False,
+    "data.answer_key": "reward_model.ground_truth",
+}
+
+
+def test_mipu_recipe_has_the_paper_hyperparameters():
+    cfg = load_config(EXAMPLES / "qwen3-1.7b" / "mipu.yaml")
+    for dotted, expected in MIPU.items():
+        section, name = dotted.split(".")
+        assert getattr(getattr(cfg, section), name) == expected, dotted
+    optimizer_steps = cfg.train.train_batch_size // cfg.train.mini_batch_size
+    micro_batches = cfg.train.mini_batch_size * cfg.rollout.n_samples // (cfg.parallel.data_parallel_size * cfg.train.micro_batch_size)
+    assert (optimizer_steps, micro_batches) == (1, 32)  # the paper's gradient accumulation 32
+    script = EXAMPLES / "qwen3-1.7b" / "run_torchrun.sh"
+    assert "Hardware:" in script.read_text() and "--quantization fp8" in script.read_text()
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("script", ["run_torchrun.sh", "run_ray.sh"])
 def test_launch_script_states_its_hardware_and_parses(recipe, script):
