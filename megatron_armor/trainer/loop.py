@@ -192,6 +192,8 @@ class RLTrainer:
         }
         if anchors_all:
             metrics["armor/anchor_accuracy"] = _mean([float(s.correct) for s in anchors_all])
+        if plan.uses_anchors and groups:  # armor.md §7: the fraction of on-policy samples in the batch
+            metrics["mix_kl/main_ratio"] = _mean([float(not s.is_anchor) for g in groups for s in g])
         metrics.update(counters.metrics(
             uses_anchors=plan.uses_anchors, cache=self.anchor_cache is not None, shared=self.h.shared_engine
         ))

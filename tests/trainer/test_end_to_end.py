@@ -54,6 +54,7 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
                     "perf/tokens_per_second", "loss/policy_loss"):
             assert math.isfinite(row[key]), (key, row)
         assert row["armor/anchors_used"] == row["armor/prompts_kept"] > 0
+        assert row["mix_kl/main_ratio"] == 7 / 8  # groups of 7 on-policy samples and 1 anchor
         assert row["mismatch/logprob_abs_diff"] < 1e-3
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2]
     assert (full / "curves.png").is_file()
