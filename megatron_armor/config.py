@@ -108,7 +108,8 @@ class RolloutConfig:
     sglang_update_bucket_mb: int = _f(512, "weight-update bucket size in MiB (backend sglang)")
     weight_sync: Literal["tensor", "distributed", "disk"] = _f(
         "tensor", "how weights reach the SGLang servers (backend sglang): tensor = /update_weights_from_tensor with "
-        "shared-memory / CUDA-IPC handles, for servers on the trainer's host (colocated); distributed = a process "
+        "shared-memory / CUDA-IPC handles, for servers on the trainer ranks' hosts (colocated: each host's servers get "
+        "the weights from that host's ranks); distributed = a process "
         "group with the servers and /update_weights_from_distributed broadcasts (gloo on CPU, nccl on GPU), for "
         "servers on other hosts (disaggregated); disk = safetensors files (one per bucket) in a fresh subdirectory "
         "of weight_sync_dir and /update_weights_from_disk (fallback)"
@@ -118,7 +119,7 @@ class RolloutConfig:
         "flattened_bucket", "payload of weight_sync tensor: flattened_bucket = each bucket packed into one staging "
         "buffer, sent as one handle (SGLang's load_format flattened_bucket); per_tensor = SGLang's load_format null: "
         "tensors the servers can map where they are go as handles to the trainer's own storage, with no staging copy "
-        "(every CUDA tensor; on CPU the weights the push reads in place, which the pushing rank then keeps in "
+        "(every CUDA tensor; on CPU the weights the push reads in place, which each pushing rank then keeps in "
         "shared memory unless offload_trainer), the rest (on CPU: TP-gathered, split fused QKV) is staged"
     )
     router: Literal["auto", "sglang", "none"] = _f(

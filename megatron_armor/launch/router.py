@@ -181,17 +181,17 @@ class SGLangRouter:
 
 def make_sglang_engine(
     urls: str, router_url: str | None, rollout: RolloutConfig, client: SGLangEngineConfig = SGLangEngineConfig(),
-    *, log_dir: str | None = None,
+    *, log_dir: str | None = None, push_urls: list[str] | None = None,
 ) -> SGLangEngine:
     """The client of the servers at comma-separated `urls`, generating through a router if one is wanted.
 
     `router_url`: a router already in front of `urls` (set by `armor ray-train`). Without one, this
     process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `rollout.router`
-    asks for it.
+    asks for it. `push_urls`: the servers this process pushes weights to (default: all).
     """
     servers = urls.split(",")
     if router_url is None and use_sglang_router(rollout.router, len(servers)):
         router = SGLangRouter(servers, RouterSpec(policy=rollout.router_policy), log_dir=log_dir)
         atexit.register(router.stop)
         router_url = router.url
-    return SGLangEngine(servers, client, router_url=router_url)
+    return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls)

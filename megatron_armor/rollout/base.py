@@ -57,10 +57,13 @@ class RolloutEngine(abc.ABC):
     (the in-process engine, SGLang) can receive them.
 
     `shared_across_ranks`: True when every trainer rank talks to the same engine (remote servers),
-    so weights are pushed once (from rank 0) instead of once per rank.
+    so each server gets the weights from one rank, not from every rank.
+    `pushes_weights`: whether this rank's `update_weights` reaches any of them (of a shared engine, each
+    rank pushes to the servers dealt to it, and a rank dealt none only takes part in the gather).
     """
 
     shared_across_ranks: bool = False
+    pushes_weights: bool = True
 
     def metrics(self) -> dict[str, float]:
         """Cumulative engine counters to log (e.g. `rollout/retries`); none by default."""

@@ -9,8 +9,8 @@ finish type "abort" are re-sent too. Every re-send counts in `stats.retries` (me
 request fails for good, `generate` aborts the others in flight, sends no more and raises at once.
 With `router_url` (SGLang's router in front of the same servers, launch/router.py) every /generate
 request goes to the router instead, one prompt per request, and the router picks the worker; the
-retries above still apply. Weight updates, flushes, memory hand-off and health always go to every
-server directly (the router does not fan them out). Stdlib HTTP only (`http.client`).
+retries above still apply. Flushes, memory hand-off and health always go to every server directly (the
+router does not fan them out); weight updates to the engine's push servers (`push_urls`, default all). Stdlib HTTP only (`http.client`).
 """
 
 from __future__ import annotations
@@ -194,15 +194,21 @@ class SGLangEngine(RolloutEngine):
     """Rollouts from SGLang servers (or `armor serve-local` stand-ins) at `urls`; blocks until all are healthy.
 
     router_url: SGLang's router in front of exactly these servers; generation goes through it.
+    push_urls: the servers `update_weights` pushes to (default: all; the trainer deals them out over its
+    ranks, `rollout.push_assignment`); memory hand-off, flushes and generation still reach every server.
     """
 
     def __init__(
-        self, urls: Sequence[str], config: SGLangEngineConfig = SGLangEngineConfig(), *, router_url: str | None = None
+        self, urls: Sequence[str], config: SGLangEngineConfig = SGLangEngineConfig(), *, router_url: str | None = None,
+        push_urls: Sequence[str] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
+        push_urls = list(urls) if push_urls is None else list(push_urls)
+        if not set(push_urls) <= set(urls):
+            raise ValueError(f"push_urls {sorted(set(push_urls) - set(urls))} are not among the servers {list(urls)}")
         if config.weight_sync == "tensor":
-            elsewhere = [url for url in urls if not on_this_host(url)]
+            elsewhere = [url for url in push_urls if not on_this_host(url)]
             if elsewhere:
                 raise ValueError(
                     f"weight_sync tensor hands the servers shared-memory / CUDA-IPC handles, which only a server on "
@@ -212,6 +218,7 @@ class SGLangEngine(RolloutEngine):
         self.config = config
         self.stats = RolloutStats()
         self._servers = [_Server(url.rstrip("/")) for url in urls]
+        self._push_servers = [server for url, server in zip(urls, self._servers) if url in push_urls]
         self._router = _Server(router_url.rstrip("/")) if router_url else None
         self._dispatcher = _Dispatcher([self._router] if self._router else self._servers, config.down_cooldown_s)
         self.wait_until_ready()
@@ -219,8 +226,13 @@ class SGLangEngine(RolloutEngine):
             server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))
         transport = TransportConfig(config.bucket_bytes, config.load_format, config.weight_group_timeout_s,
                                     config.weight_sync_dir)
-        self._transport = TRANSPORTS[config.weight_sync](self._servers, self._on_every_server, transport)
+        self._transport = TRANSPORTS[config.weight_sync](self._push_servers, self._on_push_servers, transport)
         self._weight_version = 0
+
+    @property
+    def pushes_weights(self) -> bool:
+        """Whether `update_weights` reaches any server (a trainer rank dealt none draws the gather only)."""
+        return bool(self._push_servers)
 
     @property
     def urls(self) -> list[str]:
@@ -365,16 +377,16 @@ class SGLangEngine(RolloutEngine):
         return self.stats.as_metrics()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push HF-named tensors to every server the way slime does: pause generation (abort mode), flush,
-        push in buckets of `bucket_bytes` by `config.weight_sync`, continue. `named_tensors` is drawn lazily,
-        bucket by bucket as the push goes (a gather runs alongside it). The push ends with a flush and
-        weight_version n on the n-th successful push. Whatever fails, every server is asked to continue;
-        if that fails too, it is noted on the error raised."""
+        """Push HF-named tensors to the push servers (`push_urls`) the way slime does: pause generation (abort
+        mode), flush, push in buckets of `bucket_bytes` by `config.weight_sync`, continue. `named_tensors` is
+        drawn lazily, bucket by bucket as the push goes (a gather runs alongside it). The push ends with a
+        flush and weight_version n on the n-th successful push. Whatever fails, every push server is asked to
+        continue; if that fails too, it is noted on the error raised."""
         try:
-            self._on_every_server("/pause_generation", lambda s: proto.pause_generation_request("abort"))
+            self._on_push_servers("/pause_generation", lambda s: proto.pause_generation_request("abort"))
             if self._servers_restarted():
                 self._transport.close()  # a restarted server lost the transport's state (its weight-update group)
-            self.flush_cache()
+            self._on_push_servers("/flush_cache", lambda s: None, call=self._flush_one)
             self._transport.push(named_tensors, str(self._weight_version + 1))
             self._weight_version += 1
         except BaseException as error:
@@ -383,9 +395,9 @@ class SGLangEngine(RolloutEngine):
         self._continue_generation()
 
     def _continue_generation(self, noting: BaseException | None = None) -> None:
-        """/continue_generation on every server; a failure is raised, or only noted on `noting` (being raised)."""
+        """/continue_generation on every push server; a failure is raised, or only noted on `noting` (being raised)."""
         try:
-            self._on_every_server("/continue_generation", lambda s: proto.continue_generation_request())
+            self._on_push_servers("/continue_generation", lambda s: proto.continue_generation_request())
         except RolloutError as error:
             if noting is None:
                 raise
@@ -396,7 +408,7 @@ class SGLangEngine(RolloutEngine):
         restarted (launch/servers.py `restart_dead`), or another client pushed."""
         if not self._weight_version:
             return False
-        for server in self._servers:
+        for server in self._push_servers:
             try:
                 info = http_call(server.url, "/model_info", method="GET", timeout=self.config.health_timeout_s)
             except (ServerError, *TRANSPORT_ERRORS):
@@ -457,6 +469,17 @@ class SGLangEngine(RolloutEngine):
         self, path: str, body_for: Callable[[_Server], Any], call: Callable[..., Any] = http_call
     ) -> None:
         """POST `path` to all servers in parallel; raise one error naming every server that failed."""
+        self._on_servers(self._servers, path, body_for, call)
+
+    def _on_push_servers(
+        self, path: str, body_for: Callable[[_Server], Any], call: Callable[..., Any] = http_call
+    ) -> None:
+        """`_on_every_server` for the servers this engine pushes weights to."""
+        self._on_servers(self._push_servers, path, body_for, call)
+
+    def _on_servers(
+        self, servers: Sequence[_Server], path: str, body_for: Callable[[_Server], Any], call: Callable[..., Any]
+    ) -> None:
         def one(server: _Server) -> str | None:
             try:
                 call(server.url, path, body_for(server), timeout=self.config.request_timeout_s)
@@ -464,7 +487,9 @@ class SGLangEngine(RolloutEngine):
             except (ServerError, *TRANSPORT_ERRORS) as error:
                 return f"{server.url}: {type(error).__name__}: {error}"
 
-        with ThreadPoolExecutor(max_workers=len(self._servers), thread_name_prefix="sglang-control") as pool:
-            errors = [e for e in pool.map(one, self._servers) if e]
+        if not servers:
+            return
+        with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="sglang-control") as pool:
+            errors = [e for e in pool.map(one, servers) if e]
         if errors:
-            raise RolloutError(f"{path} failed on {len(errors)}/{len(self._servers)} servers: " + " | ".join(errors))
+            raise RolloutError(f"{path} failed on {len(errors)}/{len(servers)} servers: " + " | ".join(errors))

@@ -515,11 +515,12 @@ def local_mini_batch_groups(num_groups: int, mini_batch_size: int, dp_size: int,
 
 
 def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
-    """Collective: every rank runs the gather; an engine shared by all ranks receives it from rank 0 only.
+    """Collective: every rank runs the gather (each holds every full tensor) and sends it to the servers its
+    engine pushes to (`pushes_weights`); a shared engine's servers are all served once the barrier passes.
 
     Returns this rank's measurement (bytes and seconds, the TP/PP gather included).
     """
-    report = sync_weights(engine, named_tensors, send=not engine.shared_across_ranks or dist.get_rank() == 0)
+    report = sync_weights(engine, named_tensors, send=engine.pushes_weights)
     if engine.shared_across_ranks:
         dist.barrier()
     return report

@@ -5,8 +5,9 @@ GPU. While the trainer computes logprobs and updates the actor, the servers rele
 KV cache and CUDA graphs. They take them back in two stages, as verl does: the weights' memory first,
 for the push of the updated weights (beside the trainer's copy of them), then, once the trainer has
 parked that copy (`rollout.offload_trainer`), the KV cache and CUDA graphs for generation. Rank 0
-alone talks to the servers (every rank's engine is a client of the same ones); the other ranks wait
-at barriers, so that no rank allocates before the release or generates before the resume.
+alone releases and resumes the servers (every rank's engine is a client of the same ones; the weights
+reach each server from the rank it is dealt to, `rollout.push_assignment`); the other ranks wait at
+barriers, so that no rank allocates before the release, or pushes or generates before the resume.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ class MemoryHandoff:
             raise
         start = time.perf_counter()
         self._call(MEMORY_TAGS if resume_serving else WEIGHT_TAGS, release=False)
-        if resume_serving:
-            dist.barrier()  # no rank generates before rank 0 has resumed the servers
+        dist.barrier()  # no rank generates, or pushes weights, before rank 0 has resumed the servers
         self.seconds += time.perf_counter() - start
 
     def resume_serving(self) -> None:

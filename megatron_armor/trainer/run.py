@@ -116,7 +116,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
         adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, adam_eps=cfg.train.adam_eps,
         grad_clip=cfg.train.grad_clip,
     )
-    models = _build_models(cfg, paths, shape, optim, handoff)
+    models = _build_models(cfg, paths, shape, optim, handoff, (actor_engine, ref_engine))
     ddp, optimizer, ref, teacher = models.ddp, models.optimizer, models.ref, models.teacher
 
     stop_ids = (tokenizer.eos_token_id,)
@@ -192,7 +192,8 @@ class TrainerModels:
 
 
 def _build_models(
-    cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape, optim: OptimizerSettings, handoff: MemoryHandoff | None
+    cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape, optim: OptimizerSettings, handoff: MemoryHandoff | None,
+    engines: tuple[RolloutEngine, RolloutEngine],
 ) -> TrainerModels:
     """The models of this rank (collective). Colocated, the servers release their GPU memory while the
     models are built (`handoff`), and an offloaded trainer parks them before the servers take it back
@@ -211,10 +212,11 @@ def _build_models(
             frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
-        elif _pushes_cpu_weights_by_handle(cfg) and dist.get_rank() == 0:  # the rank that pushes
-            moved = share_storages(itertools.chain.from_iterable(
-                parameters_exported_as_views(module, shape) for module in (ddp.module, ref)))
-            log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)
+        elif _pushes_cpu_weights_by_handle(cfg):  # the models this rank pushes to servers (engines: actor, ref)
+            pushed = [module for module, engine in zip((ddp.module, ref), engines) if engine.pushes_weights]
+            moved = share_storages(itertools.chain.from_iterable(parameters_exported_as_views(m, shape) for m in pushed))
+            if pushed:
+                log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)
     return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
 
 
@@ -390,15 +392,20 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
         actor = _local_engine(paths.model_path, **options)
         return actor, actor if rollout.anchor_engine == "shared" else _local_engine(paths.ref_path, **options)
     from megatron_armor.launch.router import make_sglang_engine
+    from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
     from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 
     client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20, weight_sync=rollout.weight_sync,
                                 weight_sync_dir=rollout.weight_sync_dir,
                                 load_format=None if _pushes_per_tensor(rollout) else "flattened_bucket")
     log_dir = cfg.logging.run_dir  # routers' logs
-    actor = make_sglang_engine(rollout.sglang_urls, rollout.sglang_router_url, rollout, client, log_dir=log_dir)
-    ref = (make_sglang_engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url, rollout, client, log_dir=log_dir)
-           if rollout.sglang_ref_urls else actor)
+
+    def engine(urls: str, router_url: str | None):
+        push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync)  # collective
+        return make_sglang_engine(urls, router_url, rollout, client, log_dir=log_dir, push_urls=push_urls)
+
+    actor = engine(rollout.sglang_urls, rollout.sglang_router_url)
+    ref = engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url) if rollout.sglang_ref_urls else actor
     return actor, ref
 
 

@@ -1,4 +1,5 @@
-"""`armor train` (TP=2) with rollouts from two SGLang-schema servers: actor and reference policy, handing
+"""`armor train` (TP=2) with rollouts from three SGLang-schema servers: two for the actor (each gets the
+weights from its own trainer rank, as colocated servers do) and one for the reference policy, handing
 their memory to the trainer for its phases, and the trainer parking its own for rollouts, as in colocated
 placement (`armor ray-train --placement colocated` sets both)."""
 
@@ -18,15 +19,17 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     # and the reference's (warm-started) weights before the first rollout.
     # The reference's weights are pushed once: its server keeps them across releases; the actor's, pushed
     # after every update, need no backup (serve-local refuses to generate from weights a release lost).
-    actor = start_server(tiny_model_factory("qwen2"))
+    # Rank r pushes to actor server r (rollout.push_assignment): both must hold the actor's weights.
+    actors = [start_server(tiny_model_factory("qwen2")) for _ in range(2)]
+    actor = actors[0]
     ref = start_server(tiny_model_factory("qwen2"), "--enable-weights-cpu-backup")
-    SGLangEngine([actor.url, ref.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
+    SGLangEngine([*(a.url for a in actors), ref.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "2",
            "--checkpoint.every", "1",
            "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
            "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
-           "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang_urls", actor.url,
+           "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang_urls", ",".join(a.url for a in actors),
            "--rollout.sglang_ref_urls", ref.url, "--rollout.release_memory", "true", "--rollout.offload_trainer", "true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:] + actor.output()[-2000:]
@@ -43,8 +46,10 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     # the actor's servers got their weights' memory back first, the push (the release lost the old ones:
     # serve-local refuses to generate from them), then their KV cache (a staged resume).
     assert step["perf/memory_handoff_seconds"] > 0 and step["memory/trainer_parked_gib"] > 0
-    for server in (actor, ref):
+    for server in (*actors, ref):
         info = http_call(server.url, "/server_info", method="GET", timeout=10)
         assert info["memory_releases"] == 5 and info["released_memory_tags"] == []  # build, 2 x (update, checkpoint)
-    loads = [http_call(server.url, "/server_info", method="GET")["weight_loads_without_kv_cache"] for server in (actor, ref)]
-    assert loads[0] > 0 and loads[1] == 0  # every bucket of the update's push; the reference is pushed at start only
+    loads = [http_call(s.url, "/server_info", method="GET")["weight_loads_without_kv_cache"] for s in (*actors, ref)]
+    assert loads[0] > 0 and loads[1] > 0 and loads[2] == 0  # every bucket of the update's push; the reference: at start
+    versions = {http_call(a.url, "/model_info", method="GET")["weight_version"] for a in actors}
+    assert len(versions) == 1  # both actor servers got every push
