@@ -85,6 +85,7 @@ class _MappedPayloads:
     def __init__(self, state: LocalServerState) -> None:
         self.state = state
         self.storages: OrderedDict[int, torch.UntypedStorage] = OrderedDict()  # data_ptr -> storage, oldest first
+        self._budget: int | None = None  # bytes; 2 x the model's weights, counted at the first payload
         self._lock = threading.Lock()
 
     def loaded(self, named: NamedTensors) -> None:
@@ -92,13 +93,14 @@ class _MappedPayloads:
         if self.state.device.type != "cpu":
             return
         latest = {s.data_ptr(): s for s in (t.untyped_storage() for _, t in named) if s.is_shared()}
-        budget = 2 * sum(p.nbytes for p in self.state.engine.model.parameters())
+        if self._budget is None:
+            self._budget = 2 * sum(p.nbytes for p in self.state.engine.model.parameters())
         with self._lock:
             for address, storage in latest.items():
                 self.storages[address] = storage
                 self.storages.move_to_end(address)
             held = sum(storage.nbytes() for storage in self.storages.values())
-            while held > budget and next(iter(self.storages)) not in latest:
+            while held > self._budget and next(iter(self.storages)) not in latest:
                 held -= self.storages.popitem(last=False)[1].nbytes()
 
 
