@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from bench_models import qwen2_of_width
 
+from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
-from megatron_armor.models.loading import load_gpt_model
 from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import OptimizerSettings, optimizer_step, wrap_for_training
 

@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from bench_models import qwen2_of_width
 
+from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.convert.weights import gather_hf_weights, parameters_exported_as_views
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
-from megatron_armor.models.loading import load_gpt_model
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from megatron_armor.rollout.tensor_serialization import share_storages

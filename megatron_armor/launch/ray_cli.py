@@ -55,9 +55,9 @@ def run_ray_train(args: argparse.Namespace, cfg: ArmorConfig) -> int:
     import ray
 
     from megatron_armor.launch.ray_job import run_ray_job
-    from megatron_armor.launch.router import RouterError
     from megatron_armor.launch.servers import PlacementError
     from megatron_armor.launch.trainer_ranks import TrainerJobError
+    from megatron_armor.rollout.router import RouterError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     ray.init(address=args.ray_address)

@@ -26,10 +26,10 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from megatron_armor.config import ArmorConfig, ConfigError, validate
-from megatron_armor.launch.router import RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.launch.server_process import ServerSpec
 from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundles
 from megatron_armor.launch.trainer_ranks import TrainerRanks
+from megatron_armor.rollout.router import RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.trainer.task_setup import prepare_task
 
 log = logging.getLogger(__name__)

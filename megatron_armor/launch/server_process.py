@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_armor.launch.process import ManagedProcess, NotReady, answers, wait_until
+from megatron_armor.rollout.process import ManagedProcess, NotReady, answers, wait_until
 from megatron_armor.utils.net import free_port
 
 

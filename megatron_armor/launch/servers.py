@@ -4,7 +4,7 @@ Each server gets one bundle of `tp_size` GPUs (CPU only when the spec is the CPU
 port on its node and its own seed. `restart_dead()` brings back any server whose process died;
 `shutdown()` stops every subprocess, then the actors and the placement group. Use as a context
 manager so an exception on the driver still shuts everything down. With a `router` (SGLang's, see
-router.py) the servers are registered with it once healthy, and a dead server is deregistered before
+rollout/router.py) the servers are registered with it once healthy, and a dead server is deregistered before
 its restart and registered again after.
 """
 
@@ -17,8 +17,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_armor.launch.router import SGLangRouter
 from megatron_armor.launch.server_process import RolloutServer, ServerSpec
+from megatron_armor.rollout.router import SGLangRouter
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
     `PADDED_VOCAB_LOGIT`, so softmaxes and logprobs equal those over the real vocabulary; the fused LM
     head skips those rows (`output_layer.unpadded_vocab_size`).
     Weights are randomly initialised where `config.use_cpu_initialization` puts them (the CPU or an
-    enclosing `torch.device` context, else the current GPU); `models.loading.load_gpt_model` places
+    enclosing `torch.device` context, else the current GPU); `convert.loading.load_gpt_model` places
     the model on the training device and loads real ones. A frozen (`trainable=False`) model has
     `requires_grad=False` everywhere and starts in eval mode.
     """

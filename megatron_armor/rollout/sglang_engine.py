@@ -7,7 +7,7 @@ exponential backoff, and the failed server sits out `down_cooldown_s`; prompts S
 finish type "abort" are re-sent too. Every re-send counts in `stats.retries` (metric
 `rollout/retries`); finished prompts are kept, so a retry never loses or repeats a result. Once one
 request fails for good, `generate` aborts the others in flight, sends no more and raises at once.
-With `router_url` (SGLang's router in front of the same servers, launch/router.py) every /generate
+With `router_url` (SGLang's router in front of the same servers, rollout/router.py) every /generate
 request goes to the router instead, one prompt per request, and the router picks the worker; the
 retries above still apply. Flushes, memory hand-off and health always go to every server directly (the
 router does not fan them out); weight updates to the engine's push servers (`push_urls`, default all). Stdlib HTTP only (`http.client`).

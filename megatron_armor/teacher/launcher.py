@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_armor.launch.process import ManagedProcess, NotReady, answers, wait_until
+from megatron_armor.rollout.process import ManagedProcess, NotReady, answers, wait_until
 from megatron_armor.teacher.serve_cli import SERVER_MODULE, TeacherServerSettings
 from megatron_armor.utils.net import free_port
 

@@ -25,11 +25,11 @@ from megatron.core import parallel_state
 
 from megatron_armor.models.hf_config import ModelConfigError
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
+from megatron_armor.scoring.batch import SequenceBatch
+from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
 from megatron_armor.teacher.launcher import TeacherError, TeacherServerGroup
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_response, score_request_body
 from megatron_armor.teacher.serve_cli import TeacherServerSettings
-from megatron_armor.trainer.batch import SequenceBatch
-from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ no data parallelism, started by torchrun (`armor serve-teacher`) or by the train
 (teacher/launcher.py). Rank 0 serves SGLang's scoring form of
 `/generate` (teacher/protocol.py) with the CPU server's HTTP plumbing (rollout/http_server.py):
 an HTTP thread queues each request, rank 0's main thread broadcasts it to every teacher rank, all
-ranks run the forward-only Megatron schedule (trainer/logprobs.py `compute_logprobs`), and the HTTP
+ranks run the forward-only Megatron schedule (scoring/logprobs.py `compute_logprobs`), and the HTTP
 thread replies with the last stage's logprobs. Requests are scored one after another.
 
 Endpoints: /generate (scoring only), /health and /health_generate (a 2-token scoring through every
@@ -32,16 +32,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import ModelShape, load_model_shape
-from megatron_armor.models.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.rollout.http_server import LocalSGLangServer
 from megatron_armor.rollout.local_server import RequestError
+from megatron_armor.scoring.batch import build_sequence_batch
+from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_request, score_item_body
 from megatron_armor.teacher.serve_cli import TeacherServerSettings, add_serve_teacher_arguments, settings_from_args
-from megatron_armor.trainer.batch import build_sequence_batch
-from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
 from megatron_armor.teacher.scorer import TeacherScorer
 from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
-from megatron_armor.trainer.logprobs import compute_logprobs
+from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
+from megatron_armor.scoring.logprobs import compute_logprobs
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.offload import TrainerOffload

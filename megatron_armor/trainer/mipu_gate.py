@@ -18,8 +18,8 @@ from megatron_armor.algorithms import accept_update, gap_proxy, group_advantages
 from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
-from megatron_armor.trainer.batch import build_sequence_batch
-from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.scoring.batch import build_sequence_batch
+from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
 from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
 
 

@@ -11,8 +11,8 @@ from megatron.core import parallel_state
 from megatron_armor.algorithms import armor_policy_loss, kl_penalty, sampler_corrected_loss
 from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, aggregation_units, check_aggregation
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
-from megatron_armor.trainer.batch import SequenceBatch
-from megatron_armor.trainer.logprobs import ScoringSettings, TokenScores, forward_backward
+from megatron_armor.scoring.batch import SequenceBatch
+from megatron_armor.scoring.logprobs import ScoringSettings, TokenScores, forward_backward
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.optimizer import OptimizerSettings, learning_rate, optimizer_step
 
@@ -39,7 +39,7 @@ class LossSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     temperature: float = 1.0
-    logprob_head: str = "torch"  # "torch" | "fused" (trainer/logprobs.py)
+    logprob_head: str = "torch"  # "torch" | "fused" (scoring/logprobs.py)
     sampler: SamplerCorrection | None = None
     aggregation: LossAggregation = "token_mean"
 

@@ -24,7 +24,7 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokeniz
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
-from megatron_armor.models.loading import PARAMS_DTYPES, load_gpt_model
+from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -34,7 +34,7 @@ from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check
 from megatron_armor.teacher.serve_cli import TeacherServerSettings
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import TrainerState, guard_run_dir, load_checkpoint, save_checkpoint
-from megatron_armor.trainer.logprobs import ScoringSettings, resolve_logprob_head
+from megatron_armor.scoring.logprobs import ScoringSettings, resolve_logprob_head
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan, evaluate
 from megatron_armor.trainer.mipu_gate import GateSettings, InferenceGapGate
@@ -391,7 +391,7 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
         options = _local_engine_options(cfg, pad_token_id)
         actor = _local_engine(paths.model_path, **options)
         return actor, actor if rollout.anchor_engine == "shared" else _local_engine(paths.ref_path, **options)
-    from megatron_armor.launch.router import make_sglang_engine
+    from megatron_armor.rollout.router import make_sglang_engine
     from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
     from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 

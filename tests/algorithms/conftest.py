@@ -19,7 +19,7 @@ def mipu_case(tiny_model_factory, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from megatron_armor.data.types import Sample
-    from megatron_armor.trainer.batch import build_sequence_batch
+    from megatron_armor.scoring.batch import build_sequence_batch
 
     model_dir = tiny_model_factory()
     g = torch.Generator().manual_seed(7)
@@ -98,7 +98,7 @@ def armor_case(tiny_model_factory, tmp_path_factory):
     from megatron_armor.algorithms import group_advantages
     from megatron_armor.data.types import Sample
     from megatron_armor.models.tiny import make_tiny_checkpoint
-    from megatron_armor.trainer.batch import build_sequence_batch
+    from megatron_armor.scoring.batch import build_sequence_batch
 
     actor_dir = tiny_model_factory()
     ref_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("armor-ref"), seed=1)

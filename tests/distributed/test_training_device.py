@@ -11,8 +11,8 @@ from launcher import run_workers
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import model_shape_from_dict, transformer_config
-from megatron_armor.trainer import logprobs
-from megatron_armor.trainer.batch import SequenceBatch, build_sequence_batch
+from megatron_armor.scoring import logprobs
+from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
 
 META = torch.device("meta")
 

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.config import ConfigError, load_config
-from megatron_armor.launch.router import RouterError, RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.launch.server_process import RolloutServer, ServerSpec
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.router import RouterError, RouterSpec, SGLangRouter, use_sglang_router
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, http_call
 
 DEMO = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"

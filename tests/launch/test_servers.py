@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_armor.launch.router import RouterSpec, SGLangRouter
 from megatron_armor.launch.server_process import ServerSpec, server_command
 from megatron_armor.launch.servers import Placement, PlacementError, ServerGroup
+from megatron_armor.rollout.router import RouterSpec, SGLangRouter
 from megatron_armor.rollout.sglang_engine import http_call
 
 

@@ -13,8 +13,8 @@ import torch
 from launcher import run_workers
 from transformers import AutoModelForCausalLM
 
-from megatron_armor.launch.process import ManagedProcess
 from megatron_armor.models.hf_config import ModelConfigError
+from megatron_armor.rollout.process import ManagedProcess
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 from megatron_armor.teacher.launcher import TeacherError, TeacherServerGroup
 from megatron_armor.teacher.protocol import ScoreRequest

@@ -3,7 +3,7 @@
 import torch
 
 from megatron_armor.data.types import Sample
-from megatron_armor.trainer.batch import build_sequence_batch
+from megatron_armor.scoring.batch import build_sequence_batch
 
 
 def test_labels_and_masks_are_next_token_aligned():

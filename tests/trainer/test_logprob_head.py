@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_armor.trainer.logprobs import ScoringSettings, resolve_logprob_head
+from megatron_armor.scoring.logprobs import ScoringSettings, resolve_logprob_head
 
 
 @pytest.mark.parametrize("cuda, expected", [(False, "torch"), (True, "fused")])

@@ -11,13 +11,13 @@ import os
 import pytest
 import torch
 
+from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
-from megatron_armor.models.loading import load_gpt_model
-from megatron_armor.trainer.batch import build_sequence_batch
-from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.scoring.batch import build_sequence_batch
+from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
 from megatron_armor.trainer.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.policy_update import LossSettings, update_policy

@@ -26,7 +26,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
-from megatron_armor.trainer.logprobs import forward_backward  # noqa: E402
+from megatron_armor.scoring.logprobs import forward_backward  # noqa: E402
 from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan  # noqa: E402
 from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn, update_policy  # noqa: E402

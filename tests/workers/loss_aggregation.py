@@ -22,7 +22,7 @@ from megatron_armor.convert.weights import (  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
-from megatron_armor.trainer.logprobs import forward_backward  # noqa: E402
+from megatron_armor.scoring.logprobs import forward_backward  # noqa: E402
 from megatron_armor.trainer.optimizer import (  # noqa: E402
     OptimizerSettings, learning_rate, optimizer_step, wrap_for_training, zero_grads,
 )

@@ -18,8 +18,8 @@ from megatron_armor.models.gpt import PADDED_VOCAB_LOGIT, build_gpt_model  # noq
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.rollout.base import SamplingParams  # noqa: E402
 from megatron_armor.rollout.local import LocalEngine  # noqa: E402
-from megatron_armor.trainer.batch import build_sequence_batch  # noqa: E402
-from megatron_armor.trainer.logprobs import ScoringSettings, compute_logprobs  # noqa: E402
+from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
+from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs  # noqa: E402
 
 out_dir, *model_dirs = sys.argv[1:]
 world = int(__import__("os").environ["WORLD_SIZE"])

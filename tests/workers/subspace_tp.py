@@ -24,9 +24,9 @@ from megatron_armor.data.types import Sample  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
-from megatron_armor.trainer.batch import build_sequence_batch  # noqa: E402
+from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
+from megatron_armor.scoring.logprobs import compute_logprobs, forward_backward  # noqa: E402
 from megatron_armor.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_armor.trainer.logprobs import compute_logprobs, forward_backward  # noqa: E402
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn  # noqa: E402
 

@@ -10,13 +10,13 @@ import sys
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
+from megatron_armor.convert.loading import load_gpt_model  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape  # noqa: E402
-from megatron_armor.models.loading import load_gpt_model  # noqa: E402
+from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
+from megatron_armor.scoring.logprobs import ScoringSettings  # noqa: E402
 from megatron_armor.teacher.scorer import InProcessTeacher, RemoteTeacher, TeacherClient  # noqa: E402
-from megatron_armor.trainer.batch import build_sequence_batch  # noqa: E402
-from megatron_armor.trainer.logprobs import ScoringSettings  # noqa: E402
 
 out_dir, model_dir, url, temperature, sequences = sys.argv[1:]
 temperature = float(temperature)

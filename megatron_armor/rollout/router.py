@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_armor.config import RolloutConfig
-from megatron_armor.launch.process import ManagedProcess, NotReady, wait_until
+from megatron_armor.rollout.process import ManagedProcess, NotReady, wait_until
 from megatron_armor.rollout.sglang_engine import (
     TRANSPORT_ERRORS, SGLangEngine, SGLangEngineConfig, http_call,
 )

@@ -1,6 +1,7 @@
 """`ManagedProcess`: one subprocess in its own session, its output in a log file, stopped as a group.
 
-Shared by the rollout servers (`server_process.RolloutServer`) and SGLang's router (`router.SGLangRouter`).
+Shared by the rollout servers (`launch/server_process.RolloutServer`), SGLang's router (`router.SGLangRouter`) and
+the OPD teacher's server ranks (`teacher/launcher.py`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class SequenceBatch:
       token_advantages: [B, S] float32 per-token advantages (OPD), preferred by the loss over
                      `advantages` when set; 0 off-response.
     Right padding with a causal mask leaves real tokens unaffected, so no attention mask is needed
-    and position ids are simply 0..S-1. Batches are built on the CPU; `trainer.logprobs.forward_backward`
+    and position ids are simply 0..S-1. Batches are built on the CPU; `scoring.logprobs.forward_backward`
     moves each micro-batch to the training device.
     """
 

@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
-from megatron_armor.trainer.batch import SequenceBatch
+from megatron_armor.scoring.batch import SequenceBatch
 
 LOGPROB_HEADS = ("torch", "fused")
 
