@@ -20,7 +20,7 @@ from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
-from megatron_armor.rollout.serve_cli import add_serve_local_subcommand, run_serve_local
+from megatron_armor.rollout.serve_cli import add_serve_local_subcommand
 from megatron_armor.teacher.serve_cli import add_serve_teacher_subcommand, run_serve_teacher
 from megatron_armor.utils.net import free_port
 from megatron_armor.utils.quiet import quiet_third_party_noise
@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_subcommand(commands)
     add_convert_subcommand(commands)
     return parser
+
+
+def run_serve_local(args: argparse.Namespace) -> int:
+    """`armor serve-local`: the server (torch and the engine) is imported only when the command runs."""
+    from megatron_armor.rollout.http_server import run_serve_local as serve
+
+    return serve(args)
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -10,11 +10,12 @@ Run: `python -m megatron_armor.rollout.http_server --model DIR --port N` (or `ar
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.local_server import LocalServerState, RequestError
+from megatron_armor.rollout.serve_cli import add_serve_local_arguments
 from megatron_armor.rollout.tensor_serialization import NamedTensors, PayloadError
 
 log = logging.getLogger(__name__)
@@ -198,7 +200,18 @@ def serve_local(
         raise RuntimeError(f"serve-local: could not load the model from {model_dir}") from failure[0]
 
 
-if __name__ == "__main__":
-    from megatron_armor.rollout.serve_cli import main
+def run_serve_local(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    serve_local(args.model, host=args.host, port=args.port, random_seed=args.random_seed,
+                weights_cpu_backup=args.enable_weights_cpu_backup, device=args.device)
+    return 0
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m megatron_armor.rollout.http_server --model DIR --port N`."""
+    parser = add_serve_local_arguments(argparse.ArgumentParser(prog="python -m megatron_armor.rollout.http_server"))
+    return run_serve_local(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-from collections.abc import Sequence
 
 
 def add_serve_local_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -22,7 +20,7 @@ def add_serve_local_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
 
 
 def add_serve_local_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `serve-local` on a CLI's subparsers; dispatch it with `run_serve_local(args)`."""
+    """Register `serve-local` on a CLI's subparsers; dispatch it with `http_server.run_serve_local(args)`."""
     parser = subparsers.add_parser(
         "serve-local", help="serve a checkpoint over SGLang's HTTP API (CPU, or one GPU), without SGLang",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -30,18 +28,3 @@ def add_serve_local_subcommand(subparsers: argparse._SubParsersAction) -> argpar
                     "(/generate, /update_weights_from_tensor, /flush_cache, ...).",
     )
     return add_serve_local_arguments(parser)
-
-
-def run_serve_local(args: argparse.Namespace) -> int:
-    from megatron_armor.rollout.http_server import serve_local
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    serve_local(args.model, host=args.host, port=args.port, random_seed=args.random_seed,
-                weights_cpu_backup=args.enable_weights_cpu_backup, device=args.device)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m megatron_armor.rollout.http_server --model DIR --port N`."""
-    parser = add_serve_local_arguments(argparse.ArgumentParser(prog="python -m megatron_armor.rollout.http_server"))
-    return run_serve_local(parser.parse_args(argv))

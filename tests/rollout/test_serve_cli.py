@@ -2,8 +2,7 @@
 
 import pytest
 
-from megatron_armor.cli import build_parser
-from megatron_armor.rollout.serve_cli import run_serve_local
+from megatron_armor.cli import build_parser, run_serve_local
 
 
 def test_serve_local_subcommand_parses_into_run_arguments():
