@@ -11,8 +11,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
+from megatron_armor.convert import loading  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
-from megatron_armor.models import loading  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape  # noqa: E402
 
 
