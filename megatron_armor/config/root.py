@@ -16,6 +16,9 @@ from megatron_armor.config.sections import (
 
 @dataclass
 class ArmorConfig:
+    """One run: each section (a dataclass, some with sub-sections) checks its own fields when built;
+    `loading.validate` checks the rules between them."""
+
     model: ModelConfig = section(ModelConfig)
     parallel: ParallelConfig = section(ParallelConfig)
     data: DataConfig = section(DataConfig)
