@@ -17,7 +17,7 @@ setup(
         "psutil",  # megatron-core's torch_dist checkpoint writer needs it (armor convert)
         "math-verify",
         "ray",
-        "sglang-router==0.3.2",  # SGLang's router (runs on CPU): rollout.router auto uses it; the tests run it
+        "sglang-router==0.3.2",  # SGLang's router (runs on CPU): rollout.sglang.router auto uses it; the tests run it
         "pytest",
         "pyyaml",
         "pyarrow",

@@ -1,4 +1,4 @@
-"""Trainer offload (rollout.offload_trainer) vs a raw copy of the same bytes, measured in one run.
+"""Trainer offload (rollout.memory.offload_trainer) vs a raw copy of the same bytes, measured in one run.
 
 Builds a Megatron GPTModel actor (default ~115M parameters) with DDP, its Adam optimizer after one
 step (so the moments exist) and a frozen reference, then times, best of --repeats:

@@ -106,7 +106,8 @@ def run_sft(cfg: ArmorConfig, base: Path, steps: int, save_every: int) -> dict[i
                                  grad_clip=t.grad_clip)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
-    updates_per_step, batch_rows = t.train_batch_size // t.mini_batch_size, t.mini_batch_size * cfg.rollout.n_samples
+    updates_per_step = t.train_batch_size // t.mini_batch_size
+    batch_rows = t.mini_batch_size * cfg.rollout.sampling.n_samples
     snapshots = {}
     for step in range(1, steps + 1):
         for _ in range(updates_per_step):
@@ -274,7 +275,7 @@ def main() -> None:
     print(f"W0 {base}\nteacher {teacher}", flush=True)
 
     snapshots = {"SFT": run_sft(cfg, base, args.steps, args.steps // args.checkpoints)}
-    for method, algo, extra in (("OPD", "opd", ["--model.teacher_path", str(teacher)]), ("RLVR", "grpo", [])):
+    for method, algo, extra in (("OPD", "opd", ["--opd.teacher_path", str(teacher)]), ("RLVR", "grpo", [])):
         run_dir = args.out / method.lower()
         run_rl(args, algo, base, run_dir, extra)
         snapshots[method] = run_checkpoints(run_dir, shape)

@@ -4,7 +4,7 @@ Builds an HF Qwen2 checkpoint (default ~115M parameters, ~420 MiB fp32), then ti
 set of its weights through `sync_weights` (pause, flush, push, continue), best of --repeats:
   - into an in-process `LocalEngine` (copy_ into its parameters);
   - into an `http_server` subprocess with each `weight_sync` mode: tensor (/update_weights_from_tensor)
-    with each payload (rollout.weight_sync_payload): flattened_bucket (every bucket packed into a
+    with each payload (rollout.weight_sync.payload): flattened_bucket (every bucket packed into a
     staging buffer in /dev/shm) and per_tensor (tensors already in shared memory go as handles to their
     own storage, no staging copy); distributed (gloo broadcast, /update_weights_from_distributed; the
     group is formed by the first, untimed-by-best-of repeat); disk (safetensors + /update_weights_from_disk);

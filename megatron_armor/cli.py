@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_armor.config import ConfigError, config_fields, load_config
+from megatron_armor.config import MOVED_FIELDS, ConfigError, config_fields, load_config
 from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.distributed.launch import torchrun_command
@@ -72,6 +72,9 @@ def add_train_arguments(train: argparse.ArgumentParser) -> argparse.ArgumentPars
     for dotted, f in config_fields():
         fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
                             help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
+    for old in MOVED_FIELDS:  # hidden; load_config turns each into "<old> moved to <new>" (exit code 2)
+        fields.add_argument(f"--{old}", dest=f"cfg:{old}", metavar="VALUE", default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     return train
 
 

@@ -30,7 +30,7 @@ CASES: dict[str, list[str]] = {
     # The README's demo (ARMOR, TP 2 on two processes) for 10 steps, as the restructuring issue asks.
     "armor_demo": ["--config", "examples/tiny/armor.yaml", "--max-steps", "10"],
     "grpo_kl": ["--config", "examples/tiny/armor.yaml", "--max-steps", "2", "--algo", "grpo_kl",
-                "--rollout.actor_n", "8", *_SHORT],
+                "--rollout.sampling.actor_n", "8", *_SHORT],
     "mipu": ["--config", "examples/tiny/mipu.yaml", "--max-steps", "2", *_SHORT],
     "opd": ["--config", "examples/tiny/opd.yaml", "--max-steps", "2", *_SHORT],
 }

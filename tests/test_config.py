@@ -1,5 +1,6 @@
 """Config loading: YAML + overrides, typed coercion, validation messages, and the CLI surface."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -7,14 +8,16 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.cli import build_parser, overrides_from_args
-from megatron_armor.config import ConfigError, config_fields, load_config
+from megatron_armor.config import (
+    MOVED_FIELDS, ConfigError, OpdConfig, SamplingConfig, config_fields, load_config, save_config,
+)
 
 DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
 
 
 def test_demo_config_loads_with_typed_overrides():
     cfg = load_config(DEMO, ["train.lr=1e-4", "algorithm.name=armor", "eval.max_prompts=null", "logging.plot=off"])
-    assert cfg.parallel.tensor_parallel_size == 2 and cfg.rollout.actor_n == 7
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.rollout.sampling.actor_n == 7
     assert cfg.train.lr == 1e-4 and cfg.eval.max_prompts is None and cfg.logging.plot is False
 
 
@@ -26,26 +29,27 @@ def test_demo_config_loads_with_typed_overrides():
         (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not allowed; choose one of \\['armor', 'grpo', 'grpo_kl', 'mipu', 'opd'\\]"),
         (["train.lrr=1"], "unknown config field 'train.lrr'; did you mean 'train.lr'"),
         (["trian.lr=1"], "unknown config section 'trian'; did you mean 'train'"),
-        (["algorithm.alpha=0"], "algorithm.alpha must be in \\(0, 1\\], got 0.0"),
-        (["rollout.actor_n=8"], "rollout.actor_n must be rollout.n_samples - 1 = 7 for armor"),
+        (["armor.alpha=0"], "armor.alpha must be in \\(0, 1\\], got 0.0"),
+        (["rollout.sampling.actor_n=8"],
+         "rollout.sampling.actor_n must be rollout.sampling.n_samples - 1 = 7 for armor"),
         (["train.mini_batch_size=3"], "train.mini_batch_size \\(3\\) must divide train.train_batch_size \\(8\\)"),
-        (["rollout.top_p=1.5"], "rollout.top_p must be in \\(0, 1\\], got 1.5"),
+        (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p must be in \\(0, 1\\], got 1.5"),
         (["logging.plot=maybe"], "logging.plot: expected a boolean"),
         (["train.lr"], "must look like section.field=value"),
-        (["rollout.backend=sglang", "rollout.sglang_urls=http://a:1"],
-         "rollout.sglang_ref_urls is required for armor .* or set rollout.anchor_engine shared"),
-        (["rollout.anchor_engine=shared", "rollout.sglang_ref_urls=http://b:1"],
-         "rollout.sglang_ref_urls \\(http://b:1\\) is unused with rollout.anchor_engine shared"),
-        (["algorithm.name=grpo", "rollout.actor_n=8", "rollout.cache_anchors=true"],
-         "rollout.anchor_engine \\(separate\\) and rollout.cache_anchors \\(True\\) apply to armor's anchors; grpo"),
-        (["rollout.anchor_cache_max_prompts=0"], "rollout.anchor_cache_max_prompts must be >= 1, got 0"),
-        (["rollout.backend=sglang", "rollout.sglang_urls=http://a:1", "rollout.anchor_engine=shared",
-          "rollout.weight_sync=disk"], "rollout.weight_sync disk needs rollout.weight_sync_dir"),
-        (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' is not allowed; choose one of"),
-        (["rollout.release_memory=true"], "rollout.release_memory .* needs rollout.backend sglang"),
+        (["rollout.backend=sglang", "rollout.sglang.urls=http://a:1"],
+         "rollout.sglang.ref_urls is required for armor .* or set rollout.anchors.engine shared"),
+        (["rollout.anchors.engine=shared", "rollout.sglang.ref_urls=http://b:1"],
+         "rollout.sglang.ref_urls \\(http://b:1\\) is unused with rollout.anchors.engine shared"),
+        (["algorithm.name=grpo", "rollout.sampling.actor_n=8", "rollout.anchors.cache=true"],
+         "rollout.anchors.engine \\(separate\\) and rollout.anchors.cache \\(True\\) apply to armor's anchors; grpo"),
+        (["rollout.anchors.cache_max_prompts=0"], "rollout.anchors.cache_max_prompts must be >= 1, got 0"),
+        (["rollout.backend=sglang", "rollout.sglang.urls=http://a:1", "rollout.anchors.engine=shared",
+          "rollout.weight_sync.method=disk"], "rollout.weight_sync.method disk needs rollout.weight_sync.dir"),
+        (["rollout.weight_sync.method=nccl"], "rollout.weight_sync.method: 'nccl' is not allowed; choose one of"),
+        (["rollout.memory.release_servers=true"], "rollout.memory.release_servers .* needs rollout.backend sglang"),
         (["algorithm.baseline_quantile=1.5"], "algorithm.baseline_quantile must be in \\[0, 1\\], got 1.5"),
         (["algorithm.advantage_baseline=median"], "algorithm.advantage_baseline: 'median' is not allowed"),
-        (["algorithm.name=mipu", "rollout.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],
+        (["algorithm.name=mipu", "rollout.sampling.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],
          "algorithm.dual_clip must be > 1, got 1.0"),
     ],
 )
@@ -58,10 +62,11 @@ def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message)
     "overrides, clip_high, dual_clip",
     [
         (["algorithm.name=armor"], 0.28, 10.0),  # armor.md §3
-        (["algorithm.name=grpo", "rollout.actor_n=16"], 0.28, 10.0),
-        (["algorithm.name=mipu", "rollout.actor_n=16"], 0.2, 1.4),  # mipu.md §2: symmetric eps, bound 1 + 2 eps
-        (["algorithm.name=mipu", "rollout.actor_n=16", "algorithm.clip_low=0.1"], 0.1, 1.2),
-        (["algorithm.name=mipu", "rollout.actor_n=16", "algorithm.clip_high=0.3", "algorithm.dual_clip=3"], 0.3, 3.0),
+        (["algorithm.name=grpo", "rollout.sampling.actor_n=16"], 0.28, 10.0),
+        (["algorithm.name=mipu", "rollout.sampling.actor_n=16"], 0.2, 1.4),  # mipu.md §2: symmetric eps, 1 + 2 eps
+        (["algorithm.name=mipu", "rollout.sampling.actor_n=16", "algorithm.clip_low=0.1"], 0.1, 1.2),
+        (["algorithm.name=mipu", "rollout.sampling.actor_n=16", "algorithm.clip_high=0.3", "algorithm.dual_clip=3"],
+         0.3, 3.0),
     ],
 )
 def test_clip_defaults_are_per_algorithm_unless_set(overrides, clip_high, dual_clip):
@@ -107,8 +112,83 @@ def test_cli_exposes_every_field_and_maps_shorthands():
 
 def test_cli_reports_bad_config_with_exit_code_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(DEMO), "--algorithm.alpha", "2"],
+        [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(DEMO), "--armor.alpha", "2"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert "error: algorithm.alpha must be in (0, 1], got 2.0" in proc.stderr
+    assert "error: armor.alpha must be in (0, 1], got 2.0" in proc.stderr
+
+
+def test_nested_sections_from_yaml_and_overrides(tmp_path):
+    recipe = tmp_path / "nested.yaml"
+    recipe.write_text("task:\n  synthetic: arithmetic\nrollout:\n  sampling:\n    temperature: 0.7\n    actor_n: 15\n"
+                      "  anchors: {ref_n: 2}\n")
+    cfg = load_config(recipe, ["rollout.sampling.top_p=0.9", "rollout.weight_sync={bucket_mb: 64}"])
+    assert (cfg.rollout.sampling.temperature, cfg.rollout.sampling.top_p, cfg.rollout.anchors.ref_n) == (0.7, 0.9, 2)
+    assert cfg.rollout.weight_sync.bucket_mb == 64 and cfg.rollout.sampling.n_samples == 16  # the rest: defaults
+    saved = tmp_path / "saved.yaml"
+    save_config(cfg, saved)
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.samplig.temperature=1"], "unknown config field 'rollout.samplig'; did you mean 'rollout.sampling'"),
+        (["rollout.sampling.temprature=1"],
+         "unknown config field 'rollout.sampling.temprature'; did you mean 'rollout.sampling.temperature'"),
+        (["rollout.sampling=3"], "section 'rollout.sampling' must be a mapping"),
+        (["train.lr.x=1"], "unknown config field 'train.lr.x': train.lr is a value, not a section"),
+    ],
+)
+def test_unknown_nested_names(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, overrides)
+
+
+def test_moved_fields_name_their_new_place(tmp_path):
+    with pytest.raises(ConfigError, match="^algorithm.mipu_w_max moved to mipu.w_max$"):
+        load_config(DEMO, ["algorithm.mipu_w_max=3"])
+    with pytest.raises(ConfigError, match="^rollout.weight_sync moved to rollout.weight_sync.method$"):
+        load_config(DEMO, ["rollout.weight_sync=disk"])  # the old field's name is now its section's
+    old = tmp_path / "old.yaml"
+    old.write_text("task:\n  synthetic: arithmetic\nmodel:\n  teacher_path: /teacher\n")
+    with pytest.raises(ConfigError, match="old.yaml: model.teacher_path moved to opd.teacher_path"):
+        load_config(old)
+    assert not set(MOVED_FIELDS) & {dotted for dotted, _ in config_fields()}
+
+
+def test_cli_reports_moved_flags_with_exit_code_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(DEMO), "--rollout.actor_n", "7"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: rollout.actor_n moved to rollout.sampling.actor_n" in proc.stderr
+
+
+def test_help_lists_nested_flags_with_defaults_and_hides_moved_ones():
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    assert "--rollout.sampling.temperature VALUE sampling temperature of training rollouts (default: 1.0)" in help_text
+    assert "--rollout.weight_sync.bucket_mb VALUE weight-update bucket size in MiB (backend sglang) (default: 512)" \
+        in help_text
+    assert "--rollout.actor_n " not in help_text and "--algorithm.mipu_w_max" not in help_text
+
+
+def test_each_section_checks_its_own_fields_when_built():
+    with pytest.raises(ConfigError, match="rollout.sampling.top_p must be in \\(0, 1\\], got 1.5"):
+        SamplingConfig(top_p=1.5)
+    with pytest.raises(ConfigError, match="mipu.gate_n must be >= 2 for group advantages, got 1"):
+        load_config(DEMO, ["mipu.gate_n=1"])  # a rule of the mipu section: checked whatever the algorithm
+    with pytest.raises(ConfigError, match="opd.teacher_url .* not both"):
+        OpdConfig(teacher_url="http://t:1", teacher_tensor_parallel_size=2)
+
+
+def test_config_package_imports_only_itself():
+    package = Path(__file__).parents[1] / "megatron_armor" / "config"
+    for module in package.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("megatron_armor") or name.startswith("megatron_armor.config"), (module, name)

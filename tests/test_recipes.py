@@ -1,5 +1,6 @@
 """The multi-node recipes load as valid configs and carry the paper's hyperparameters (armor.md section 6)."""
 
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -12,8 +13,9 @@ from megatron_armor.config import load_config
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 COMMON = {
-    "rollout.n_samples": 16, "rollout.actor_n": 15, "rollout.ref_n": 4, "rollout.temperature": 1.0,
-    "rollout.top_p": 1.0, "rollout.val_temperature": 1.0, "rollout.val_top_p": 0.7,
+    "rollout.sampling.n_samples": 16, "rollout.sampling.actor_n": 15, "rollout.anchors.ref_n": 4,
+    "rollout.sampling.temperature": 1.0, "rollout.sampling.top_p": 1.0, "rollout.sampling.val_temperature": 1.0,
+    "rollout.sampling.val_top_p": 0.7,
     "algorithm.name": "armor", "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.28, "algorithm.dual_clip": 10.0,
     "algorithm.max_num_gen_batches": 10, "algorithm.filter_groups": True,
     "train.train_batch_size": 512, "train.mini_batch_size": 32, "train.lr": 1e-6, "train.warmup_steps": 10,
@@ -24,30 +26,36 @@ COMMON = {
     "data.apply_chat_template": True, "data.answer_key": "reward_model.ground_truth",  # verl's parquet files as they are
 }
 RECIPES = {
-    "qwen2.5-math-7b": {"algorithm.alpha": 0.9375, "algorithm.ref_reset_period": 0, "rollout.max_new_tokens": 8192,
-                        "rollout.val_n": 80, "train.gen_batch_size": 2048, "checkpoint.every": 20},
-    "qwen3-8b-base": {"algorithm.alpha": 0.875, "algorithm.ref_reset_period": 1, "rollout.max_new_tokens": 20480,
-                      "rollout.val_n": 32, "train.gen_batch_size": 1536, "checkpoint.every": 10},
+    "qwen2.5-math-7b": {"armor.alpha": 0.9375, "algorithm.ref_reset_period": 0,
+                        "rollout.sampling.max_new_tokens": 8192, "rollout.sampling.val_n": 80,
+                        "train.gen_batch_size": 2048, "checkpoint.every": 20},
+    "qwen3-8b-base": {"armor.alpha": 0.875, "algorithm.ref_reset_period": 1, "rollout.sampling.max_new_tokens": 20480,
+                      "rollout.sampling.val_n": 32, "train.gen_batch_size": 1536, "checkpoint.every": 10},
 }
+
+
+def value_at(cfg, dotted: str):
+    """The value of `section[.sub].field` in `cfg`."""
+    return functools.reduce(getattr, dotted.split("."), cfg)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_has_the_paper_hyperparameters(recipe):
     cfg = load_config(EXAMPLES / recipe / "armor.yaml")
     for dotted, expected in {**COMMON, **RECIPES[recipe]}.items():
-        section, name = dotted.split(".")
-        assert getattr(getattr(cfg, section), name) == expected, dotted
+        assert value_at(cfg, dotted) == expected, dotted
     assert cfg.parallel.world_size == 64 and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
 
 
 # mipu.md section 4; the batch reading (prompts, one optimizer step per RL step) is the recipe's stated choice.
 MIPU = {
-    "rollout.n_samples": 8, "rollout.actor_n": 8, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
-    "rollout.val_temperature": 0.7, "rollout.val_top_p": 1.0, "rollout.val_n": 16, "rollout.max_new_tokens": 8192,
+    "rollout.sampling.n_samples": 8, "rollout.sampling.actor_n": 8, "rollout.sampling.temperature": 1.0,
+    "rollout.sampling.top_p": 1.0, "rollout.sampling.val_temperature": 0.7, "rollout.sampling.val_top_p": 1.0,
+    "rollout.sampling.val_n": 16, "rollout.sampling.max_new_tokens": 8192,
     "data.max_prompt_length": 512, "reward.overlong_buffer": 0, "train.lr": 1e-6, "train.warmup_steps": 0,
     "train.train_batch_size": 64, "train.mini_batch_size": 64, "algorithm.name": "mipu", "algorithm.clip_low": 0.2,
-    "algorithm.clip_high": 0.2, "algorithm.dual_clip": 1.4, "algorithm.kl_coef": 0.001, "algorithm.mipu_w_max": 2.0,
-    "algorithm.mipu_is_correction": "tis", "algorithm.mipu_gate": True, "algorithm.filter_groups": False,
+    "algorithm.clip_high": 0.2, "algorithm.dual_clip": 1.4, "kl.coef": 0.001, "mipu.w_max": 2.0,
+    "mipu.is_correction": "tis", "mipu.gate": True, "algorithm.filter_groups": False,
     "data.answer_key": "reward_model.ground_truth",
 }
 
@@ -55,10 +63,10 @@ MIPU = {
 def test_mipu_recipe_has_the_paper_hyperparameters():
     cfg = load_config(EXAMPLES / "qwen3-1.7b" / "mipu.yaml")
     for dotted, expected in MIPU.items():
-        section, name = dotted.split(".")
-        assert getattr(getattr(cfg, section), name) == expected, dotted
+        assert value_at(cfg, dotted) == expected, dotted
     optimizer_steps = cfg.train.train_batch_size // cfg.train.mini_batch_size
-    micro_batches = cfg.train.mini_batch_size * cfg.rollout.n_samples // (cfg.parallel.data_parallel_size * cfg.train.micro_batch_size)
+    micro_batches = (cfg.train.mini_batch_size * cfg.rollout.sampling.n_samples
+                     // (cfg.parallel.data_parallel_size * cfg.train.micro_batch_size))
     assert (optimizer_steps, micro_batches) == (1, 32)  # the paper's gradient accumulation 32
     script = EXAMPLES / "qwen3-1.7b" / "run_torchrun.sh"
     assert "Hardware:" in script.read_text() and "--quantization fp8" in script.read_text()
@@ -76,11 +84,12 @@ def test_launch_script_states_its_hardware_and_parses(recipe, script):
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_pushes_weights_to_servers_on_other_nodes(recipe):
     """Both launch scripts put the SGLang servers on nodes of their own (torchrun: nodes 8-15; Ray: disaggregated
-    placement); weight_sync tensor hands the servers shared-memory / CUDA-IPC handles, which only a process on the
-    trainer's host can open, so the first weight push would fail: the recipe must broadcast (distributed)."""
+    placement); rollout.weight_sync.method tensor hands the servers shared-memory / CUDA-IPC handles, which only a
+    process on the trainer's host can open, so the first weight push would fail: the recipe must broadcast
+    (distributed)."""
     assert "--placement disaggregated" in (EXAMPLES / recipe / "run_ray.sh").read_text()
     assert "Nodes 0-7 (64 GPUs) train" in (EXAMPLES / recipe / "run_torchrun.sh").read_text()
-    assert load_config(EXAMPLES / recipe / "armor.yaml").rollout.weight_sync == "distributed"
+    assert load_config(EXAMPLES / recipe / "armor.yaml").rollout.weight_sync.method == "distributed"
 
 
 def test_qwen3_follow_up_command_resumes_with_steps_left():

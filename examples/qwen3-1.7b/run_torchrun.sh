@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nnodes 1 --nproc-per-node 4 --master-port 29500 \
   -m megatron_armor.cli train --config examples/qwen3-1.7b/mipu.yaml \
-  --rollout.backend sglang --rollout.sglang_urls "$SGLANG_URLS" "$@"
+  --rollout.backend sglang --rollout.sglang.urls "$SGLANG_URLS" "$@"

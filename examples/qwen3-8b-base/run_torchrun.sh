@@ -14,4 +14,4 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 torchrun --nnodes 8 --nproc-per-node 8 --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port 29500 \
   -m megatron_armor.cli train --config examples/qwen3-8b-base/armor.yaml \
-  --rollout.backend sglang --rollout.sglang_urls "$SGLANG_URLS" --rollout.sglang_ref_urls "$SGLANG_REF_URLS" "$@"
+  --rollout.backend sglang --rollout.sglang.urls "$SGLANG_URLS" --rollout.sglang.ref_urls "$SGLANG_REF_URLS" "$@"

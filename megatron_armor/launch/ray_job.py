@@ -2,7 +2,7 @@
 
     driver: prepare the task (model/data paths) -> start servers (actor policy, and reference for
             ARMOR; disaggregated groups at once), each group behind its own SGLang router on the driver
-            when `rollout.router` picks one -> trainer ranks run `run_training` with `rollout.backend
+            when `rollout.sglang.router` picks one -> trainer ranks run `run_training` with `rollout.backend
             sglang` pointed at them -> restart (and re-register) dead servers while training -> shut
             everything down.
 
@@ -11,7 +11,7 @@ Placement:
   own (tp_size GPUs per server). Trainer and rollout GPUs are separate; nothing is handed off.
 - colocated (GPU only): server i shares bundle i (one GPU) with trainer rank i; servers run with
   --enable-memory-saver and a small --mem-fraction-static. One GPU per bundle means server
-  tp_size 1. The trainer loop hands the GPU memory back and forth (`rollout.release_memory`,
+  tp_size 1. The trainer loop hands the GPU memory back and forth (`rollout.memory.release_servers`,
   trainer/memory_handoff.py): the servers release it before training and resume it before the weight push.
 """
 
@@ -74,7 +74,7 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
     routers: list[SGLangRouter] = []
     try:
         roles = [("actor", paths.model_path, job.num_servers)]
-        if cfg.algorithm.name == "armor" and cfg.rollout.anchor_engine == "separate":
+        if cfg.algorithm.name == "armor" and cfg.rollout.anchors.engine == "separate":
             roles.append(("reference", paths.ref_path, job.num_ref_servers))
         offset = 0
         for role, model_path, count in roles:
@@ -91,8 +91,8 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
                          if job.placement == "colocated"
                          else Placement(cpus_per_actor=job.cpus_per_actor, timeout_s=job.placement_timeout_s))
             router = None
-            if use_sglang_router(cfg.rollout.router, count):
-                router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.router_policy), log_dir=job.log_dir,
+            if use_sglang_router(cfg.rollout.sglang.router, count):
+                router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.sglang.router_policy), log_dir=job.log_dir,
                                       host=job.server_host or ray.util.get_node_ip_address())
                 routers.append(router)
             # Disaggregated groups (their own GPUs) start at once; colocated ones one after the other, since
@@ -125,13 +125,14 @@ def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup], *, colocated: bool)
     """`cfg` with rollouts from the groups' servers (actor first, reference second if present) and routers;
     colocated servers hand their GPU memory to the trainer ranks for each training phase."""
     router_urls = [group.router.url if group.router else None for group in groups]
-    rollout = dataclasses.replace(
-        cfg.rollout, backend="sglang", sglang_urls=",".join(groups[0].urls), sglang_router_url=router_urls[0],
-        sglang_ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
-        sglang_ref_router_url=router_urls[1] if len(groups) > 1 else None,
-        release_memory=cfg.rollout.release_memory or colocated,
-        offload_trainer=cfg.rollout.offload_trainer or colocated,
+    r = cfg.rollout
+    sglang = dataclasses.replace(
+        r.sglang, urls=",".join(groups[0].urls), router_url=router_urls[0],
+        ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
+        ref_router_url=router_urls[1] if len(groups) > 1 else None,
     )
-    cfg = dataclasses.replace(cfg, rollout=rollout)
+    memory = dataclasses.replace(r.memory, release_servers=r.memory.release_servers or colocated,
+                                 offload_trainer=r.memory.offload_trainer or colocated)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend="sglang", sglang=sglang, memory=memory))
     validate(cfg)
     return cfg

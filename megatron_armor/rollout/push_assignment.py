@@ -49,7 +49,7 @@ def deal_servers_to_ranks(
         raise ValueError(
             f"weight_sync tensor hands the servers shared-memory / CUDA-IPC handles, which only a trainer rank on "
             f"their host can send, but {', '.join(unreached)} {'is' if len(unreached) == 1 else 'are'} on no trainer "
-            f"rank's host: use rollout.weight_sync distributed (or disk)"
+            f"rank's host: use rollout.weight_sync.method distributed (or disk)"
         )
     return dealt
 

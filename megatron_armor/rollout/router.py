@@ -46,20 +46,20 @@ def router_installed() -> bool:
 
 
 def use_sglang_router(mode: str, num_servers: int) -> bool:
-    """Whether `rollout.router` = `mode` dispatches over `num_servers` servers through SGLang's router.
+    """Whether `rollout.sglang.router` = `mode` dispatches over `num_servers` servers through SGLang's router.
 
     "auto": when there is more than one server to balance and sglang_router is installed (in front
     of one server a router adds a hop and nothing else); "sglang": always (RouterError if it is not
     installed); "none": never (the client's own least-loaded dispatcher).
     """
     if mode not in ("auto", "sglang", "none"):
-        raise ValueError(f"rollout.router must be auto, sglang or none, got {mode!r}")
+        raise ValueError(f"rollout.sglang.router must be auto, sglang or none, got {mode!r}")
     if mode == "none":
         return False
     installed = router_installed()
     if mode == "sglang" and not installed:
-        raise RouterError("rollout.router is 'sglang' but the sglang_router package is not installed: "
-                          "pip install sglang-router==0.3.2, or set rollout.router auto or none")
+        raise RouterError("rollout.sglang.router is 'sglang' but the sglang_router package is not installed: "
+                          "pip install sglang-router==0.3.2, or set rollout.sglang.router auto or none")
     return installed and (mode == "sglang" or num_servers > 1)
 
 
@@ -67,7 +67,7 @@ def use_sglang_router(mode: str, num_servers: int) -> bool:
 class RouterSpec:
     """How the router runs; times in seconds."""
 
-    policy: str = "cache_aware"  # one of rollout.router_policy's choices; sglang-router's default
+    policy: str = "cache_aware"  # one of rollout.sglang.router_policy's choices; sglang-router's default
     request_timeout_s: int = 1800  # --request-timeout-secs: longest generation request it forwards
     startup_timeout_s: float = 60.0  # for the router to answer GET /health
     worker_timeout_s: float = 900.0  # for a registered worker to be listed (the router checks it is up first)
@@ -186,12 +186,12 @@ def make_sglang_engine(
     """The client of the servers at comma-separated `urls`, generating through a router if one is wanted.
 
     `router_url`: a router already in front of `urls` (set by `armor ray-train`). Without one, this
-    process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `rollout.router`
+    process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `rollout.sglang.router`
     asks for it. `push_urls`: the servers this process pushes weights to (default: all).
     """
     servers = urls.split(",")
-    if router_url is None and use_sglang_router(rollout.router, len(servers)):
-        router = SGLangRouter(servers, RouterSpec(policy=rollout.router_policy), log_dir=log_dir)
+    if router_url is None and use_sglang_router(rollout.sglang.router, len(servers)):
+        router = SGLangRouter(servers, RouterSpec(policy=rollout.sglang.router_policy), log_dir=log_dir)
         atexit.register(router.stop)
         router_url = router.url
     return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls)

@@ -213,7 +213,7 @@ class SGLangEngine(RolloutEngine):
                 raise ValueError(
                     f"weight_sync tensor hands the servers shared-memory / CUDA-IPC handles, which only a server on "
                     f"this host can open, but {', '.join(elsewhere)} {'is' if len(elsewhere) == 1 else 'are'} not on "
-                    f"this host: use rollout.weight_sync distributed (or disk)"
+                    f"this host: use rollout.weight_sync.method distributed (or disk)"
                 )
         self.config = config
         self.stats = RolloutStats()

@@ -200,9 +200,9 @@ def _require_shared_memory(nbytes: int, what: str) -> None:
     if nbytes > free:
         raise SharedMemoryError(
             f"{what} needs {nbytes / 2**20:.0f} MiB of shared memory, {SHARED_MEMORY_DIR} has {free / 2**20:.0f} MiB free: "
-            f"enlarge it (docker run --shm-size), or set rollout.weight_sync_payload flattened_bucket with a smaller "
-            f"rollout.sglang_update_bucket_mb (two buckets are staged there), or use rollout.weight_sync distributed. "
-            f"A trainer that was killed leaves its segments there until the servers it pushed to exit"
+            f"enlarge it (docker run --shm-size), or set rollout.weight_sync.payload flattened_bucket with a smaller "
+            f"rollout.weight_sync.bucket_mb (two buckets are staged there), or use rollout.weight_sync.method "
+            f"distributed. A trainer that was killed leaves its segments there until the servers it pushed to exit"
         )
 
 
@@ -230,7 +230,8 @@ def share_storages(tensors: Iterable[torch.Tensor]) -> int:
         if tensor.device.type == "cpu" and storage.nbytes() and not storage.is_shared():
             storages.setdefault(storage.data_ptr(), storage)
     moved = sum(storage.nbytes() for storage in storages.values())
-    _require_shared_memory(moved, "keeping the trainer's weights in shared memory (weight_sync_payload per_tensor)")
+    _require_shared_memory(moved,
+                           "keeping the trainer's weights in shared memory (rollout.weight_sync.payload per_tensor)")
     with _file_system_sharing():
         for storage in storages.values():
             storage.share_memory_()

@@ -223,7 +223,7 @@ class DiskTransport(Transport):
 
     def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
         if not config.disk_dir:
-            raise ValueError("weight_sync disk needs a directory the servers can read (rollout.weight_sync_dir)")
+            raise ValueError("weight_sync disk needs a directory the servers can read (rollout.weight_sync.dir)")
         self.post_all, self.config = post_all, config
         self._loaded: Path | None = None  # the subdirectory the servers loaded last
 

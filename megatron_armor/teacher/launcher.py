@@ -8,7 +8,7 @@ sessions of their own, out of reach of the launcher's death signal).
 
 On GPUs rank r takes device r (LOCAL_RANK), as the trainer's own ranks do: give the teacher GPUs of
 its own by running `armor serve-teacher` under another CUDA_VISIBLE_DEVICES (or host) and passing
-`model.teacher_url`.
+`opd.teacher_url`.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class TeacherClient:
             if report is not None:
                 raise TeacherError(f"{path} to the teacher failed ({type(error).__name__}: {error}):\n{report}") from error
             raise TeacherError(f"teacher server {url}{path} failed: {type(error).__name__}: {error}; check that the "
-                               f"server runs and its log (model.teacher_url)") from error
+                               f"server runs and its log (opd.teacher_url)") from error
 
 
 class RemoteTeacher(TeacherScorer):

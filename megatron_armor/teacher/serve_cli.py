@@ -71,7 +71,7 @@ def add_serve_teacher_subcommand(subparsers: argparse._SubParsersAction) -> argp
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Start tp x pp local ranks (torchrun) holding the teacher; rank 0 answers SGLang's scoring "
                     "form of /generate (max_new_tokens 0, return_logprob, logprob_start_len 0). Point "
-                    "`armor train --model.teacher_url` at it.",
+                    "`armor train --opd.teacher_url` at it.",
     )
     return add_serve_teacher_arguments(parser)
 

@@ -1,4 +1,4 @@
-"""Anchor cache (`rollout.cache_anchors`): a prompt's anchors are sampled once and reused until the reference resets.
+"""Anchor cache (`rollout.anchors.cache`): a prompt's anchors are sampled once and reused until the reference resets.
 
 ARMOR regenerates anchors every step (armor.md §1). While the reference is frozen its samples of a
 prompt are draws from the same distribution at every step, so reusing them saves the anchor

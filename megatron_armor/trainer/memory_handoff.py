@@ -1,10 +1,10 @@
-"""GPU memory hand-off between colocated rollout servers and the trainer (`rollout.release_memory`).
+"""GPU memory hand-off between colocated rollout servers and the trainer (`rollout.memory.release_servers`).
 
 Colocated placement puts each SGLang server (started with --enable-memory-saver) on a trainer rank's
 GPU. While the trainer computes logprobs and updates the actor, the servers release their weights,
 KV cache and CUDA graphs. They take them back in two stages, as verl does: the weights' memory first,
 for the push of the updated weights (beside the trainer's copy of them), then, once the trainer has
-parked that copy (`rollout.offload_trainer`), the KV cache and CUDA graphs for generation. Rank 0
+parked that copy (`rollout.memory.offload_trainer`), the KV cache and CUDA graphs for generation. Rank 0
 alone releases and resumes the servers (every rank's engine is a client of the same ones; the weights
 reach each server from the rank it is dealt to, `rollout.push_assignment`); the other ranks wait at
 barriers, so that no rank allocates before the release, or pushes or generates before the resume.
@@ -49,7 +49,7 @@ class MemoryHandoff:
         self.seconds = time.perf_counter() - start
         try:
             yield
-            # Every rank has freed what it parks (rollout.offload_trainer) before a server reclaims its memory;
+            # Every rank has freed what it parks (rollout.memory.offload_trainer) before a server reclaims its memory;
             # on the normal path only, so that a failing rank never waits for the others.
             dist.barrier()
         except BaseException:

@@ -1,4 +1,4 @@
-"""The trainer's side of the colocated memory hand-off (`rollout.offload_trainer`).
+"""The trainer's side of the colocated memory hand-off (`rollout.memory.offload_trainer`).
 
 Colocated placement shares each GPU between a trainer rank and an SGLang server. `MemoryHandoff`
 frees the servers' memory for every training phase; this module frees the trainer's for the rollout
@@ -141,7 +141,7 @@ class TrainerOffload:
         def check(module: torch.nn.Module, args) -> None:
             if self.weights[name].is_parked:
                 raise ParkedWeightsError(f"forward pass of the {name} model while its weights are parked "
-                                         f"(rollout.offload_trainer): a trainer bug, restore them first")
+                                         f"(rollout.memory.offload_trainer): a trainer bug, restore them first")
         return check
 
 

@@ -85,12 +85,12 @@ class TrainingSetup:
 
 def context_length_warning(cfg: ArmorConfig, shape: ModelShape) -> str | None:
     """Why SGLang servers would refuse the run's longest requests, or None."""
-    positions = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    positions = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
     if positions <= shape.max_position_embeddings:
         return None
-    return (f"data.max_prompt_length + rollout.max_new_tokens = {positions} positions, but the model's config.json says "
-            f"max_position_embeddings {shape.max_position_embeddings}: SGLang servers refuse longer requests unless "
-            f"started with --context-length (or the config raises it)")
+    return (f"data.max_prompt_length + rollout.sampling.max_new_tokens = {positions} positions, but the model's "
+            f"config.json says max_position_embeddings {shape.max_position_embeddings}: SGLang servers refuse longer "
+            f"requests unless started with --context-length (or the config raises it)")
 
 
 def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) -> TrainingSetup:
@@ -103,13 +103,13 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     algorithm = cfg.algorithm
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
-    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.opd_rollouts == "teacher" else None
-    handoff = MemoryHandoff([actor_engine, ref_engine]) if cfg.rollout.release_memory else None
+    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if cfg.opd.rollouts == "teacher" else None
+    handoff = MemoryHandoff([actor_engine, ref_engine]) if cfg.rollout.memory.release_servers else None
     if handoff is not None and ref_engine is not actor_engine and not ref_engine.keeps_weights_across_release():
         raise ValueError(
-            "rollout.release_memory with separate reference servers (rollout.sglang_ref_urls) needs them started with "
-            "--enable-weights-cpu-backup: their weights are pushed once, not after every release, and SGLang's "
-            "memory saver loses them otherwise (armor ray-train --placement colocated starts them so)"
+            "rollout.memory.release_servers with separate reference servers (rollout.sglang.ref_urls) needs them "
+            "started with --enable-weights-cpu-backup: their weights are pushed once, not after every release, and "
+            "SGLang's memory saver loses them otherwise (armor ray-train --placement colocated starts them so)"
         )
     optim = OptimizerSettings(
         lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay,
@@ -121,12 +121,12 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
 
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams(
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=stop_ids,
+        temperature=cfg.rollout.sampling.temperature, top_p=cfg.rollout.sampling.top_p,
+        max_new_tokens=cfg.rollout.sampling.max_new_tokens, stop_token_ids=stop_ids,
     )
     val_sampling = SamplingParams(
-        temperature=cfg.rollout.val_temperature, top_p=cfg.rollout.val_top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_ids,
+        temperature=cfg.rollout.sampling.val_temperature, top_p=cfg.rollout.sampling.val_top_p,
+        max_new_tokens=cfg.rollout.sampling.max_new_tokens, stop_token_ids=stop_ids,
     )
     handles = PolicyHandles(
         actor=ddp, optimizer=optimizer, ref=ref, shape=shape, actor_engine=actor_engine, ref_engine=ref_engine,
@@ -139,35 +139,37 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
     train_rows = load_prompt_rows(paths.train_path, **row_options)
     all_val_rows = load_prompt_rows(paths.val_path, **row_options) if paths.val_path else []
     sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    overlong = OverlongPenalty(cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_factor)
+    overlong = OverlongPenalty(cfg.rollout.sampling.max_new_tokens, cfg.reward.overlong_buffer,
+                               cfg.reward.overlong_factor)
     train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
     val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
 
-    kl_coef = algorithm.kl_coef if algorithm.name in ("grpo_kl", "mipu") else 0.0  # mipu.md §2: 1e-3 KL loss
+    kl_coef = cfg.kl.coef if algorithm.name in ("grpo_kl", "mipu") else 0.0  # mipu.md §2: 1e-3 KL loss
     plan = StepPlan(
         algorithm=algorithm.name, train_batch_size=cfg.train.train_batch_size, mini_batch_size=cfg.train.mini_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size, actor_n=cfg.rollout.actor_n, ref_n=cfg.rollout.ref_n,
+        micro_batch_size=cfg.train.micro_batch_size, actor_n=cfg.rollout.sampling.actor_n,
+        ref_n=cfg.rollout.anchors.ref_n,
         filter_groups=algorithm.filter_groups and algorithm.name != "opd",  # OPD learns from every prompt
         max_num_gen_batches=algorithm.max_num_gen_batches,
         allow_partial_batch=algorithm.allow_partial_batch, adv_eps=algorithm.adv_eps,
         advantage_baseline=algorithm.advantage_baseline, baseline_quantile=algorithm.baseline_quantile,
-        ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed, opd_beta=algorithm.opd_beta,
-        opd_alpha=algorithm.opd_alpha, opd_token_fraction=algorithm.opd_token_fraction,
-        opd_token_selection=algorithm.opd_token_selection, kl_coef=kl_coef,
+        ref_reset_period=algorithm.ref_reset_period, seed=cfg.train.seed, opd_beta=cfg.opd.beta,
+        opd_alpha=cfg.opd.alpha, opd_token_fraction=cfg.opd.token_fraction,
+        opd_token_selection=cfg.opd.token_selection, kl_coef=kl_coef,
     )
     mipu = algorithm.name == "mipu"
     loss = LossSettings(
-        alpha=algorithm.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
+        alpha=cfg.armor.alpha if algorithm.name == "armor" else 1.0, clip_low=algorithm.clip_low,
         clip_high=algorithm.effective_clip_high, dual_clip=algorithm.effective_dual_clip,
-        kl_coef=kl_coef, kl_estimator=algorithm.kl_estimator,
-        temperature=cfg.rollout.temperature, logprob_head=resolve_logprob_head(cfg.train.logprob_head),
-        sampler=SamplerCorrection(algorithm.mipu_is_correction, algorithm.mipu_w_max) if mipu else None,
+        kl_coef=kl_coef, kl_estimator=cfg.kl.estimator,
+        temperature=cfg.rollout.sampling.temperature, logprob_head=resolve_logprob_head(cfg.train.logprob_head),
+        sampler=SamplerCorrection(cfg.mipu.is_correction, cfg.mipu.w_max) if mipu else None,
         aggregation=algorithm.aggregation,
     )
     # The gate's advantages come from verifier rewards (mipu.md §3): the validation scorer, no overlong penalty.
-    gate = _mipu_gate(cfg, all_val_rows, val_scorer, sampling) if mipu and algorithm.mipu_gate else None
+    gate = _mipu_gate(cfg, all_val_rows, val_scorer, sampling) if mipu and cfg.mipu.gate else None
     constraint = models.constraint
-    anchor_cache = AnchorCache(cfg.rollout.anchor_cache_max_prompts) if cfg.rollout.cache_anchors else None
+    anchor_cache = AnchorCache(cfg.rollout.anchors.cache_max_prompts) if cfg.rollout.anchors.cache else None
     trainer = RLTrainer(ctx, handles, plan, sampler, sampling, train_scorer, loss, optim, gate=gate,
                         constraint=constraint, constraint_capture_step=cfg.train.subspace_capture_step,
                         anchor_cache=anchor_cache, memory_handoff=handoff, offload=models.offload)
@@ -181,7 +183,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, paths: TaskPaths) 
 @dataclass
 class TrainerModels:
     """A rank's models: the DDP-wrapped actor and its optimizer, the frozen reference, the OPD teacher, the
-    subspace constraint over the actor's weights, and the offload of them all (rollout.offload_trainer)."""
+    subspace constraint over the actor's weights, and the offload of them all (rollout.memory.offload_trainer)."""
 
     ddp: torch.nn.Module
     optimizer: Any
@@ -208,7 +210,7 @@ def _build_models(
         constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
                       if cfg.train.subspace_capture_step else None)
         offload = None
-        if cfg.rollout.offload_trainer:
+        if cfg.rollout.memory.offload_trainer:
             frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
@@ -221,7 +223,7 @@ def _build_models(
 
 
 def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
-    """Whether weight pushes send handles to the trainer's own CPU weights (rollout.weight_sync_payload
+    """Whether weight pushes send handles to the trainer's own CPU weights (rollout.weight_sync.payload
     per_tensor), which must then live in shared memory: those the push reads in place
     (`parameters_exported_as_views`). An offloaded trainer's cannot (a parked storage is freed in place, a
     shared one cannot be), so its weights are staged."""
@@ -230,30 +232,31 @@ def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
 
 
 def _pushes_per_tensor(rollout: RolloutConfig) -> bool:
-    """weight_sync tensor with SGLang's load_format null (weight_sync_payload per_tensor); the other update
+    """rollout.weight_sync.method tensor with SGLang's load_format null (payload per_tensor); the other update
     paths send flattened buckets."""
-    return rollout.weight_sync == "tensor" and rollout.weight_sync_payload == "per_tensor"
+    return rollout.weight_sync.method == "tensor" and rollout.weight_sync.payload == "per_tensor"
 
 
 def _opd_teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
     """The OPD teacher (collective): in the trainer's processes at the student's layout, or a scoring server
-    (model.teacher_url, or one the trainer starts at model.teacher_tensor/pipeline_parallel_size)."""
-    m = cfg.model
+    (opd.teacher_url, or one the trainer starts at opd.teacher_tensor/pipeline_parallel_size)."""
+    m, o = cfg.model, cfg.opd
     teacher_shape = None
     if paths.teacher_path is not None:  # None: only a teacher_url was given
         teacher_shape = load_model_shape(paths.teacher_path)
-        check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"model.teacher_path {paths.teacher_path}")
-    scoring = ScoringSettings(temperature=cfg.rollout.temperature, head=resolve_logprob_head(cfg.train.logprob_head))  # as the student's
-    if m.teacher_url is None and m.teacher_layout is None:
+        check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"opd.teacher_path {paths.teacher_path}")
+    scoring = ScoringSettings(temperature=cfg.rollout.sampling.temperature,  # as the student's
+                              head=resolve_logprob_head(cfg.train.logprob_head))
+    if o.teacher_url is None and o.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[m.params_dtype])
         return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
     launch = None
-    if m.teacher_layout is not None:
-        tp, pp = m.teacher_layout
+    if o.teacher_layout is not None:
+        tp, pp = o.teacher_layout
         check_parallel_layout(teacher_shape, tp, pp)  # before any teacher process starts
         launch = TeacherServerSettings(paths.teacher_path, tp, pp, port=0, micro_batch_size=cfg.train.micro_batch_size,
                                        params_dtype=m.params_dtype)
-    urls = m.teacher_url.split(",") if m.teacher_url else None
+    urls = o.teacher_url.split(",") if o.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
 
@@ -262,17 +265,17 @@ def _mipu_gate(
     cfg: ArmorConfig, val_rows: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams
 ) -> InferenceGapGate:
     """MIPU Step 2 over held-out prompts: its own resumable sampler over the validation rows."""
-    a = cfg.algorithm
-    if len(val_rows) < a.mipu_gate_prompts:
+    m = cfg.mipu
+    if len(val_rows) < m.gate_prompts:
         raise ValueError(
-            f"algorithm.mipu_gate needs algorithm.mipu_gate_prompts ({a.mipu_gate_prompts}) held-out prompts, the "
+            f"mipu.gate needs mipu.gate_prompts ({m.gate_prompts}) held-out prompts, the "
             f"validation set ({cfg.data.val_path or 'synthetic'}) has {len(val_rows)}; set data.val_path, lower "
-            f"mipu_gate_prompts, or set algorithm.mipu_gate=false"
+            f"mipu.gate_prompts, or set mipu.gate=false"
         )
-    settings = GateSettings(c_start=a.mipu_c_start, c_end=a.mipu_c_end, ramp_steps=a.mipu_ramp_steps,
-                            prompts=a.mipu_gate_prompts, n=a.mipu_gate_n)
-    prompts = PromptSampler(val_rows, a.mipu_gate_prompts, seed=cfg.train.seed + 1)
-    return InferenceGapGate(settings, prompts, scorer, sampling, seed=cfg.train.seed, adv_eps=a.adv_eps)
+    settings = GateSettings(c_start=m.c_start, c_end=m.c_end, ramp_steps=m.ramp_steps,
+                            prompts=m.gate_prompts, n=m.gate_n)
+    prompts = PromptSampler(val_rows, m.gate_prompts, seed=cfg.train.seed + 1)
+    return InferenceGapGate(settings, prompts, scorer, sampling, seed=cfg.train.seed, adv_eps=cfg.algorithm.adv_eps)
 
 
 def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite: bool) -> None:
@@ -338,7 +341,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
         if not setup.val_rows:
             return {}
         result = evaluate(handles.actor_engine, setup.val_rows, setup.val_scorer, setup.val_sampling,
-                          n=cfg.rollout.val_n, seed=(cfg.train.seed, step, "val"))
+                          n=cfg.rollout.sampling.val_n, seed=(cfg.train.seed, step, "val"))
         if ctx.is_main:
             tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
         return result
@@ -382,7 +385,7 @@ def _train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite
 def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[RolloutEngine, RolloutEngine]:
     """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers.
 
-    The two are one object with rollout.anchor_engine shared (and for algorithms without anchors on
+    The two are one object with rollout.anchors.engine shared (and for algorithms without anchors on
     SGLang). An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's
     (and, for ARMOR, the reference's) weights before the first rollout.
     """
@@ -390,22 +393,23 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     if rollout.backend == "local":
         options = _local_engine_options(cfg, pad_token_id)
         actor = _local_engine(paths.model_path, **options)
-        return actor, actor if rollout.anchor_engine == "shared" else _local_engine(paths.ref_path, **options)
+        return actor, actor if rollout.anchors.engine == "shared" else _local_engine(paths.ref_path, **options)
     from megatron_armor.rollout.router import make_sglang_engine
     from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
     from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 
-    client = SGLangEngineConfig(bucket_bytes=rollout.sglang_update_bucket_mb << 20, weight_sync=rollout.weight_sync,
-                                weight_sync_dir=rollout.weight_sync_dir,
+    client = SGLangEngineConfig(bucket_bytes=rollout.weight_sync.bucket_mb << 20,
+                                weight_sync=rollout.weight_sync.method,
+                                weight_sync_dir=rollout.weight_sync.dir,
                                 load_format=None if _pushes_per_tensor(rollout) else "flattened_bucket")
     log_dir = cfg.logging.run_dir  # routers' logs
 
     def engine(urls: str, router_url: str | None):
-        push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync)  # collective
+        push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
         return make_sglang_engine(urls, router_url, rollout, client, log_dir=log_dir, push_urls=push_urls)
 
-    actor = engine(rollout.sglang_urls, rollout.sglang_router_url)
-    ref = engine(rollout.sglang_ref_urls, rollout.sglang_ref_router_url) if rollout.sglang_ref_urls else actor
+    actor = engine(rollout.sglang.urls, rollout.sglang.router_url)
+    ref = engine(rollout.sglang.ref_urls, rollout.sglang.ref_router_url) if rollout.sglang.ref_urls else actor
     return actor, ref
 
 
@@ -415,7 +419,7 @@ def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> Lo
     never synced, so it must load the teacher's weights itself."""
     if is_megatron_checkpoint(paths.teacher_path):
         raise ValueError(
-            f"algorithm.opd_rollouts teacher needs model.teacher_path as an HF checkpoint, {paths.teacher_path} is a "
+            f"opd.rollouts teacher needs opd.teacher_path as an HF checkpoint, {paths.teacher_path} is a "
             f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
             f"megatron-to-hf`"
         )

@@ -3,7 +3,7 @@
 With `task.synthetic: arithmetic`, rank 0 creates (once, cached under `task.cache_dir`) a tiny
 Qwen2 checkpoint, the arithmetic train/validation JSONL files, and a supervised warm start of the
 model so that the reference policy already solves part of the task (ARMOR needs correct anchors).
-For OPD without `model.teacher_path` the warm start becomes the teacher and the untrained tiny
+For OPD without `opd.teacher_path` the warm start becomes the teacher and the untrained tiny
 model the student. Every other rank waits and receives the same paths.
 """
 
@@ -37,7 +37,7 @@ def prepare_task(cfg: ArmorConfig, *, is_main: bool) -> TaskPaths:
 def _prepare(cfg: ArmorConfig) -> TaskPaths:
     if cfg.task.synthetic is None:
         return TaskPaths(cfg.model.path, cfg.model.ref_path or cfg.model.path, cfg.data.train_path, cfg.data.val_path,
-                         cfg.model.teacher_path)
+                         cfg.opd.teacher_path)
     if cfg.task.synthetic != "arithmetic":
         raise ValueError(f"task.synthetic: unknown task {cfg.task.synthetic!r}; available: 'arithmetic'")
     from megatron_armor.data.datasets import write_jsonl
@@ -56,7 +56,7 @@ def _prepare(cfg: ArmorConfig) -> TaskPaths:
     model_path = Path(cfg.model.path) if cfg.model.path else cache / "tiny-qwen2"
     if not (model_path / "config.json").is_file():
         make_tiny_checkpoint(model_path, arch="qwen2", seed=cfg.train.seed)
-    teacher_path = cfg.model.teacher_path
+    teacher_path = cfg.opd.teacher_path
     if cfg.task.warm_start_steps > 0:
         warm = _warm_start(model_path, train_rows, val_rows, cfg)
         if cfg.algorithm.name == "opd" and teacher_path is None:

@@ -26,7 +26,7 @@ def test_known_answers():
 def test_config_default_is_per_algorithm_and_overridable():
     from megatron_armor.config import load_config
 
-    synthetic = ["task.synthetic=arithmetic", "rollout.actor_n=16"]
+    synthetic = ["task.synthetic=arithmetic", "rollout.sampling.actor_n=16"]
     assert load_config(None, synthetic + ["algorithm.name=mipu"]).algorithm.aggregation == "seq_mean_token_mean"
     assert load_config(None, synthetic + ["algorithm.name=grpo"]).algorithm.aggregation == "token_mean"
     overridden = load_config(None, synthetic + ["algorithm.name=mipu", "algorithm.loss_aggregation=token_mean"])

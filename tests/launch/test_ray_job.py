@@ -18,7 +18,8 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
     cfg = load_config(CONFIG, [
         "train.max_steps=1", f"logging.run_dir={run_dir}", f"task.cache_dir={synthetic_cache}",
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.max_prompts=8", "logging.tensorboard=false",
-        "logging.progress_bar=false", "logging.plot=false", "rollout.router=sglang",  # a router even for one server
+        "logging.progress_bar=false", "logging.plot=false",
+        "rollout.sglang.router=sglang",  # a router even for one server
     ])
     job = RayJobSpec(server_kind="local", server_host="127.0.0.1", cpus_per_actor=0.4, monitor_interval_s=5.0,
                      log_dir=str(tmp_path / "server-logs"))
@@ -43,8 +44,8 @@ def test_colocated_jobs_hand_the_gpu_over_both_ways():
     groups = [SimpleNamespace(urls=["http://10.0.0.1:30000"], router=None),
               SimpleNamespace(urls=["http://10.0.0.1:30001"], router=None)]
     colocated = _pointed_at(cfg, groups, colocated=True).rollout
-    assert (colocated.backend, colocated.sglang_urls, colocated.sglang_ref_urls) == (
+    assert (colocated.backend, colocated.sglang.urls, colocated.sglang.ref_urls) == (
         "sglang", "http://10.0.0.1:30000", "http://10.0.0.1:30001")
-    assert colocated.release_memory and colocated.offload_trainer
+    assert colocated.memory.release_servers and colocated.memory.offload_trainer
     disaggregated = _pointed_at(cfg, groups, colocated=False).rollout
-    assert not disaggregated.release_memory and not disaggregated.offload_trainer
+    assert not disaggregated.memory.release_servers and not disaggregated.memory.offload_trainer

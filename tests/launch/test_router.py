@@ -21,7 +21,7 @@ from megatron_armor.rollout.router import RouterError, RouterSpec, SGLangRouter,
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, http_call
 
 DEMO = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
-SGLANG = ["rollout.backend=sglang", "rollout.sglang_urls=http://a:1", "rollout.sglang_ref_urls=http://b:1"]
+SGLANG = ["rollout.backend=sglang", "rollout.sglang.urls=http://a:1", "rollout.sglang.ref_urls=http://b:1"]
 FAST = SGLangEngineConfig(prompts_per_request=2, max_in_flight_per_server=2, backoff_s=0.05, startup_timeout_s=90,
                           poll_interval_s=0.1)
 ROUND_ROBIN = RouterSpec(policy="round_robin", worker_timeout_s=60)
@@ -167,20 +167,21 @@ def test_router_mode_detection(monkeypatch):
     assert [use_sglang_router(mode, 1) for mode in ("auto", "sglang", "none")] == [False, True, False]
     monkeypatch.setitem(sys.modules, "sglang_router", None)  # what Python does for a package that is not there
     assert [use_sglang_router(mode, 2) for mode in ("auto", "none")] == [False, False]
-    with pytest.raises(RouterError, match=r"rollout.router is 'sglang' but .* pip install sglang-router==0\.3\.2"):
+    with pytest.raises(RouterError,
+                       match=r"rollout.sglang.router is 'sglang' but .* pip install sglang-router==0\.3\.2"):
         use_sglang_router("sglang", 2)
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.router_policy=least_loaded"], "rollout.router_policy: 'least_loaded' is not allowed"),
-        (["rollout.sglang_router_url=http://r:1"], "rollout.sglang_router_url / sglang_ref_router_url apply to "
+        (["rollout.sglang.router_policy=least_loaded"], "rollout.sglang.router_policy: 'least_loaded' is not allowed"),
+        (["rollout.sglang.router_url=http://r:1"], "rollout.sglang.router_url / ref_router_url apply to "
                                                     "rollout.backend sglang only"),
-        (SGLANG + ["rollout.router=none", "rollout.sglang_router_url=http://r:1"],
-         "rollout.router is none but sglang_router_url is set"),
-        (SGLANG[:2] + ["rollout.anchor_engine=shared", "rollout.sglang_ref_router_url=http://r:2"],
-         "rollout.sglang_ref_router_url \\(http://r:2\\) needs rollout.sglang_ref_urls"),
+        (SGLANG + ["rollout.sglang.router=none", "rollout.sglang.router_url=http://r:1"],
+         "rollout.sglang.router is none but rollout.sglang.router_url is set"),
+        (SGLANG[:2] + ["rollout.anchors.engine=shared", "rollout.sglang.ref_router_url=http://r:2"],
+         "rollout.sglang.ref_router_url \\(http://r:2\\) needs rollout.sglang.ref_urls"),
     ],
 )
 def test_router_config_is_validated(overrides, message):

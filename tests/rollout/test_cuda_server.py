@@ -101,9 +101,9 @@ def test_armor_train_on_one_gpu_beside_its_rollout_servers(start_server, tiny_mo
            "--checkpoint.every", "1", "--model.params_dtype", "bfloat16",
            "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
            "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
-           "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang_urls", actor.url,
-           "--rollout.sglang_ref_urls", ref.url, "--rollout.weight_sync", "tensor",
-           "--rollout.release_memory", "true", "--rollout.offload_trainer", "true"]
+           "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang.urls", actor.url,
+           "--rollout.sglang.ref_urls", ref.url, "--rollout.weight_sync.method", "tensor",
+           "--rollout.memory.release_servers", "true", "--rollout.memory.offload_trainer", "true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "4"})
     assert proc.returncode == 0, proc.stderr[-6000:] + actor.output()[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

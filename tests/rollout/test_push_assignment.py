@@ -27,7 +27,7 @@ def test_bad_server_lists_are_refused_naming_the_servers():
     hosts = ["10.0.0.1", "10.0.0.1"]
     urls = A + ["http://10.0.0.3:1"]
     with pytest.raises(ValueError, match=r"but http://10\.0\.0\.3:1 is on no trainer rank's host: use "
-                                         r"rollout\.weight_sync distributed"):
+                                         r"rollout\.weight_sync\.method distributed"):
         deal_servers_to_ranks(urls, [local(urls, h) for h in hosts])
     urls = [A[0], A[0] + "/"]
     with pytest.raises(ValueError, match=r"listed more than once: \['http://10\.0\.0\.1:1'\]"):

@@ -206,5 +206,5 @@ def test_tensor_weight_sync_refuses_servers_on_other_hosts():
     """Their handles into this host's shared memory or GPUs would fail at the first push; refused at start-up."""
     local = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=r"weight_sync tensor .* but http://203\.0\.113\.7:30000 is not on this host: "
-                                         r"use rollout\.weight_sync distributed"):
+                                         r"use rollout\.weight_sync\.method distributed"):
         SGLangEngine([local, "http://203.0.113.7:30000"], replace(FAST, weight_sync="tensor"))

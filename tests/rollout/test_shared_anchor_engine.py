@@ -1,5 +1,5 @@
-"""`armor train` (TP=2): one SGLang-schema server for actor and reference (anchor_engine shared), cached anchors,
-weights pushed per tensor (the replicated ones from the trainer's own storage in shared memory, the gathered
+"""`armor train` (TP=2): one SGLang-schema server for actor and reference (rollout.anchors.engine shared), cached
+anchors, weights pushed per tensor (the replicated ones from the trainer's own storage in shared memory, the gathered
 ones staged)."""
 
 import json
@@ -33,9 +33,9 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
            "--eval.before_train", "false", "--checkpoint.every", "2", "--checkpoint.save_model", "false",
            "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false",
            "--train.lr", "5e-4", "--train.warmup_steps", "0",  # the actor moves away from the reference at once
-           "--rollout.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang_urls", server.url,
-           "--rollout.anchor_engine", "shared", "--rollout.cache_anchors", "true",
-           "--rollout.anchor_cache_max_prompts", "8", "--rollout.weight_sync_payload", "per_tensor"]
+           "--rollout.anchors.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang.urls", server.url,
+           "--rollout.anchors.engine", "shared", "--rollout.anchors.cache", "true",
+           "--rollout.anchors.cache_max_prompts", "8", "--rollout.weight_sync.payload", "per_tensor"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:] + server.output()[-2000:]
     assert "[rank 0] INFO megatron_armor: weights in shared memory for per-tensor pushes" in proc.stderr

@@ -29,8 +29,9 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
            "--checkpoint.every", "1",
            "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
            "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
-           "--logging.progress_bar", "false", "--rollout.backend", "sglang", "--rollout.sglang_urls", ",".join(a.url for a in actors),
-           "--rollout.sglang_ref_urls", ref.url, "--rollout.release_memory", "true", "--rollout.offload_trainer", "true"]
+           "--logging.progress_bar", "false", "--rollout.backend", "sglang",
+           "--rollout.sglang.urls", ",".join(a.url for a in actors), "--rollout.sglang.ref_urls", ref.url,
+           "--rollout.memory.release_servers", "true", "--rollout.memory.offload_trainer", "true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:] + actor.output()[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -20,8 +20,8 @@ def opd_step_metrics(cache, run_dir: Path, *overrides: str) -> dict:
     run_workers(
         "train_run.py", 1, run_dir / "w", CONFIG, f"task.cache_dir={cache}", f"logging.run_dir={run_dir}",
         "parallel.tensor_parallel_size=1", "task.num_train_rows=400", "task.num_val_rows=16", "train.max_steps=1",
-        "train.train_batch_size=2", "train.gen_batch_size=2", "train.mini_batch_size=2", "rollout.n_samples=4",
-        "rollout.actor_n=4", "rollout.max_new_tokens=16", "eval.every=0",
+        "train.train_batch_size=2", "train.gen_batch_size=2", "train.mini_batch_size=2", "rollout.sampling.n_samples=4",
+        "rollout.sampling.actor_n=4", "rollout.sampling.max_new_tokens=16", "eval.every=0",
         "eval.before_train=false", "checkpoint.save_model=false", "logging.tensorboard=false", "logging.plot=false",
         *overrides,
     )
@@ -32,7 +32,7 @@ def opd_step_metrics(cache, run_dir: Path, *overrides: str) -> dict:
 def test_teacher_server_at_tp2_gives_the_in_process_reverse_kl(synthetic_cache, tmp_path_factory):
     in_process = opd_step_metrics(synthetic_cache, tmp_path_factory.mktemp("opd-in-process"))
     run_dir = tmp_path_factory.mktemp("opd-teacher-tp2")
-    remote = opd_step_metrics(synthetic_cache, run_dir, "model.teacher_tensor_parallel_size=2")
+    remote = opd_step_metrics(synthetic_cache, run_dir, "opd.teacher_tensor_parallel_size=2")
     assert remote["response/length_mean"] == in_process["response/length_mean"]  # the same rollouts
     assert in_process["opd/reverse_kl"] > 0.1  # an untrained student is far from the teacher
     assert remote["opd/reverse_kl"] == pytest.approx(in_process["opd/reverse_kl"], abs=REVERSE_KL_ATOL)
@@ -42,9 +42,9 @@ def test_teacher_server_at_tp2_gives_the_in_process_reverse_kl(synthetic_cache, 
 
 def test_teacher_url_and_teacher_layout_are_exclusive():
     with pytest.raises(ConfigError, match="not both"):
-        load_config(CONFIG, ["model.teacher_url=http://127.0.0.1:1", "model.teacher_tensor_parallel_size=2"])
+        load_config(CONFIG, ["opd.teacher_url=http://127.0.0.1:1", "opd.teacher_tensor_parallel_size=2"])
 
 
 def test_teacher_settings_belong_to_opd():
     with pytest.raises(ConfigError, match="grpo has none"):
-        load_config(CONFIG, ["algorithm.name=grpo", "model.teacher_tensor_parallel_size=2"])
+        load_config(CONFIG, ["algorithm.name=grpo", "opd.teacher_tensor_parallel_size=2"])

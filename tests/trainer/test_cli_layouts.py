@@ -32,7 +32,7 @@ def small_run(cache: Path, run_dir: Path) -> list[str]:
             "--logging.progress_bar", "false"]
 
 
-GRPO_KL = ["--algorithm.name", "grpo_kl", "--algorithm.kl_estimator", "k3", "--rollout.actor_n", "8"]
+GRPO_KL = ["--algorithm.name", "grpo_kl", "--kl.estimator", "k3", "--rollout.sampling.actor_n", "8"]
 
 
 @pytest.mark.parametrize("layout", [["--tp", "1", "--pp", "2"], ["--tp", "1", "--dp", "2", *GRPO_KL]],

@@ -15,17 +15,17 @@ CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "mipu.yaml")
 def _overrides(cache_dir: Path, run_dir: Path) -> list[str]:
     return [
         f"task.cache_dir={cache_dir}", f"logging.run_dir={run_dir}", "task.num_train_rows=400", "task.num_val_rows=16",
-        "train.train_batch_size=4", "train.gen_batch_size=8", "train.mini_batch_size=2", "algorithm.mipu_gate_prompts=4",
-        "algorithm.mipu_gate_n=4", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false",
+        "train.train_batch_size=4", "train.gen_batch_size=8", "train.mini_batch_size=2", "mipu.gate_prompts=4",
+        "mipu.gate_n=4", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false",
         "logging.plot=false", "algorithm.clip_high=null", "algorithm.dual_clip=null",  # mipu's defaults
     ]
 
 
 def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic_cache, tmp_path):
-    """rollout.offload_trainer on: the rollback snapshot lives on the host and the restore runs in a
+    """rollout.memory.offload_trainer on: the rollback snapshot lives on the host and the restore runs in a
     training phase; the rollouts run with the actor's weights parked, the gate's with them resident."""
     ranks = run_workers("mipu_rollback.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, tmp_path / "run"),
-                        "rollout.offload_trainer=true")
+                        "rollout.memory.offload_trainer=true")
     for result in ranks:
         accepted, rejected = result["accepted"], result["rejected"]
         assert accepted["mipu/accepted"] == 1.0 and accepted["mipu/rollbacks"] == 0.0
@@ -48,7 +48,8 @@ def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic
 def test_mipu_tp2_run_logs_gate_decisions(synthetic_cache, tmp_path):
     run_dir = tmp_path / "run"
     run_workers("train_run.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, run_dir), "train.max_steps=2",
-                "checkpoint.every=2", "rollout.offload_trainer=true")  # the checkpoint is saved from a parked trainer
+                "checkpoint.every=2",
+                "rollout.memory.offload_trainer=true")  # the checkpoint is saved from a parked trainer
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

@@ -1,4 +1,4 @@
-"""Trainer offload (rollout.offload_trainer) on a real Megatron actor, DDP and optimizer in one process:
+"""Trainer offload (rollout.memory.offload_trainer) on a real Megatron actor, DDP and optimizer in one process:
 parking frees every storage of the weights, the optimizer state and the grad buffers; restoring gives
 them back bit for bit; training with a park/restore cycle between optimizer steps is bit-identical to
 training without one; a forward pass of parked weights is refused.

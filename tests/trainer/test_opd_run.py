@@ -39,5 +39,6 @@ def test_opd_tp2_run_distils_the_teacher_into_the_student(synthetic_cache, tmp_p
 
 
 def test_opd_needs_a_teacher_outside_the_synthetic_task():
-    with pytest.raises(ConfigError, match="model.teacher_path is required for algorithm.name opd"):
-        load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd", "rollout.actor_n=16"])
+    with pytest.raises(ConfigError, match="opd.teacher_path is required for algorithm.name opd"):
+        load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd",
+                           "rollout.sampling.actor_n=16"])

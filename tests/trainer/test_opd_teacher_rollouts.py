@@ -1,4 +1,4 @@
-"""OPD's off-policy variant (algorithm.opd_rollouts teacher, opd.md §1) through the trainer (TP=2, 2 gloo
+"""OPD's off-policy variant (opd.rollouts teacher, opd.md §1) through the trainer (TP=2, 2 gloo
 processes): a greedy teacher engine samples the training responses, and the student's r_t on them matches
 the HF student and teacher; and the variant's config rules."""
 
@@ -14,7 +14,7 @@ from megatron_armor.config import ConfigError, load_config
 from megatron_armor.models.tokenizer import load_tokenizer
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "opd.yaml")
-TEACHER_ROLLOUTS = ["algorithm.opd_rollouts=teacher", "algorithm.clip_low=1.0", "algorithm.clip_high=1.0"]
+TEACHER_ROLLOUTS = ["opd.rollouts=teacher", "algorithm.clip_low=1.0", "algorithm.clip_high=1.0"]
 MAX_NEW_TOKENS = 40  # examples/tiny/opd.yaml
 
 
@@ -41,9 +41,9 @@ def test_teacher_engine_samples_the_batch_and_r_t_matches_hf_models(synthetic_ca
     ranks = run_workers(
         "opd_teacher_rollouts.py", 2, tmp_path / "w", CONFIG, *TEACHER_ROLLOUTS, f"task.cache_dir={synthetic_cache}",
         f"logging.run_dir={tmp_path / 'run'}", "task.num_train_rows=400", "task.num_val_rows=16",
-        "rollout.top_p=1e-6",  # nucleus of the top token only: a greedy teacher, logprobs still at temperature 1
-        "rollout.n_samples=2", "rollout.actor_n=2", "train.train_batch_size=4", "train.gen_batch_size=4",
-        "train.mini_batch_size=2", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false",
+        "rollout.sampling.top_p=1e-6",  # nucleus of the top token only: a greedy teacher, logprobs still at temperature 1
+        "rollout.sampling.n_samples=2", "rollout.sampling.actor_n=2", "train.train_batch_size=4",
+        "train.gen_batch_size=4", "train.mini_batch_size=2", "eval.every=0", "eval.before_train=false", "logging.tensorboard=false",
         "logging.plot=false",
     )
     result = ranks[0]
@@ -67,7 +67,7 @@ def test_teacher_engine_samples_the_batch_and_r_t_matches_hf_models(synthetic_ca
         torch.testing.assert_close(trainer_old, old, atol=1e-4, rtol=0)
         torch.testing.assert_close(trainer_teacher, scored, atol=1e-4, rtol=0)
         torch.testing.assert_close(trainer_old - trainer_teacher, old - scored, atol=1e-4, rtol=0)
-        # pure OPD (opd_alpha 1, opd_beta 1): A_t = -r_t
+        # pure OPD (opd.alpha 1, opd.beta 1): A_t = -r_t
         torch.testing.assert_close(torch.tensor(sample["token_advantages"], dtype=torch.float64), scored - old,
                                    atol=1e-4, rtol=0)
         log_ratios.append(old - scored)
@@ -85,20 +85,20 @@ def test_teacher_engine_samples_the_batch_and_r_t_matches_hf_models(synthetic_ca
 
 def test_teacher_rollouts_config_loads_with_the_ratio_clip_off():
     cfg = load_config(CONFIG, TEACHER_ROLLOUTS)
-    assert cfg.algorithm.opd_rollouts == "teacher" and cfg.algorithm.clip_low == cfg.algorithm.clip_high == 1.0
-    assert load_config(CONFIG).algorithm.opd_rollouts == "student"
+    assert cfg.opd.rollouts == "teacher" and cfg.algorithm.clip_low == cfg.algorithm.clip_high == 1.0
+    assert load_config(CONFIG).opd.rollouts == "student"
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["algorithm.opd_rollouts=teacher"],
-         "algorithm.opd_rollouts teacher trains on off-policy tokens with the PPO ratio clip off .* set "
+        (["opd.rollouts=teacher"],
+         "opd.rollouts teacher trains on off-policy tokens with the PPO ratio clip off .* set "
          "algorithm.clip_low=1.0 algorithm.clip_high=1.0, got 0.2/0.28"),
-        ([*TEACHER_ROLLOUTS, "rollout.backend=sglang", "rollout.sglang_urls=http://a:1"],
+        ([*TEACHER_ROLLOUTS, "rollout.backend=sglang", "rollout.sglang.urls=http://a:1"],
          "rollout.backend sglang has no teacher rollout servers: use rollout.backend local"),
-        (["algorithm.name=grpo", "algorithm.opd_rollouts=teacher"],
-         "algorithm.opd_rollouts \\(teacher\\) picks who samples opd's training responses; grpo"),
+        (["algorithm.name=grpo", "opd.rollouts=teacher"],
+         "opd.rollouts \\(teacher\\) picks who samples opd's training responses; grpo"),
         (["algorithm.clip_low=1.5"], "algorithm.clip_low must be <= 1 \\(1: no lower clip\\), got 1.5"),
     ],
 )
@@ -108,6 +108,6 @@ def test_teacher_rollouts_config_errors(overrides, message):
 
 
 def test_teacher_rollouts_need_teacher_weights_not_only_a_scoring_url():
-    with pytest.raises(ConfigError, match="algorithm.opd_rollouts teacher needs the teacher's weights"):
-        load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd", "rollout.actor_n=16",
-                           "model.teacher_url=http://t:1", *TEACHER_ROLLOUTS])
+    with pytest.raises(ConfigError, match="opd.rollouts teacher needs the teacher's weights"):
+        load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd",
+                           "rollout.sampling.actor_n=16", "opd.teacher_url=http://t:1", *TEACHER_ROLLOUTS])

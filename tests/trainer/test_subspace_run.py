@@ -1,6 +1,6 @@
 """Subspace-constrained training through `armor train` (opd.md §3): after the capture step, every
 update of a decoder matrix lies in the span of the recorded top-K right singular vectors. The trainer
-runs offloaded (rollout.offload_trainer), so W0 and the bases are parked between training phases and
+runs offloaded (rollout.memory.offload_trainer), so W0 and the bases are parked between training phases and
 the capture and every checkpoint read them back."""
 
 import os
@@ -27,7 +27,7 @@ def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_pa
            "--logging.progress_bar", "false", "--train.subspace_capture_step", "1", "--train.subspace_k", "2",
            "--train.subspace_mode", "update", "--train.lr", "1e-3",
            "--train.warmup_steps", "0",  # full-size steps, far above the float32 rounding of the projection
-           "--rollout.offload_trainer", "true"]
+           "--rollout.memory.offload_trainer", "true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     after_capture, final = _checkpoint(run_dir, 1), _checkpoint(run_dir, 3)

@@ -2,7 +2,7 @@
 
 argv: out_dir config_yaml overrides... Every rank reports both steps' metrics, whether actor
 weights, optimizer state and engine weights after the rejected step equal (bit for bit) those
-after the accepted one, and the clip settings of the loss it built. With rollout.offload_trainer
+after the accepted one, and the clip settings of the loss it built. With rollout.memory.offload_trainer
 it also reports, for every generate call, whether the actor's weights were parked during it.
 """
 

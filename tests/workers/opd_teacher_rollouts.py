@@ -1,4 +1,4 @@
-"""Worker: OPD's off-policy variant (algorithm.opd_rollouts teacher) through `build_training`.
+"""Worker: OPD's off-policy variant (opd.rollouts teacher) through `build_training`.
 
 argv: out_dir config_yaml overrides... Every rank reports the checkpoints the run used, each training
 sample's prompt and response tokens with the trainer's label-aligned old (student) and teacher logprobs

@@ -1,0 +1,37 @@
+"""Typed run configuration: `ArmorConfig`, a dataclass of sections (some with sub-sections), from YAML +
+`section.field=value` overrides.
+
+    base.py             ConfigError, documented fields, shared checks
+    sections.py         model, parallel, data, reward, train, eval, checkpoint, task, logging
+    rollout.py          rollout and its sub-sections: sampling, anchors, sglang, weight_sync, memory
+    algorithm.py        algorithm, armor, kl, mipu, opd
+    root.py             ArmorConfig, config_fields
+    algorithm_rules.py  every rule and default that depends on algorithm.name
+    cross_section.py    the other rules between sections
+    moved_names.py      fields that moved (old name -> new place)
+    loading.py          load_config, coerce, validate, save_config, config_hash
+
+Each section checks its own fields when it is built. Defaults follow the ARMOR 7B recipe (armor.md
+section 6) where one applies.
+"""
+
+from megatron_armor.config.algorithm import AlgorithmConfig, KLConfig, MipuConfig, MixedRatioConfig, OpdConfig
+from megatron_armor.config.base import ConfigError
+from megatron_armor.config.loading import coerce, config_hash, load_config, save_config, validate
+from megatron_armor.config.moved_names import MOVED_FIELDS
+from megatron_armor.config.rollout import (
+    AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig, WeightSyncConfig,
+)
+from megatron_armor.config.root import ArmorConfig, config_fields
+from megatron_armor.config.sections import (
+    CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig",
+    "ModelConfig", "OpdConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
+    "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "coerce", "config_fields", "config_hash",
+    "load_config", "save_config", "validate",
+]

@@ -1,0 +1,29 @@
+"""Rules between sections that hold for every algorithm (those that depend on `algorithm.name` are in
+`algorithm_rules.py`; each section checks its own fields)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_armor.config.base import require
+
+if TYPE_CHECKING:
+    from megatron_armor.config.root import ArmorConfig
+
+
+def check_cross_section(cfg: ArmorConfig) -> None:
+    """Raise ConfigError naming the fields of the first rule `cfg` breaks."""
+    t, max_new_tokens = cfg.train, cfg.rollout.sampling.max_new_tokens
+    require(cfg.reward.overlong_buffer <= max_new_tokens,
+            f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be <= rollout.sampling.max_new_tokens "
+            f"({max_new_tokens})")
+    require(t.subspace_capture_step == 0 or t.subspace_mode == "gradient" or cfg.model.params_dtype == "float32",
+            "train.subspace_mode update needs model.params_dtype float32 (with bf16 the optimizer steps fp32 copies)")
+    dp = cfg.parallel.data_parallel_size
+    require(t.mini_batch_size % dp == 0,
+            f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
+            f"every data-parallel rank trains on the same number of prompts")
+    if cfg.task.synthetic is None:
+        require(cfg.model.path is not None,
+                "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
+        require(cfg.data.train_path is not None, "data.train_path is required unless task.synthetic is set")

@@ -1,0 +1,149 @@
+"""Loading a config: defaults <- YAML file <- `section.field=value` overrides, each value coerced to its
+field's type; then every section is built from its merged values (so it checks its own fields) and the
+rules between sections run."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_armor.config.algorithm_rules import check_algorithm_rules
+from megatron_armor.config.base import ConfigError
+from megatron_armor.config.cross_section import check_cross_section
+from megatron_armor.config.moved_names import MOVED_FIELDS
+from megatron_armor.config.root import ArmorConfig, section_class
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to `annotation` (int, float, bool, str, Literal, Optional)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in options:
+                return None
+        inner = [a for a in options if a is not type(None)]
+        return coerce(value, inner[0], where)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where}: expected a boolean (true/false), got {value!r}")
+    if annotation in (int, float):
+        if isinstance(value, bool) or (annotation is int and isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        try:
+            return annotation(float(value)) if annotation is int and isinstance(value, float) else annotation(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}") from None
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported type {annotation}")
+
+
+def _unknown(name: str, known: list[str], kind: str) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {known}"
+    return ConfigError(f"unknown config {kind} {name!r}{hint}")
+
+
+def _assign(values: dict[str, Any], dotted: str, value: Any) -> None:
+    """Record `dotted` = `value`, coerced to the field's type, in `values` ({dotted name: value} of value
+    fields). A mapping assigned to a (sub-)section sets its fields."""
+    if dotted in MOVED_FIELDS and not isinstance(value, dict):
+        raise ConfigError(f"{dotted} moved to {MOVED_FIELDS[dotted]}")
+    cls, prefix = ArmorConfig, ""
+    parts = dotted.split(".")
+    for depth, name in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        path = f"{prefix}{name}"
+        if name not in fields:
+            raise _unknown(path, [f"{prefix}{n}" for n in fields], "field" if depth else "section")
+        inner = section_class(fields[name])
+        if inner is None:
+            if depth != len(parts) - 1:
+                raise ConfigError(f"unknown config field {dotted!r}: {path} is a value, not a section")
+            values[path] = coerce(value, typing.get_type_hints(cls)[name], path)
+            return
+        cls, prefix = inner, f"{path}."
+    if not isinstance(value, dict):
+        raise ConfigError(f"section {dotted!r} must be a mapping")
+    for name, inner_value in value.items():
+        _assign(values, f"{dotted}.{name}", inner_value)
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """`cls` with the given `values` (sub-sections built first); each section validates itself as it is built."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        dotted, inner = f"{prefix}{f.name}", section_class(f)
+        if inner is not None:
+            kwargs[f.name] = _build(inner, values, f"{dotted}.")
+        elif dotted in values:
+            kwargs[f.name] = values[dotted]
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> ArmorConfig:
+    """Defaults <- YAML file (nested mappings of sections) <- `section[.sub].field=value` overrides, then
+    each section's own checks and `validate`."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: invalid YAML ({error})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+        for section, section_values in data.items():
+            try:
+                _assign(values, str(section), section_values)
+            except ConfigError as error:
+                raise ConfigError(f"{path}: {error}") from None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        _assign(values, key.strip(), yaml.safe_load(value) if value.strip() else value)
+    cfg = _build(ArmorConfig, values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: ArmorConfig) -> None:
+    """The rules between sections (each section checked its own fields when it was built): those of
+    `algorithm.name` first, then the others. Each error names the fields, their values and what is allowed."""
+    check_algorithm_rules(cfg)
+    check_cross_section(cfg)
+
+
+def save_config(cfg: ArmorConfig, path: str | Path) -> None:
+    """Write `cfg` as YAML that `load_config` reads back."""
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+def config_hash(value: Any) -> str:
+    """Stable short sha256 of a config section (dataclass) or plain JSON-able value."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]

@@ -1,0 +1,169 @@
+"""`rollout`: the engine that samples responses, and its sub-sections: sampling, ARMOR's anchors, the
+SGLang client, the weight sync to the servers, and the GPU-memory hand-off with colocated servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_armor.config.base import doc, require, require_at_least, section
+
+
+@dataclass
+class SamplingConfig:
+    """Group sizes and sampling of training and validation rollouts."""
+
+    n_samples: int = doc(16, "group size per prompt")
+    actor_n: int = doc(15, "on-policy samples per prompt")
+    temperature: float = doc(1.0, "sampling temperature of training rollouts")
+    top_p: float = doc(1.0, "nucleus sampling of training rollouts")
+    max_new_tokens: int = doc(8192, "maximum response length in tokens")
+    val_temperature: float = doc(1.0, "sampling temperature of validation")
+    val_top_p: float = doc(0.7, "nucleus sampling of validation")
+    val_n: int = doc(1, "samples per validation prompt")
+
+    def __post_init__(self) -> None:
+        require_at_least("rollout.sampling", self, ("n_samples", "actor_n", "max_new_tokens", "val_n"), 1)
+        require(self.n_samples >= 2,
+                f"rollout.sampling.n_samples must be >= 2 for group advantages, got {self.n_samples}")
+        for name in ("temperature", "val_temperature"):
+            require(getattr(self, name) >= 0, f"rollout.sampling.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("top_p", "val_top_p"):
+            require(0 < getattr(self, name) <= 1,
+                    f"rollout.sampling.{name} must be in (0, 1], got {getattr(self, name)}")
+
+
+@dataclass
+class AnchorsConfig:
+    """ARMOR's anchors: samples of the reference policy mixed into each group."""
+
+    ref_n: int = doc(4, "anchor samples per prompt from the reference policy (ARMOR)")
+    engine: Literal["separate", "shared"] = doc(
+        "separate", "engine of ARMOR's anchors: separate (the reference's own: an in-process copy, or "
+        "rollout.sglang.ref_urls) | shared (the actor's engine; the reference's weights are pushed in before an "
+        "anchor phase and the actor's pushed back before on-policy sampling)"
+    )
+    cache: bool = doc(
+        False, "reuse a prompt's anchors (key: its prompt token ids) at later steps until the reference is reset, "
+        "instead of regenerating them every step as ARMOR does; the cache is saved in checkpoints"
+    )
+    cache_max_prompts: int = doc(
+        4096, "prompts the anchor cache holds (least recently used evicted first); each holds ref_n anchors "
+        "(token ids + logprobs: tens of bytes per token, in memory and in trainer_state.json)"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least("rollout.anchors", self, ("cache_max_prompts",), 1)
+
+
+@dataclass
+class SGLangClientConfig:
+    """The SGLang servers the trainer talks to (backend sglang) and how requests are dispatched over them."""
+
+    urls: str | None = doc(None, "comma-separated URLs of the actor's SGLang servers (backend sglang)")
+    ref_urls: str | None = doc(
+        None, "comma-separated URLs of the reference policy's servers (ARMOR anchors, rollout.anchors.engine separate)"
+    )
+    router: Literal["auto", "sglang", "none"] = doc(
+        "auto", "dispatch of generation requests over the SGLang servers (backend sglang): auto (SGLang's router "
+        "for 2+ servers when the sglang_router package is installed, else the client's least-loaded dispatcher) | sglang (the "
+        "router; an error if it is not installed) | none (the client's dispatcher). Weight updates, flushes and "
+        "health checks go to every server directly either way"
+    )
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = doc(
+        "cache_aware", "load-balancing policy of SGLang's router (sglang_router --policy)"
+    )
+    router_url: str | None = doc(
+        None, "URL of a running SGLang router in front of urls (armor ray-train sets it); unset: each trainer "
+        "process starts its own router on loopback when rollout.sglang.router picks one"
+    )
+    ref_router_url: str | None = doc(None, "the same for ref_urls")
+
+    def __post_init__(self) -> None:
+        router_urls = [f"rollout.sglang.{name}" for name in ("router_url", "ref_router_url") if getattr(self, name)]
+        require(self.router != "none" or not router_urls,
+                f"rollout.sglang.router is none but {', '.join(router_urls)} is set: drop it, or set "
+                f"rollout.sglang.router auto")
+        require(not self.ref_router_url or bool(self.ref_urls),
+                f"rollout.sglang.ref_router_url ({self.ref_router_url}) needs rollout.sglang.ref_urls, the servers "
+                f"behind it (weight updates go to them directly)")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How the trainer's weights reach the SGLang servers (backend sglang)."""
+
+    method: Literal["tensor", "distributed", "disk"] = doc(
+        "tensor", "how weights reach the SGLang servers (backend sglang): tensor = /update_weights_from_tensor with "
+        "shared-memory / CUDA-IPC handles, for servers on the trainer ranks' hosts (colocated: each host's servers get "
+        "the weights from that host's ranks); distributed = a process "
+        "group with the servers and /update_weights_from_distributed broadcasts (gloo on CPU, nccl on GPU), for "
+        "servers on other hosts (disaggregated); disk = safetensors files (one per bucket) in a fresh subdirectory "
+        "of dir and /update_weights_from_disk (fallback)"
+    )
+    dir: str | None = doc(None, "directory the servers can read, for method disk")
+    payload: Literal["flattened_bucket", "per_tensor"] = doc(
+        "flattened_bucket", "payload of method tensor: flattened_bucket = each bucket packed into one staging "
+        "buffer, sent as one handle (SGLang's load_format flattened_bucket); per_tensor = SGLang's load_format null: "
+        "tensors the servers can map where they are go as handles to the trainer's own storage, with no staging copy "
+        "(every CUDA tensor; on CPU the weights the push reads in place, which each pushing rank then keeps in "
+        "shared memory unless rollout.memory.offload_trainer), the rest (on CPU: TP-gathered, split fused QKV) is "
+        "staged"
+    )
+    bucket_mb: int = doc(512, "weight-update bucket size in MiB (backend sglang)")
+
+    def __post_init__(self) -> None:
+        require(self.bucket_mb >= 1, f"rollout.weight_sync.bucket_mb must be >= 1, got {self.bucket_mb}")
+
+
+@dataclass
+class MemoryHandoffConfig:
+    """Sharing GPUs between the trainer and colocated rollout servers."""
+
+    release_servers: bool = doc(
+        False, "servers on the trainer's GPUs (colocated; started with --enable-memory-saver) release their GPU memory "
+        "while the trainer computes and take it back before each weight push (backend sglang; armor ray-train "
+        "--placement colocated sets it)"
+    )
+    offload_trainer: bool = doc(
+        False, "the trainer's weights, optimizer state and grad buffers leave the GPU for host memory while the "
+        "rollout servers generate (the actor's weights come back after each update for the push, the MIPU gate and "
+        "validation), so colocated servers fit beside it; costs about two host-device copies of them per step and "
+        "that much page-locked host memory (armor ray-train --placement colocated sets it; on CPU it saves nothing)"
+    )
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["local", "sglang"] = doc("local", "rollout engine: local (in-process HF model) or sglang (HTTP servers)")
+    engine_precision: Literal["fp32", "bf16", "fp8"] = doc(
+        "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
+        "training/inference mismatch of production engines (backend local)"
+    )
+    sampling: SamplingConfig = section(SamplingConfig)
+    anchors: AnchorsConfig = section(AnchorsConfig)
+    sglang: SGLangClientConfig = section(SGLangClientConfig)
+    weight_sync: WeightSyncConfig = section(WeightSyncConfig)
+    memory: MemoryHandoffConfig = section(MemoryHandoffConfig)
+
+    def __post_init__(self) -> None:
+        """Rules between the backend and the sub-sections."""
+        s = self.sglang
+        require(not self.memory.release_servers or self.backend == "sglang",
+                "rollout.memory.release_servers hands GPU memory between SGLang servers and the trainer: it needs "
+                "rollout.backend sglang")
+        if self.backend == "sglang":
+            require(bool(s.urls),
+                    "rollout.sglang.urls is required with rollout.backend sglang (e.g. http://host:30000)")
+            require(self.engine_precision == "fp32",
+                    f"rollout.engine_precision {self.engine_precision} simulates mismatch in the local engine only; "
+                    f"set it to fp32 with rollout.backend sglang (quantize the SGLang server itself instead)")
+            require(self.weight_sync.method != "disk" or bool(self.weight_sync.dir),
+                    "rollout.weight_sync.method disk needs rollout.weight_sync.dir (a directory the SGLang servers can "
+                    "read)")
+        else:
+            require(not (s.router_url or s.ref_router_url),
+                    "rollout.sglang.router_url / ref_router_url apply to rollout.backend sglang only")
+        require(self.anchors.engine == "separate" or not s.ref_urls,
+                f"rollout.sglang.ref_urls ({s.ref_urls}) is unused with rollout.anchors.engine shared (anchors come "
+                f"from the actor's servers): drop it, or set rollout.anchors.engine separate")

@@ -1,0 +1,164 @@
+"""The run's general sections: models, layout, data, reward, optimisation, validation, checkpoints, task, logging.
+
+Each section checks its own fields in `__post_init__`; rules that tie sections together are in
+`cross_section.py`, rules that depend on `algorithm.name` in `algorithm_rules.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_armor.config.base import doc, require, require_at_least
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = doc(
+        None, "initial policy: HF checkpoint dir or Megatron checkpoint (`armor convert`); also the reference unless ref_path"
+    )
+    ref_path: str | None = doc(None, "reference/anchor policy, HF or Megatron checkpoint dir (default: path)")
+    params_dtype: Literal["float32", "bfloat16"] = doc("float32", "parameter dtype of actor and reference")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
+    pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
+    data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x dp processes")
+
+    def __post_init__(self) -> None:
+        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"), 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = doc(None, "training prompts (.jsonl or .parquet with prompt/answer fields)")
+    val_path: str | None = doc(None, "validation prompts (same format); none disables validation")
+    prompt_key: str = doc(
+        "prompt", "row field holding the prompt: text, or a list of {role, content} chat messages (verl parquet "
+        "files; needs apply_chat_template)"
+    )
+    answer_key: str = doc(
+        "answer", "row field holding the reference answer; a dotted key reads a nested field (verl parquet files: "
+        "reward_model.ground_truth)"
+    )
+    apply_chat_template: bool = doc(False, "wrap prompts in the tokenizer's chat template")
+    max_prompt_length: int = doc(2048, "longest allowed prompt in tokens (longer rows are an error)")
+    shuffle: bool = doc(True, "reshuffle training prompts every epoch")
+
+    def __post_init__(self) -> None:
+        require_at_least("data", self, ("max_prompt_length",), 1)
+
+
+@dataclass
+class RewardConfig:
+    train_fn: str = doc(
+        "megatron_armor.rewards.math_dapo:verify", "training reward, module:function; default: DAPO's exact match of "
+        "the last 'Answer:' line, as the ARMOR paper (megatron_armor.rewards.math_verify_reward:verify: math-verify's "
+        "value equality, also of a final \\boxed{})"
+    )
+    val_fn: str | None = doc(None, "validation reward, module:function (default: train_fn)")
+    overlong_buffer: int = doc(4096, "DAPO overlong penalty buffer in tokens (0 disables)")
+    overlong_factor: float = doc(1.0, "DAPO overlong penalty factor")
+
+    def __post_init__(self) -> None:
+        require_at_least("reward", self, ("overlong_buffer",), 0)
+
+
+@dataclass
+class TrainConfig:
+    train_batch_size: int = doc(512, "prompts per RL step")
+    gen_batch_size: int = doc(2048, "prompts per generation batch")
+    mini_batch_size: int = doc(32, "prompts per optimizer step")
+    micro_batch_size: int = doc(8, "sequences per forward/backward")
+    lr: float = doc(1e-6, "peak learning rate")
+    warmup_steps: int = doc(
+        10, "linear warmup over this many RL steps (all mini-batches of step k use lr * min(1, (k + 1) / "
+        "warmup_steps), as verl's per-RL-step scheduler), then constant"
+    )
+    weight_decay: float = doc(0.1, "AdamW weight decay")
+    adam_beta1: float = doc(0.9, "Adam beta1")
+    adam_beta2: float = doc(0.999, "Adam beta2")
+    adam_eps: float = doc(1e-8, "Adam epsilon")
+    grad_clip: float = doc(1.0, "global gradient-norm clip")
+    subspace_capture_step: int = doc(
+        0, "subspace-constrained training: after this RL step, confine updates to the top-K span of the "
+        "cumulative update so far (0: off)"
+    )
+    subspace_k: int = doc(16, "K of subspace-constrained training")
+    subspace_mode: Literal["gradient", "update"] = doc(
+        "gradient", "project the gradient before Adam, or the parameter change after it"
+    )
+    logprob_head: Literal["auto", "torch", "fused"] = doc(
+        "auto", "LM head scoring: torch (vocab-sharded logits), fused (Triton kernel; GPU, or interpreter on CPU), "
+        "auto (fused on GPU, torch on CPU)"
+    )
+    max_steps: int = doc(200, "RL steps to run")
+    seed: int = doc(1234, "seed of data order, sampling and initialisation")
+
+    def __post_init__(self) -> None:
+        require_at_least(
+            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps"), 1
+        )
+        require_at_least("train", self, ("warmup_steps",), 0)
+        require(self.train_batch_size % self.mini_batch_size == 0,
+                f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
+                f"({self.train_batch_size})")
+        require(self.subspace_capture_step >= 0,
+                f"train.subspace_capture_step must be >= 0, got {self.subspace_capture_step}")
+        require(self.subspace_k >= 1, f"train.subspace_k must be >= 1, got {self.subspace_k}")
+        require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        require(0 <= self.weight_decay, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class EvalConfig:
+    every: int = doc(5, "validate every N steps (0: never)")
+    before_train: bool = doc(True, "validate before the first step")
+    max_prompts: int | None = doc(None, "use only the first N validation prompts")
+
+    def __post_init__(self) -> None:
+        require_at_least("eval", self, ("every",), 0)
+        require(self.max_prompts is None or self.max_prompts >= 1,
+                f"eval.max_prompts must be >= 1 or null, got {self.max_prompts}")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = doc(20, "save a checkpoint every N steps (and at the end)")
+    keep_last: int = doc(2, "keep the newest N checkpoints (0: keep all)")
+    save_model: bool = doc(
+        True, "also write the actor as a Megatron distributed checkpoint (step_N/model/) for `armor convert` / `diagnose`"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least("checkpoint", self, ("every",), 1)
+        require_at_least("checkpoint", self, ("keep_last",), 0)
+
+
+@dataclass
+class TaskConfig:
+    synthetic: Literal["arithmetic"] | None = doc(None, "generate a synthetic task (and tiny model) in cache_dir")
+    num_train_rows: int = doc(2000, "synthetic training prompts")
+    num_val_rows: int = doc(200, "synthetic validation prompts")
+    warm_start_steps: int = doc(0, "supervised warm-start steps of the synthetic model (0: none)")
+    warm_start_target_accuracy: float = doc(0.6, "stop the warm start at this sampled accuracy")
+    cache_dir: str = doc(".cache/megatron-armor", "where synthetic assets and warm starts are cached")
+
+    def __post_init__(self) -> None:
+        require_at_least("task", self, ("warm_start_steps",), 0)
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = doc("runs/armor", "run directory: metrics.jsonl, curves.png, checkpoints/")
+    tensorboard: bool = doc(True, "write TensorBoard scalars")
+    wandb_project: str | None = doc(None, "log to this Weights & Biases project (needs wandb)")
+    plot: bool = doc(True, "write curves.png at the end")
+    progress_bar: bool = doc(True, "show a progress bar")
