@@ -9,9 +9,12 @@ import torch
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.loop import RLTrainer, StepPlan, local_mini_batch_groups, trim_to_data_parallel
+from megatron_armor.trainer.loop import RLTrainer
 from megatron_armor.trainer.mipu_gate import TrainingSnapshot
 from megatron_armor.trainer.optimizer import OptimizerSettings, learning_rate
+from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.rollout_phase import trim_to_data_parallel
+from megatron_armor.trainer.training_batch import local_mini_batch_groups
 
 
 def test_warmup_counts_rl_steps():
@@ -51,8 +54,8 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan, prompts, sampling=None, scorer=None,
                         loss=None, optim=None)
     # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
-    trainer.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
-                                                             _sample(1, False), _sample(1, False)]
+    trainer.rollout.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
+                                                                     _sample(1, False), _sample(1, False)]
     metrics = trainer.step(0)
     assert metrics["train/update_skipped"] == 1.0 and metrics["armor/prompts_kept"] == 0.0
     assert trainer.optimizer_steps == 0 and not any(k.startswith(("loss/", "optim/")) for k in metrics)

@@ -27,9 +27,11 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.trainer.logprobs import forward_backward  # noqa: E402
-from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan  # noqa: E402
 from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.plan import StepPlan  # noqa: E402
+from megatron_armor.trainer.policies import PolicyHandles  # noqa: E402
 from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn, update_policy  # noqa: E402
+from megatron_armor.trainer.training_batch import advantage_batch, score_logprobs  # noqa: E402
 
 def fixed_groups(num_groups=4, group_size=4):
     """Random sequences of varying length; one correct anchor closes each group."""
@@ -67,9 +69,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
     # layouts are compared on clipped and unclipped tokens alike.
     loss = LossSettings(alpha=0.75, clip_low=0.003, clip_high=0.003, logprob_head=head)
-    trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
-
-    prepared = trainer.prepare_batch(fixed_groups())
+    advantaged = advantage_batch(fixed_groups(), plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)
+    prepared = score_logprobs(advantaged, handles, plan, loss, optimizer_steps=0, dp_rank=ctx.dp_rank)
     batch = prepared.batch
     logprobs = {}
     for row in range(batch.size):

@@ -25,7 +25,7 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.trainer.batch import build_sequence_batch  # noqa: E402
-from megatron_armor.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_armor.trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_armor.trainer.logprobs import compute_logprobs, forward_backward  # noqa: E402
 from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn  # noqa: E402
@@ -69,9 +69,10 @@ result["twice"] = project_from(projected_local, constraint)
 result["orthogonal"] = project_from({n: raw_local[n] - projected_local[n] for n in grads}, constraint)
 
 run_dir = Path(out_dir) / "run"
-path = save_checkpoint(run_dir, 1, {"subspace": constraint}, TrainerState(step=1, sampler={}, extra={}))
+path = save_checkpoint(run_dir, 1, {"modules": {"subspace": constraint.state_dict()}})
 restored = subspace_constraint(ddp.module, k, "gradient")  # its W0 is W_t and nothing is captured ...
-load_checkpoint(path, {"subspace": restored})  # ... until the checkpoint restores W0 and the bases
+_, state = load_checkpoint(path)  # ... until the checkpoint restores W0 and the bases
+restored.load_state_dict(state["modules"]["subspace"])
 result["resumed"] = project_from(raw_local, restored)
 result["sharding"] = {name: s.dim for name, s in constraint.sharding.items()}
 if ctx.rank == 0:
