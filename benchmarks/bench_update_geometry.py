@@ -41,12 +41,12 @@ from transformers import AutoModelForCausalLM
 from megatron_armor.config import ArmorConfig, load_config
 from megatron_armor.convert.mapping import megatron_shards_to_hf, model_mappings
 from megatron_armor.convert.weights import HFCheckpointReader
-from megatron_armor.diagnostics import DiagnoseSettings, Snapshot, diagnose_sources
+from megatron_armor.diagnostics import DiagnoseConfig, Snapshot, diagnose_sources
 from megatron_armor.models.hf_config import ModelShape, load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import make_rows
 from megatron_armor.trainer.checkpoint import COMPLETE_MARKER, list_checkpoints
-from megatron_armor.trainer.optimizer import OptimizerSettings, learning_rate
+from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
 from megatron_armor.trainer.task_setup import prepare_task
 from megatron_armor.trainer.warmstart import WarmStartConfig, _sft_batch, cached_warm_start, sampled_accuracy
 
@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "examples" / "tiny" / "opd.yaml"
 METHODS = ("SFT", "OPD", "RLVR")
 TEACHER = WarmStartConfig(steps=800, lr=1e-3, eval_every=100, eval_rows=128, target_accuracy=0.95)
-SETTINGS = DiagnoseSettings(k_angles=8, k_sim=4, mask_rank=8, k_hill=4)
+SETTINGS = DiagnoseConfig(k_angles=8, k_sim=4, mask_rank=8, k_hill=4)
 
 Weights = dict[str, torch.Tensor]  # HF tensor name -> tensor
 
@@ -86,7 +86,7 @@ def task_rows(cfg: ArmorConfig) -> tuple[list[dict], list[dict]]:
 
 def prepare_base_and_teacher(cfg: ArmorConfig) -> tuple[Path, Path]:
     """(W0, teacher) HF directories: the tiny task's warm start, and that further SFT-trained (both cached)."""
-    base = Path(prepare_task(cfg, is_main=True).model_path)
+    base = Path(prepare_task(cfg, is_main=True, needs_teacher=False).model_path)  # the warm start is the student
     teacher_settings = replace(TEACHER, seed=cfg.train.seed)
     teacher = cached_warm_start(base, task_rows(cfg)[0], Path(cfg.task.cache_dir) / "warm-start", teacher_settings)
     return base.resolve(), Path(teacher.path).resolve()
@@ -101,7 +101,7 @@ def run_sft(cfg: ArmorConfig, base: Path, steps: int, save_every: int) -> dict[i
     tokenizer = load_tokenizer(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.train()
-    schedule = OptimizerSettings(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+    schedule = AdamConfig(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
                                  adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                                  grad_clip=t.grad_clip)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,

@@ -132,6 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if cfg.train.logprob_head == "fused":
         _enable_triton_interpreter_without_gpu()
+    from megatron_armor.algorithms import check_algorithm_config  # imports torch: not for --help
+
+    try:
+        check_algorithm_config(cfg)  # its own rules, before any process starts
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.command == "ray-train":
         return run_ray_train(args, cfg)
     if "WORLD_SIZE" not in os.environ:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_armor.algorithms import build_algorithm, check_algorithm_config
 from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import (
     MOVED_FIELDS, ConfigError, OpdConfig, SamplingConfig, config_fields, load_config, save_config,
@@ -26,7 +27,8 @@ def test_demo_config_loads_with_typed_overrides():
     [
         (["train.lr=fast"], "train.lr: expected float, got 'fast'"),
         (["train.max_steps=2.5"], "train.max_steps: expected int"),
-        (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not allowed; choose one of \\['armor', 'grpo', 'grpo_kl', 'mipu', 'opd'\\]"),
+        (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not a registered algorithm; choose one of \\['grpo', "
+                                 "'armor', 'grpo_kl', 'mipu', 'opd'"),
         (["train.lrr=1"], "unknown config field 'train.lrr'; did you mean 'train.lr'"),
         (["trian.lr=1"], "unknown config section 'trian'; did you mean 'train'"),
         (["armor.alpha=0"], "armor.alpha must be in \\(0, 1\\], got 0.0"),
@@ -41,7 +43,7 @@ def test_demo_config_loads_with_typed_overrides():
         (["rollout.anchors.engine=shared", "rollout.sglang.ref_urls=http://b:1"],
          "rollout.sglang.ref_urls \\(http://b:1\\) is unused with rollout.anchors.engine shared"),
         (["algorithm.name=grpo", "rollout.sampling.actor_n=8", "rollout.anchors.cache=true"],
-         "rollout.anchors.engine \\(separate\\) and rollout.anchors.cache \\(True\\) apply to armor's anchors; grpo"),
+         "rollout.anchors.engine \\(separate\\) and rollout.anchors.cache \\(True\\) apply to anchors; grpo samples none"),
         (["rollout.anchors.cache_max_prompts=0"], "rollout.anchors.cache_max_prompts must be >= 1, got 0"),
         (["rollout.backend=sglang", "rollout.sglang.urls=http://a:1", "rollout.anchors.engine=shared",
           "rollout.weight_sync.method=disk"], "rollout.weight_sync.method disk needs rollout.weight_sync.dir"),
@@ -54,8 +56,9 @@ def test_demo_config_loads_with_typed_overrides():
     ],
 )
 def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):
+    """Through load_config and the chosen algorithm's own rules, as `armor train` checks a config."""
     with pytest.raises(ConfigError, match=message):
-        load_config(DEMO, overrides)
+        check_algorithm_config(load_config(DEMO, overrides))
 
 
 @pytest.mark.parametrize(
@@ -70,9 +73,9 @@ def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message)
     ],
 )
 def test_clip_defaults_are_per_algorithm_unless_set(overrides, clip_high, dual_clip):
-    cfg = load_config(None, ["task.synthetic=arithmetic", *overrides])  # no recipe: the dataclass defaults
-    assert cfg.algorithm.effective_clip_high == pytest.approx(clip_high)
-    assert cfg.algorithm.effective_dual_clip == pytest.approx(dual_clip)
+    clip = build_algorithm(load_config(None, ["task.synthetic=arithmetic", *overrides])).clip  # dataclass defaults
+    assert clip.high == pytest.approx(clip_high)
+    assert clip.dual == pytest.approx(dual_clip)
 
 
 def test_malformed_yaml_files(tmp_path):

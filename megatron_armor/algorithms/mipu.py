@@ -1,4 +1,5 @@
-"""MIPU Step 2: the post-update inference-gap proxy, its tolerance schedule and the accept rule (mipu.md §3)."""
+"""MIPU (mipu.md): the registered algorithm, and Step 2's math: the post-update inference-gap proxy, its
+tolerance schedule and the accept rule (§3). Step 1's sampler-corrected loss is in importance.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import math
 
 import torch
 
+from megatron_armor.algorithms.base import Algorithm, LossInputs, UpdateGateConfig
+from megatron_armor.algorithms.importance import sampler_corrected_loss
 from megatron_armor.algorithms.losses import LOG_RATIO_CLAMP
+from megatron_armor.algorithms.registry import register_algorithm
+from megatron_armor.config import ArmorConfig
 
 
 @torch.no_grad()
@@ -43,3 +48,40 @@ def tolerance(step: int, c_start: float, c_end: float, ramp_steps: int = 100) ->
 def accept_update(gap: float, c: float) -> bool:
     """Accept the candidate iff T_post >= -c."""
     return gap >= -c
+
+
+@register_algorithm
+class Mipu(Algorithm):
+    """Step 1: dual-clip PPO on pi_theta / pi_old weighted by the corrected pi_old / mu (mipu.is_correction,
+    mipu.w_max), symmetric clip eps with dual clip 1 + 2 eps by default, each response's token mean, plus the
+    KL penalty (kl.coef); Step 2 (mipu.gate): accept or roll back every update by the gap proxy."""
+
+    name = "mipu"
+    uses_kl_penalty = True
+    default_loss_aggregation = "seq_mean_token_mean"  # J_S1 (mipu.md §2)
+
+    def __init__(self, cfg: ArmorConfig) -> None:
+        super().__init__(cfg)
+        self.settings = cfg.mipu
+
+    @classmethod
+    def default_clip_high(cls, clip_low: float) -> float:
+        return clip_low  # symmetric eps (mipu.md §2)
+
+    @classmethod
+    def default_dual_clip(cls, clip_low: float) -> float:
+        return 1.0 + 2.0 * clip_low
+
+    def ppo_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return sampler_corrected_loss(
+            inputs.logprobs, inputs.old_logprobs, inputs.engine_logprobs, inputs.advantages, inputs.response_mask,
+            correction=self.settings.is_correction, w_max=self.settings.w_max, aggregation=self.loss_aggregation,
+            normalizer=1.0, **self.clip.as_kwargs(),
+        )
+
+    def update_gate(self) -> UpdateGateConfig | None:
+        mipu = self.settings
+        if not mipu.gate:
+            return None
+        return UpdateGateConfig(c_start=mipu.c_start, c_end=mipu.c_end, ramp_steps=mipu.ramp_steps,
+                                prompts=mipu.gate_prompts, n=mipu.gate_n)

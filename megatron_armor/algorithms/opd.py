@@ -1,5 +1,5 @@
-"""On-policy distillation (opd.md §1): per-token reverse-KL advantages against a frozen teacher,
-optionally sparsified to a fraction of each response's tokens."""
+"""On-policy distillation (opd.md §1): the registered algorithm, and its per-token reverse-KL advantages
+against a frozen teacher, optionally sparsified to a fraction of each response's tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ from typing import Literal
 
 import torch
 
+from megatron_armor.config.base import require
+from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.reduce import masked_mean
+from megatron_armor.algorithms.registry import register_algorithm
+from megatron_armor.config import ArmorConfig
 
 TOKEN_SELECTIONS = ("top", "random")
 TokenSelection = Literal["top", "random"]
@@ -91,3 +95,56 @@ def opd_token_advantages(
 def reverse_kl(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Single-sample reverse KL(student || teacher): token mean of old_logp - teacher_logp. [B, T] -> 0-dim."""
     return masked_mean(old_logp - teacher_logp, mask)
+
+
+@register_algorithm
+class Opd(Grpo):
+    """GRPO's dual-clip PPO loss on per-token advantages A_t = opd.alpha * (-opd.beta * r_t) + (1 - opd.alpha) *
+    A_grpo, r_t = log pi_old - log q_teacher (`opd_token_advantages`). Every prompt is trained on (no group
+    filter); with opd.rollouts teacher the teacher's never-synced engine samples the responses."""
+
+    name = "opd"
+    needs_teacher = True
+
+    def __init__(self, cfg: ArmorConfig) -> None:
+        super().__init__(cfg)
+        self.settings = cfg.opd
+        self.filters_groups = False  # OPD learns from every prompt
+
+    @property
+    def samples_from_teacher(self) -> bool:
+        return self.settings.rollouts == "teacher"
+
+    @classmethod
+    def check_config(cls, cfg: ArmorConfig) -> None:
+        super().check_config(cfg)
+        opd, synthetic = cfg.opd, cfg.task.synthetic is not None
+        warm_start = synthetic and cfg.task.warm_start_steps > 0
+        require(opd.teacher_layout is None or opd.teacher_path is not None or synthetic,
+                "opd.teacher_tensor/pipeline_parallel_size start a teacher server of opd.teacher_path: set "
+                "opd.teacher_path (or opd.teacher_url for a server that runs already)")
+        require(opd.teacher_url is not None or opd.teacher_path is not None or warm_start,
+                "opd.teacher_path is required for algorithm.name opd (an HF checkpoint dir of the teacher; the "
+                "synthetic task with task.warm_start_steps > 0 uses its warm start), or opd.teacher_url")
+        if opd.rollouts == "teacher":
+            clip = cls.resolve_clip(cfg)
+            require(clip.low == 1.0 and clip.high == 1.0,
+                    f"opd.rollouts teacher trains on off-policy tokens with the PPO ratio clip off (eps = 1.0, "
+                    f"opd.md §1): set algorithm.clip_low=1.0 algorithm.clip_high=1.0, got {clip.low}/{clip.high}")
+            require(cfg.rollout.backend == "local",
+                    "opd.rollouts teacher samples from an in-process engine of opd.teacher_path; rollout.backend "
+                    "sglang has no teacher rollout servers: use rollout.backend local, or opd.rollouts student")
+            require(opd.teacher_path is not None or warm_start,
+                    "opd.rollouts teacher needs the teacher's weights in the trainer for its rollout engine: set "
+                    "opd.teacher_path (an HF checkpoint dir; opd.teacher_url alone only scores)")
+
+    def token_advantages(
+        self, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor | None, response_mask: torch.Tensor,
+        sequence_advantages: torch.Tensor, generator: torch.Generator,
+    ) -> torch.Tensor:
+        opd = self.settings
+        return opd_token_advantages(
+            old_logprobs, teacher_logprobs, response_mask, beta=opd.beta, alpha=opd.alpha,
+            sequence_advantages=sequence_advantages, token_fraction=opd.token_fraction,
+            token_selection=opd.token_selection, generator=generator,
+        )

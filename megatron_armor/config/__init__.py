@@ -6,8 +6,8 @@
     rollout.py          rollout and its sub-sections: sampling, anchors, sglang, weight_sync, memory
     algorithm.py        algorithm, armor, kl, mipu, opd
     root.py             ArmorConfig, config_fields
-    algorithm_rules.py  every rule and default that depends on algorithm.name
-    cross_section.py    the other rules between sections
+    cross_section.py    the rules between sections (the chosen algorithm's own rules are checked by its
+                        object: megatron_armor.algorithms)
     moved_names.py      fields that moved (old name -> new place)
     loading.py          load_config, coerce, validate, save_config, config_hash
 

@@ -1,7 +1,8 @@
 """The algorithm sections: `algorithm` (the policy loss and batch shared by every algorithm) and one section
 per algorithm-specific concern: `armor` (mixed ratio), `kl` (KL-to-reference loss), `mipu`, `opd`.
 
-Defaults that depend on `algorithm.name` come from `algorithm_rules.py`.
+Defaults and rules that depend on which algorithm runs belong to the algorithm objects
+(`megatron_armor.algorithms`), which check them when the run's algorithm is built.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_armor.config import algorithm_rules
 from megatron_armor.config.base import doc, require, require_at_least
 
 
@@ -18,8 +18,9 @@ class AlgorithmConfig:
     """Which algorithm trains, and the PPO-style loss, group filtering and advantages they all use."""
 
     name: str = doc(
-        "armor", "armor | grpo (armor.alpha=1, no anchors) | grpo_kl | mipu (sampler-referenced loss + gated sync) | "
-        "opd (on-policy distillation from opd.teacher_path)"
+        "armor", "a registered algorithm: armor | grpo (dual-clip PPO, no anchors) | grpo_kl | mipu (sampler-referenced "
+        "loss + gated sync) | opd (on-policy distillation from opd.teacher_path), or one a plug-in registered "
+        "(megatron_armor.algorithms.register_algorithm)"
     )
     clip_low: float = doc(0.2, "PPO ratio clip epsilon below 1")
     clip_high: float | None = doc(
@@ -59,27 +60,6 @@ class AlgorithmConfig:
         require(self.loss_aggregation in (None, "token_mean", "seq_mean_token_mean"),
                 f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or null (the algorithm's "
                 f"default), got {self.loss_aggregation!r}")
-
-    @property
-    def aggregation(self) -> str:
-        """`loss_aggregation`, or the algorithm's default when it is unset."""
-        if self.loss_aggregation is not None:
-            return self.loss_aggregation
-        return algorithm_rules.default_aggregation(self.name)
-
-    @property
-    def effective_clip_high(self) -> float:
-        """`clip_high`, or the algorithm's default when it is unset."""
-        if self.clip_high is not None:
-            return self.clip_high
-        return algorithm_rules.default_clip_high(self.name, self.clip_low)
-
-    @property
-    def effective_dual_clip(self) -> float:
-        """`dual_clip`, or the algorithm's default when it is unset."""
-        if self.dual_clip is not None:
-            return self.dual_clip
-        return algorithm_rules.default_dual_clip(self.name, self.clip_low)
 
 
 @dataclass

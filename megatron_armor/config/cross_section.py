@@ -1,5 +1,5 @@
-"""Rules between sections that hold for every algorithm (those that depend on `algorithm.name` are in
-`algorithm_rules.py`; each section checks its own fields)."""
+"""Rules between sections that hold for every algorithm (the chosen algorithm checks its own rules when it is
+built, megatron_armor.algorithms; each section checks its own fields)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_armor.config.algorithm_rules import check_algorithm_rules
 from megatron_armor.config.base import ConfigError
 from megatron_armor.config.cross_section import check_cross_section
 from megatron_armor.config.moved_names import MOVED_FIELDS
@@ -131,9 +130,9 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
 
 
 def validate(cfg: ArmorConfig) -> None:
-    """The rules between sections (each section checked its own fields when it was built): those of
-    `algorithm.name` first, then the others. Each error names the fields, their values and what is allowed."""
-    check_algorithm_rules(cfg)
+    """The rules between sections (each section checked its own fields when it was built); each error names the
+    fields, their values and what is allowed. The rules of the chosen algorithm are its own: they are checked
+    when it is built (`megatron_armor.algorithms.check_algorithm_config`)."""
     check_cross_section(cfg)
 
 

@@ -1,7 +1,7 @@
 """The run's general sections: models, layout, data, reward, optimisation, validation, checkpoints, task, logging.
 
 Each section checks its own fields in `__post_init__`; rules that tie sections together are in
-`cross_section.py`, rules that depend on `algorithm.name` in `algorithm_rules.py`.
+`cross_section.py`; the chosen algorithm checks its own rules (megatron_armor.algorithms).
 """
 
 from __future__ import annotations

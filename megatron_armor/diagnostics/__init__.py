@@ -13,7 +13,7 @@ _EXPORTS = {
         "unchanged_fraction", "unchanged_mask", "update_scale",
     ),
     "report": ("MatrixMetrics", "diagnose", "diagnose_sources"),
-    "settings": ("DiagnoseSettings", "LINEAR_LAYER_TYPES", "UNCHANGED_ETA"),
+    "settings": ("DiagnoseConfig", "LINEAR_LAYER_TYPES", "UNCHANGED_ETA"),
     "sources": ("LinearWeight", "MegatronSource", "Snapshot", "WeightSource", "checkpoint_snapshots", "linear_weights"),
     "subspace": ("SubspaceConstraint", "project_gradient", "record_subspace"),
 }

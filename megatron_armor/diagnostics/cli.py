@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from megatron_armor.diagnostics.settings import DiagnoseSettings
+from megatron_armor.diagnostics.settings import DiagnoseConfig
 
 
 def add_diagnose_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def add_diagnose_subcommand(subparsers) -> argparse.ArgumentParser:
                         help="later checkpoints, HF or Megatron (e.g. a run's checkpoints/step_N/model); ordered by "
                              "the last number in their names")
     parser.add_argument("--out-dir", required=True, help="where report.json and the plots go")
-    for f in fields(DiagnoseSettings):
+    for f in fields(DiagnoseConfig):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, tuple):
             parser.add_argument(flag, nargs="+", default=list(f.default), help=f.metadata["help"])
@@ -39,9 +39,9 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from megatron_armor.diagnostics.report import REPORT_FILE, diagnose  # torch: only when the command runs
 
     try:
-        settings = DiagnoseSettings(**{
+        settings = DiagnoseConfig(**{
             f.name: tuple(value) if isinstance(value := getattr(args, f.name), list) else value
-            for f in fields(DiagnoseSettings)
+            for f in fields(DiagnoseConfig)
         })
         report = diagnose(args.base, args.checkpoints, args.out_dir, settings)
     except (ValueError, KeyError, RuntimeError) as error:

@@ -24,7 +24,7 @@ from megatron_armor.diagnostics.geometry import (
     stable_rank, top_right_vectors, unchanged_mask, update_scale,
 )
 from megatron_armor.diagnostics.plots import plot_layer_types, plot_trajectory
-from megatron_armor.diagnostics.settings import DiagnoseSettings
+from megatron_armor.diagnostics.settings import DiagnoseConfig
 from megatron_armor.diagnostics.sources import LinearWeight, Snapshot, checkpoint_snapshots, linear_weights
 
 REPORT_FILE = "report.json"
@@ -57,7 +57,7 @@ MEAN_METRICS = tuple(
 
 
 def _checkpoint_metrics(
-    f0: Factored, w1: torch.Tensor, s: DiagnoseSettings
+    f0: Factored, w1: torch.Tensor, s: DiagnoseConfig
 ) -> tuple[MatrixMetrics, torch.Tensor | None]:
     """Metrics of W_t against the factored W0, and V_K(t) [in, K] (None for a zero update)."""
     f1 = factor(w1)
@@ -83,7 +83,7 @@ def _checkpoint_metrics(
     return metrics, (top_right_vectors(fd, s.k_sim) if norm > 0 else None)
 
 
-def matrix_trajectory(w0: torch.Tensor, later: Iterable[torch.Tensor], s: DiagnoseSettings) -> list[MatrixMetrics]:
+def matrix_trajectory(w0: torch.Tensor, later: Iterable[torch.Tensor], s: DiagnoseConfig) -> list[MatrixMetrics]:
     """Metrics of one matrix [out, in] at each later checkpoint (in trajectory order; the last is t_end)."""
     f0 = factor(w0)
     results = [_checkpoint_metrics(f0, w1, s) for w1 in later]
@@ -138,7 +138,7 @@ def diagnose_sources(
     base: Snapshot,
     checkpoints: Sequence[Snapshot],
     out_dir: str | Path,
-    settings: DiagnoseSettings = DiagnoseSettings(),
+    settings: DiagnoseConfig = DiagnoseConfig(),
 ) -> dict:
     """Diagnose `checkpoints` (sorted by step here) against `base`; write report.json and plots to out_dir."""
     if not checkpoints:
@@ -182,7 +182,7 @@ def diagnose(
     base: str | Path,
     checkpoints: Sequence[str | Path],
     out_dir: str | Path,
-    settings: DiagnoseSettings = DiagnoseSettings(),
+    settings: DiagnoseConfig = DiagnoseConfig(),
 ) -> dict:
     """`diagnose_sources` for checkpoint directories, HF or Megatron (read in place, one matrix at a
     time); returns the report written to out_dir/report.json."""

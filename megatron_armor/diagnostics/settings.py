@@ -9,7 +9,7 @@ LINEAR_LAYER_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 
 @dataclass(frozen=True)
-class DiagnoseSettings:
+class DiagnoseConfig:
     """Knobs of the diagnostics; defaults are the spec's (k_hill is open there)."""
 
     k_angles: int = field(default=512, metadata={"help": "top-k singular subspaces compared by principal angles "
@@ -26,11 +26,11 @@ class DiagnoseSettings:
     def __post_init__(self) -> None:
         for name, low in (("k_angles", 1), ("k_sim", 1), ("k_hill", 2), ("mask_rank", 1)):
             if getattr(self, name) < low:
-                raise ValueError(f"DiagnoseSettings.{name} must be >= {low}, got {getattr(self, name)}")
+                raise ValueError(f"DiagnoseConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if not 0.0 < self.mask_alpha < 1.0:
-            raise ValueError(f"DiagnoseSettings.mask_alpha must lie in (0, 1), got {self.mask_alpha}")
+            raise ValueError(f"DiagnoseConfig.mask_alpha must lie in (0, 1), got {self.mask_alpha}")
         unknown = set(self.layer_types) - set(LINEAR_LAYER_TYPES)
         if unknown:
             raise ValueError(
-                f"DiagnoseSettings.layer_types: unknown {sorted(unknown)}; choose from {LINEAR_LAYER_TYPES}"
+                f"DiagnoseConfig.layer_types: unknown {sorted(unknown)}; choose from {LINEAR_LAYER_TYPES}"
             )

@@ -25,6 +25,7 @@ from typing import Literal
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from megatron_armor.algorithms import check_algorithm_config
 from megatron_armor.config import ArmorConfig, ConfigError, validate
 from megatron_armor.launch.server_process import ServerSpec
 from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundles
@@ -62,48 +63,35 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
     servers.PlacementError if the cluster cannot hold the job; servers, routers, actors and placement groups
     are released in every case.
     """
+    algorithm = check_algorithm_config(cfg)
     use_gpus = ray.cluster_resources().get("GPU", 0) > 0
     world = cfg.parallel.world_size
-    if job.placement == "colocated" and (not use_gpus or job.server_tp_size != 1):
+    colocated = job.placement == "colocated"
+    if colocated and (not use_gpus or job.server_tp_size != 1):
         raise ConfigError("colocated placement needs a GPU cluster and server_tp_size 1 (one GPU per bundle, shared "
                           f"by a trainer rank and its servers); got {'no GPUs' if not use_gpus else f'server_tp_size {job.server_tp_size}'}")
-    paths = prepare_task(cfg, is_main=True)  # servers need the checkpoints before the trainer starts
-    bundle = {"CPU": job.cpus_per_actor * (3 if job.placement == "colocated" else 1), **({"GPU": 1} if use_gpus else {})}
+    # Servers need the checkpoints before the trainer starts.
+    paths = prepare_task(cfg, is_main=True, needs_teacher=algorithm.needs_teacher)
+    bundle = {"CPU": job.cpus_per_actor * (3 if colocated else 1), **({"GPU": 1} if use_gpus else {})}
     trainer_pg = reserve_bundles(bundle, world, name="armor-trainer", timeout_s=job.placement_timeout_s)
     groups: list[ServerGroup] = []
     routers: list[SGLangRouter] = []
     try:
         roles = [("actor", paths.model_path, job.num_servers)]
-        if cfg.algorithm.name == "armor" and cfg.rollout.anchors.engine == "separate":
+        if algorithm.uses_anchors and cfg.rollout.anchors.engine == "separate":
             roles.append(("reference", paths.ref_path, job.num_ref_servers))
         offset = 0
         for role, model_path, count in roles:
-            count = world if job.placement == "colocated" else count
-            spec = ServerSpec(
-                model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
-                mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + offset * job.server_tp_size,
-                enable_memory_saver=job.placement == "colocated", extra_args=job.server_args,
-                # The reference's weights are pushed once, not after every hand-off: they must survive releases.
-                enable_weights_cpu_backup=job.placement == "colocated" and role == "reference",
-            )
+            count = world if colocated else count
+            group = _server_group(cfg, job, role, model_path, count, seed_offset=offset, trainer_pg=trainer_pg)
             offset += count
-            placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)
-                         if job.placement == "colocated"
-                         else Placement(cpus_per_actor=job.cpus_per_actor, timeout_s=job.placement_timeout_s))
-            router = None
-            if use_sglang_router(cfg.rollout.sglang.router, count):
-                router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.sglang.router_policy), log_dir=job.log_dir,
-                                      host=job.server_host or ray.util.get_node_ip_address())
-                routers.append(router)
-            # Disaggregated groups (their own GPUs) start at once; colocated ones one after the other, since
-            # an SGLang server sizes its KV cache from the memory it finds free on the shared GPU.
-            groups.append(ServerGroup(spec, count, name=role, host=job.server_host, placement=placement,
-                                      log_dir=job.log_dir, router=router, wait=job.placement == "colocated"))
-        if job.placement == "disaggregated":
+            groups.append(group)
+            routers += [group.router] if group.router else []
+        if not colocated:
             for group in groups:
                 group.wait_ready()
-        cfg = _pointed_at(cfg, groups, colocated=job.placement == "colocated")
-        gpu_share = (COLOCATED_GPU_FRACTION if job.placement == "colocated" else 1.0) if use_gpus else 0.0
+        cfg = _pointed_at(cfg, groups, colocated=colocated)
+        gpu_share = (COLOCATED_GPU_FRACTION if colocated else 1.0) if use_gpus else 0.0
         ranks = TrainerRanks(world, trainer_pg, list(range(world)), cpus=job.cpus_per_actor, gpus=gpu_share)
 
         def restart_dead_servers() -> None:
@@ -121,18 +109,50 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
         remove_placement_group(trainer_pg)
 
 
+def _server_group(
+    cfg: ArmorConfig, job: RayJobSpec, role: str, model_path: str, count: int, *, seed_offset: int, trainer_pg,
+) -> ServerGroup:
+    """`count` servers of `model_path` for `role` ("actor" | "reference"), behind their own router when
+    rollout.sglang.router picks one. Disaggregated groups (their own GPUs) start at once; colocated ones
+    (on the trainer's bundles) one after the other, since an SGLang server sizes its KV cache from the memory
+    it finds free on the shared GPU."""
+    colocated = job.placement == "colocated"
+    spec = ServerSpec(
+        model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
+        mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + seed_offset * job.server_tp_size,
+        enable_memory_saver=colocated, extra_args=job.server_args,
+        # The reference's weights are pushed once, not after every hand-off: they must survive releases.
+        enable_weights_cpu_backup=colocated and role == "reference",
+    )
+    world = cfg.parallel.world_size
+    placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)
+                 if colocated else Placement(cpus_per_actor=job.cpus_per_actor, timeout_s=job.placement_timeout_s))
+    router = None
+    if use_sglang_router(cfg.rollout.sglang.router, count):
+        router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.sglang.router_policy), log_dir=job.log_dir,
+                              host=job.server_host or ray.util.get_node_ip_address())
+    try:
+        return ServerGroup(spec, count, name=role, host=job.server_host, placement=placement, log_dir=job.log_dir,
+                           router=router, wait=colocated)
+    except BaseException:
+        if router is not None:
+            router.stop()
+        raise
+
+
 def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup], *, colocated: bool) -> ArmorConfig:
     """`cfg` with rollouts from the groups' servers (actor first, reference second if present) and routers;
     colocated servers hand their GPU memory to the trainer ranks for each training phase."""
     router_urls = [group.router.url if group.router else None for group in groups]
-    r = cfg.rollout
+    rollout = cfg.rollout
     sglang = dataclasses.replace(
-        r.sglang, urls=",".join(groups[0].urls), router_url=router_urls[0],
+        rollout.sglang, urls=",".join(groups[0].urls), router_url=router_urls[0],
         ref_urls=",".join(groups[1].urls) if len(groups) > 1 else None,
         ref_router_url=router_urls[1] if len(groups) > 1 else None,
     )
-    memory = dataclasses.replace(r.memory, release_servers=r.memory.release_servers or colocated,
-                                 offload_trainer=r.memory.offload_trainer or colocated)
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend="sglang", sglang=sglang, memory=memory))
+    memory = dataclasses.replace(rollout.memory, release_servers=rollout.memory.release_servers or colocated,
+                                 offload_trainer=rollout.memory.offload_trainer or colocated)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, backend="sglang", sglang=sglang, memory=memory))
     validate(cfg)
+    check_algorithm_config(cfg)
     return cfg

@@ -9,12 +9,15 @@ from typing import Literal
 
 import torch
 
+from megatron_armor.config import SamplingConfig
+
 FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings for one `generate` call (SGLang `sampling_params` semantics).
+    """Sampling settings for one `generate` call (SGLang `sampling_params` semantics; named after that request
+    field, as it is the request's payload rather than a config section).
 
     `top_p` filtering happens after temperature scaling; reported logprobs are taken before it.
     `seed` makes a call reproducible for a given engine state; None draws from the engine's generator.
@@ -33,6 +36,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, stop_token_ids: tuple[int, ...], *,
+                    validation: bool = False) -> SamplingParams:
+        """Training rollouts' sampling of the rollout.sampling section, or with `validation` validation's."""
+        temperature, top_p = ((sampling.val_temperature, sampling.val_top_p) if validation
+                              else (sampling.temperature, sampling.top_p))
+        return cls(temperature=temperature, top_p=top_p, max_new_tokens=sampling.max_new_tokens,
+                   stop_token_ids=stop_token_ids)
 
 
 @dataclass

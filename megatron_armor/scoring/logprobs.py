@@ -47,7 +47,7 @@ LossFn = Callable[[TokenScores, SequenceBatch], tuple[torch.Tensor, torch.Tensor
 
 
 @dataclass(frozen=True)
-class ScoringSettings:
+class ScoringConfig:
     """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not."""
 
     temperature: float = 1.0
@@ -84,7 +84,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def forward_backward(
-    model: torch.nn.Module, micro_batches: Sequence[SequenceBatch], loss_fn: LossFn, *, scoring: ScoringSettings,
+    model: torch.nn.Module, micro_batches: Sequence[SequenceBatch], loss_fn: LossFn, *, scoring: ScoringConfig,
     forward_only: bool,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Megatron's schedule (no pipelining or 1F1B, per parallel_state) over `micro_batches`.
@@ -122,13 +122,13 @@ def forward_backward(
         )
 
 
-def _torch_head(logits: torch.Tensor, mb: SequenceBatch, scoring: ScoringSettings) -> TokenScores:
+def _torch_head(logits: torch.Tensor, mb: SequenceBatch, scoring: ScoringConfig) -> TokenScores:
     """Scores from vocab-sharded logits [b, S, V/tp]."""
     entropy = token_entropy(logits, scoring.temperature) if scoring.with_entropy else None
     return TokenScores(token_logprobs(logits, mb.labels, scoring.temperature), entropy)
 
 
-def _fused_head(scoring: ScoringSettings) -> Callable:
+def _fused_head(scoring: ScoringConfig) -> Callable:
     """GPTModel `output_processor`: hidden [S, b, H] + this rank's output weight shard -> TokenScores.
 
     Rows of the (padded) weight past the real vocabulary, `output_layer.unpadded_vocab_size` (set by
@@ -159,7 +159,7 @@ class LogprobResult:
 
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, scoring: ScoringSettings
+    model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, scoring: ScoringConfig
 ) -> LogprobResult:
     """Logprobs (and entropy if `scoring.with_entropy`) of `batch.labels` under `model`, forward
     only, identical on every rank; scored on the training device, returned on `batch`'s."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from megatron_armor.rollout.process import ManagedProcess, NotReady, answers, wait_until
-from megatron_armor.teacher.serve_cli import SERVER_MODULE, TeacherServerSettings
+from megatron_armor.teacher.serve_cli import SERVER_MODULE, TeacherServerConfig
 from megatron_armor.utils.net import free_port
 
 
@@ -35,7 +35,7 @@ class TeacherError(RuntimeError):
 class TeacherServerGroup:
     """The processes of one teacher server; `url` is rank 0's HTTP address once `wait_healthy` returned."""
 
-    def __init__(self, settings: TeacherServerSettings, *, log_dir: str | Path) -> None:
+    def __init__(self, settings: TeacherServerConfig, *, log_dir: str | Path) -> None:
         port = settings.port or free_port(settings.host)
         self.settings = dataclasses.replace(settings, port=port)
         self.url = f"http://{settings.host}:{port}"

@@ -26,10 +26,10 @@ from megatron.core import parallel_state
 from megatron_armor.models.hf_config import ModelConfigError
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 from megatron_armor.scoring.batch import SequenceBatch
-from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.teacher.launcher import TeacherError, TeacherServerGroup
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_response, score_request_body
-from megatron_armor.teacher.serve_cli import TeacherServerSettings
+from megatron_armor.teacher.serve_cli import TeacherServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class TeacherScorer(abc.ABC):
 class InProcessTeacher(TeacherScorer):
     """A frozen GPTModel sharded like the student (this process's `parallel_state` layout)."""
 
-    def __init__(self, model: torch.nn.Module, *, micro_batch_size: int, scoring: ScoringSettings) -> None:
+    def __init__(self, model: torch.nn.Module, *, micro_batch_size: int, scoring: ScoringConfig) -> None:
         self.model, self.micro_batch_size, self.scoring = model, micro_batch_size, scoring
 
     def score(self, batch: SequenceBatch) -> torch.Tensor:
@@ -175,7 +175,7 @@ def on_first_rank(fn: Callable[[], Any], group: dist.ProcessGroup | None = None)
 
 
 def connect_remote_teacher(
-    urls: list[str] | None, *, student_vocab: int, temperature: float, launch: TeacherServerSettings | None = None,
+    urls: list[str] | None, *, student_vocab: int, temperature: float, launch: TeacherServerConfig | None = None,
     log_dir: str | Path = ".",
 ) -> RemoteTeacher:
     """Collective over the trainer's ranks: a `RemoteTeacher` of running servers (`urls`), or of a

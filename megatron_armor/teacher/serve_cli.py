@@ -17,7 +17,7 @@ SERVER_MODULE = "megatron_armor.teacher.server"
 
 
 @dataclass(frozen=True)
-class TeacherServerSettings:
+class TeacherServerConfig:
     """What a teacher server runs: the checkpoint, its layout and where rank 0 listens."""
 
     model_path: str
@@ -47,7 +47,7 @@ class TeacherServerSettings:
 
 
 def add_serve_teacher_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    d = TeacherServerSettings("")
+    d = TeacherServerConfig("")
     parser.add_argument("--model", required=True, help="teacher checkpoint: HF directory or Megatron checkpoint")
     parser.add_argument("--tp", type=int, default=d.tensor_parallel_size, help="tensor-parallel size of the teacher")
     parser.add_argument("--pp", type=int, default=d.pipeline_parallel_size, help="pipeline-parallel size of the teacher")
@@ -59,8 +59,8 @@ def add_serve_teacher_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     return parser
 
 
-def settings_from_args(args: argparse.Namespace) -> TeacherServerSettings:
-    return TeacherServerSettings(args.model, args.tp, args.pp, args.host, args.port, args.micro_batch_size,
+def settings_from_args(args: argparse.Namespace) -> TeacherServerConfig:
+    return TeacherServerConfig(args.model, args.tp, args.pp, args.host, args.port, args.micro_batch_size,
                                  args.params_dtype)
 
 

@@ -39,9 +39,9 @@ from megatron_armor.models.hf_config import ModelShape, load_model_shape
 from megatron_armor.rollout.http_server import LocalSGLangServer
 from megatron_armor.rollout.local_server import RequestError
 from megatron_armor.scoring.batch import build_sequence_batch
-from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_request, score_item_body
-from megatron_armor.teacher.serve_cli import TeacherServerSettings, add_serve_teacher_arguments, settings_from_args
+from megatron_armor.teacher.serve_cli import TeacherServerConfig, add_serve_teacher_arguments, settings_from_args
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def score_sequences(model: torch.nn.Module, request: ScoreRequest, micro_batch_s
     samples = [_scored_sample(seq) for seq in sequences] + [_scored_sample([0])] * (rows - len(sequences))
     batch = build_sequence_batch(samples, [0.0] * rows, pad_token_id=0)
     logprobs = compute_logprobs(
-        model, batch, micro_batch_size=size, scoring=ScoringSettings(temperature=request.temperature)
+        model, batch, micro_batch_size=size, scoring=ScoringConfig(temperature=request.temperature)
     ).logprobs  # [rows, S] label aligned: column t scores token t + 1
     return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
 
@@ -75,7 +75,7 @@ def _scored_sample(sequence: list[int]) -> Sample:
 class TeacherServerState:
     """Rank 0's side of the server: what the HTTP threads see, and the queue into the scoring loop."""
 
-    def __init__(self, settings: TeacherServerSettings) -> None:
+    def __init__(self, settings: TeacherServerConfig) -> None:
         self.settings = settings
         self.host, self.port = settings.host, settings.port
         self.shape: ModelShape | None = None  # set once every rank has loaded the model
@@ -140,7 +140,7 @@ class TeacherServerState:
                 "dp_size": 1, "version": SERVER_VERSION}
 
 
-def serve_teacher(settings: TeacherServerSettings) -> int:
+def serve_teacher(settings: TeacherServerConfig) -> int:
     """Entry point on every teacher rank (under torchrun); returns the exit code."""
     ctx = initialize_distributed(settings.tensor_parallel_size, settings.pipeline_parallel_size, 1)
     state = TeacherServerState(settings) if ctx.is_main else None

@@ -1,8 +1,10 @@
-"""Resumable training checkpoints: per-rank model/optimizer/RNG shards plus shared trainer state.
+"""Resumable training checkpoints of a trainer's `state_dict()`: per-rank shards plus shared trainer state.
 
+A trainer state is a dict whose "modules" entry maps names to this rank's state dicts (model shard,
+optimizer state, ...) and whose other entries are JSON-able and the same on every rank (`RLTrainer.state_dict`).
 Layout under `<run_dir>/checkpoints/`:
-    step_000010/rank_00000.pt ...   one file per rank: model shard, optimizer state, RNG states
-    step_000010/trainer_state.json  step, data position, anything the loop needs to continue
+    step_000010/rank_00000.pt ...   one file per rank: {name: state dict of "modules"..., "rng": RNG states}
+    step_000010/trainer_state.json  {"step", "sampler": data position, "extra": every other entry}
     step_000010/model/              (optional) the actor as a Megatron distributed checkpoint that
                                     `armor convert megatron-to-hf` and `armor diagnose` read
     step_000010/COMPLETE            written last; a directory without it is never loaded
@@ -16,7 +18,6 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,7 @@ class CheckpointExistsError(RuntimeError):
     """A run directory already holds checkpoints and neither resume nor overwrite was requested."""
 
 
-@dataclass
-class TrainerState:
-    """What the loop needs besides weights to continue exactly: the next step and data position."""
-
-    step: int
-    sampler: dict[str, Any]
-    extra: dict[str, Any]
+TOP_LEVEL_ENTRIES = ("sampler",)  # trainer_state.json holds these beside "step", the other entries under "extra"
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -88,10 +83,10 @@ def guard_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> Path
 
 
 def save_checkpoint(
-    run_dir: str | Path, step: int, modules: dict[str, Any], state: TrainerState, *, keep_last: int = 0,
+    run_dir: str | Path, step: int, state: dict[str, Any], *, keep_last: int = 0,
     write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Save `modules` (name -> object with state_dict(), e.g. model, optimizer) of every rank.
+    """Save a trainer `state` (a `state_dict()`, see the module docstring) of every rank as step `step`.
 
     `write_extra(directory)`, called on every rank before the checkpoint is published, adds more
     to it (e.g. the model in another format). Collective: every rank must call it. Returns the
@@ -104,14 +99,12 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    payload = {name: module.state_dict() for name, module in modules.items()}
-    payload["rng"] = _rng_state()
-    torch.save(payload, tmp / f"rank_{_rank():05d}.pt")
+    torch.save({**state["modules"], "rng": _rng_state()}, tmp / f"rank_{_rank():05d}.pt")
     if write_extra is not None:
         write_extra(tmp)
     _barrier()
     if _rank() == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=2))
+        (tmp / "trainer_state.json").write_text(json.dumps(_shared_record(step, state), indent=2))
         (tmp / COMPLETE_MARKER).write_text(str(_world_size()))
         if final.exists():
             shutil.rmtree(final)
@@ -123,27 +116,24 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(
-    path: Path, modules: dict[str, Any], *, optional: dict[str, Any] | None = None
-) -> tuple[TrainerState, set[str]]:
-    """Restore `modules` and this rank's RNG state from `path`, and each of `optional` that the
-    checkpoint holds (a missing one is left as it is).
-
-    Returns the trainer state and the names of the `optional` modules that were restored.
-    """
+def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
+    """The step and the trainer state saved at `path` ("modules": this rank's shards, on the CPU); restores
+    this rank's RNG states."""
     world = int((path / COMPLETE_MARKER).read_text())
     if world != _world_size():
         raise RuntimeError(f"{path} was saved by {world} ranks; resume it with the same number of processes, not {_world_size()}")
-    payload = torch.load(path / f"rank_{_rank():05d}.pt", map_location="cpu", weights_only=False)
-    for name, module in modules.items():
-        if name not in payload:
-            raise RuntimeError(f"{path}: checkpoint has no {name!r} state (has {sorted(payload)})")
-        module.load_state_dict(payload[name])
-    restored = {name for name in (optional or {}) if name in payload}
-    for name in restored:
-        optional[name].load_state_dict(payload[name])
-    _set_rng_state(payload["rng"])
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text())), restored
+    modules = torch.load(path / f"rank_{_rank():05d}.pt", map_location="cpu", weights_only=False)
+    _set_rng_state(modules.pop("rng"))
+    record = json.loads((path / "trainer_state.json").read_text())
+    state = {**{key: record[key] for key in TOP_LEVEL_ENTRIES if key in record}, **record["extra"], "modules": modules}
+    return record["step"], state
+
+
+def _shared_record(step: int, state: dict[str, Any]) -> dict[str, Any]:
+    """trainer_state.json: the step, `TOP_LEVEL_ENTRIES` and, under "extra", every other entry but "modules"."""
+    top = {key: state[key] for key in TOP_LEVEL_ENTRIES if key in state}
+    extra = {key: value for key, value in state.items() if key not in ("modules", *TOP_LEVEL_ENTRIES)}
+    return {"step": step, **top, "extra": extra}
 
 
 def _rng_state() -> dict[str, Any]:

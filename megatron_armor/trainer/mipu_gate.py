@@ -14,24 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_armor.algorithms import accept_update, gap_proxy, group_advantages, tolerance
-from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.algorithms import UpdateGateConfig, accept_update, gap_proxy, group_advantages, tolerance
+from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.batch import build_sequence_batch
-from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
-
-
-@dataclass(frozen=True)
-class GateSettings:
-    """Tolerance schedule c_t (c_start -> c_end over ramp_steps) and the held-out batch: prompts x n responses."""
-
-    c_start: float = 4e-3
-    c_end: float = 1e-3
-    ramp_steps: int = 100
-    prompts: int = 8
-    n: int = 8
 
 
 @dataclass
@@ -92,22 +81,36 @@ class InferenceGapGate:
     """Measures T_post of the just-synced engine against the trainer and decides acceptance."""
 
     def __init__(
-        self, settings: GateSettings, prompts: PromptSampler, scorer: SampleScorer, sampling: SamplingParams, *,
+        self, config: UpdateGateConfig, prompts: PromptSampler, scorer: SampleScorer, sampling: SamplingParams, *,
         seed: int, adv_eps: float,
     ) -> None:
-        self.settings, self.prompts, self.scorer, self.sampling = settings, prompts, scorer, sampling
+        self.config, self.prompts, self.scorer, self.sampling = config, prompts, scorer, sampling
         self.seed, self.adv_eps = seed, adv_eps
         self.rollbacks = 0  # cumulative
 
+    @classmethod
+    def from_config(
+        cls, config: UpdateGateConfig, held_out: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *,
+        seed: int, adv_eps: float,
+    ) -> InferenceGapGate:
+        """The gate over `held_out` prompts (the validation rows), with its own resumable sampler of them."""
+        if len(held_out) < config.prompts:
+            raise ValueError(
+                f"the update gate needs mipu.gate_prompts ({config.prompts}) held-out prompts, the validation set has "
+                f"{len(held_out)}; set data.val_path, lower mipu.gate_prompts, or set mipu.gate=false"
+            )
+        return cls(config, PromptSampler(held_out, config.prompts, seed=seed + 1), scorer, sampling, seed=seed,
+                   adv_eps=adv_eps)
+
     def measure(
         self, step: int, actor: torch.nn.Module, engine: RolloutEngine, *, pad_token_id: int, micro_batch_size: int,
-        scoring: ScoringSettings,
+        scoring: ScoringConfig,
     ) -> GateResult:
         """Collective over all ranks: sample the held-out batch from `engine` (mu_{k+1}), score it with
         `actor` (pi_{k+1}) and compare T_post with -c_step."""
-        s = self.settings
+        config = self.config
         samples = generate_samples(
-            engine, self.prompts.next_batch(), s.n, self.sampling, self.scorer, is_anchor=False,
+            engine, self.prompts.next_batch(), config.n, self.sampling, self.scorer, is_anchor=False,
             seed=(self.seed, step, "mipu_gate"),
         )
         group_ids = torch.tensor([sample.prompt_index for sample in samples])
@@ -116,7 +119,7 @@ class InferenceGapGate:
         batch = build_sequence_batch(samples, advantages.tolist(), pad_token_id=pad_token_id)
         trainer_logp = compute_logprobs(actor, batch, micro_batch_size=micro_batch_size, scoring=scoring).logprobs
         gap = _from_rank0(gap_proxy(trainer_logp, batch.engine_logprobs, batch.response_mask, advantages))
-        c = tolerance(step, s.c_start, s.c_end, s.ramp_steps)
+        c = tolerance(step, config.c_start, config.c_end, config.ramp_steps)
         return GateResult(gap=gap, tolerance=c, accepted=accept_update(gap, c), reward_mean=float(rewards.mean()))
 
     def state_dict(self) -> dict:

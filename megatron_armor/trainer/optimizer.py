@@ -16,12 +16,13 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
+from megatron_armor.config import TrainConfig
 from megatron_armor.diagnostics.subspace import Sharding, SubspaceConstraint
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
 
 @dataclass(frozen=True)
-class OptimizerSettings:
+class AdamConfig:
     """Adam hyper-parameters (ARMOR recipe defaults: lr 1e-6, 10 warmup RL steps, wd 0.1, clip 1.0)."""
 
     lr: float = 1e-6
@@ -32,8 +33,15 @@ class OptimizerSettings:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
 
+    @classmethod
+    def from_config(cls, train: TrainConfig) -> AdamConfig:
+        """The optimizer settings of the `train` section."""
+        return cls(lr=train.lr, warmup_steps=train.warmup_steps, weight_decay=train.weight_decay,
+                   adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+                   grad_clip=train.grad_clip)
 
-def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+
+def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
     and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
 
@@ -70,7 +78,7 @@ def wrap_for_training(model: GPTModel, settings: OptimizerSettings) -> tuple[Dis
     return ddp, optimizer
 
 
-def learning_rate(rl_step: int, settings: OptimizerSettings) -> float:
+def learning_rate(rl_step: int, settings: AdamConfig) -> float:
     """lr * min(1, (rl_step + 1) / warmup_steps): linear warmup over `warmup_steps` RL steps, then constant.
 
     As verl's `constant` style, the schedule advances once per RL step (`update_actor`): every

@@ -26,15 +26,17 @@ class TaskPaths:
     teacher_path: str | None = None  # OPD teacher
 
 
-def prepare_task(cfg: ArmorConfig, *, is_main: bool) -> TaskPaths:
-    """Paths of policy/reference checkpoints and datasets; builds synthetic assets on rank 0."""
-    paths = [_prepare(cfg) if is_main else None]
+def prepare_task(cfg: ArmorConfig, *, is_main: bool, needs_teacher: bool) -> TaskPaths:
+    """Paths of policy/reference checkpoints and datasets; builds synthetic assets on rank 0. With
+    `needs_teacher` (the algorithm scores with a teacher) and no opd.teacher_path, the synthetic task's warm
+    start is the teacher and the untrained tiny model the student."""
+    paths = [_prepare(cfg, needs_teacher) if is_main else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(paths, src=0)
     return paths[0]
 
 
-def _prepare(cfg: ArmorConfig) -> TaskPaths:
+def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
     if cfg.task.synthetic is None:
         return TaskPaths(cfg.model.path, cfg.model.ref_path or cfg.model.path, cfg.data.train_path, cfg.data.val_path,
                          cfg.opd.teacher_path)
@@ -59,7 +61,7 @@ def _prepare(cfg: ArmorConfig) -> TaskPaths:
     teacher_path = cfg.opd.teacher_path
     if cfg.task.warm_start_steps > 0:
         warm = _warm_start(model_path, train_rows, val_rows, cfg)
-        if cfg.algorithm.name == "opd" and teacher_path is None:
+        if needs_teacher and teacher_path is None:
             teacher_path = str(warm)  # distil the warm start into the untrained model
         else:
             model_path = warm

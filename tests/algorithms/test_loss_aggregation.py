@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from algorithm_factory import make_algorithm
 from hf_reference import assert_same_grads
 from megatron_armor.algorithms import armor_policy_loss, sampler_corrected_loss
 from megatron_armor.algorithms.reduce import aggregate_loss, aggregation_units
@@ -24,13 +25,9 @@ def test_known_answers():
 
 
 def test_config_default_is_per_algorithm_and_overridable():
-    from megatron_armor.config import load_config
-
-    synthetic = ["task.synthetic=arithmetic", "rollout.sampling.actor_n=16"]
-    assert load_config(None, synthetic + ["algorithm.name=mipu"]).algorithm.aggregation == "seq_mean_token_mean"
-    assert load_config(None, synthetic + ["algorithm.name=grpo"]).algorithm.aggregation == "token_mean"
-    overridden = load_config(None, synthetic + ["algorithm.name=mipu", "algorithm.loss_aggregation=token_mean"])
-    assert overridden.algorithm.aggregation == "token_mean"
+    assert make_algorithm("mipu").loss_aggregation == "seq_mean_token_mean"
+    assert make_algorithm("grpo").loss_aggregation == "token_mean"
+    assert make_algorithm("mipu", "algorithm.loss_aggregation=token_mean").loss_aggregation == "token_mean"
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])

@@ -18,7 +18,7 @@ UNTRAINED_ACCURACY = 0.05  # an untrained tiny model essentially never writes a 
 
 def test_train_from_converted_checkpoint(synthetic_cache, tmp_path):
     overrides = [f"task.cache_dir={synthetic_cache}", *(f"{k}={v}" for k, v in TASK.items())]
-    warm = prepare_task(load_config(CONFIG, overrides), is_main=True).model_path
+    warm = prepare_task(load_config(CONFIG, overrides), is_main=True, needs_teacher=False).model_path
     megatron = convert_hf_to_megatron(warm, tmp_path / "mcore", tp=2, pp=1)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--tp", "1", "--pp", "2",

@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_armor.diagnostics import (
-    DiagnoseSettings, diagnose, hill_tail_index, linear_weights, mask_overlap, principal_angles, spectral_drift,
+    DiagnoseConfig, diagnose, hill_tail_index, linear_weights, mask_overlap, principal_angles, spectral_drift,
     stable_rank, unchanged_fraction,
 )
 from megatron_armor.cli import build_parser
 
 RANK_ONE = "model.layers.0.self_attn.q_proj.weight"
-SETTINGS = DiagnoseSettings(k_angles=8, k_sim=1, k_hill=4, mask_rank=4)
+SETTINGS = DiagnoseConfig(k_angles=8, k_sim=1, k_hill=4, mask_rank=4)
 
 
 def _rewrite(base_dir, out_dir, edit) -> None:
@@ -129,9 +129,9 @@ def test_shape_mismatch_names_the_matrix(trajectory, tmp_path):
 
 def test_settings_reject_values_the_formulas_cannot_use():
     with pytest.raises(ValueError, match="k_hill must be >= 2"):
-        DiagnoseSettings(k_hill=1)
+        DiagnoseConfig(k_hill=1)
     with pytest.raises(ValueError, match="unknown \\['qkv_proj'\\]"):
-        DiagnoseSettings(layer_types=("qkv_proj",))
+        DiagnoseConfig(layer_types=("qkv_proj",))
 
 
 def test_cli_parser_does_not_import_torch():

@@ -83,7 +83,7 @@ def test_forward_backward_feeds_model_and_loss_on_the_training_device(monkeypatc
     monkeypatch.setattr(logprobs, "get_forward_backward_func", lambda: schedule)
     batch = full_batch()
     logprobs.forward_backward(chunk, list(batch.micro_batches(1)), loss_fn,
-                              scoring=logprobs.ScoringSettings(head="fused"), forward_only=True)
+                              scoring=logprobs.ScoringConfig(head="fused"), forward_only=True)
     assert [where for where, _ in seen] == ["model", "loss"] * 2
     for where, tensors in seen:
         assert {name: t.device for name, t in tensors.items()} == {name: META for name in tensors}, where

@@ -19,7 +19,7 @@ from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, 
 from megatron_armor.teacher.launcher import TeacherError, TeacherServerGroup
 from megatron_armor.teacher.protocol import ScoreRequest
 from megatron_armor.teacher.scorer import TeacherClient
-from megatron_armor.teacher.serve_cli import TeacherServerSettings
+from megatron_armor.teacher.serve_cli import TeacherServerConfig
 from megatron_armor.utils.net import free_port
 
 TEMPERATURE = 0.7
@@ -34,7 +34,7 @@ def model_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    group = TeacherServerGroup(TeacherServerSettings(str(model_dir), tensor_parallel_size=2, port=0, micro_batch_size=2),
+    group = TeacherServerGroup(TeacherServerConfig(str(model_dir), tensor_parallel_size=2, port=0, micro_batch_size=2),
                                log_dir=tmp_path_factory.mktemp("teacher-logs"))
     try:
         group.wait_healthy(timeout_s=300)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_armor.scoring.logprobs import ScoringSettings, resolve_logprob_head
+from megatron_armor.scoring.logprobs import ScoringConfig, resolve_logprob_head
 
 
 @pytest.mark.parametrize("cuda, expected", [(False, "torch"), (True, "fused")])
@@ -15,4 +15,4 @@ def test_auto_head_is_fused_on_gpu_and_torch_on_cpu(monkeypatch, cuda, expected)
 def test_scoring_settings_refuse_unresolved_or_unknown_heads():
     for head in ("auto", "softmax"):
         with pytest.raises(ValueError, match="unknown logprob head"):
-            ScoringSettings(head=head)
+            ScoringConfig(head=head)

@@ -17,13 +17,16 @@ from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.batch import build_sequence_batch
-from megatron_armor.scoring.logprobs import ScoringSettings, compute_logprobs
+from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.trainer.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
-from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training
-from megatron_armor.trainer.policy_update import LossSettings, update_policy
+from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.policy_update import update_policy
 
-OPTIM = OptimizerSettings(lr=1e-3, warmup_steps=0, weight_decay=0.1)
-LOSS = LossSettings(alpha=1.0)  # plain dual-clip PPO: no reference logprobs needed
+from algorithm_factory import make_algorithm
+
+OPTIM = AdamConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1)
+ALGORITHM = make_algorithm("grpo")  # plain dual-clip PPO: no reference logprobs needed
+SCORING = ScoringConfig(temperature=1.0, head="torch")
 
 
 ON_GPU = torch.cuda.is_available()
@@ -60,8 +63,9 @@ def _batch(vocab_size: int, seed: int):
 
 
 def _update(ddp, optimizer, batch, step: int) -> None:
-    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=2, scoring=ScoringSettings()).logprobs
-    update_policy(ddp, optimizer, [batch], micro_batch_size=2, loss=LOSS, optim=OPTIM, rl_step=step)
+    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=2, scoring=ScoringConfig()).logprobs
+    update_policy(ddp, optimizer, [batch], micro_batch_size=2, algorithm=ALGORITHM, scoring=SCORING, optim=OPTIM,
+                  rl_step=step)
 
 
 def _snapshot(ddp, optimizer, ref, constraint=None) -> list[torch.Tensor]:
@@ -97,7 +101,7 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(t.untyped_storage().nbytes() == 0 for t in parked)
     assert offload.metrics()["memory/trainer_parked_gib"] * 2**30 == expected
     with pytest.raises(ParkedWeightsError, match="parked"):
-        compute_logprobs(ddp, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
+        compute_logprobs(ddp, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringConfig())
 
     with offload.weights_resident("ref"):  # a push of the reference's weights between rollouts
         assert all(p.untyped_storage().nbytes() for p in ref.parameters())
@@ -111,7 +115,7 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(t.untyped_storage().nbytes() == 0 for t in [*ref.parameters(), *moments, *constrained])
     assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
     with pytest.raises(ParkedWeightsError, match="the ref model"):
-        compute_logprobs(ref, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringSettings())
+        compute_logprobs(ref, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringConfig())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

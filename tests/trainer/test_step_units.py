@@ -9,18 +9,23 @@ import torch
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.loop import RLTrainer, StepPlan, local_mini_batch_groups, trim_to_data_parallel
+from megatron_armor.trainer.loop import RLTrainer
 from megatron_armor.trainer.mipu_gate import TrainingSnapshot
-from megatron_armor.trainer.optimizer import OptimizerSettings, learning_rate
+from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
+from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.rollout_phase import trim_to_data_parallel
+from megatron_armor.trainer.training_batch import local_mini_batch_groups
+
+from algorithm_factory import make_algorithm
 
 
 def test_warmup_counts_rl_steps():
     """armor.md §6: 10 linear-warmup steps are RL steps (verl steps its scheduler once per update_actor):
     RL step k uses lr * min(1, (k + 1) / 10) for all of its mini-batches."""
-    settings = OptimizerSettings(lr=1e-6, warmup_steps=10)
+    settings = AdamConfig(lr=1e-6, warmup_steps=10)
     expected = [1e-7 * (k + 1) for k in range(10)] + [1e-6] * 5
     assert [learning_rate(k, settings) for k in range(15)] == pytest.approx(expected, rel=1e-12)
-    assert learning_rate(0, OptimizerSettings(lr=1e-6, warmup_steps=0)) == 1e-6
+    assert learning_rate(0, AdamConfig(lr=1e-6, warmup_steps=0)) == 1e-6
 
 
 @pytest.mark.parametrize("dp_size, mini_batch_size", [(1, 4), (2, 4), (4, 8), (4, 4)])
@@ -43,16 +48,16 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     """allow_partial_batch: 1 kept prompt on 2 data-parallel ranks is cut to 0 (one rank would have no
     batch and skip optimizer steps the other runs); the step then trains on nothing, says so, and
     touches neither the actor nor the engine."""
-    plan = StepPlan(algorithm="grpo", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=2, ref_n=0,
-                    filter_groups=True, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
+    plan = StepPlan(algorithm=make_algorithm("grpo"), train_batch_size=4, mini_batch_size=2, micro_batch_size=2,
+                    actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
                     ref_reset_period=0, seed=0)
     handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
     prompts = SimpleNamespace(next_batch=lambda: [PromptRow(i, [1, 2], {}) for i in range(2)])
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan, prompts, sampling=None, scorer=None,
-                        loss=None, optim=None)
+                        scoring=None, optim=None)
     # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
-    trainer.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
-                                                             _sample(1, False), _sample(1, False)]
+    trainer.rollout.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
+                                                                     _sample(1, False), _sample(1, False)]
     metrics = trainer.step(0)
     assert metrics["train/update_skipped"] == 1.0 and metrics["armor/prompts_kept"] == 0.0
     assert trainer.optimizer_steps == 0 and not any(k.startswith(("loss/", "optim/")) for k in metrics)

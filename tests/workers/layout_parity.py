@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused head runs in Triton'
 import torch  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+from algorithm_factory import make_algorithm  # noqa: E402
 from launcher import write_result  # noqa: E402
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
@@ -26,10 +27,12 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
-from megatron_armor.scoring.logprobs import forward_backward  # noqa: E402
-from megatron_armor.trainer.loop import PolicyHandles, RLTrainer, StepPlan  # noqa: E402
-from megatron_armor.trainer.optimizer import OptimizerSettings, wrap_for_training, zero_grads  # noqa: E402
-from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn, update_policy  # noqa: E402
+from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
+from megatron_armor.trainer.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.plan import StepPlan  # noqa: E402
+from megatron_armor.trainer.policies import PolicyHandles  # noqa: E402
+from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
+from megatron_armor.trainer.training_batch import advantage_batch, score_logprobs  # noqa: E402
 
 def fixed_groups(num_groups=4, group_size=4):
     """Random sequences of varying length; one correct anchor closes each group."""
@@ -57,19 +60,19 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         load_hf_weights(m, path, shape)
         return m
 
-    optim = OptimizerSettings(lr=1e-3, warmup_steps=0)
+    optim = AdamConfig(lr=1e-3, warmup_steps=0)
     ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
     handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
                             actor_engine=None, ref_engine=None, pad_token_id=0)
-    plan = StepPlan(algorithm="armor", train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3, ref_n=1,
-                    filter_groups=True, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
-                    ref_reset_period=0, seed=0)
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
     # layouts are compared on clipped and unclipped tokens alike.
-    loss = LossSettings(alpha=0.75, clip_low=0.003, clip_high=0.003, logprob_head=head)
-    trainer = RLTrainer(ctx, handles, plan, sampler=None, sampling=None, scorer=None, loss=loss, optim=optim)
-
-    prepared = trainer.prepare_batch(fixed_groups())
+    algorithm = make_algorithm("armor", "armor.alpha=0.75", "algorithm.clip_low=0.003", "algorithm.clip_high=0.003")
+    plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3,
+                    ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
+                    seed=0)
+    scoring = ScoringConfig(temperature=1.0, head=head)
+    advantaged = advantage_batch(fixed_groups(), plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)
+    prepared = score_logprobs(advantaged, handles, plan, scoring, optimizer_steps=0, dp_rank=ctx.dp_rank)
     batch = prepared.batch
     logprobs = {}
     for row in range(batch.size):
@@ -77,8 +80,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
         logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
 
-    forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)), policy_loss_fn(loss),
-                     scoring=loss.scoring(), forward_only=False)
+    forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)),
+                     PolicyLossCallback(algorithm), scoring=scoring, forward_only=False)
     grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
     head_weight = ddp.module.output_layer.weight if ddp.module.post_process else None
     if head_weight is None and ddp.module.post_process:  # tied to the embedding on this stage
@@ -86,8 +89,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
     zero_grads(ddp, optimizer)
 
-    update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size, loss=loss,
-                           optim=optim, rl_step=0)
+    update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size,
+                           algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     (Path(out_dir) / name).mkdir(exist_ok=True)
     torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,

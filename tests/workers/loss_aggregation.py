@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+from algorithm_factory import make_algorithm  # noqa: E402
 from launcher import write_result  # noqa: E402
 
 from megatron_armor.convert.weights import (  # noqa: E402
@@ -22,35 +23,35 @@ from megatron_armor.convert.weights import (  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
-from megatron_armor.scoring.logprobs import forward_backward  # noqa: E402
+from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.optimizer import (  # noqa: E402
-    OptimizerSettings, learning_rate, optimizer_step, wrap_for_training, zero_grads,
+    AdamConfig, learning_rate, optimizer_step, wrap_for_training, zero_grads,
 )
-from megatron_armor.trainer.policy_update import (  # noqa: E402
-    LossSettings, SamplerCorrection, policy_loss_fn, update_policy,
-)
+from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 
 out_dir, model_dir, batch_path = sys.argv[1:4]
 ctx = initialize_distributed(1, 1, seed=0)
 shape = load_model_shape(model_dir)
 model = build_gpt_model(shape, transformer_config(shape), trainable=True)
 load_hf_weights(model, model_dir, shape)
-optim = OptimizerSettings(lr=0.0, warmup_steps=0)  # update_policy for its metrics only: the weights stay put
+optim = AdamConfig(lr=0.0, warmup_steps=0)  # update_policy for its metrics only: the weights stay put
 ddp, optimizer = wrap_for_training(model, optim)
 
 batch = torch.load(batch_path, weights_only=False)
 local = batch.select(torch.arange(ctx.dp_rank, batch.size, ctx.dp_size))
 results = {}
+SCORING = ScoringConfig(temperature=1.0, head="torch")
 for aggregation in ("token_mean", "seq_mean_token_mean"):
-    loss = LossSettings(clip_low=0.2, clip_high=0.2, dual_clip=1.4, kl_coef=0.001, sampler=SamplerCorrection("tis", 2.0),
-                        aggregation=aggregation)
+    loss = make_algorithm("mipu", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2", "algorithm.dual_clip=1.4",
+                          "kl.coef=0.001", "mipu.is_correction=tis", "mipu.w_max=2.0",
+                          f"algorithm.loss_aggregation={aggregation}")
     for micro, micro_batch_size in (("one", 1), ("whole", local.size)):
-        forward_backward(ddp, list(local.micro_batches(micro_batch_size)), policy_loss_fn(loss), scoring=loss.scoring(),
+        forward_backward(ddp, list(local.micro_batches(micro_batch_size)), PolicyLossCallback(loss), scoring=SCORING,
                          forward_only=False)
         grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
         zero_grads(ddp, optimizer)
-        update = update_policy(ddp, optimizer, [local], micro_batch_size=micro_batch_size, loss=loss, optim=optim,
-                               rl_step=0)
+        update = update_policy(ddp, optimizer, [local], micro_batch_size=micro_batch_size, algorithm=loss,
+                               scoring=SCORING, optim=optim, rl_step=0)
         results[f"{aggregation}/{micro}"] = {"grads": grads, "metrics": update.metrics}
 
 
@@ -60,7 +61,10 @@ def armor_run(case: dict) -> dict:
     weights; "updates": per RL step of case["steps"] (rl_step, mini-batches as global rows), update_policy's
     metrics and the weights after it; "steps": per (rl_step, HF-named gradient) of case["injected"], the
     weights after `optimizer_step` at `learning_rate(rl_step)` with that gradient in the grad buffers."""
-    loss, optim, batch = LossSettings(**case["loss"]), OptimizerSettings(**case["optim"]), case["batch"]
+    settings = case["loss"]  # ARMOR's alpha and clip bounds
+    loss = make_algorithm("armor", f"armor.alpha={settings['alpha']}", f"algorithm.clip_low={settings['clip_low']}",
+                          f"algorithm.clip_high={settings['clip_high']}", f"algorithm.dual_clip={settings['dual_clip']}")
+    optim, batch = AdamConfig(**case["optim"]), case["batch"]
 
     def local(rows):
         return batch.select(torch.tensor(list(rows)[ctx.dp_rank :: ctx.dp_size]))
@@ -75,15 +79,15 @@ def armor_run(case: dict) -> dict:
 
     out = {}
     ddp, optimizer = fresh()
-    outputs = forward_backward(ddp, list(local(range(batch.size)).micro_batches(2)), policy_loss_fn(loss),
-                               scoring=loss.scoring(), forward_only=False)
+    outputs = forward_backward(ddp, list(local(range(batch.size)).micro_batches(2)), PolicyLossCallback(loss),
+                               scoring=SCORING, forward_only=False)
     out["grads"] = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
     out["sums"] = {name: sum(float(o[name]) for o in outputs) for name in outputs[0]}
     zero_grads(ddp, optimizer)
     out["updates"] = []
     for rl_step, mini_batches in case["steps"]:
-        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches], micro_batch_size=1, loss=loss,
-                               optim=optim, rl_step=rl_step)
+        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches], micro_batch_size=1,
+                               algorithm=loss, scoring=SCORING, optim=optim, rl_step=rl_step)
         out["updates"].append({"metrics": update.metrics, "weights": hf_weights(ddp)})
 
     ddp, optimizer = fresh()

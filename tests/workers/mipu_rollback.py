@@ -15,38 +15,40 @@ import torch
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
+from megatron_armor.algorithms import build_algorithm  # noqa: E402
 from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
-from megatron_armor.trainer.run import build_training  # noqa: E402
+from megatron_armor.trainer.build import build_training  # noqa: E402
 from megatron_armor.trainer.task_setup import prepare_task  # noqa: E402
 
 out_dir, config_path, *overrides = sys.argv[1:]
 cfg = load_config(config_path, overrides)
 ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
-trainer = build_training(ctx, cfg, prepare_task(cfg, is_main=ctx.is_main)).trainer
+algorithm = build_algorithm(cfg)
+trainer = build_training(ctx, cfg, algorithm, prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.needs_teacher)).trainer
 
 
 def state():
     """(actor params, optimizer state, engine weights) of this rank, copied (collective)."""
-    with trainer.trainer_phase():  # the optimizer state may be parked between steps
+    with trainer.colocation.trainer_phase():  # the optimizer state may be parked between steps
         return (
-            [p.detach().clone() for p in trainer.h.actor.module.parameters()],
-            copy.deepcopy(trainer.h.optimizer.state_dict()),
-            {n: t.clone() for n, t in trainer.h.actor_engine.named_parameters_hf().items()},
+            [p.detach().clone() for p in trainer.models.actor.module.parameters()],
+            copy.deepcopy(trainer.models.optimizer.state_dict()),
+            {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()},
         )
 
 
 weights_parked_at_generate = []
-generate = trainer.h.actor_engine.generate
+generate = trainer.models.actor_engine.generate
 
 
 def recording_generate(prompts, sampling):
-    params = trainer.h.actor.module.parameters()
+    params = trainer.models.actor.module.parameters()
     weights_parked_at_generate.append(all(p.untyped_storage().nbytes() == 0 for p in params))
     return generate(prompts, sampling)
 
 
-trainer.h.actor_engine.generate = recording_generate
+trainer.models.actor_engine.generate = recording_generate
 
 
 def equal(a, b) -> bool:

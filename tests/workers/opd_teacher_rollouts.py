@@ -13,16 +13,19 @@ import torch
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
+from megatron_armor.algorithms import build_algorithm  # noqa: E402
 from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
-from megatron_armor.trainer.run import build_training  # noqa: E402
+from megatron_armor.trainer.build import build_training  # noqa: E402
 from megatron_armor.trainer.task_setup import prepare_task  # noqa: E402
+from megatron_armor.trainer.training_batch import advantage_batch, batch_metrics, score_logprobs  # noqa: E402
 
 out_dir, config_path, *overrides = sys.argv[1:]
 cfg = load_config(config_path, overrides)
 ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
-paths = prepare_task(cfg, is_main=ctx.is_main)
-trainer = build_training(ctx, cfg, paths).trainer
+algorithm = build_algorithm(cfg)
+paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.needs_teacher)
+trainer = build_training(ctx, cfg, algorithm, paths).trainer
 
 
 def engine_weights(engine) -> dict[str, torch.Tensor]:
@@ -33,8 +36,12 @@ def unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -
     return before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
 
-groups, _ = trainer.collect_groups(0)
-prepared = trainer.prepare_batch(groups)  # one data-parallel rank: the batch rows are the samples in order
+groups = trainer.rollout.collect(0).groups
+advantaged = advantage_batch(groups, trainer.plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank,
+                             pad_token_id=trainer.models.pad_token_id)
+prepared = score_logprobs(advantaged, trainer.models, trainer.plan, trainer.loss,
+                          optimizer_steps=trainer.optimizer_steps, dp_rank=ctx.dp_rank)
+# one data-parallel rank: the batch rows are the samples in order
 batch = prepared.batch
 samples = []
 for row, sample in enumerate(s for g in groups for s in g):
@@ -46,17 +53,19 @@ for row, sample in enumerate(s for g in groups for s in g):
         "teacher_logprobs": batch.teacher_logprobs[row][on_response].tolist(),
         "token_advantages": batch.token_advantages[row][on_response].tolist(),
     })
-batch_metrics = trainer.batch_metrics(prepared)
+metrics_of_batch = batch_metrics(prepared, sampled_by_actor=trainer.models.teacher_engine is None,
+                                 uses_anchors=trainer.plan.uses_anchors)
 
-actor_before, teacher_before = engine_weights(trainer.h.actor_engine), engine_weights(trainer.h.teacher_engine)
+actor_before = engine_weights(trainer.models.actor_engine)
+teacher_before = engine_weights(trainer.models.teacher_engine)
 step_metrics = trainer.step(1)
 write_result(out_dir, {
     "student_path": paths.model_path,
     "teacher_path": paths.teacher_path,
     "samples": samples,
-    "batch_metrics": batch_metrics,
+    "batch_metrics": metrics_of_batch,
     "step_metrics": step_metrics,
-    "actor_engine_unchanged": unchanged(actor_before, engine_weights(trainer.h.actor_engine)),
-    "teacher_engine_unchanged": unchanged(teacher_before, engine_weights(trainer.h.teacher_engine)),
+    "actor_engine_unchanged": unchanged(actor_before, engine_weights(trainer.models.actor_engine)),
+    "teacher_engine_unchanged": unchanged(teacher_before, engine_weights(trainer.models.teacher_engine)),
 })
 destroy_distributed()

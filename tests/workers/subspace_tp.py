@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+from algorithm_factory import make_algorithm  # noqa: E402
 from launcher import write_result  # noqa: E402
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
@@ -25,17 +26,17 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
-from megatron_armor.scoring.logprobs import compute_logprobs, forward_backward  # noqa: E402
-from megatron_armor.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_armor.trainer.optimizer import OptimizerSettings, subspace_constraint, wrap_for_training  # noqa: E402
-from megatron_armor.trainer.policy_update import LossSettings, policy_loss_fn  # noqa: E402
+from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward  # noqa: E402
+from megatron_armor.trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
+from megatron_armor.trainer.policy_update import PolicyLossCallback  # noqa: E402
 
 out_dir, w0_dir, wt_dir, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ctx = initialize_distributed(int(os.environ["WORLD_SIZE"]), 1, seed=0)
 shape = load_model_shape(w0_dir)
 model = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size), trainable=True)
 load_hf_weights(model, w0_dir, shape)
-ddp, optimizer = wrap_for_training(model, OptimizerSettings())
+ddp, optimizer = wrap_for_training(model, AdamConfig())
 constraint = subspace_constraint(ddp.module, k, "gradient")
 load_hf_weights(ddp.module, wt_dir, shape)
 constraint.capture(step=1)
@@ -45,9 +46,9 @@ samples = [Sample(i, torch.randint(1, 120, (3 + i,), generator=g).tolist(),
                   torch.randint(1, 120, (6 + 2 * i,), generator=g).tolist(), [0.0] * (6 + 2 * i), "stop", False)
            for i in range(3)]
 batch = build_sequence_batch(samples, [1.0, -0.5, 0.25], pad_token_id=0)
-loss = LossSettings(alpha=1.0)
-batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=3, scoring=loss.scoring()).logprobs
-forward_backward(ddp, [batch], policy_loss_fn(loss), scoring=loss.scoring(), forward_only=False)
+scoring = ScoringConfig(temperature=1.0, head="torch")
+batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=3, scoring=scoring).logprobs
+forward_backward(ddp, [batch], PolicyLossCallback(make_algorithm("grpo")), scoring=scoring, forward_only=False)
 grads = {name: p.main_grad for name, p in constraint.params.items()}  # this rank's shards, projected in place
 raw_local = {name: g.clone() for name, g in grads.items()}
 
@@ -69,9 +70,10 @@ result["twice"] = project_from(projected_local, constraint)
 result["orthogonal"] = project_from({n: raw_local[n] - projected_local[n] for n in grads}, constraint)
 
 run_dir = Path(out_dir) / "run"
-path = save_checkpoint(run_dir, 1, {"subspace": constraint}, TrainerState(step=1, sampler={}, extra={}))
+path = save_checkpoint(run_dir, 1, {"modules": {"subspace": constraint.state_dict()}})
 restored = subspace_constraint(ddp.module, k, "gradient")  # its W0 is W_t and nothing is captured ...
-load_checkpoint(path, {"subspace": restored})  # ... until the checkpoint restores W0 and the bases
+_, state = load_checkpoint(path)  # ... until the checkpoint restores W0 and the bases
+restored.load_state_dict(state["modules"]["subspace"])
 result["resumed"] = project_from(raw_local, restored)
 result["sharding"] = {name: s.dim for name, s in constraint.sharding.items()}
 if ctx.rank == 0:

@@ -1,0 +1,204 @@
+"""The `Algorithm` protocol: what an RL objective needs from the trainer, and its loss.
+
+An algorithm is an object built from the run config. The trainer never asks for its name; it asks:
+- which samples a step needs: anchors from the reference (`uses_anchors`), prompt filtering
+  (`filters_groups`), responses sampled by the OPD teacher instead of the actor (`samples_from_teacher`);
+- which scores a batch needs: reference logprobs (`needs_ref_logprobs`), teacher logprobs (`needs_teacher`);
+- its per-micro-batch loss (`policy_loss`), and optional hooks: per-token advantages computed from the
+  scored batch (`token_advantages`, OPD) and a post-update accept/roll-back gate (`update_gate`, MIPU).
+Each built-in lives in its own module and registers itself (`algorithms/registry.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from megatron_armor.algorithms.kl import kl_penalty
+from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, check_aggregation
+from megatron_armor.config.base import require
+
+if TYPE_CHECKING:
+    from megatron_armor.config import ArmorConfig
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch as a policy loss sees it; every tensor [b, S] float32 (mask: 1 on response tokens).
+
+    logprobs carries the gradient (log pi_theta of the sampled tokens); old_logprobs are the trainer's at
+    rollout time, engine_logprobs the sampler's, ref_logprobs the reference's (None when not needed);
+    advantages are per token (sequence advantages broadcast, or OPD's token advantages).
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    engine_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+
+
+@dataclass
+class PolicyLossTerms:
+    """A micro-batch's loss as partial sums over its aggregation units (normalizer 1).
+
+    loss: the 0-dim value to differentiate (the policy term plus any penalty); policy_loss: the policy
+    term alone (detached); token_means: detached 0-dim masked token means (e.g. clip_fraction);
+    per_unit: detached 0-dim partial sums reported per aggregation unit, as policy_loss (e.g. kl_to_ref).
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    token_means: dict[str, torch.Tensor]
+    per_unit: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpdateGateConfig:
+    """A post-update gate (MIPU Step 2): tolerance c_t from c_start to c_end over ramp_steps RL steps, measured
+    on `prompts` held-out prompts x `n` responses each."""
+
+    c_start: float
+    c_end: float
+    ramp_steps: int
+    prompts: int
+    n: int
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """Dual-clip PPO bounds: ratio clipped to [1 - low, 1 + high], negative-advantage loss bounded by dual * |A|."""
+
+    low: float
+    high: float
+    dual: float
+
+    def as_kwargs(self) -> dict[str, float]:
+        return dict(clip_low=self.low, clip_high=self.high, dual_clip=self.dual)
+
+
+class Algorithm:
+    """Base of the registered RL objectives (see the module docstring for what the trainer asks).
+
+    Subclasses set `name` and implement `ppo_loss`; class attributes give their needs, class methods
+    their config defaults and rules. The settings of their own config section they read in `__init__`.
+    """
+
+    name: ClassVar[str]
+    uses_anchors: ClassVar[bool] = False
+    needs_teacher: ClassVar[bool] = False
+    default_loss_aggregation: ClassVar[LossAggregation] = "token_mean"
+    uses_kl_penalty: ClassVar[bool] = False  # adds kl.coef * KL(pi_theta || pi_ref) to the loss
+
+    def __init__(self, cfg: ArmorConfig) -> None:
+        section = cfg.algorithm
+        self.clip = self.resolve_clip(cfg)
+        self.loss_aggregation: LossAggregation = section.loss_aggregation or self.default_loss_aggregation
+        check_aggregation(self.loss_aggregation)
+        self.kl_coef = cfg.kl.coef if self.uses_kl_penalty else 0.0
+        self.kl_estimator = cfg.kl.estimator
+        self.filters_groups = section.filter_groups
+
+    # ----- what a step needs ------------------------------------------------------------------
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        """Reference logprobs per batch: for the KL penalty (and, in subclasses, the mixed ratio)."""
+        return self.kl_coef > 0
+
+    @property
+    def samples_from_teacher(self) -> bool:
+        """Training responses come from the OPD teacher's engine instead of the actor's."""
+        return False
+
+    @property
+    def per_unit_stats(self) -> tuple[str, ...]:
+        """Names of the `PolicyLossTerms.per_unit` statistics `policy_loss` returns (the same every call)."""
+        return ("kl_to_ref",) if self.kl_coef > 0 else ()
+
+    # ----- config ---------------------------------------------------------------------------
+    @classmethod
+    def default_clip_high(cls, clip_low: float) -> float:
+        return 0.28
+
+    @classmethod
+    def default_dual_clip(cls, clip_low: float) -> float:
+        return 10.0
+
+    @classmethod
+    def resolve_clip(cls, cfg: ArmorConfig) -> ClipConfig:
+        """algorithm.clip_* with this algorithm's defaults for the unset ones."""
+        section = cfg.algorithm
+        high = section.clip_high if section.clip_high is not None else cls.default_clip_high(section.clip_low)
+        dual = section.dual_clip if section.dual_clip is not None else cls.default_dual_clip(section.clip_low)
+        return ClipConfig(low=section.clip_low, high=high, dual=dual)
+
+    @classmethod
+    def check_config(cls, cfg: ArmorConfig) -> None:
+        """ConfigError for settings this algorithm cannot run with (cross-section rules that depend on it)."""
+        clip = cls.resolve_clip(cfg)
+        require(clip.high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {clip.low}/{clip.high}")
+        require(clip.dual > 1, f"algorithm.dual_clip must be > 1, got {clip.dual}")
+        sampling, anchors = cfg.rollout.sampling, cfg.rollout.anchors
+        if cls.uses_anchors:
+            require(anchors.ref_n >= 1, f"rollout.anchors.ref_n must be >= 1 for {cls.name}, got {anchors.ref_n}")
+            require(cfg.rollout.backend != "sglang" or anchors.engine == "shared" or bool(cfg.rollout.sglang.ref_urls),
+                    f"rollout.sglang.ref_urls is required for {cls.name} with rollout.backend sglang (servers of the "
+                    f"reference policy), or set rollout.anchors.engine shared to sample anchors from the actor's servers")
+        else:
+            require(sampling.actor_n == sampling.n_samples,
+                    f"rollout.sampling.actor_n must equal rollout.sampling.n_samples ({sampling.n_samples}) for "
+                    f"{cls.name}, got {sampling.actor_n}")
+            require(anchors.engine == "separate" and not anchors.cache,
+                    f"rollout.anchors.engine ({anchors.engine}) and rollout.anchors.cache ({anchors.cache}) apply to "
+                    f"anchors; {cls.name} samples none: leave them at separate / false")
+        if not cls.needs_teacher:
+            cls.check_no_teacher_settings(cfg)
+
+    @classmethod
+    def check_no_teacher_settings(cls, cfg: ArmorConfig) -> None:
+        """The opd section's teacher, rollout and sparsification settings need an algorithm with a teacher."""
+        opd = cfg.opd
+        require(opd.token_fraction == 1.0,
+                f"opd.token_fraction ({opd.token_fraction}) sparsifies the teacher's per-token advantages; {cls.name} "
+                f"has none: leave it at 1.0")
+        require(opd.teacher_url is None and opd.teacher_layout is None,
+                f"opd.teacher_url / teacher_*_parallel_size configure the OPD teacher; {cls.name} has none: unset them")
+        require(opd.rollouts == "student",
+                f"opd.rollouts ({opd.rollouts}) picks who samples opd's training responses; {cls.name} samples from "
+                f"the actor: leave it at student")
+
+    # ----- the loss -------------------------------------------------------------------------
+    def policy_loss(self, inputs: LossInputs) -> PolicyLossTerms:
+        """The micro-batch's loss as partial sums (`PolicyLossTerms`): `ppo_loss`, plus kl.coef times the
+        aggregated KL estimate to the reference when the algorithm uses the KL penalty."""
+        loss, stats = self.ppo_loss(inputs)
+        stats.pop("num_tokens", None)
+        terms = PolicyLossTerms(loss=loss, policy_loss=loss.detach(), token_means=stats)
+        if self.kl_coef > 0:
+            kl = self.aggregate(kl_penalty(inputs.logprobs, inputs.ref_logprobs, self.kl_estimator), inputs)
+            terms.loss = loss + self.kl_coef * kl
+            terms.per_unit["kl_to_ref"] = kl.detach()
+        return terms
+
+    def ppo_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(partial-sum policy loss, detached token-mean statistics) of one micro-batch."""
+        raise NotImplementedError
+
+    def aggregate(self, values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        """Partial sum of per-token `values` [b, S] over the micro-batch's units (the trainer divides by all units)."""
+        return aggregate_loss(values, inputs.response_mask, self.loss_aggregation, normalizer=1.0)
+
+    # ----- optional hooks -------------------------------------------------------------------
+    def token_advantages(
+        self, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor | None, response_mask: torch.Tensor,
+        sequence_advantages: torch.Tensor, generator: torch.Generator,
+    ) -> torch.Tensor | None:
+        """Per-token advantages [B, S] from the scored batch, or None to broadcast `sequence_advantages` [B]."""
+        return None
+
+    def update_gate(self) -> UpdateGateConfig | None:
+        """Settings of a post-update accept / roll-back gate, or None for none."""
+        return None

@@ -1,0 +1,57 @@
+"""Algorithms by name: built-ins register themselves on import, and so can a user's (`register_algorithm`)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from megatron_armor.algorithms.base import Algorithm
+from megatron_armor.config import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_armor.config import ArmorConfig
+
+_ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make `cls` selectable as `algorithm.name: <cls.name>`. A second class under a
+    registered name is a ValueError (unregister_algorithm first to replace one)."""
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)) or not getattr(cls, "name", None):
+        raise TypeError(f"{cls!r} is not an Algorithm subclass with a `name`")
+    if _ALGORITHMS.get(cls.name, cls) is not cls:
+        raise ValueError(f"algorithm {cls.name!r} is already registered by {_ALGORITHMS[cls.name].__qualname__}")
+    _ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def unregister_algorithm(name: str) -> None:
+    """Forget the algorithm registered as `name` (KeyError if none is)."""
+    del _ALGORITHMS[name]
+
+
+def registered_algorithms() -> list[str]:
+    """Registered names, in registration order (the built-ins first)."""
+    return list(_ALGORITHMS)
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The class registered as `name`; a ConfigError naming the registered ones otherwise."""
+    if name in _ALGORITHMS:
+        return _ALGORITHMS[name]
+    close = difflib.get_close_matches(name, list(_ALGORITHMS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"algorithm.name: {name!r} is not a registered algorithm; choose one of "
+                      f"{registered_algorithms()}{hint}")
+
+
+def check_algorithm_config(cfg: ArmorConfig) -> type[Algorithm]:
+    """The run's algorithm class, after its config rules passed (ConfigError otherwise)."""
+    cls = algorithm_class(cfg.algorithm.name)
+    cls.check_config(cfg)
+    return cls
+
+
+def build_algorithm(cfg: ArmorConfig) -> Algorithm:
+    """The run's algorithm object, built from its config sections (validated first)."""
+    return check_algorithm_config(cfg)(cfg)

@@ -1,0 +1,285 @@
+"""Build every component of a training run from an `ArmorConfig`: engines, models, data, scorers, the
+step's settings and the `RLTrainer` (collective: every rank builds its own in the same order)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megatron_armor.algorithms import Algorithm, UpdateGateConfig
+from megatron_armor.config import ArmorConfig, RolloutConfig
+from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
+from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
+from megatron_armor.convert.weights import parameters_exported_as_views
+from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
+from megatron_armor.distributed.device import training_device
+from megatron_armor.distributed.init import DistributedContext
+from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
+from megatron_armor.models.tokenizer import load_tokenizer
+from megatron_armor.rewards.registry import load_reward_fn
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.tensor_serialization import share_storages
+from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
+from megatron_armor.teacher.serve_cli import TeacherServerConfig
+from megatron_armor.scoring.logprobs import ScoringConfig, resolve_logprob_head
+from megatron_armor.trainer.anchor_cache import AnchorCache
+from megatron_armor.trainer.loop import RLTrainer
+from megatron_armor.trainer.memory_handoff import MemoryHandoff
+from megatron_armor.trainer.mipu_gate import InferenceGapGate
+from megatron_armor.trainer.offload import TrainerOffload
+from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.task_setup import TaskPaths
+
+log = logging.getLogger("megatron_armor")
+
+
+@dataclass
+class TrainingSetup:
+    """Everything a run uses: the trainer, the models and engines it was built on (for validation, the
+    model export of a checkpoint and teardown), and what validation needs besides."""
+
+    trainer: RLTrainer
+    models: PolicyHandles
+    val_rows: list[PromptRow]
+    val_scorer: SampleScorer
+    val_sampling: SamplingParams
+
+
+def context_length_warning(cfg: ArmorConfig, shape: ModelShape) -> str | None:
+    """Why SGLang servers would refuse the run's longest requests, or None."""
+    positions = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    if positions <= shape.max_position_embeddings:
+        return None
+    return (f"data.max_prompt_length + rollout.sampling.max_new_tokens = {positions} positions, but the model's "
+            f"config.json says max_position_embeddings {shape.max_position_embeddings}: SGLang servers refuse longer "
+            f"requests unless started with --context-length (or the config raises it)")
+
+
+def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths) -> TrainingSetup:
+    """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` and `algorithm` (built from it)
+    say (collective)."""
+    tokenizer = load_tokenizer(paths.model_path)
+    shape = load_model_shape(paths.model_path)
+    check_tokenizer_fits_model(tokenizer, shape.vocab_size)
+    if (warning := context_length_warning(cfg, shape)) and ctx.is_main:
+        log.warning("%s (%s)", warning, paths.model_path)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
+    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.samples_from_teacher else None
+    handoff = _memory_handoff(cfg, actor_engine, ref_engine)
+    optim = AdamConfig.from_config(cfg.train)
+    trainer_models = _build_models(cfg, algorithm, paths, shape, optim, handoff, (actor_engine, ref_engine))
+    stop_ids = (tokenizer.eos_token_id,)
+    sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
+    val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
+    models = PolicyHandles(
+        actor=trainer_models.ddp, optimizer=trainer_models.optimizer, ref=trainer_models.ref, shape=shape,
+        actor_engine=actor_engine, ref_engine=ref_engine, pad_token_id=pad_token_id, teacher=trainer_models.teacher,
+        teacher_engine=teacher_engine,
+    )
+    train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
+    sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    overlong = OverlongPenalty(cfg.rollout.sampling.max_new_tokens, cfg.reward.overlong_buffer,
+                               cfg.reward.overlong_factor)
+    train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
+    val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
+    gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
+    anchors = cfg.rollout.anchors
+    anchor_cache = AnchorCache(anchors.cache_max_prompts) if anchors.cache else None
+    trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), sampler, sampling, train_scorer,
+                        _scoring(cfg), optim,
+                        gate=gate, constraint=trainer_models.constraint,
+                        constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
+                        memory_handoff=handoff, offload=trainer_models.offload)
+    return TrainingSetup(trainer=trainer, models=models, val_rows=all_val_rows[: cfg.eval.max_prompts],
+                         val_scorer=val_scorer, val_sampling=val_sampling)
+
+
+def _memory_handoff(cfg: ArmorConfig, actor_engine: RolloutEngine, ref_engine: RolloutEngine) -> MemoryHandoff | None:
+    """The servers' memory hand-off of a colocated run (rollout.memory.release_servers), or None."""
+    if not cfg.rollout.memory.release_servers:
+        return None
+    if ref_engine is not actor_engine and not ref_engine.keeps_weights_across_release():
+        raise ValueError(
+            "rollout.memory.release_servers with separate reference servers (rollout.sglang.ref_urls) needs them "
+            "started with --enable-weights-cpu-backup: their weights are pushed once, not after every release, and "
+            "SGLang's memory saver loses them otherwise (armor ray-train --placement colocated starts them so)"
+        )
+    return MemoryHandoff([actor_engine, ref_engine])
+
+
+def _prompt_rows(cfg: ArmorConfig, paths: TaskPaths, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]:
+    """(training prompts, every validation prompt: none without data.val_path)."""
+    data = cfg.data
+    options = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, tokenizer=tokenizer,
+                   apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length)
+    train_rows = load_prompt_rows(paths.train_path, **options)
+    return train_rows, load_prompt_rows(paths.val_path, **options) if paths.val_path else []
+
+
+def _scoring(cfg: ArmorConfig) -> ScoringConfig:
+    """How the trainer scores tokens: at the rollouts' temperature, with train.logprob_head's LM head."""
+    return ScoringConfig(temperature=cfg.rollout.sampling.temperature, head=resolve_logprob_head(cfg.train.logprob_head))
+
+
+@dataclass
+class TrainerModels:
+    """A rank's models: the DDP-wrapped actor and its optimizer, the frozen reference, the OPD teacher, the
+    subspace constraint over the actor's weights, and the offload of them all (rollout.memory.offload_trainer)."""
+
+    ddp: torch.nn.Module
+    optimizer: Any
+    ref: torch.nn.Module
+    teacher: TeacherScorer | None
+    constraint: SubspaceConstraint | None
+    offload: TrainerOffload | None
+
+
+def _build_models(
+    cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, shape: ModelShape, optim: AdamConfig,
+    handoff: MemoryHandoff | None, engines: tuple[RolloutEngine, RolloutEngine],
+) -> TrainerModels:
+    """The models of this rank (collective). Colocated, the servers release their GPU memory while the
+    models are built (`handoff`), and an offloaded trainer parks them before the servers take it back
+    (the servers get their weights from the first pushes, which bring the trainer's copy of each back
+    for the push alone)."""
+    dtype = PARAMS_DTYPES[cfg.model.params_dtype]
+    with handoff.training_phase() if handoff else contextlib.nullcontext():
+        ddp, optimizer = wrap_for_training(load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True),
+                                           optim)
+        ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype)
+        teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None
+        constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
+                      if cfg.train.subspace_capture_step else None)
+        offload = None
+        if cfg.rollout.memory.offload_trainer:
+            frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
+            offload = TrainerOffload(ddp, optimizer, frozen, constraint)
+            offload.park()
+        elif _pushes_cpu_weights_by_handle(cfg):  # the models this rank pushes to servers (engines: actor, ref)
+            pushed = [module for module, engine in zip((ddp.module, ref), engines) if engine.pushes_weights]
+            moved = share_storages(itertools.chain.from_iterable(parameters_exported_as_views(m, shape) for m in pushed))
+            if pushed:
+                log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)
+    return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
+
+
+def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
+    """Whether weight pushes send handles to the trainer's own CPU weights (rollout.weight_sync.payload
+    per_tensor), which must then live in shared memory: those the push reads in place
+    (`parameters_exported_as_views`). An offloaded trainer's cannot (a parked storage is freed in place, a
+    shared one cannot be), so its weights are staged."""
+    rollout = cfg.rollout
+    return (rollout.backend == "sglang" and _pushes_per_tensor(rollout) and training_device().type == "cpu"
+            and not rollout.memory.offload_trainer)
+
+
+def _pushes_per_tensor(rollout: RolloutConfig) -> bool:
+    """rollout.weight_sync.method tensor with SGLang's load_format null (payload per_tensor); the other update
+    paths send flattened buckets."""
+    return rollout.weight_sync.method == "tensor" and rollout.weight_sync.payload == "per_tensor"
+
+
+def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
+    """The teacher that scores every batch (collective): in the trainer's processes at the student's layout, or
+    a scoring server (opd.teacher_url, or one the trainer starts at opd.teacher_tensor/pipeline_parallel_size)."""
+    teacher = cfg.opd
+    teacher_shape = None
+    if paths.teacher_path is not None:  # None: only a teacher_url was given
+        teacher_shape = load_model_shape(paths.teacher_path)
+        check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"opd.teacher_path {paths.teacher_path}")
+    scoring = _scoring(cfg)  # as the student's
+    if teacher.teacher_url is None and teacher.teacher_layout is None:
+        model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
+        return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
+    launch = None
+    if teacher.teacher_layout is not None:
+        tp, pp = teacher.teacher_layout
+        check_parallel_layout(teacher_shape, tp, pp)  # before any teacher process starts
+        launch = TeacherServerConfig(paths.teacher_path, tp, pp, port=0, micro_batch_size=cfg.train.micro_batch_size,
+                                     params_dtype=cfg.model.params_dtype)
+    urls = teacher.teacher_url.split(",") if teacher.teacher_url else None
+    return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
+                                  launch=launch, log_dir=cfg.logging.run_dir)
+
+
+def _update_gate(
+    cfg: ArmorConfig, config: UpdateGateConfig | None, val_rows: list[PromptRow], val_scorer: SampleScorer,
+    sampling: SamplingParams,
+) -> InferenceGapGate | None:
+    """The algorithm's post-update gate over held-out prompts, or None when it has none. Its advantages come
+    from verifier rewards (mipu.md §3): the validation scorer, no overlong penalty."""
+    if config is None:
+        return None
+    return InferenceGapGate.from_config(config, val_rows, val_scorer, sampling, seed=cfg.train.seed,
+                                        adv_eps=cfg.algorithm.adv_eps)
+
+
+def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[RolloutEngine, RolloutEngine]:
+    """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers.
+
+    The two are one object with rollout.anchors.engine shared (and for algorithms without anchors on
+    SGLang). An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's
+    (and, for ARMOR, the reference's) weights before the first rollout.
+    """
+    rollout = cfg.rollout
+    if rollout.backend == "local":
+        options = _local_engine_options(cfg, pad_token_id)
+        actor = _local_engine(paths.model_path, **options)
+        return actor, actor if rollout.anchors.engine == "shared" else _local_engine(paths.ref_path, **options)
+    from megatron_armor.rollout.router import make_sglang_engine
+    from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
+    from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
+
+    client = SGLangEngineConfig(bucket_bytes=rollout.weight_sync.bucket_mb << 20, weight_sync=rollout.weight_sync.method,
+                                weight_sync_dir=rollout.weight_sync.dir,
+                                load_format=None if _pushes_per_tensor(rollout) else "flattened_bucket")
+    log_dir = cfg.logging.run_dir  # routers' logs
+
+    def engine(urls: str, router_url: str | None):
+        push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
+        return make_sglang_engine(urls, router_url, rollout, client, log_dir=log_dir, push_urls=push_urls)
+
+    sglang = rollout.sglang
+    actor = engine(sglang.urls, sglang.router_url)
+    ref = engine(sglang.ref_urls, sglang.ref_router_url) if sglang.ref_urls else actor
+    return actor, ref
+
+
+def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> LocalEngine:
+    """OPD's off-policy variant: an in-process engine of the teacher's HF checkpoint with the options of the
+    actor's and reference's (backend local: config validation); it samples the training responses and is
+    never synced, so it must load the teacher's weights itself."""
+    if is_megatron_checkpoint(paths.teacher_path):
+        raise ValueError(
+            f"opd.rollouts teacher needs opd.teacher_path as an HF checkpoint, {paths.teacher_path} is a "
+            f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
+            f"megatron-to-hf`"
+        )
+    return LocalEngine(paths.teacher_path, **_local_engine_options(cfg, pad_token_id))
+
+
+def _local_engine_options(cfg: ArmorConfig, pad_token_id: int) -> dict[str, Any]:
+    """Keyword arguments of every in-process engine of the run (`LocalEngine`)."""
+    return dict(pad_token_id=pad_token_id, weight_precision=cfg.rollout.engine_precision)
+
+
+def _local_engine(path: str, **options) -> LocalEngine:
+    """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
+    its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
+    if not is_megatron_checkpoint(path):
+        return LocalEngine(path, **options)
+    return LocalEngine(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32), **options)
+
+

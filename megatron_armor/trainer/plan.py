@@ -1,0 +1,49 @@
+"""`StepPlan`: the algorithm and batch geometry of an RL step, derived from the config once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_armor.algorithms import Algorithm
+from megatron_armor.config import ArmorConfig
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every RL step does: the algorithm object (what it needs, its loss and hooks) and the batch geometry."""
+
+    algorithm: Algorithm
+    train_batch_size: int  # prompts per step
+    mini_batch_size: int  # prompts per optimizer step
+    micro_batch_size: int  # sequences per forward/backward
+    actor_n: int  # on-policy samples per prompt
+    ref_n: int  # anchor samples per prompt (algorithms that use anchors)
+    max_num_gen_batches: int
+    allow_partial_batch: bool
+    adv_eps: float
+    ref_reset_period: int
+    seed: int
+    advantage_baseline: str = "mean"  # "mean" (GRPO) | "quantile" (QAE): b of A = (R - b) / (std + eps)
+    baseline_quantile: float = 0.45
+
+    @classmethod
+    def from_config(cls, cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
+        """The plan of `algorithm` with the train, rollout and algorithm sections' geometry and group settings."""
+        section, train = cfg.algorithm, cfg.train
+        return cls(
+            algorithm=algorithm, train_batch_size=train.train_batch_size, mini_batch_size=train.mini_batch_size,
+            micro_batch_size=train.micro_batch_size, actor_n=cfg.rollout.sampling.actor_n,
+            ref_n=cfg.rollout.anchors.ref_n, max_num_gen_batches=section.max_num_gen_batches,
+            allow_partial_batch=section.allow_partial_batch, adv_eps=section.adv_eps,
+            ref_reset_period=section.ref_reset_period, seed=train.seed, advantage_baseline=section.advantage_baseline,
+            baseline_quantile=section.baseline_quantile,
+        )
+
+    @property
+    def uses_anchors(self) -> bool:
+        """The reference samples anchors, and a group needs a correct one (the algorithm says)."""
+        return self.algorithm.uses_anchors
+
+    def resets_reference_after(self, step: int) -> bool:
+        """Whether RL step `step` (0-based) ends with a reference reset (every `ref_reset_period` steps)."""
+        return bool(self.ref_reset_period) and (step + 1) % self.ref_reset_period == 0

@@ -1,0 +1,147 @@
+"""The rollout phase of an RL step: generate and score samples, group them, until the batch is full.
+
+Generation batches of prompts are sampled from the actor (and, for ARMOR, anchors from the reference or
+the anchor cache), scored (`rollout_stage.generate_samples`) and grouped (`algorithms.build_groups`)
+until `train_batch_size` prompts survive filtering (ARMOR §1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from megatron_armor.algorithms import GroupCollector, build_groups
+from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.data.types import Sample
+from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.trainer.anchor_cache import AnchorCache
+from megatron_armor.trainer.engine_weights import EngineWeights
+from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.trainer.rollout_stage import RolloutCounters, SampleScorer, generate_samples
+
+
+@dataclass
+class Rollout:
+    """What the rollout phase hands on: the kept groups (every rank holds the same ones, each group a
+    prompt's on-policy samples and, for ARMOR, its anchor) and the rollout's metrics."""
+
+    groups: list[list[Sample]]
+    metrics: dict[str, float]
+
+
+class RolloutPhase:
+    """Generates, scores and groups a step's samples (collective: every rank makes the same calls).
+
+    Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s
+    and a shared engine's weights `engine_weights`'.
+    """
+
+    def __init__(
+        self, plan: StepPlan, models: PolicyHandles, sampler: PromptSampler, sampling: SamplingParams,
+        scorer: SampleScorer, engine_weights: EngineWeights, anchor_cache: AnchorCache | None, dp_size: int,
+    ) -> None:
+        self.plan, self.models, self.sampler, self.sampling, self.scorer = plan, models, sampler, sampling, scorer
+        self.engine_weights, self.anchor_cache, self.dp_size = engine_weights, anchor_cache, dp_size
+
+    def collect(self, step: int) -> Rollout:
+        """Generate until `train_batch_size` prompts survive filtering (ARMOR §1).
+
+        A partial batch (allow_partial_batch) is cut to a multiple of the data-parallel size
+        (`trim_to_data_parallel`); it may then be empty.
+        """
+        plan = self.plan
+        collector = GroupCollector(
+            target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
+            allow_partial=plan.allow_partial_batch,
+        )
+        on_policy_all: list[Sample] = []
+        anchors_all: list[Sample] = []
+        counters = RolloutCounters()
+        phases = {"actor": self.sample_on_policy, "ref": self.sample_anchors}
+        while not collector.done:
+            batch_index = collector.num_gen_batches
+            prompts = [dataclasses.replace(p, index=i) for i, p in enumerate(self.sampler.next_batch())]
+            samples = {
+                policy: phases[policy](prompts, (plan.seed, step, batch_index, policy), counters)
+                for policy in self.engine_weights.phase_order(uses_anchors=plan.uses_anchors)
+            }
+            on_policy, anchors = samples["actor"], samples.get("ref", [])
+            groups, stats = build_groups(
+                on_policy + anchors, require_anchor=plan.uses_anchors, filter_groups=plan.algorithm.filters_groups
+            )
+            collector.add(groups, stats)
+            on_policy_all += on_policy
+            anchors_all += anchors
+        groups = trim_to_data_parallel(collector.result(), self.dp_size)
+        return Rollout(groups, self.metrics(groups, on_policy_all, anchors_all, collector, counters))
+
+    def sample_on_policy(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
+        """`actor_n` scored samples of every prompt from the actor (collective).
+
+        OPD's off-policy variant draws them from the teacher's engine instead (`PolicyHandles.training_engine`):
+        the student then trains on the teacher's tokens with the same r_t and loss, and no importance weight
+        corrects for sampling from q_T instead of pi_old (as in opd.md §1, variants).
+        """
+        counters.add_push("actor", self.engine_weights.load_into_shared_engine("actor"))
+        return generate_samples(
+            self.models.training_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False,
+            seed=seed,
+        )
+
+    def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
+        """`ref_n` anchors of every prompt from the reference, sampled or from the cache (collective)."""
+        start = time.perf_counter()
+
+        def generate(missing: list[PromptRow]) -> list[Sample]:
+            counters.add_push("ref", self.engine_weights.load_into_shared_engine("ref"))
+            return generate_samples(
+                self.models.ref_engine, missing, self.plan.ref_n, self.sampling, self.scorer, is_anchor=True, seed=seed
+            )
+
+        if self.anchor_cache is None:
+            anchors = generate(prompts)
+        else:
+            anchors, hits = self.anchor_cache.fetch(prompts, generate)
+            counters.anchor_cache_hits += hits
+        counters.anchor_seconds += time.perf_counter() - start
+        return anchors
+
+    def metrics(
+        self, groups: list[list[Sample]], on_policy: list[Sample], anchors: list[Sample], collector: GroupCollector,
+        counters: RolloutCounters,
+    ) -> dict[str, float]:
+        """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept,
+        anchors, the shared engine's swaps and the engine's own."""
+        uses_anchors = self.plan.uses_anchors
+        metrics = {
+            "train/reward_mean": mean([s.reward for s in on_policy]),
+            "train/accuracy": mean([float(s.correct) for s in on_policy]),
+            "train/num_gen_batches": float(collector.num_gen_batches),
+            "response/length_mean": mean([len(s.response_ids) for s in on_policy]),
+            "armor/prompts_kept": float(len(groups)),
+            "armor/prompts_generated": float(collector.stats.prompts_seen),
+            "armor/anchors_used": float(sum(s.is_anchor for g in groups for s in g)),
+        }
+        if anchors:
+            metrics["armor/anchor_accuracy"] = mean([float(s.correct) for s in anchors])
+        if uses_anchors and groups:  # armor.md §7: the fraction of on-policy samples in the batch
+            metrics["mix_kl/main_ratio"] = mean([float(not s.is_anchor) for g in groups for s in g])
+        metrics.update(counters.metrics(
+            uses_anchors=uses_anchors, cache=self.anchor_cache is not None, shared=self.models.shared_engine
+        ))
+        metrics.update(self.models.actor_engine.metrics())
+        return metrics
+
+
+def trim_to_data_parallel(groups: list[list[Sample]], dp_size: int) -> list[list[Sample]]:
+    """The first len(groups) - len(groups) % dp_size groups: a multiple of the data-parallel size, so
+    every mini-batch deals at least one group to every rank (`training_batch.local_mini_batch_groups`)."""
+    return groups[: len(groups) - len(groups) % dp_size]
+
+
+def mean(values) -> float:
+    """The mean of `values`, 0.0 when there are none."""
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0

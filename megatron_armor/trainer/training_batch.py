@@ -1,0 +1,154 @@
+"""From kept groups to a rank's training batch: the advantage phase and the logprob phase of an RL step.
+
+    groups --advantage_batch--> AdvantageBatch --score_logprobs--> PreparedBatch --batch_metrics--> metrics
+
+Both phases see only this data-parallel rank's share of each mini-batch (`local_mini_batch_groups`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megatron_armor.algorithms import group_advantages, mismatch_k3, mix_kl_metrics, reverse_kl
+from megatron_armor.algorithms.reduce import masked_mean
+from megatron_armor.data.types import Sample
+from megatron_armor.distributed.reduce import mean_over_data_parallel
+from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
+from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
+from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.trainer.rollout_stage import call_seed
+
+
+@dataclass
+class AdvantageBatch:
+    """A rank's samples of the step, packed, with their group advantages (no logprobs yet).
+
+    batch: `SequenceBatch` of B rows, this rank's share of the first mini-batch, then of the second, ...;
+           advantages [B] float32 set, old/ref/teacher logprobs None;
+    mini_batch_sizes: rows of each mini-batch in `batch`, in order (they sum to B);
+    num_tokens: prompt + response tokens of the whole step (all data-parallel ranks).
+    """
+
+    batch: SequenceBatch
+    mini_batch_sizes: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PreparedBatch:
+    """A rank's training batch for one step: the whole local batch and its mini-batch views.
+
+    batch: the `AdvantageBatch`'s, with old_logprobs [B, S] float32 and, as the plan needs them,
+           ref_logprobs [B, S] float32, teacher_logprobs and token_advantages [B, S] float32 (OPD);
+    mini_batches: row slices of `batch`, one per optimizer step;
+    entropy: token-mean policy entropy of the local batch before the update;
+    num_tokens: prompt + response tokens of the whole step (all data-parallel ranks).
+    """
+
+    batch: SequenceBatch
+    mini_batches: list[SequenceBatch]
+    entropy: float
+    num_tokens: int
+
+
+def advantage_batch(
+    groups: list[list[Sample]], plan: StepPlan, *, dp_size: int, dp_rank: int, pad_token_id: int
+) -> AdvantageBatch:
+    """Group advantages A = (R - b_g) / (std_g + eps) of every sample of the step (anchors included),
+    and this rank's share of each mini-batch packed into one batch."""
+    samples = [s for g in groups for s in g]
+    group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    advantages = group_advantages(rewards, group_ids, eps=plan.adv_eps, baseline=plan.advantage_baseline,
+                                  quantile=plan.baseline_quantile)
+    group_start = [0]
+    for g in groups:
+        group_start.append(group_start[-1] + len(g))
+    rows = [  # sample rows of each local mini-batch
+        [r for gi in local for r in range(group_start[gi], group_start[gi + 1])]
+        for local in local_mini_batch_groups(len(groups), plan.mini_batch_size, dp_size, dp_rank)
+    ]
+    order = [r for mini in rows for r in mini]
+    batch = build_sequence_batch([samples[r] for r in order], advantages[order].tolist(), pad_token_id=pad_token_id)
+    return AdvantageBatch(
+        batch=batch,
+        mini_batch_sizes=[len(mini) for mini in rows],
+        num_tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
+    )
+
+
+def score_logprobs(
+    advantaged: AdvantageBatch, models: PolicyHandles, plan: StepPlan, scoring: ScoringConfig, *,
+    optimizer_steps: int, dp_rank: int,
+) -> PreparedBatch:
+    """The actor's logprobs and entropy before the update, and what the algorithm asks for: the reference's
+    logprobs, the teacher's, and per-token advantages from the scored batch (its random draws: one stream per
+    optimizer-step count and data shard). Collective over the model-parallel group; fills in
+    `advantaged.batch` in place."""
+    batch, algorithm = advantaged.batch, plan.algorithm
+    old = compute_logprobs(models.actor, batch, micro_batch_size=plan.micro_batch_size,
+                           scoring=dataclasses.replace(scoring, with_entropy=True))
+    batch.old_logprobs = old.logprobs
+    if algorithm.needs_ref_logprobs:
+        batch.ref_logprobs = compute_logprobs(
+            models.ref, batch, micro_batch_size=plan.micro_batch_size, scoring=scoring
+        ).logprobs
+    if algorithm.needs_teacher:
+        batch.teacher_logprobs = models.teacher.score(batch)
+    generator = torch.Generator().manual_seed(call_seed(plan.seed, optimizer_steps, algorithm.name, dp_rank))
+    batch.token_advantages = algorithm.token_advantages(
+        batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, batch.advantages, generator
+    )
+    bounds = [0]
+    for size in advantaged.mini_batch_sizes:
+        bounds.append(bounds[-1] + size)
+    return PreparedBatch(
+        batch=batch,
+        mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])],
+        entropy=float(masked_mean(old.entropy, batch.response_mask)),
+        num_tokens=advantaged.num_tokens,
+    )
+
+
+def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_anchors: bool) -> dict[str, float]:
+    """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch (mean |diff| and
+    Mismatch-K3 on on-policy tokens; none unless the actor's engine sampled the batch: `sampled_by_actor`
+    False when the OPD teacher did), mix KL, OPD reverse KL.
+
+    Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks (collective).
+    """
+    batch = prepared.batch
+    metrics = {"policy/entropy": prepared.entropy}
+    if sampled_by_actor:  # engine_logprobs are the actor engine's
+        on_policy = ~batch.is_anchor
+        diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
+        per_sample = diff.sum(1) / batch.response_mask.sum(1).clamp(min=1)
+        on_policy_mask = batch.response_mask * on_policy[:, None]
+        metrics["mismatch/logprob_abs_diff"] = float(per_sample[on_policy].mean()) if on_policy.any() else 0.0
+        metrics["mismatch/k3"] = float(mismatch_k3(batch.old_logprobs, batch.engine_logprobs, on_policy_mask))
+    if batch.ref_logprobs is not None:  # keys from the plan, not the shard: the same on every rank
+        metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask,
+                                      with_anchors=uses_anchors))
+    if batch.teacher_logprobs is not None:
+        metrics["opd/reverse_kl"] = float(reverse_kl(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask))
+    return mean_over_data_parallel(metrics)
+
+
+def local_mini_batch_groups(num_groups: int, mini_batch_size: int, dp_size: int, dp_rank: int) -> list[list[int]]:
+    """Group indices of rank `dp_rank`'s share of each mini-batch (group gi goes to rank gi % dp_size).
+
+    Both counts must be multiples of dp_size (config validation, `rollout_phase.trim_to_data_parallel`): then
+    no share is empty and every rank gets ceil(num_groups / mini_batch_size) mini-batches, i.e. runs the
+    same optimizer steps (and collectives).
+    """
+    if num_groups % dp_size or mini_batch_size % dp_size:
+        raise ValueError(f"{num_groups} groups in mini-batches of {mini_batch_size} cannot be dealt evenly to "
+                         f"{dp_size} data-parallel ranks (both must be multiples of it)")
+    return [
+        [gi for gi in range(start, min(start + mini_batch_size, num_groups)) if gi % dp_size == dp_rank]
+        for start in range(0, num_groups, mini_batch_size)
+    ]

@@ -1,0 +1,79 @@
+"""Rules of the code's shape, read from the source with `ast` (nothing is imported):
+- outside megatron_armor/algorithms/, no code compares an algorithm's name with a string: callers ask the
+  algorithm object what it needs;
+- no function is longer than 60 lines unless its docstring gives the reason, as "(long: <why>)".
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "megatron_armor"
+MAX_FUNCTION_LINES = 60
+BUILTIN_NAMES = {"armor", "grpo", "grpo_kl", "mipu", "opd"}
+
+
+def _sources(exclude: str | None = None):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if exclude is None or exclude not in path.relative_to(PACKAGE).parts:
+            yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _mentions_algorithm_name(node: ast.AST) -> bool:
+    """`<...algorithm...>.name` or a variable called algorithm_name / algo."""
+    if isinstance(node, ast.Attribute) and node.attr == "name":
+        return "algorithm" in ast.unparse(node.value) or "algo" == ast.unparse(node.value)
+    return isinstance(node, ast.Name) and node.id in ("algorithm_name", "algo")
+
+
+def _string_constants(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {c.value for c in node.elts if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return set()
+
+
+def name_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing an algorithm's name with a string (==, !=, in, not in), or a built-in name with anything."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        by_attribute = any(_mentions_algorithm_name(o) for o in operands) and any(_string_constants(o) for o in operands)
+        by_literal = any(_string_constants(o) & BUILTIN_NAMES for o in operands)
+        if by_attribute or by_literal:
+            lines.append(node.lineno)
+    return lines
+
+
+def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
+    """(name, lines) of functions over MAX_FUNCTION_LINES whose docstring does not say "(long: ...)"."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES and "(long: " not in (ast.get_docstring(node) or ""):
+                out.append((node.name, length))
+    return out
+
+
+def test_the_checks_catch_what_they_look_for():
+    tree = ast.parse('if cfg.algorithm.name == "mipu":\n    pass\nif name in ("grpo_kl", "opd"):\n    pass\n'
+                     'x = algorithm.name != other\nok = engine.name == "actor"\n')
+    assert name_comparisons(tree) == [1, 3]
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(ast.parse(f"def f():\n{body}\n")) == [("f", MAX_FUNCTION_LINES + 1)]
+    assert long_functions(ast.parse(f'def f():\n    """(long: one table)"""\n{body}\n')) == []
+
+
+def test_no_code_outside_algorithms_compares_an_algorithm_name():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path, tree in _sources(exclude="algorithms")
+             for line in name_comparisons(tree)]
+    assert found == []
+
+
+def test_functions_are_short_or_say_why_not():
+    found = [f"{path.relative_to(PACKAGE.parent)}: {name} ({length} lines)" for path, tree in _sources()
+             for name, length in long_functions(tree)]
+    assert found == []

@@ -1,0 +1,124 @@
+"""`RLTrainer.state_dict` / `load_state_dict` without processes: everything a resumed run needs round-trips,
+through a checkpoint on disk too, and the reference is restored only when the state holds it."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_armor.algorithms import UpdateGateConfig
+from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.data.types import Sample
+from megatron_armor.diagnostics.subspace import SubspaceConstraint
+from megatron_armor.trainer.anchor_cache import AnchorCache
+from megatron_armor.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megatron_armor.trainer.loop import RLTrainer
+from megatron_armor.trainer.mipu_gate import InferenceGapGate
+from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.policies import PolicyHandles
+
+from algorithm_factory import make_algorithm
+
+ROWS = [PromptRow(i, [1, i + 2], {}) for i in range(8)]
+
+
+class _Wrapped(torch.nn.Module):
+    """Stands in for Megatron's DDP wrapper: the model is its `module`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
+    """A trainer of tiny models (initialised from `seed`) with every stateful part: gate, anchor cache and
+    subspace constraint; the samplers' seeds are the config's, the same for every trainer."""
+    torch.manual_seed(seed)
+    actor = _Wrapped(torch.nn.Linear(3, 4, bias=False))
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=0.1)
+    handles = PolicyHandles(actor=actor, optimizer=optimizer, ref=torch.nn.Linear(3, 4, bias=False), shape=None,
+                            actor_engine=None, ref_engine=None, pad_token_id=0)
+    plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2, micro_batch_size=2,
+                    actor_n=2, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
+                    ref_reset_period=ref_reset_period, seed=0)
+    weight = actor.module.weight
+    constraint = SubspaceConstraint({"w": weight}, {"w": weight.detach().clone()}, k=1)
+    gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, n=8)
+    gate = InferenceGapGate(gate_config, PromptSampler(ROWS, 2, seed=1), scorer=None, sampling=None, seed=0,
+                            adv_eps=1e-6)
+    return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan, PromptSampler(ROWS, 2, seed=0),
+                     sampling=None, scorer=None, scoring=None, optim=None, gate=gate, constraint=constraint,
+                     constraint_capture_step=1, anchor_cache=AnchorCache(4))
+
+
+def _advance(trainer: RLTrainer) -> None:
+    """Move every part of the trainer's state away from a fresh trainer's, as a few RL steps would."""
+    actor = trainer.models.actor.module
+    actor(torch.randn(2, 3)).sum().backward()
+    trainer.models.optimizer.step()
+    trainer.constraint.capture(1)
+    trainer.optimizer_steps = 5
+    trainer.sampler.next_batch()
+    trainer.sampler.next_batch()
+    trainer.gate.prompts.next_batch()
+    trainer.gate.rollbacks = 2
+    anchor = Sample(0, [1, 2], [3], [-0.5], "stop", True, 1.0, True)
+    trainer.anchor_cache.fetch(ROWS[:1], lambda missing: [anchor])
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_state_dict_holds_every_part_and_round_trips(tmp_path):
+    source = _trainer(0)
+    _advance(source)
+    state = source.state_dict()
+    assert state.keys() == {"optimizer_steps", "sampler", "mipu_gate", "anchor_cache", "modules"}
+    assert state["modules"].keys() == {"actor", "optimizer", "subspace"}  # the reference is model.ref_path's
+    json.dumps({k: v for k, v in state.items() if k != "modules"})  # the shared part is JSON-able
+    fresh = _trainer(1)
+    assert not _equal(fresh.state_dict(), state)
+    fresh.load_state_dict(state)
+    assert _equal(fresh.state_dict(), state)
+    assert fresh.optimizer_steps == 5 and fresh.gate.rollbacks == 2 and len(fresh.anchor_cache) == 1
+    assert fresh.sampler.next_batch() == source.sampler.next_batch()
+
+    path = save_checkpoint(tmp_path, 3, state)
+    step, loaded = load_checkpoint(path)
+    from_disk = _trainer(2)
+    from_disk.load_state_dict(loaded)
+    assert step == 3 and _equal(from_disk.state_dict(), state)
+
+
+def test_reference_is_restored_only_when_the_state_holds_it():
+    """The reference is checkpointed only once it leaves model.ref_path (reference resets); a resume restores it
+    whenever the state holds it (whatever the current config says) and leaves it alone otherwise."""
+    resetting = _trainer(0, ref_reset_period=2)
+    with_ref = resetting.state_dict()
+    assert "ref" in with_ref["modules"]
+    without_ref = _trainer(0).state_dict()
+
+    fresh = _trainer(1, ref_reset_period=2)
+    ref_before = fresh.models.ref.weight.clone()
+    fresh.load_state_dict(without_ref)
+    assert torch.equal(fresh.models.ref.weight, ref_before)
+
+    fresh = _trainer(1)
+    fresh.load_state_dict(with_ref)
+    assert torch.equal(fresh.models.ref.weight, resetting.models.ref.weight)
+    assert "ref" in fresh.state_dict()["modules"]  # restored from a checkpoint: checkpointed from then on
+
+
+def test_a_state_without_a_required_module_is_refused():
+    state = _trainer(0).state_dict()
+    del state["modules"]["subspace"]
+    with pytest.raises(ValueError, match="no \\['subspace'\\] state"):
+        _trainer(1).load_state_dict(state)
