@@ -59,13 +59,13 @@ class PolicyLossTerms:
 @dataclass(frozen=True)
 class UpdateGateConfig:
     """A post-update gate (MIPU Step 2): tolerance c_t from c_start to c_end over ramp_steps RL steps, measured
-    on `prompts` held-out prompts x `n` responses each."""
+    on `prompts` held-out prompts x `responses_per_prompt` responses each."""
 
     c_start: float
     c_end: float
     ramp_steps: int
     prompts: int
-    n: int
+    responses_per_prompt: int
 
 
 @dataclass(frozen=True)

@@ -84,4 +84,4 @@ class Mipu(Algorithm):
         if not mipu.gate:
             return None
         return UpdateGateConfig(c_start=mipu.c_start, c_end=mipu.c_end, ramp_steps=mipu.ramp_steps,
-                                prompts=mipu.gate_prompts, n=mipu.gate_n)
+                                prompts=mipu.gate_prompts, responses_per_prompt=mipu.gate_n)

@@ -1,4 +1,5 @@
-"""Algorithms by name: built-ins register themselves on import, and so can a user's (`register_algorithm`)."""
+"""Algorithms by name: built-ins register themselves on import, and so can a user's (`register_algorithm`), or
+`algorithm.name` names a plug-in class by path (`package.module:ClassName`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from megatron_armor.algorithms.base import Algorithm
 from megatron_armor.config import ConfigError
+from megatron_armor.utils.imports import import_attribute
 
 if TYPE_CHECKING:
     from megatron_armor.config import ArmorConfig
@@ -36,13 +38,27 @@ def registered_algorithms() -> list[str]:
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
-    """The class registered as `name`; a ConfigError naming the registered ones otherwise."""
+    """The class registered as `name`, or, for a `package.module:ClassName` path, that class (imported and
+    registered: a plug-in needs no change to this package); a ConfigError naming the registered ones otherwise."""
     if name in _ALGORITHMS:
         return _ALGORITHMS[name]
+    if ":" in name:
+        return _import_plugin(name)
     close = difflib.get_close_matches(name, list(_ALGORITHMS), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(f"algorithm.name: {name!r} is not a registered algorithm; choose one of "
-                      f"{registered_algorithms()}{hint}")
+                      f"{registered_algorithms()}{hint}, or give a plug-in as 'package.module:ClassName'")
+
+
+def _import_plugin(path: str) -> type[Algorithm]:
+    try:
+        cls = import_attribute(path, "algorithm.name plug-in", "package.module:ClassName")
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(f"algorithm.name plug-in {path!r} is {cls!r}, not an Algorithm subclass")
+    registered = _ALGORITHMS.get(getattr(cls, "name", None))
+    return registered if registered is cls else register_algorithm(cls)
 
 
 def check_algorithm_config(cfg: ArmorConfig) -> type[Algorithm]:

@@ -22,12 +22,13 @@ MASK_KINDS = ("principal", "low_magnitude")
 
 @dataclass(frozen=True)
 class Factored:
-    """A 2-D matrix in float64 on the CPU with its thin SVD, weight = u @ diag(s) @ vh."""
+    """A 2-D matrix in float64 on the CPU with its thin SVD, weight = left @ diag(singular_values) @ right_h
+    (torch.linalg.svd's U, S, Vh)."""
 
     weight: torch.Tensor  # [m, n] float64
-    u: torch.Tensor  # [m, r] float64, r = min(m, n)
-    s: torch.Tensor  # [r] float64, descending
-    vh: torch.Tensor  # [r, n] float64
+    left: torch.Tensor  # [m, r] float64, r = min(m, n): left singular vectors as columns
+    singular_values: torch.Tensor  # [r] float64, descending
+    right_h: torch.Tensor  # [r, n] float64: right singular vectors as rows
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def _check_same_shape(a: torch.Tensor, b: torch.Tensor) -> None:
 def _clamp_rank(k: int, f: Factored) -> int:
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    return min(k, f.s.numel())
+    return min(k, f.singular_values.numel())
 
 
 def unchanged_mask(w0: Matrix, w1: Matrix, eta: float = UNCHANGED_ETA) -> torch.Tensor:
@@ -95,8 +96,8 @@ def principal_angles(w0: Matrix, w1: Matrix, k: int) -> PrincipalAngles:
         return torch.rad2deg(torch.arccos(cosines)).sort().values
 
     return PrincipalAngles(
-        left=angles(f0.u[:, :k], f1.u[:, :k]),
-        right=angles(f0.vh[:k].T, f1.vh[:k].T),
+        left=angles(f0.left[:, :k], f1.left[:, :k]),
+        right=angles(f0.right_h[:k].T, f1.right_h[:k].T),
     )
 
 
@@ -104,7 +105,7 @@ def spectral_drift(w0: Matrix, w1: Matrix) -> float:
     """Normalized spectral shift ||sigma(w1) - sigma(w0)||_2 / ||sigma(w0)||_2."""
     f0, f1 = factor(w0), factor(w1)
     _check_same_shape(f0.weight, f1.weight)
-    return (torch.linalg.vector_norm(f1.s - f0.s) / torch.linalg.vector_norm(f0.s)).item()
+    return (torch.linalg.vector_norm(f1.singular_values - f0.singular_values) / torch.linalg.vector_norm(f0.singular_values)).item()
 
 
 def update_scale(delta: Matrix) -> float:
@@ -114,7 +115,7 @@ def update_scale(delta: Matrix) -> float:
 
 def stable_rank(delta: Matrix) -> float:
     """||delta||_F^2 / ||delta||_2^2, in [1, min(out, in)]; NaN for a zero update."""
-    s = factor(delta).s
+    s = factor(delta).singular_values
     if s[0] == 0:
         return math.nan
     return (s.square().sum() / s[0].square()).item()
@@ -130,7 +131,7 @@ def hill_tail_index(delta: Matrix, k: int) -> float:
         raise ValueError(f"the Hill estimator needs k >= 2, got {k}")
     f = factor(delta)
     k = _clamp_rank(k, f)
-    s = f.s[:k]
+    s = f.singular_values[:k]
     if s[-1] <= s[0] * max(f.weight.shape) * torch.finfo(torch.float64).eps:
         return math.nan
     mean_log = torch.log(s[:-1] / s[-1]).mean().item()
@@ -140,7 +141,7 @@ def hill_tail_index(delta: Matrix, k: int) -> float:
 def top_right_vectors(matrix: Matrix, k: int) -> torch.Tensor:
     """[in, k] float64: the top-k right singular vectors (k clamped to min(out, in))."""
     f = factor(matrix)
-    return f.vh[: _clamp_rank(k, f)].T
+    return f.right_h[: _clamp_rank(k, f)].T
 
 
 def basis_overlap(v_a: torch.Tensor, v_b: torch.Tensor) -> float:
@@ -183,7 +184,7 @@ def mask_overlap(
     if kind == "principal":
         f0 = factor(w0)
         r = _clamp_rank(rank, f0)
-        scores = ((f0.u[:, :r] * f0.s[:r]) @ f0.vh[:r]).abs()
+        scores = ((f0.left[:, :r] * f0.singular_values[:r]) @ f0.right_h[:r]).abs()
         region = _fraction_mask(scores, alpha, largest=True)
     elif kind == "low_magnitude":
         region = _fraction_mask(_weight(w0).detach().abs(), alpha, largest=False)

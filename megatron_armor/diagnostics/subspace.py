@@ -158,7 +158,7 @@ class SubspaceConstraint:
         self.params = dict(params)
         self.initial = dict(initial)
         self.sharding = sharding
-        self.k = k
+        self.rank = k  # K: the dimension of the span updates are confined to
         self.mode = mode
         self.captured_step: int | None = None
         self.projected_steps = 0
@@ -168,7 +168,7 @@ class SubspaceConstraint:
     def capture(self, step: int) -> None:
         """Record V_K of W_t - W0 for every matrix; later steps are projected. Collective when sharded."""
         self.bases = {
-            name: record_subspace(self._cumulative_update(name), self.k, self.sharding.get(name)) for name in self.params
+            name: record_subspace(self._cumulative_update(name), self.rank, self.sharding.get(name)) for name in self.params
         }
         self.captured_step = step
 
@@ -231,5 +231,5 @@ class SubspaceConstraint:
 
     def summary(self) -> dict:
         """What ran, for the run's metrics: mode, K, the capture step and how many steps were projected."""
-        return {"mode": self.mode, "k": self.k, "captured_step": self.captured_step,
+        return {"mode": self.mode, "k": self.rank, "captured_step": self.captured_step,
                 "projected_steps": self.projected_steps, "matrices": len(self.params)}

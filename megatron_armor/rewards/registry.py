@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
+
+from megatron_armor.utils.imports import import_attribute
 
 RewardFn = Callable[[str, dict], tuple[float, bool]]
 
@@ -15,16 +16,10 @@ class RewardError(ValueError):
 
 def load_reward_fn(path: str) -> RewardFn:
     """Import `module:function`, e.g. `megatron_armor.rewards.arithmetic:verify`."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardError(f"reward function {path!r} must look like 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise RewardError(f"reward function {path!r}: cannot import module {module_name!r} ({error})") from error
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = import_attribute(path, "reward function", "package.module:function")
+    except ValueError as error:
+        raise RewardError(str(error)) from error
     if not callable(fn):
         raise RewardError(f"reward function {path!r} is not callable")
     return fn

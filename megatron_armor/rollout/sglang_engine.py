@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from megatron_armor.config import WeightSyncConfig
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_transport import TRANSPORTS, TransportConfig
@@ -56,6 +57,14 @@ class SGLangEngineConfig:
     weight_sync_dir: str | None = None  # weight_sync disk: a directory the servers can read
     flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
     flush_interval_s: float = 1.0
+
+    @classmethod
+    def from_config(cls, weight_sync: WeightSyncConfig) -> SGLangEngineConfig:
+        """The client of a run: its weight pushes as the rollout.weight_sync section says (payload per_tensor with
+        method tensor is SGLang's load_format null; every other push sends flattened buckets)."""
+        per_tensor = weight_sync.method == "tensor" and weight_sync.payload == "per_tensor"
+        return cls(bucket_bytes=weight_sync.bucket_mb << 20, weight_sync=weight_sync.method,
+                   weight_sync_dir=weight_sync.dir, load_format=None if per_tensor else "flattened_bucket")
 
     def __post_init__(self) -> None:
         if self.weight_sync not in TRANSPORTS:

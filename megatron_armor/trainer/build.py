@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.algorithms import Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig, RolloutConfig
+from megatron_armor.config import ArmorConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.weights import parameters_exported_as_views
@@ -26,6 +26,7 @@ from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
@@ -181,14 +182,9 @@ def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
     (`parameters_exported_as_views`). An offloaded trainer's cannot (a parked storage is freed in place, a
     shared one cannot be), so its weights are staged."""
     rollout = cfg.rollout
-    return (rollout.backend == "sglang" and _pushes_per_tensor(rollout) and training_device().type == "cpu"
-            and not rollout.memory.offload_trainer)
-
-
-def _pushes_per_tensor(rollout: RolloutConfig) -> bool:
-    """rollout.weight_sync.method tensor with SGLang's load_format null (payload per_tensor); the other update
-    paths send flattened buckets."""
-    return rollout.weight_sync.method == "tensor" and rollout.weight_sync.payload == "per_tensor"
+    if rollout.backend != "sglang" or rollout.memory.offload_trainer or training_device().type != "cpu":
+        return False
+    return SGLangEngineConfig.from_config(rollout.weight_sync).load_format is None  # SGLang's per-tensor payload
 
 
 def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
@@ -240,11 +236,8 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
         return actor, actor if rollout.anchors.engine == "shared" else _local_engine(paths.ref_path, **options)
     from megatron_armor.rollout.router import make_sglang_engine
     from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
-    from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 
-    client = SGLangEngineConfig(bucket_bytes=rollout.weight_sync.bucket_mb << 20, weight_sync=rollout.weight_sync.method,
-                                weight_sync_dir=rollout.weight_sync.dir,
-                                load_format=None if _pushes_per_tensor(rollout) else "flattened_bucket")
+    client = SGLangEngineConfig.from_config(rollout.weight_sync)
     log_dir = cfg.logging.run_dir  # routers' logs
 
     def engine(urls: str, router_url: str | None):

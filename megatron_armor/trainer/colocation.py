@@ -30,7 +30,7 @@ class Colocation:
 
     @property
     def offloaded(self) -> bool:
-        """The trainer parks its state between its phases (rollout.offload_trainer)."""
+        """The trainer parks its state between its phases (rollout.memory.offload_trainer)."""
         return self.offload is not None
 
     @contextlib.contextmanager

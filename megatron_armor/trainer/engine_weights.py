@@ -1,6 +1,6 @@
 """Which policy's weights the rollout engines hold, and the pushes that change that.
 
-With one engine shared by both policies (rollout.anchor_engine shared) the actor's and the reference's
+With one engine shared by both policies (rollout.anchors.engine shared) the actor's and the reference's
 weights take turns in it; `EngineWeights.holds` names the policies whose current weights it holds: the
 actor's after every push of them (engines start with them: run.py pushes them when they might not),
 both right after a reference reset (the reference is then the actor), the reference's after an anchor
@@ -19,6 +19,7 @@ from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
 from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.policies import PolicyHandles
+
 
 class EngineWeights:
     """Pushes of the actor's and the reference's weights into their engines (collective), and what a

@@ -110,7 +110,7 @@ class InferenceGapGate:
         `actor` (pi_{k+1}) and compare T_post with -c_step."""
         config = self.config
         samples = generate_samples(
-            engine, self.prompts.next_batch(), config.n, self.sampling, self.scorer, is_anchor=False,
+            engine, self.prompts.next_batch(), config.responses_per_prompt, self.sampling, self.scorer, is_anchor=False,
             seed=(self.seed, step, "mipu_gate"),
         )
         group_ids = torch.tensor([sample.prompt_index for sample in samples])

@@ -15,7 +15,7 @@ from megatron_armor.teacher.scorer import TeacherScorer
 class PolicyHandles:
     """The models of one rank: trainable actor (DDP + optimizer), frozen reference (and OPD teacher), and engines.
 
-    `teacher_engine` (OPD's off-policy variant, algorithm.opd_rollouts teacher) samples the training
+    `teacher_engine` (OPD's off-policy variant, opd.rollouts teacher) samples the training
     responses in place of the actor's engine; it holds the teacher's weights and is never synced. The
     actor's engine still serves validation and receives the actor's weights after every update.
     """
@@ -37,7 +37,7 @@ class PolicyHandles:
 
     @property
     def shared_engine(self) -> bool:
-        """One engine serves both policies (rollout.anchor_engine shared); their weights take turns in it."""
+        """One engine serves both policies (rollout.anchors.engine shared); their weights take turns in it."""
         return self.ref_engine is self.actor_engine
 
     def engines(self) -> list[RolloutEngine]:

@@ -129,3 +129,22 @@ def test_opd_token_advantages_follow_its_section():
 def test_each_algorithm_owns_its_config_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_algorithm(load_config(None, [*BASE, *overrides]))
+
+
+def test_a_plugin_named_by_path_is_imported_and_registered(tmp_path, monkeypatch):
+    (tmp_path / "my_algorithms.py").write_text(
+        "from megatron_armor.algorithms import Algorithm\n\n"
+        "class SignOnly(Algorithm):\n    name = 'test_sign_only'\n\n"
+        "NOT_AN_ALGORITHM = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cls = algorithm_class("my_algorithms:SignOnly")
+        assert cls.name == "test_sign_only" and algorithm_class("test_sign_only") is cls
+        assert algorithm_class("my_algorithms:SignOnly") is cls  # a second lookup finds it registered
+    finally:
+        unregister_algorithm("test_sign_only")
+    with pytest.raises(ConfigError, match="'my_algorithms:NOT_AN_ALGORITHM' is 3, not an Algorithm subclass"):
+        algorithm_class("my_algorithms:NOT_AN_ALGORITHM")
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
+        algorithm_class("no_such_module:X")

@@ -44,7 +44,7 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
                     ref_reset_period=ref_reset_period, seed=0)
     weight = actor.module.weight
     constraint = SubspaceConstraint({"w": weight}, {"w": weight.detach().clone()}, k=1)
-    gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, n=8)
+    gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
     gate = InferenceGapGate(gate_config, PromptSampler(ROWS, 2, seed=1), scorer=None, sampling=None, seed=0,
                             adv_eps=1e-6)
     return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan, PromptSampler(ROWS, 2, seed=0),
