@@ -10,7 +10,8 @@ import pytest
 from megatron_armor.algorithms import build_algorithm, check_algorithm_config
 from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import (
-    MOVED_FIELDS, ConfigError, OpdConfig, SamplingConfig, config_fields, load_config, save_config,
+    MOVED_FIELDS, ConfigError, OpdConfig, ParallelConfig, SamplingConfig, config_fields, load_config,
+    resolve_distributed_optimizer, save_config,
 )
 
 DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
@@ -195,3 +196,36 @@ def test_config_package_imports_only_itself():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith("megatron_armor") or name.startswith("megatron_armor.config"), (module, name)
+
+
+def test_scaling_knobs_defaults_and_resolution():
+    cfg = load_config(DEMO)
+    assert (cfg.train.use_distributed_optimizer, cfg.parallel.sequence_parallel) == (None, None)
+    assert (cfg.train.recompute, cfg.train.recompute_method, cfg.train.recompute_num_layers) == ("none", "uniform", 1)
+    synthetic = ["task.synthetic=arithmetic", "train.mini_batch_size=2", "train.train_batch_size=4"]
+    assert not resolve_distributed_optimizer(load_config(None, synthetic))  # DP 1
+    assert resolve_distributed_optimizer(load_config(None, [*synthetic, "parallel.data_parallel_size=2"]))
+    assert not resolve_distributed_optimizer(load_config(None, [*synthetic, "parallel.data_parallel_size=2",
+                                                                "train.use_distributed_optimizer=false"]))
+    assert not resolve_distributed_optimizer(load_config(None, [*synthetic, "parallel.data_parallel_size=2",
+                                                                "train.subspace_capture_step=3"]))
+    assert ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=True)
+    assert not ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=False)
+    assert ParallelConfig(tensor_parallel_size=2, sequence_parallel=True).resolve_sequence_parallel(on_gpu=False)
+    assert not ParallelConfig(tensor_parallel_size=1).resolve_sequence_parallel(on_gpu=True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.sequence_parallel=true", "parallel.tensor_parallel_size=1"],
+     "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1"),
+    (["train.recompute=partial"], "train.recompute"),
+    (["train.recompute_method=interleaved"], "train.recompute_method"),
+    (["train.recompute_num_layers=0"], "train.recompute_num_layers must be >= 1, got 0"),
+    (["train.use_distributed_optimizer=true", "train.subspace_capture_step=3"],
+     "train.use_distributed_optimizer does not work with train.subspace_capture_step yet"),
+    (["train.use_distributed_optimizer=true", "rollout.memory.offload_trainer=true"],
+     "train.use_distributed_optimizer does not work with rollout.memory.offload_trainer yet"),
+])
+def test_scaling_knobs_refuse_bad_values(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, overrides)

@@ -17,6 +17,7 @@ section 6) where one applies.
 
 from megatron_armor.config.algorithm import AlgorithmConfig, KLConfig, MipuConfig, MixedRatioConfig, OpdConfig
 from megatron_armor.config.base import ConfigError
+from megatron_armor.config.cross_section import resolve_distributed_optimizer
 from megatron_armor.config.loading import coerce, config_hash, load_config, save_config, validate
 from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.rollout import (
@@ -33,5 +34,5 @@ __all__ = [
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig",
     "ModelConfig", "OpdConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
     "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "coerce", "config_fields", "config_hash",
-    "load_config", "save_config", "validate",
+    "load_config", "resolve_distributed_optimizer", "save_config", "validate",
 ]

@@ -20,6 +20,11 @@ def check_cross_section(cfg: ArmorConfig) -> None:
     require(t.subspace_capture_step == 0 or t.subspace_mode == "gradient" or cfg.model.params_dtype == "float32",
             "train.subspace_mode update needs model.params_dtype float32 (with bf16 the optimizer steps fp32 copies)")
     dp = cfg.parallel.data_parallel_size
+    for refused, name in ((t.subspace_capture_step > 0, "train.subspace_capture_step"),
+                          (cfg.rollout.memory.offload_trainer, "rollout.memory.offload_trainer")):
+        require(not (refused and t.use_distributed_optimizer),
+                f"train.use_distributed_optimizer does not work with {name} yet (they read or move the whole "
+                f"optimizer state, which the distributed optimizer shards): set train.use_distributed_optimizer false")
     require(t.mini_batch_size % dp == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
             f"every data-parallel rank trains on the same number of prompts")
@@ -27,3 +32,12 @@ def check_cross_section(cfg: ArmorConfig) -> None:
         require(cfg.model.path is not None,
                 "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
         require(cfg.data.train_path is not None, "data.train_path is required unless task.synthetic is set")
+
+
+def resolve_distributed_optimizer(cfg: ArmorConfig) -> bool:
+    """train.use_distributed_optimizer as the run uses it: the value if set, else on when parallel.data_parallel_size
+    > 1 and neither subspace-constrained training nor trainer offload (which do not support it yet) is on."""
+    if cfg.train.use_distributed_optimizer is not None:
+        return cfg.train.use_distributed_optimizer
+    return (cfg.parallel.data_parallel_size > 1 and cfg.train.subspace_capture_step == 0
+            and not cfg.rollout.memory.offload_trainer)

@@ -26,9 +26,23 @@ class ParallelConfig:
     tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
     data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x dp processes")
+    sequence_parallel: bool | None = doc(
+        None, "Megatron sequence parallelism: the activations outside attention and MLP (norms, residuals, dropout) "
+        "split along the sequence over the tensor-parallel ranks; needs tensor_parallel_size > 1; unset: on when "
+        "tensor_parallel_size > 1 on GPUs, off on CPU"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"), 1)
+        require(not (self.sequence_parallel and self.tensor_parallel_size == 1),
+                "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits activations over the "
+                "tensor-parallel ranks)")
+
+    def resolve_sequence_parallel(self, on_gpu: bool) -> bool:
+        """sequence_parallel as the run uses it: the value if set, else TP > 1 on GPUs (off on CPU)."""
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel
+        return on_gpu and self.tensor_parallel_size > 1
 
     @property
     def world_size(self) -> int:
@@ -98,12 +112,27 @@ class TrainConfig:
         "auto", "LM head scoring: torch (vocab-sharded logits), fused (Triton kernel; GPU, or interpreter on CPU), "
         "auto (fused on GPU, torch on CPU)"
     )
+    use_distributed_optimizer: bool | None = doc(
+        None, "Megatron's distributed optimizer: Adam state (and a bf16 model's fp32 master weights) sharded over "
+        "data-parallel ranks, so each keeps 1/DP of it; unset: on when parallel.data_parallel_size > 1 unless "
+        "subspace-constrained training or rollout.memory.offload_trainer is on (they do not support it yet)"
+    )
+    recompute: Literal["none", "selective", "full"] = doc(
+        "none", "activation recomputation in the backward: none, selective (the core attention of every layer; "
+        "runs with the local layer spec, no Transformer Engine needed) or full (whole layers, see recompute_method)"
+    )
+    recompute_method: Literal["uniform", "block"] = doc(
+        "uniform", "recompute full: uniform (every layer, in chunks of recompute_num_layers layers) or block (only "
+        "the first recompute_num_layers layers of each pipeline stage)"
+    )
+    recompute_num_layers: int = doc(1, "recompute full: layers per chunk (uniform) or recomputed layers (block)")
     max_steps: int = doc(200, "RL steps to run")
     seed: int = doc(1234, "seed of data order, sampling and initialisation")
 
     def __post_init__(self) -> None:
         require_at_least(
-            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps"), 1
+            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps",
+                     "recompute_num_layers"), 1
         )
         require_at_least("train", self, ("warmup_steps",), 0)
         require(self.train_batch_size % self.mini_batch_size == 0,

@@ -11,7 +11,9 @@ Adaptations (megatron-core 0.19):
    accumulators and p2p receive buffers that way; the grad buffer allocates its warm-up tensor so)
    are redirected to CPU by a `TorchFunctionMode`, which also makes `Tensor.cuda()` return the
    tensor itself (a GPTModel with tied embeddings under pipeline parallelism moves its output-layer
-   copy to CUDA before all-reducing it with the embedding).
+   copy to CUDA before all-reducing it with the embedding). In the same mode `Tensor.type()` (no
+   arguments) names a CPU tensor by its CUDA type, e.g. 'torch.cuda.FloatTensor': the distributed
+   optimizer sorts parameters into fp32 and fp16/bf16 groups by those names and refuses any other.
 2. `torch.cuda.current_device()` (asked by p2p communication and the DDP grad buffers to place
    tensors) returns the CPU device instead of raising "no CUDA GPUs".
 3. `torch.cuda.synchronize()` (called around p2p ops and buffer frees) becomes a no-op: CPU ops
@@ -23,6 +25,16 @@ Adaptations (megatron-core 0.19):
    reference to it is replaced by `_clip_grads_by_total_norm`, the same scaling with torch foreach ops.
    The grad norm itself is still computed by Megatron (TP/PP-aware, shared parameters counted once).
 6. `torch.cuda.is_available()` stays False (Megatron then skips CUDA-only fusions); nothing to patch.
+7. Activation recomputation (`tensor_parallel.checkpoint`, used by full and selective recompute) saves the
+   CPU RNG state, the CUDA RNG state and the CUDA RNG tracker's states before the forward and restores
+   them around the recomputed forward. The CUDA RNG state is read through `random._get_cuda_rng_state` /
+   `_set_cuda_rng_state`, which raise without a GPU; they become an empty state and a no-op (the CPU
+   RNG state, the only one CPU ops draw from, is still saved and restored by Megatron). For the same
+   reason the CUDA RNG tracker's `fork()` (entered around dropout under sequence parallelism; its states
+   are seeded by `model_parallel_cuda_manual_seed`, which needs a GPU) runs its block on the CPU RNG.
+8. The distributed optimizer (optimizer state sharded over data-parallel ranks) reduce-scatters grads
+   and all-gathers the updated weights on flat buffers (`reduce_scatter_tensor`, `all_gather_into_tensor`):
+   gloo has both in torch 2.14 (the DP=2 distributed-optimizer layout test runs them); nothing to patch.
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -51,11 +63,14 @@ def _is_cuda_device(device: object) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU; `.cuda()` is identity."""
+    """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU; `.cuda()` is identity;
+    `.type()` of a CPU tensor names its CUDA type."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
@@ -84,6 +99,24 @@ def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gr
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _no_cuda_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Adaptation 7: the (absent) CUDA RNG state, an empty tensor."""
+    del device, clone, graph_safe
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    """Adaptation 7: restoring the (absent) CUDA RNG state does nothing."""
+    del new_state, device, graph_safe
+
+
+@contextlib.contextmanager
+def _fork_on_cpu_rng(self, name: str = "model-parallel-rng") -> Iterator[None]:
+    """Adaptation 7: `CudaRNGStatesTracker.fork` without a CUDA generator: the block draws from the CPU RNG."""
+    del self, name
+    yield
+
+
 def cpu_compat_needed() -> bool:
     """True when Megatron must be adapted: this process has no usable CUDA device."""
     return not torch.cuda.is_available()
@@ -105,6 +138,11 @@ def enable_cpu_compat() -> bool:
             import megatron.core.optimizer.optimizer as megatron_optimizer
 
             megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_by_total_norm  # adaptation 5
+            import megatron.core.tensor_parallel.random as megatron_random
+
+            megatron_random._get_cuda_rng_state = _no_cuda_rng_state  # adaptation 7
+            megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state  # adaptation 7
+            megatron_random.CudaRNGStatesTracker.fork = _fork_on_cpu_rng  # adaptation 7
             _installed = True
     return True
 

@@ -17,10 +17,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.models.attention import SDPAttention
+from megatron_armor.models.norm import SequenceParallelRMSNorm
 from megatron_armor.models.hf_config import ModelShape
 
 
@@ -33,9 +35,12 @@ def transformer_engine_usable() -> bool:
 PADDED_VOCAB_LOGIT = -1e30
 
 
-def layer_spec(*, qk_layernorm: bool = False, use_transformer_engine: bool | None = None) -> ModuleSpec:
+def layer_spec(
+    *, qk_layernorm: bool = False, use_transformer_engine: bool | None = None, sequence_parallel: bool = False
+) -> ModuleSpec:
     """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
-    local layers with SDPA core attention (runs on CPU and GPU)."""
+    local layers with SDPA core attention (runs on CPU and GPU); with `sequence_parallel` their norms are
+    `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism)."""
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_usable()
     if use_transformer_engine:
@@ -45,8 +50,27 @@ def layer_spec(*, qk_layernorm: bool = False, use_transformer_engine: bool | Non
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
+    layer_norms = {}
+    if sequence_parallel:
+        norm = SequenceParallelRMSNorm
+        attention_submodules = dataclasses.replace(
+            attention_submodules, **({"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {})
+        )
+        layer_norms = {"input_layernorm": norm, "pre_mlp_layernorm": norm}
     self_attention = dataclasses.replace(attention, submodules=attention_submodules)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention))
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention, **layer_norms)
+    )
+
+
+def decoder_spec(shape: ModelShape, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder of this pipeline stage: the layer spec, or under sequence parallelism on the local spec its
+    layers plus a `SequenceParallelRMSNorm` final norm (as Megatron builds the block from a layer spec)."""
+    spec = layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=config.sequence_parallel)
+    if not config.sequence_parallel or transformer_engine_usable():
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: bool = True) -> GPTModel:
@@ -63,7 +87,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
     with megatron_device_scope():  # tied embeddings under PP all-reduce the output-layer copy via .cuda()
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(qk_layernorm=shape.qk_norm),
+            transformer_layer_spec=decoder_spec(shape, config),
             vocab_size=shape.padded_vocab_size,
             max_sequence_length=shape.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),

@@ -124,12 +124,36 @@ def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int) -> None
         raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
 
 
+@dataclass(frozen=True)
+class ActivationRecompute:
+    """Megatron activation recomputation: `granularity` none | selective (the core attention of every layer,
+    Megatron's default `recompute_modules`) | full (whole layers, `method` uniform: in chunks of `num_layers`
+    layers; block: the first `num_layers` layers of each pipeline stage)."""
+
+    granularity: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def megatron_fields(self) -> dict:
+        """TransformerConfig's recompute_granularity / recompute_method / recompute_num_layers."""
+        if self.granularity == "none":
+            return {}
+        if self.granularity == "selective":
+            return {"recompute_granularity": "selective"}
+        return {"recompute_granularity": "full", "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}
+
+
 def transformer_config(
     shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
-    device: torch.device | None = None,
+    device: torch.device | None = None, recompute: ActivationRecompute = ActivationRecompute(),
+    sequence_parallel: bool = False,
 ) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
 
+    `recompute`: which activations the backward recomputes instead of keeping (none by default).
+    `sequence_parallel` (TP > 1): hidden states outside attention and MLP are split along the sequence over the
+    TP ranks, [S/tp, b, H]; the output layer all-gathers them (the fused head too, `scoring.logprobs`).
     `device`: where the model will live. For a CUDA device Megatron allocates and initialises the
     weights directly on the current GPU, as Megatron-LM trains (its default `use_cpu_initialization=False`;
     CPU initialisation plus a copy is slow for large models); otherwise (the default, and what
@@ -160,7 +184,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
@@ -169,4 +193,5 @@ def transformer_config(
         # global token count once in `finalize_model_grads`, giving an exact token mean over the
         # mini-batch across micro-batches and data-parallel ranks.
         calculate_per_token_loss=True,
+        **recompute.megatron_fields(),
     )

@@ -129,7 +129,8 @@ def _torch_head(logits: torch.Tensor, mb: SequenceBatch, scoring: ScoringConfig)
 
 
 def _fused_head(scoring: ScoringConfig) -> Callable:
-    """GPTModel `output_processor`: hidden [S, b, H] + this rank's output weight shard -> TokenScores.
+    """GPTModel `output_processor`: hidden [S, b, H] ([S/tp, b, H] under sequence parallelism, gathered here) +
+    this rank's output weight shard -> TokenScores.
 
     Rows of the (padded) weight past the real vocabulary, `output_layer.unpadded_vocab_size` (set by
     `models.gpt.build_gpt_model`), are left out of the softmax, as the torch head's mask does.
@@ -138,6 +139,11 @@ def _fused_head(scoring: ScoringConfig) -> Callable:
 
     def process(hidden_states, output_layer, output_weight, context: SequenceBatch, **_):
         weight = output_layer.weight if output_weight is None else output_weight
+        if output_layer.sequence_parallel:  # [S/tp, b, H] -> [S, b, H]; the kernel all-reduces grad_hidden over TP,
+            # so the backward keeps this rank's sequence slice of it (no reduce-scatter)
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         b, s = context.labels.shape
         hidden = hidden_states.transpose(0, 1).reshape(b * s, -1)  # [b*S, H]
         logprobs, entropy = fused_logprobs(

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.algorithms import Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig
+from megatron_armor.config import ArmorConfig, resolve_distributed_optimizer
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.weights import parameters_exported_as_views
@@ -21,7 +21,7 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokeniz
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
-from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
+from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout, load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.registry import load_reward_fn
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -79,7 +79,7 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorit
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
     teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.samples_from_teacher else None
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
-    optim = AdamConfig.from_config(cfg.train)
+    optim = AdamConfig.from_config(cfg.train, distributed=resolve_distributed_optimizer(cfg))
     trainer_models = _build_models(cfg, algorithm, paths, shape, optim, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
@@ -157,9 +157,12 @@ def _build_models(
     for the push alone)."""
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
-        ddp, optimizer = wrap_for_training(load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True),
-                                           optim)
-        ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype)
+        sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda")
+        recompute = ActivationRecompute(cfg.train.recompute, cfg.train.recompute_method, cfg.train.recompute_num_layers)
+        actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
+                               sequence_parallel=sequence_parallel)
+        ddp, optimizer = wrap_for_training(actor, optim)
+        ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None
         constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
                       if cfg.train.subspace_capture_step else None)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -32,13 +34,15 @@ class AdamConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    distributed: bool = False  # Megatron's DistributedOptimizer: state and fp32 master weights sharded over DP
 
     @classmethod
-    def from_config(cls, train: TrainConfig) -> AdamConfig:
-        """The optimizer settings of the `train` section."""
+    def from_config(cls, train: TrainConfig, *, distributed: bool = False) -> AdamConfig:
+        """The optimizer settings of the `train` section; `distributed`: train.use_distributed_optimizer as
+        resolved for the run's layout (`config.resolve_distributed_optimizer`)."""
         return cls(lr=train.lr, warmup_steps=train.warmup_steps, weight_decay=train.weight_decay,
                    adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
-                   grad_clip=train.grad_clip)
+                   grad_clip=train.grad_clip, distributed=distributed)
 
 
 def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
@@ -49,6 +53,11 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     letting a non-finite update reach the weights. Weight decay applies to every parameter, biases and
     norm weights too, as verl's single-group AdamW (armor.md §6); Megatron's own exemption of those
     needs its scheduler, which is not used here (`learning_rate` sets the rate per RL step).
+
+    With `settings.distributed` the grads are reduce-scattered instead of all-reduced, each data-parallel
+    rank keeps the Adam state (and the fp32 master weights of a bf16 model) of its 1/DP slice of the
+    flat parameter buffer only, and the updated slices are all-gathered back into every rank's weights.
+    The returned optimizer's `state_dict()` then holds this rank's shard (`ShardedStateOptimizer`).
     """
     config = model.config
     if config.bf16 and not next(model.parameters()).is_cuda:
@@ -58,7 +67,8 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     with megatron_device_scope():
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=False, check_for_nan_in_grad=True
+                grad_reduce_in_fp32=True, use_distributed_optimizer=settings.distributed,
+                check_for_nan_in_grad=True
             ), model
         )
         optimizer = get_megatron_optimizer(
@@ -72,10 +82,50 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
                 clip_grad=settings.grad_clip,
                 bf16=config.bf16,
                 params_dtype=config.params_dtype,
+                use_distributed_optimizer=settings.distributed,
             ),
             [ddp],
         )
-    return ddp, optimizer
+    return ddp, ShardedStateOptimizer(optimizer) if settings.distributed else optimizer
+
+
+class ShardedStateOptimizer:
+    """A Megatron optimizer built with `use_distributed_optimizer`, whose `state_dict()` is this rank's
+    shard of the training state, complete: Megatron's own `DistributedOptimizer.state_dict()` leaves the
+    Adam moments out (it saves them through a separate gather to DP rank 0 or a distributed checkpoint).
+
+    `state_dict()` -> {"shards": [per DistributedOptimizer: {"inner": its torch optimizer's state_dict()
+    (moments and steps of this rank's slice; live tensors, as torch's), "main_params": the fp32 master
+    weights of a bf16 model's slice (empty for fp32 models, whose slices are views of the weights)}]}.
+    `load_state_dict` puts them back on the same layout (the same TP x PP x DP and model), bit for bit.
+    Everything else (step, param_groups, zero_grad, ...) is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: MegatronOptimizer):
+        self.megatron_optimizer = optimizer
+
+    def __getattr__(self, name: str):
+        return getattr(self.megatron_optimizer, name)
+
+    def _parts(self) -> list:
+        """The DistributedOptimizers (a chained optimizer's parts, or the optimizer itself) with parameters here."""
+        parts = getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer])
+        return [part for part in parts if getattr(part, "optimizer", None) is not None]
+
+    def state_dict(self) -> dict:
+        return {"shards": [
+            {"inner": part.optimizer.state_dict(),
+             "main_params": [t for group in part.shard_fp32_from_float16_groups for t in group]}
+            for part in self._parts()
+        ]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for part, shard in zip(self._parts(), state["shards"], strict=True):
+            part.optimizer.load_state_dict(shard["inner"])
+            mains = [t for group in part.shard_fp32_from_float16_groups for t in group]
+            for main, saved in zip(mains, shard["main_params"], strict=True):
+                main.copy_(saved)
 
 
 def learning_rate(rl_step: int, settings: AdamConfig) -> float:

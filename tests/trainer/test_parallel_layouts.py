@@ -1,6 +1,7 @@
-"""TP=2, PP=2, DP=2 and TP=2 x PP=2 give the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU);
-so does the fused Triton LM head (interpreter) at TP=2, also on a padded vocabulary, and a tied-embedding
-Qwen3 model at PP=2."""
+"""TP=2 (also with sequence parallelism), PP=2, DP=2 (also with the distributed optimizer) and TP=2 x PP=2 give
+the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU);
+so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
+and a tied-embedding Qwen3 model at PP=2."""
 
 import pytest
 import torch
@@ -33,11 +34,14 @@ def tied_checkpoints(tmp_path_factory):
                           head_dim=32)
 
 
-# job name -> (tied checkpoints?, tp, pp, head); the jobs of one process count share one launch.
+# job name -> (tied checkpoints?, tp, pp, head, worker options...); the jobs of one process count share one launch.
 JOBS = {
     1: {"base": (False, 1, 1, "torch"), "tied-base": (True, 1, 1, "torch")},
     2: {"tp2": (False, 2, 1, "torch"), "pp2": (False, 1, 2, "torch"), "dp2": (False, 1, 1, "torch"),
-        "tp2-fused-head": (False, 2, 1, "fused"), "tied-pp2": (True, 1, 2, "torch"),
+        "dp2-distopt": (False, 1, 1, "torch", "distopt"),
+        "tp2-fused-head": (False, 2, 1, "fused"),
+        "tp2-sp": (False, 2, 1, "torch", "sp"), "tp2-sp-fused-head": (False, 2, 1, "fused", "sp"),
+        "tied-pp2": (True, 1, 2, "torch"),
         "tied-tp2-fused-head": (True, 2, 1, "fused")},
     4: {"tp2xpp2": (False, 2, 2, "torch")},
 }
@@ -49,20 +53,31 @@ def runs(checkpoints, tied_checkpoints, tmp_path_factory):
     results = {}
     for nproc, jobs in JOBS.items():
         out = tmp_path_factory.mktemp(f"n{nproc}")
-        specs = [",".join(map(str, (name, *(tied_checkpoints if tied else checkpoints), tp, pp, head)))
-                 for name, (tied, tp, pp, head) in jobs.items()]
+        specs = [",".join(map(str, (name, *(tied_checkpoints if tied else checkpoints), *layout)))
+                 for name, (tied, *layout) in jobs.items()]
         run_workers("layout_parity.py", nproc, out, *specs)
         results.update({name: [torch.load(out / name / f"rank{r}.pt") for r in range(nproc)] for name in jobs})
     return results
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "tp2xpp2", "tp2-fused-head"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "dp2-distopt", "tp2xpp2", "tp2-fused-head", "tp2-sp",
+                                  "tp2-sp-fused-head"])
 def test_layout_matches_single_rank(runs, name):
     ranks = runs[name]
-    _, tp, pp, head = next(jobs[name] for jobs in JOBS.values() if name in jobs)
+    _, tp, pp, head, *_ = next(jobs[name] for jobs in JOBS.values() if name in jobs)
     assert ranks[0]["layout"] == (tp, pp, len(ranks) // (tp * pp))
     assert_same_step(ranks, runs["base"][0])
     assert_head_gradient_path(ranks, head)
+
+
+def test_distributed_optimizer_halves_the_state_per_rank(runs):
+    """At DP=2 each rank keeps the Adam state of half the parameters (Megatron pads the flat buffer to a
+    multiple of the DP size, so a slice may be a little over half); its state_dict() round-trips exactly."""
+    whole = runs["base"][0]["optimizer_state_bytes"]
+    shards = [result["optimizer_state_bytes"] for result in runs["dp2-distopt"]]
+    assert [result["optimizer_state_bytes"] for result in runs["dp2"]] == [whole, whole]  # replicated without it
+    assert all(0.45 * whole <= shard <= 0.51 * whole for shard in shards), (whole, shards)
+    assert all(result["state_round_trip_exact"] for result in runs["dp2-distopt"])
 
 
 def test_tied_embeddings_under_pipeline_parallelism(runs):

@@ -1,12 +1,16 @@
 """Worker: one ARMOR step on a fixed batch under given TP x PP (x DP) layouts, one job after another.
 
-argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head (head "torch" | "fused"); the process
+argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (head "torch" | "fused"; option
+"distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism); the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
 (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
 gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
-the step's loss metrics and the full weights after the step.
+the step's loss metrics, the full weights after the step (two optimizer steps, one per mini-batch), the bytes of
+its optimizer's state tensors, and (option distopt) whether a deep copy of the optimizer's `state_dict()` taken
+after the step (as MIPU's snapshot and the checkpoints take it) puts the state back exactly once a third step changed it.
 """
+import copy
 
 import os
 import sys
@@ -51,16 +55,46 @@ def fixed_groups(num_groups=4, group_size=4):
 
 
 
-def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str) -> None:
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the Adam state tensors (moments, steps) this rank's optimizer holds."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return sum(value.numel() * value.element_size() for part in parts if getattr(part, "optimizer", None)
+               for state in part.optimizer.state.values() for value in state.values() if torch.is_tensor(value))
+
+
+def state_round_trip_is_exact(optimizer, step) -> bool:
+    """Save the optimizer's state_dict (deep copy), `step()` once more, load the copy: the state is the copy."""
+    saved = copy.deepcopy(optimizer.state_dict())
+    step()
+    optimizer.load_state_dict(copy.deepcopy(saved))
+    flat = lambda state: [t for t in torch.utils._pytree.tree_leaves(state) if torch.is_tensor(t)]  # noqa: E731
+    now = flat(optimizer.state_dict())
+    return len(now) == len(flat(saved)) and all(torch.equal(a, b) for a, b in zip(now, flat(saved)))
+
+
+def gather_sharded_grads(ddp) -> None:
+    """Distributed optimizer: the reduce-scatter leaves each DP rank the reduced grads of its slice of every
+    bucket only; all-gather the slices so main_grad holds the whole reduced gradient, as plain DDP leaves it."""
+    group = parallel_state.get_data_parallel_group()
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    for buffer in ddp.buffers:
+        for bucket in buffer.buckets:
+            size = bucket.grad_data.numel() // world
+            torch.distributed.all_gather_into_tensor(
+                bucket.grad_data, bucket.grad_data[rank * size: (rank + 1) * size].clone(), group=group)
+
+
+def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
     ctx = initialize_distributed(tp, pp, seed=0)
     shape = load_model_shape(actor_dir)
 
     def model(path, trainable):
-        m = build_gpt_model(shape, transformer_config(shape, tp_size=tp, pp_size=pp), trainable=trainable)
+        config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options)
+        m = build_gpt_model(shape, config, trainable=trainable)
         load_hf_weights(m, path, shape)
         return m
 
-    optim = AdamConfig(lr=1e-3, warmup_steps=0)
+    optim = AdamConfig(lr=1e-3, warmup_steps=0, distributed="distopt" in options)
     ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
     handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
                             actor_engine=None, ref_engine=None, pad_token_id=0)
@@ -82,6 +116,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
 
     forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)),
                      PolicyLossCallback(algorithm), scoring=scoring, forward_only=False)
+    if "distopt" in options:
+        gather_sharded_grads(ddp)
     grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
     head_weight = ddp.module.output_layer.weight if ddp.module.post_process else None
     if head_weight is None and ddp.module.post_process:  # tied to the embedding on this stage
@@ -92,16 +128,21 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size,
                            algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
+    state_bytes = optimizer_state_bytes(optimizer)
+    round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(
+        ddp, optimizer, prepared.mini_batches[:1], micro_batch_size=plan.micro_batch_size, algorithm=algorithm,
+        scoring=scoring, optim=optim, rl_step=1))
     (Path(out_dir) / name).mkdir(exist_ok=True)
     torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
                 "metrics": update.metrics, "weights": weights,
+                "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     parallel_state.destroy_model_parallel()  # the next job builds its own layout on the same process group
 
 
 out_dir, *jobs = sys.argv[1:]
 for job in jobs:
-    name, actor_dir, ref_dir, tp, pp, head = job.split(",")
-    run_job(name, actor_dir, ref_dir, int(tp), int(pp), head)
+    name, actor_dir, ref_dir, tp, pp, head, *options = job.split(",")
+    run_job(name, actor_dir, ref_dir, int(tp), int(pp), head, *options)
 write_result(out_dir, {"jobs": len(jobs)})
 destroy_distributed()
