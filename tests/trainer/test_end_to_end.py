@@ -83,3 +83,20 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
     saved, kept = _ref_state(part, 2), _ref_state(part, 3)
     tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]  # (Megatron adds None extra states)
     assert saved.keys() == kept.keys() and tensors and all(torch.equal(saved[k], kept[k]) for k in tensors)
+
+
+def test_dp2_distributed_optimizer_resume_matches_uninterrupted(synthetic_cache, tmp_path):
+    """At DP=2 the distributed optimizer is on by default; each rank's checkpoint holds its shard of the Adam
+    state, and a run resumed from step 1 at the same layout gives step 2's metrics exactly."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    layout = ["parallel.tensor_parallel_size=1", "parallel.data_parallel_size=2", "eval.every=0"]
+    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(synthetic_cache, full, 2), *layout)
+    rows = _read_metrics(full)
+    shard = torch.load(full / "checkpoints" / "step_000001" / "rank_00001.pt", weights_only=False)
+    assert list(shard["optimizer"]) == ["shards"]  # the rank's own shard of the Adam state, not Megatron's stub
+    shutil.copytree(full / "checkpoints" / "step_000001", part / "checkpoints" / "step_000001")
+    (part / "metrics.jsonl").write_text("".join((full / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]))
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *_overrides(synthetic_cache, part, 2), *layout)
+    resumed = _read_metrics(part)
+    deterministic = [k for k in rows[2] if not k.startswith("perf/")]
+    assert {k: resumed[2][k] for k in deterministic} == {k: rows[2][k] for k in deterministic}
