@@ -99,13 +99,17 @@ class TrainConfig:
         "auto (fused on GPU, torch on CPU)"
     )
     max_steps: int = doc(200, "RL steps to run")
+    max_consecutive_skips: int = doc(
+        3, "stop the run (after checkpointing the last good state) when this many RL steps in a row skipped "
+        "their update for a non-finite loss or gradient (0: never stop)"
+    )
     seed: int = doc(1234, "seed of data order, sampling and initialisation")
 
     def __post_init__(self) -> None:
         require_at_least(
             "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps"), 1
         )
-        require_at_least("train", self, ("warmup_steps",), 0)
+        require_at_least("train", self, ("warmup_steps", "max_consecutive_skips"), 0)
         require(self.train_batch_size % self.mini_batch_size == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
                 f"({self.train_batch_size})")

@@ -45,8 +45,8 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
     and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
 
-    DDP checks gradients for NaN/Inf before reducing them and raises (naming the rank) instead of
-    letting a non-finite update reach the weights. Weight decay applies to every parameter, biases and
+    DDP's own NaN/Inf check (which raises) is off: `update_policy` checks every mini-batch's loss and
+    reduced gradients before its optimizer step and skips the RL step instead (trainer/faults.py). Weight decay applies to every parameter, biases and
     norm weights too, as verl's single-group AdamW (armor.md §6); Megatron's own exemption of those
     needs its scheduler, which is not used here (`learning_rate` sets the rate per RL step).
     """
@@ -58,7 +58,7 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     with megatron_device_scope():
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=False, check_for_nan_in_grad=True
+                grad_reduce_in_fp32=True, use_distributed_optimizer=False, check_for_nan_in_grad=False
             ), model
         )
         optimizer = get_megatron_optimizer(
