@@ -33,6 +33,7 @@ from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch
 
 log = logging.getLogger("megatron_armor")
 
+
 class RLTrainer:
     """Runs RL steps and holds what a resumed run needs (`state_dict` / `load_state_dict`); owns no I/O
     besides the engines (metrics and checkpoint files are the caller's).
