@@ -101,7 +101,8 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthe
 
 
 def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, tmp_path):
-    """Data-parallel size 2, NaN advantages on rank 1 only: both ranks skip step 2 and keep step 1's state."""
+    """Data-parallel size 2, NaN advantages on rank 1 only: both ranks skip step 2 and keep step 1's state; the
+    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it)."""
     run_dir = tmp_path / "run"
     run_workers("train_run.py", 2, tmp_path / "out", CONFIG, *_overrides(
         synthetic_cache, run_dir, "algorithm.name=algorithm_factory:NanOnRankOneAtStepTwo",
@@ -109,6 +110,8 @@ def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, 
     ))
     rows = _metrics(run_dir)
     assert rows[1]["train/update_skipped"] == 0 and rows[2]["train/nonfinite_skipped"] == 1
+    logs = (tmp_path / "out" / "stderr.txt").read_text()
+    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients on rank(s) [0, 1]" in logs
     for rank in (0, 1):
         (before, _), (after, _) = (_checkpoint(run_dir, step, rank) for step in (1, 2))
         assert _same(after["actor"], before["actor"]) and _same(after["optimizer"], before["optimizer"])
