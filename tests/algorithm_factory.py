@@ -17,9 +17,9 @@ def make_algorithm(name: str, *overrides: str) -> Algorithm:
 
 
 class NanAdvantagesOnChosenSteps(Algorithm):
-    """REINFORCE (loss = -A_i * log pi_theta(y_it)) whose per-token advantages are NaN on the rows of the second
-    of the step's two mini-batches, on the RL steps (0-based) in `bad_steps` and the global ranks in `bad_ranks`
-    (None: every rank)."""
+    """REINFORCE (loss = -A_i * log pi_theta(y_it)) whose per-token advantages are NaN on the second half of the
+    rank's rows (with two mini-batches: the second one), on the RL steps (0-based) in `bad_steps` and the global
+    ranks in `bad_ranks` (None: every rank)."""
 
     name = "test_nan_advantages"
     bad_steps: frozenset[int] = frozenset()
@@ -38,7 +38,7 @@ class NanAdvantagesOnChosenSteps(Algorithm):
         if step not in self.bad_steps or (self.bad_ranks is not None and rank not in self.bad_ranks):
             return None
         advantages = sequence_advantages[:, None].expand_as(response_mask).clone()  # [B, S] float32
-        advantages[advantages.shape[0] // 2:] = float("nan")  # mini-batch 1 of 2 equal ones
+        advantages[advantages.shape[0] // 2:] = float("nan")  # mini-batch 1 of 2 equal ones (or half of 1)
         return advantages
 
 

@@ -71,8 +71,8 @@ class TooManySkipsError(RuntimeError):
     def __init__(self, last_step: int, count: int, limit: int, checkpoint: Path) -> None:
         """`last_step`: the last skipped step, 1-based (as metrics.jsonl); `count` skips in a row up to it."""
         super().__init__(
-            f"RL steps {last_step - count + 1}..{last_step} ({count} in a row) skipped their update: non-finite loss or "
-            f"gradients (the warnings above name the mini-batch and the ranks); stopped at "
+            f"RL steps {last_step - count + 1}..{last_step} ({count} in a row) skipped their update: non-finite "
+            f"loss or gradients (the warnings above name the mini-batch and the ranks); stopped at "
             f"train.max_consecutive_skips={limit}. The last good state is checkpointed at {checkpoint}: find the "
             f"cause (e.g. lower train.lr, check the rewards and the data), then continue with --resume"
         )

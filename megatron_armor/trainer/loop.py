@@ -229,9 +229,9 @@ class RLTrainer:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the config and the RNG states.
 
-        {"optimizer_steps": int, "consecutive_skips": int, "sampler": PromptSampler state, "mipu_gate": gate state (with a gate),
-        "anchor_cache": cache state (with a cache), "modules": {name: state_dict() of each of
-        `checkpointed_modules()`}}; all but "modules" is JSON-able and the same on every rank. The modules'
+        {"optimizer_steps": int, "consecutive_skips": int, "sampler": PromptSampler state, "mipu_gate": gate
+        state (with a gate), "anchor_cache": cache state (with a cache), "modules": {name: state_dict() of each
+        of `checkpointed_modules()`}}; all but "modules" is JSON-able and the same on every rank. The modules'
         tensors are this rank's shards, views of the live ones: offloaded, read them inside `state_resident()`.
         """
         state: dict[str, Any] = {"optimizer_steps": self.optimizer_steps, "consecutive_skips": self.consecutive_skips,

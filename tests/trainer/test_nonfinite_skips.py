@@ -82,11 +82,14 @@ def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cac
 
 def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthetic_cache, tmp_path, nan_algorithm,
                                                                          caplog):
+    """One mini-batch per step (no snapshot is taken: its only mini-batch is checked before it is stepped)."""
     nan_algorithm({0, 1})
     run_dir = tmp_path / "run"
-    overrides = ("train.max_steps=3", "train.max_consecutive_skips=2", "checkpoint.every=100")
-    with caplog.at_level(logging.ERROR, logger="megatron_armor"):
+    overrides = ("train.max_steps=3", "train.max_consecutive_skips=2", "checkpoint.every=100",
+                 "train.mini_batch_size=8")
+    with caplog.at_level(logging.WARNING, logger="megatron_armor"):
         assert run_training(_config(synthetic_cache, run_dir, *overrides)) == 1
+    assert "RL step 2, mini-batch 0: non-finite loss" in caplog.text
     assert "TooManySkipsError: RL steps 1..2 (2 in a row) skipped their update" in caplog.text
     assert "train.max_consecutive_skips=2" in caplog.text and "step_000002" in caplog.text
     modules, state = _checkpoint(run_dir, 2)
@@ -97,7 +100,7 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthe
     assert run_training(_config(synthetic_cache, run_dir, *overrides), resume=True) == 0
     assert _metrics(run_dir)[3]["train/update_skipped"] == 0
     _, resumed = _checkpoint(run_dir, 3)
-    assert resumed["optimizer_steps"] == 2 and resumed["consecutive_skips"] == 0
+    assert resumed["optimizer_steps"] == 1 and resumed["consecutive_skips"] == 0
 
 
 def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, tmp_path):
