@@ -103,6 +103,12 @@ class TrainConfig:
         3, "stop the run (after checkpointing the last good state) when this many RL steps in a row skipped "
         "their update for a non-finite loss or gradient (0: never stop)"
     )
+    nonfinite_rollback: bool = doc(
+        True, "a step skipped for a non-finite loss or gradient leaves nothing behind: the mini-batches stepped "
+        "before the non-finite one are undone from a copy of this rank's weights and optimizer state taken in host "
+        "memory before every update of more than one mini-batch (one device-to-host copy of them per RL step, "
+        "and that much host memory); false keeps those mini-batches applied and takes no copy"
+    )
     seed: int = doc(1234, "seed of data order, sampling and initialisation")
 
     def __post_init__(self) -> None:

@@ -122,8 +122,8 @@ class RLTrainer:
         self, step: int, prepared: PreparedBatch, snapshot: TrainingSnapshot | None,
     ) -> tuple[dict[str, float], NonFiniteUpdate | None]:
         """One optimizer step per mini-batch at RL step `step`'s learning rate; the update's metrics and its
-        fault. On a fault the mini-batches already stepped are undone from `snapshot` (taken before the
-        update whenever there is more than one mini-batch) and the step counts as skipped."""
+        fault. On a fault the step counts as skipped and the mini-batches already stepped are undone from
+        `snapshot` (`snapshot_before_update`); without one (train.nonfinite_rollback false) they stay applied."""
         update = update_policy(
             self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
             algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
@@ -133,19 +133,24 @@ class RLTrainer:
             self.optimizer_steps += update.optimizer_steps
             self.consecutive_skips = 0
             return update.metrics, None
-        if update.optimizer_steps:
+        kept = update.optimizer_steps if snapshot is None else 0  # mini-batches stepped before the fault that stay
+        if update.optimizer_steps and snapshot is not None:
             snapshot.restore(self.models.actor, self.models.optimizer, self.constraint)
+        self.optimizer_steps += kept
         self.consecutive_skips += 1
         if self.ctx.is_main:
-            log.warning("%s; update skipped (%d in a row): actor, optimizer and engines keep the state from before "
-                        "the step", update.fault.describe(), self.consecutive_skips)
-        return {**update.metrics, "train/nonfinite_skipped": 1.0}, update.fault
+            state = (f"its first {kept} mini-batch(es) stay applied (train.nonfinite_rollback false)" if kept else
+                     "actor, optimizer and engines keep the state from before the step")
+            log.warning("%s; update skipped (%d in a row): %s", update.fault.describe(), self.consecutive_skips, state)
+        metrics = {**update.metrics, "train/nonfinite_skipped": 1.0, "train/nonfinite_kept_mini_batches": float(kept)}
+        return metrics, update.fault
 
     def snapshot_before_update(self, num_mini_batches: int) -> TrainingSnapshot | None:
         """theta_k and Omega_k before the update, when something may have to restore them: the MIPU gate (on the
-        host when the GPU is shared until the gate has decided), or a non-finite mini-batch after the first
-        (on the host: one copy of this rank's weights and optimizer state in host memory per RL step); else None."""
-        if self.gate is None and num_mini_batches <= 1:
+        host when the GPU is shared until the gate has decided), or, with train.nonfinite_rollback, a non-finite
+        mini-batch after the first (on the host: one copy of this rank's weights and optimizer state in host
+        memory per RL step); else None."""
+        if self.gate is None and (num_mini_batches <= 1 or not self.plan.nonfinite_rollback):
             return None
         return TrainingSnapshot.capture(self.models.actor, self.models.optimizer, self.optimizer_steps,
                                         self.constraint, to_host=self.colocation.offloaded or self.gate is None)

@@ -68,6 +68,7 @@ def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cac
         assert run_training(_config(synthetic_cache, run_dir, "train.max_steps=3", "checkpoint.every=1")) == 0
     rows = _metrics(run_dir)
     assert rows[2]["train/update_skipped"] == 1 and rows[2]["train/nonfinite_skipped"] == 1
+    assert rows[2]["train/nonfinite_kept_mini_batches"] == 0
     for good in (1, 3):
         assert rows[good]["train/update_skipped"] == 0 and "train/nonfinite_skipped" not in rows[good]
         assert rows[good]["optim/grad_norm"] > 0
@@ -78,6 +79,19 @@ def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cac
     assert skipped["optimizer_steps"] == 2 and skipped["consecutive_skips"] == 1
     assert not _same(trained["actor"], after["actor"])
     assert next_state["optimizer_steps"] == 4 and next_state["consecutive_skips"] == 0
+
+
+def test_without_rollback_the_mini_batches_before_the_nonfinite_one_stay_applied(synthetic_cache, tmp_path,
+                                                                                 nan_algorithm):
+    nan_algorithm({1})
+    run_dir = tmp_path / "run"
+    config = _config(synthetic_cache, run_dir, "train.max_steps=2", "checkpoint.every=1", "train.nonfinite_rollback=false")
+    assert run_training(config) == 0
+    row = _metrics(run_dir)[2]
+    assert row["train/update_skipped"] == 1 and row["train/nonfinite_kept_mini_batches"] == 1
+    (before, _), (after, state) = (_checkpoint(run_dir, step) for step in (1, 2))
+    assert not _same(after["actor"], before["actor"])  # mini-batch 0 of step 2 was stepped and kept
+    assert state["optimizer_steps"] == 3 and state["consecutive_skips"] == 1
 
 
 def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthetic_cache, tmp_path, nan_algorithm,
