@@ -28,7 +28,7 @@ from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, mean
-from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
+from megatron_armor.trainer.samples import SampleScorer, generate_samples
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
 
 log = logging.getLogger("megatron_armor")
