@@ -56,7 +56,8 @@ def run_serve_local(args: argparse.Namespace) -> int:
 def add_train_arguments(train: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `armor train` (and `armor ray-train`): config file, shorthands, every config field."""
     train.add_argument("--config", help="YAML config file (sections as in ArmorConfig)")
-    train.add_argument("--algo", help="shorthand for --algorithm.name (armor | grpo | grpo_kl | mipu | opd)")
+    train.add_argument("--algo", help="shorthand for --algorithm.name: armor | grpo | grpo_kl | mipu | opd, or a plug-in "
+                       "Algorithm class as package.module:ClassName")
     train.add_argument("--max-steps", type=int, help="shorthand for --train.max_steps")
     train.add_argument("--run-dir", help="shorthand for --logging.run_dir")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")

@@ -16,7 +16,8 @@ WORKERS = Path(__file__).parent / "workers"
 def run_workers(worker: str, nproc: int, out_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
     """Run `tests/workers/<worker>` on `nproc` ranks; each rank writes `out_dir/rank<r>.json`.
 
-    Returns the per-rank results in rank order; fails with the workers' output on a non-zero exit.
+    Returns the per-rank results in rank order; fails with the workers' output on a non-zero exit. The
+    workers' stderr (their logs) is kept in `out_dir/stderr.txt`.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -25,6 +26,7 @@ def run_workers(worker: str, nproc: int, out_dir: Path, *args: str, timeout: int
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    (out_dir / "stderr.txt").write_text(proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(f"{worker} failed with exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -127,6 +127,16 @@ class TrainConfig:
     )
     recompute_num_layers: int = doc(1, "recompute full: layers per chunk (uniform) or recomputed layers (block)")
     max_steps: int = doc(200, "RL steps to run")
+    max_consecutive_skips: int = doc(
+        3, "stop the run (after checkpointing the last good state) when this many RL steps in a row skipped "
+        "their update for a non-finite loss or gradient (0: never stop)"
+    )
+    nonfinite_rollback: bool = doc(
+        True, "a step skipped for a non-finite loss or gradient leaves nothing behind: the mini-batches stepped "
+        "before the non-finite one are undone from a copy of this rank's weights and optimizer state taken in host "
+        "memory before every update of more than one mini-batch (one device-to-host copy of them per RL step, "
+        "and that much host memory); false keeps those mini-batches applied and takes no copy"
+    )
     seed: int = doc(1234, "seed of data order, sampling and initialisation")
 
     def __post_init__(self) -> None:
@@ -134,7 +144,7 @@ class TrainConfig:
             "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps",
                      "recompute_num_layers"), 1
         )
-        require_at_least("train", self, ("warmup_steps",), 0)
+        require_at_least("train", self, ("warmup_steps", "max_consecutive_skips"), 0)
         require(self.train_batch_size % self.mini_batch_size == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
                 f"({self.train_batch_size})")

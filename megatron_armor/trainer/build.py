@@ -39,7 +39,7 @@ from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.rollout_stage import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.samples import OverlongPenalty, SampleScorer
 from megatron_armor.trainer.task_setup import TaskPaths
 
 log = logging.getLogger("megatron_armor")

@@ -4,6 +4,7 @@ reference reset), and the trainer state a resumed run needs."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.engine_weights import EngineWeights
+from megatron_armor.trainer.faults import NonFiniteUpdate
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.offload import TrainerOffload
@@ -26,8 +28,10 @@ from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, mean
-from megatron_armor.trainer.rollout_stage import SampleScorer, generate_samples
+from megatron_armor.trainer.samples import SampleScorer, generate_samples
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
+
+log = logging.getLogger("megatron_armor")
 
 
 class RLTrainer:
@@ -40,6 +44,10 @@ class RLTrainer:
     servers (`memory_handoff`, `offload`), the trainer and the servers take turns on the GPU
     (trainer/colocation.py); with one engine shared by both policies their weights take turns in it
     (trainer/engine_weights.py).
+
+    An update whose loss or gradients are not finite on any rank is skipped as a whole: actor, optimizer
+    state and engines keep the state from before the RL step (mini-batches already stepped are undone from
+    a snapshot) and `consecutive_skips` counts such steps in a row; the caller decides when to stop.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class RLTrainer:
         self.rollout = RolloutPhase(plan, models, sampler, sampling, scorer, self.engine_weights, anchor_cache,
                                     dp_size=ctx.dp_size)
         self.optimizer_steps = 0
+        self.consecutive_skips = 0  # RL steps in a row whose update was skipped for a non-finite loss or gradient
         self.checkpoints_reference = bool(plan.ref_reset_period)  # the reference leaves model.ref_path's weights
 
     # ----- one RL step ---------------------------------------------------------------------
@@ -65,7 +74,8 @@ class RLTrainer:
         """Run RL step `step` (0-based) and return its metrics.
 
         When filtering leaves no prompts (allow_partial_batch) every rank skips the update, the weight
-        sync and the gate alike, and `train/update_skipped` is 1.
+        sync and the gate alike, and `train/update_skipped` is 1. So it is when the update met a non-finite
+        loss or gradient (then `train/nonfinite_skipped` is 1 too; the unchanged actor is pushed again).
         """
         start = time.perf_counter()
         self.colocation.park_for_rollouts()                                # the GPU is the servers'
@@ -75,7 +85,7 @@ class RLTrainer:
         if rollout.groups:                                                 # advantages ... sync, MIPU gate
             update_metrics, num_tokens = self.train_on(step, rollout.groups)
             metrics.update(update_metrics)
-        metrics["train/update_skipped"] = float(not rollout.groups)
+        metrics["train/update_skipped"] = float(not rollout.groups or "train/nonfinite_skipped" in metrics)
         metrics.update(self.capture_subspace(step))
         if self.plan.resets_reference_after(step):
             metrics.update(self.reset_reference())
@@ -96,34 +106,56 @@ class RLTrainer:
                                       dp_rank=ctx.dp_rank)
             metrics = batch_metrics(prepared, sampled_by_actor=models.teacher_engine is None,
                                     uses_anchors=plan.uses_anchors)
-            snapshot = self.snapshot_for_gate()
-            metrics.update(self.update(step, prepared))
+            snapshot = self.snapshot_before_update(len(prepared.mini_batches))
+            update_metrics, fault = self.update(step, prepared, snapshot)
+            metrics.update(update_metrics)
         metrics["perf/train_seconds"] = time.perf_counter() - start
-        sync = self.colocation.push_actor_and_serve(self.engine_weights.push_actor, keep_weights=snapshot is not None)
+        gated = self.gate is not None and fault is None
+        sync = self.colocation.push_actor_and_serve(self.engine_weights.push_actor, keep_weights=gated)
         metrics.update({**sync.metrics(), **self.colocation.handoff_metrics()})
-        if snapshot is not None:                                           # MIPU Step 2
+        if gated:                                                          # MIPU Step 2
             metrics.update(self.gate_update(step, snapshot))
             self.colocation.park_for_rollouts()                            # decided: the weights leave the GPU
         return metrics, prepared.num_tokens
 
-    def update(self, step: int, prepared: PreparedBatch) -> dict[str, float]:
-        """One optimizer step per mini-batch at RL step `step`'s learning rate; the update's metrics."""
+    def update(
+        self, step: int, prepared: PreparedBatch, snapshot: TrainingSnapshot | None,
+    ) -> tuple[dict[str, float], NonFiniteUpdate | None]:
+        """One optimizer step per mini-batch at RL step `step`'s learning rate; the update's metrics and its
+        fault. On a fault the step counts as skipped and the mini-batches already stepped are undone from
+        `snapshot` (`snapshot_before_update`); without one (train.nonfinite_rollback false) they stay applied."""
         update = update_policy(
             self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
             algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
             constraint=self.constraint,
         )
-        self.optimizer_steps += update.optimizer_steps
-        return update.metrics
+        if update.fault is None:
+            self.optimizer_steps += update.optimizer_steps
+            self.consecutive_skips = 0
+            return update.metrics, None
+        kept = update.optimizer_steps if snapshot is None else 0  # mini-batches stepped before the fault that stay
+        if update.optimizer_steps and snapshot is not None:
+            snapshot.restore(self.models.actor, self.models.optimizer, self.constraint)
+        self.optimizer_steps += kept
+        self.consecutive_skips += 1
+        if self.ctx.is_main:
+            state = (f"its first {kept} mini-batch(es) stay applied (train.nonfinite_rollback false)" if kept else
+                     "actor, optimizer and engines keep the state from before the step")
+            log.warning("%s; update skipped (%d in a row): %s", update.fault.describe(), self.consecutive_skips, state)
+        metrics = {**update.metrics, "train/nonfinite_skipped": 1.0, "train/nonfinite_kept_mini_batches": float(kept)}
+        return metrics, update.fault
 
-    # ----- MIPU Step 2 ----------------------------------------------------------------------
-    def snapshot_for_gate(self) -> TrainingSnapshot | None:
-        """With a gate, theta_k and Omega_k before the update (on the host when the GPU is shared until the
-        gate has decided); else None."""
-        if self.gate is None:
+    def snapshot_before_update(self, num_mini_batches: int) -> TrainingSnapshot | None:
+        """theta_k and Omega_k before the update, when something may have to restore them: the MIPU gate (on the
+        host when the GPU is shared until the gate has decided), or, with train.nonfinite_rollback, a non-finite
+        mini-batch after the first (on the host: one copy of this rank's weights and optimizer state in host
+        memory per RL step); else None."""
+        if self.gate is None and (num_mini_batches <= 1 or not self.plan.nonfinite_rollback):
             return None
         return TrainingSnapshot.capture(self.models.actor, self.models.optimizer, self.optimizer_steps,
-                                        self.constraint, to_host=self.colocation.offloaded)
+                                        self.constraint, to_host=self.colocation.offloaded or self.gate is None)
+
+    # ----- MIPU Step 2 ----------------------------------------------------------------------
 
     def gate_update(self, step: int, snapshot: TrainingSnapshot) -> dict[str, float]:
         """Measure the synced candidate's inference gap; on reject restore actor, optimizer, subspace
@@ -202,12 +234,13 @@ class RLTrainer:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the config and the RNG states.
 
-        {"optimizer_steps": int, "sampler": PromptSampler state, "mipu_gate": gate state (with a gate),
-        "anchor_cache": cache state (with a cache), "modules": {name: state_dict() of each of
-        `checkpointed_modules()`}}; all but "modules" is JSON-able and the same on every rank. The modules'
+        {"optimizer_steps": int, "consecutive_skips": int, "sampler": PromptSampler state, "mipu_gate": gate
+        state (with a gate), "anchor_cache": cache state (with a cache), "modules": {name: state_dict() of each
+        of `checkpointed_modules()`}}; all but "modules" is JSON-able and the same on every rank. The modules'
         tensors are this rank's shards, views of the live ones: offloaded, read them inside `state_resident()`.
         """
-        state: dict[str, Any] = {"optimizer_steps": self.optimizer_steps, "sampler": self.sampler.state_dict()}
+        state: dict[str, Any] = {"optimizer_steps": self.optimizer_steps, "consecutive_skips": self.consecutive_skips,
+                                 "sampler": self.sampler.state_dict()}
         if self.gate is not None:
             state["mipu_gate"] = self.gate.state_dict()
         if self.anchor_cache is not None:
@@ -235,6 +268,7 @@ class RLTrainer:
                     module.load_state_dict(modules[name])
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer_steps = state["optimizer_steps"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)  # 0 in checkpoints from before skips were counted
         if self.gate is not None:
             self.gate.load_state_dict(state["mipu_gate"])
         if self.anchor_cache is not None and "anchor_cache" in state:

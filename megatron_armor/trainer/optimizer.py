@@ -49,10 +49,11 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
     and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
 
-    DDP checks gradients for NaN/Inf before reducing them and raises (naming the rank) instead of
-    letting a non-finite update reach the weights. Weight decay applies to every parameter, biases and
-    norm weights too, as verl's single-group AdamW (armor.md §6); Megatron's own exemption of those
-    needs its scheduler, which is not used here (`learning_rate` sets the rate per RL step).
+    DDP's own NaN/Inf check (which raises) is off: `update_policy` checks every mini-batch's loss and
+    reduced gradients before its optimizer step and skips the RL step instead (trainer/faults.py).
+    Weight decay applies to every parameter, biases and norm weights too, as verl's single-group AdamW
+    (armor.md §6); Megatron's own exemption of those needs its scheduler, which is not used here
+    (`learning_rate` sets the rate per RL step).
 
     With `settings.distributed` the grads are reduce-scattered instead of all-reduced, each data-parallel
     rank keeps the Adam state (and the fp32 master weights of a bf16 model) of its 1/DP slice of the
@@ -68,7 +69,7 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=settings.distributed,
-                check_for_nan_in_grad=True
+                check_for_nan_in_grad=False
             ), model
         )
         optimizer = get_megatron_optimizer(

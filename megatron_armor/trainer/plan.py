@@ -25,6 +25,7 @@ class StepPlan:
     seed: int
     advantage_baseline: str = "mean"  # "mean" (GRPO) | "quantile" (QAE): b of A = (R - b) / (std + eps)
     baseline_quantile: float = 0.45
+    nonfinite_rollback: bool = True  # undo a non-finite step's earlier mini-batches (train.nonfinite_rollback)
 
     @classmethod
     def from_config(cls, cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
@@ -36,7 +37,7 @@ class StepPlan:
             ref_n=cfg.rollout.anchors.ref_n, max_num_gen_batches=section.max_num_gen_batches,
             allow_partial_batch=section.allow_partial_batch, adv_eps=section.adv_eps,
             ref_reset_period=section.ref_reset_period, seed=train.seed, advantage_baseline=section.advantage_baseline,
-            baseline_quantile=section.baseline_quantile,
+            baseline_quantile=section.baseline_quantile, nonfinite_rollback=train.nonfinite_rollback,
         )
 
     @property

@@ -13,7 +13,8 @@ from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over
 from megatron_armor.scoring.batch import SequenceBatch
 from megatron_armor.scoring.logprobs import ScoringConfig, TokenScores, forward_backward
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.optimizer import AdamConfig, learning_rate, optimizer_step
+from megatron_armor.trainer.faults import NonFiniteUpdate, find_nonfinite
+from megatron_armor.trainer.optimizer import AdamConfig, learning_rate, optimizer_step, zero_grads
 
 
 class PolicyLossCallback:
@@ -51,10 +52,13 @@ class PolicyLossCallback:
 @dataclass
 class UpdateResult:
     """Means of the loss statistics over the whole batch (policy loss and KL over the aggregation's
-    units, the rest over tokens), plus optimizer facts."""
+    units, the rest over tokens), plus optimizer facts. With a `fault` the update stopped at that mini-batch:
+    `optimizer_steps` mini-batches before it were applied (the caller undoes them) and `metrics` holds
+    only the learning rate."""
 
     metrics: dict[str, float]
     optimizer_steps: int
+    fault: NonFiniteUpdate | None = None
 
 
 def update_policy(
@@ -63,7 +67,9 @@ def update_policy(
 ) -> UpdateResult:
     """One optimizer step per mini-batch (ppo_epochs = 1), all at RL step `rl_step`'s learning rate.
 
-    Returns loss statistics averaged over the whole step (all data-parallel ranks), on every rank.
+    Returns loss statistics averaged over the whole step (all data-parallel ranks), on every rank. A
+    mini-batch whose loss or gradients are not finite on any rank is never stepped: its gradients are
+    discarded and the update stops there on every rank (`UpdateResult.fault`).
     """
     loss_fn = PolicyLossCallback(algorithm)
     lr = learning_rate(rl_step, optim)
@@ -73,11 +79,15 @@ def update_policy(
         outputs = forward_backward(
             ddp, list(mini_batch.micro_batches(micro_batch_size)), loss_fn, scoring=scoring, forward_only=False
         )
+        fault = find_nonfinite(ddp, outputs, rl_step=rl_step, mini_batch=index)
+        if fault is not None:
+            zero_grads(ddp, optimizer)
+            return UpdateResult(metrics={"optim/lr": lr}, optimizer_steps=index, fault=fault)
         for out in outputs:
             for name, value in out.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         step = optimizer_step(ddp, optimizer, lr, constraint)
-        if not step.updated:
+        if not step.updated:  # finite gradients whose norm overflowed: the step is applied, nothing can skip it
             raise FloatingPointError(f"RL step {rl_step}, mini-batch {index}: non-finite gradient norm {step.grad_norm}")
         grad_norms.append(step.grad_norm)
     if parallel_state.is_pipeline_last_stage():

@@ -1,7 +1,7 @@
 """The rollout phase of an RL step: generate and score samples, group them, until the batch is full.
 
 Generation batches of prompts are sampled from the actor (and, for ARMOR, anchors from the reference or
-the anchor cache), scored (`rollout_stage.generate_samples`) and grouped (`algorithms.build_groups`)
+the anchor cache), scored (`samples.generate_samples`) and grouped (`algorithms.build_groups`)
 until `train_batch_size` prompts survive filtering (ARMOR §1).
 """
 
@@ -19,7 +19,7 @@ from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.rollout_stage import RolloutCounters, SampleScorer, generate_samples
+from megatron_armor.trainer.samples import RolloutCounters, SampleScorer, generate_samples
 
 
 @dataclass

@@ -17,6 +17,7 @@ from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, s
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.trainer.build import TrainingSetup, build_training
 from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, save_checkpoint
+from megatron_armor.trainer.faults import TooManySkipsError
 from megatron_armor.trainer.loop import RLTrainer, evaluate
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.task_setup import TaskPaths, prepare_task
@@ -51,7 +52,9 @@ def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = Fa
 
 def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite: bool) -> None:
     """The run on this rank (collective): set up, resume, give the engines their first weights, then step,
-    validate, log and checkpoint until train.max_steps; tear down."""
+    validate, log and checkpoint until train.max_steps; tear down. After train.max_consecutive_skips skipped
+    updates in a row (non-finite loss or gradients) it checkpoints the last good state and raises
+    `TooManySkipsError`."""
     algorithm = build_algorithm(cfg)
     run_dir = Path(cfg.logging.run_dir)
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
@@ -79,8 +82,13 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
             metrics.update(validate(done))
         metrics_log.log(done, metrics)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
-        if done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
-            _save(trainer, setup.models, cfg, paths, done)
+        limit = cfg.train.max_consecutive_skips
+        stop = bool(limit) and trainer.consecutive_skips >= limit
+        if stop or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
+            checkpoint = _save(trainer, setup.models, cfg, paths, done)
+        if stop:
+            metrics_log.close()
+            raise TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint)
     metrics_log.close()
     _teardown(ctx, cfg, setup.models, run_dir)
 
@@ -141,17 +149,17 @@ def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, s
     return result
 
 
-def _save(trainer: RLTrainer, models: PolicyHandles, cfg: ArmorConfig, paths: TaskPaths, step: int) -> None:
+def _save(trainer: RLTrainer, models: PolicyHandles, cfg: ArmorConfig, paths: TaskPaths, step: int) -> Path:
     """Checkpoint the trainer after `step` steps (collective), with the actor as a Megatron distributed
-    checkpoint beside it when checkpoint.save_model."""
+    checkpoint beside it when checkpoint.save_model; returns its directory."""
 
     def export_model(checkpoint_dir: Path) -> None:
         save_model_checkpoint(models.actor.module, models.shape, checkpoint_dir / "model",
                               side_files_from=paths.model_path)
 
     with trainer.state_resident():
-        save_checkpoint(cfg.logging.run_dir, step, trainer.state_dict(), keep_last=cfg.checkpoint.keep_last,
-                        write_extra=export_model if cfg.checkpoint.save_model else None)
+        return save_checkpoint(cfg.logging.run_dir, step, trainer.state_dict(), keep_last=cfg.checkpoint.keep_last,
+                               write_extra=export_model if cfg.checkpoint.save_model else None)
 
 
 def _teardown(ctx: DistributedContext, cfg: ArmorConfig, models: PolicyHandles, run_dir: Path) -> None:

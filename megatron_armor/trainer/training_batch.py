@@ -20,7 +20,7 @@ from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.rollout_stage import call_seed
+from megatron_armor.trainer.samples import call_seed
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from launcher import run_workers
 
+from megatron_armor.algorithms import check_algorithm_config
 from megatron_armor.config import ConfigError, load_config
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "opd.yaml")
@@ -47,4 +48,4 @@ def test_teacher_url_and_teacher_layout_are_exclusive():
 
 def test_teacher_settings_belong_to_opd():
     with pytest.raises(ConfigError, match="grpo has none"):
-        load_config(CONFIG, ["algorithm.name=grpo", "opd.teacher_tensor_parallel_size=2"])
+        check_algorithm_config(load_config(CONFIG, ["algorithm.name=grpo", "opd.teacher_tensor_parallel_size=2"]))

@@ -9,6 +9,7 @@ import pytest
 from launcher import run_workers
 
 from megatron_armor.cli import build_parser, overrides_from_args
+from megatron_armor.algorithms import check_algorithm_config
 from megatron_armor.config import ConfigError, load_config
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "opd.yaml")
@@ -40,5 +41,5 @@ def test_opd_tp2_run_distils_the_teacher_into_the_student(synthetic_cache, tmp_p
 
 def test_opd_needs_a_teacher_outside_the_synthetic_task():
     with pytest.raises(ConfigError, match="opd.teacher_path is required for algorithm.name opd"):
-        load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd",
-                           "rollout.sampling.actor_n=16"])
+        check_algorithm_config(load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd",
+                                                  "rollout.sampling.actor_n=16"]))

@@ -10,6 +10,7 @@ import torch
 from launcher import run_workers
 from transformers import AutoModelForCausalLM
 
+from megatron_armor.algorithms import check_algorithm_config
 from megatron_armor.config import ConfigError, load_config
 from megatron_armor.models.tokenizer import load_tokenizer
 
@@ -103,11 +104,12 @@ def test_teacher_rollouts_config_loads_with_the_ratio_clip_off():
     ],
 )
 def test_teacher_rollouts_config_errors(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(CONFIG, overrides)
+    with pytest.raises(ConfigError, match=message):  # the config's own rules, then the algorithm's
+        check_algorithm_config(load_config(CONFIG, overrides))
 
 
 def test_teacher_rollouts_need_teacher_weights_not_only_a_scoring_url():
     with pytest.raises(ConfigError, match="opd.rollouts teacher needs the teacher's weights"):
-        load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd",
-                           "rollout.sampling.actor_n=16", "opd.teacher_url=http://t:1", *TEACHER_ROLLOUTS])
+        check_algorithm_config(load_config(None, ["model.path=/m", "data.train_path=/d.jsonl", "algorithm.name=opd",
+                                                  "rollout.sampling.actor_n=16", "opd.teacher_url=http://t:1",
+                                                  *TEACHER_ROLLOUTS]))

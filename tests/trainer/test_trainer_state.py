@@ -59,6 +59,7 @@ def _advance(trainer: RLTrainer) -> None:
     trainer.models.optimizer.step()
     trainer.constraint.capture(1)
     trainer.optimizer_steps = 5
+    trainer.consecutive_skips = 1
     trainer.sampler.next_batch()
     trainer.sampler.next_batch()
     trainer.gate.prompts.next_batch()
@@ -81,14 +82,15 @@ def test_state_dict_holds_every_part_and_round_trips(tmp_path):
     source = _trainer(0)
     _advance(source)
     state = source.state_dict()
-    assert state.keys() == {"optimizer_steps", "sampler", "mipu_gate", "anchor_cache", "modules"}
+    assert state.keys() == {"optimizer_steps", "consecutive_skips", "sampler", "mipu_gate", "anchor_cache", "modules"}
     assert state["modules"].keys() == {"actor", "optimizer", "subspace"}  # the reference is model.ref_path's
     json.dumps({k: v for k, v in state.items() if k != "modules"})  # the shared part is JSON-able
     fresh = _trainer(1)
     assert not _equal(fresh.state_dict(), state)
     fresh.load_state_dict(state)
     assert _equal(fresh.state_dict(), state)
-    assert fresh.optimizer_steps == 5 and fresh.gate.rollbacks == 2 and len(fresh.anchor_cache) == 1
+    assert fresh.optimizer_steps == 5 and fresh.consecutive_skips == 1
+    assert fresh.gate.rollbacks == 2 and len(fresh.anchor_cache) == 1
     assert fresh.sampler.next_batch() == source.sampler.next_batch()
 
     path = save_checkpoint(tmp_path, 3, state)

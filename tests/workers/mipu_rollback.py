@@ -63,7 +63,7 @@ def equal(a, b) -> bool:
 
 def force(c: float) -> None:
     """accept iff T_post >= -c: c = +1e9 always accepts, c = -1e9 always rejects."""
-    trainer.gate.settings = dataclasses.replace(trainer.gate.settings, c_start=c, c_end=c)
+    trainer.gate.config = dataclasses.replace(trainer.gate.config, c_start=c, c_end=c)
 
 
 initial = state()
@@ -79,7 +79,7 @@ write_result(out_dir, {
     "accept_changed": [not equal(x, y) for x, y in zip(initial, after_accept)],
     "reject_restored": [equal(x, y) for x, y in zip(after_accept, after_reject)],
     "optimizer_steps": [steps_after_accept, trainer.optimizer_steps],
-    "loss_clip": [trainer.loss.clip_low, trainer.loss.clip_high, trainer.loss.dual_clip],
+    "loss_clip": [trainer.plan.algorithm.clip.low, trainer.plan.algorithm.clip.high, trainer.plan.algorithm.clip.dual],
     "weights_parked_at_generate": weights_parked_at_generate,
 })
 destroy_distributed()

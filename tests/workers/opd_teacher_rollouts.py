@@ -39,7 +39,7 @@ def unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -
 groups = trainer.rollout.collect(0).groups
 advantaged = advantage_batch(groups, trainer.plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank,
                              pad_token_id=trainer.models.pad_token_id)
-prepared = score_logprobs(advantaged, trainer.models, trainer.plan, trainer.loss,
+prepared = score_logprobs(advantaged, trainer.models, trainer.plan, trainer.scoring,
                           optimizer_steps=trainer.optimizer_steps, dp_rank=ctx.dp_rank)
 # one data-parallel rank: the batch rows are the samples in order
 batch = prepared.batch
