@@ -50,6 +50,7 @@ def test_demo_config_loads_with_typed_overrides():
           "rollout.weight_sync.method=disk"], "rollout.weight_sync.method disk needs rollout.weight_sync.dir"),
         (["rollout.weight_sync.method=nccl"], "rollout.weight_sync.method: 'nccl' is not allowed; choose one of"),
         (["rollout.memory.release_servers=true"], "rollout.memory.release_servers .* needs rollout.backend sglang"),
+        (["algorithm.clip_low=-0.5"], "algorithm.clip_low/clip_high must be >= 0, got -0.5/0.28"),
         (["algorithm.baseline_quantile=1.5"], "algorithm.baseline_quantile must be in \\[0, 1\\], got 1.5"),
         (["algorithm.advantage_baseline=median"], "algorithm.advantage_baseline: 'median' is not allowed"),
         (["algorithm.name=mipu", "rollout.sampling.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],

@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOP = "megatron_armor"
 
-# Bottom to top. A package is a directory under megatron_armor/ or a module directly in it (`config` is
-# either); "megatron_armor" is the top-level __init__.py. A new package must be placed here deliberately.
+# Bottom to top. A package is a directory under megatron_armor/ or a module directly in it (cli.py);
+# "megatron_armor" is the top-level __init__.py. A new package must be placed here deliberately.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_armor", "utils", "config", "data", "rewards"),
     ("algorithms", "models", "kernels", "distributed"),

@@ -138,7 +138,7 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg: ArmorConfig) -> None:
         """ConfigError for settings this algorithm cannot run with (cross-section rules that depend on it)."""
-        clip = cls.resolve_clip(cfg)
+        clip = cls.resolve_clip(cfg)  # the section checked the values it was given; these are with the defaults
         require(clip.high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {clip.low}/{clip.high}")
         require(clip.dual > 1, f"algorithm.dual_clip must be > 1, got {clip.dual}")
         sampling, anchors = cfg.rollout.sampling, cfg.rollout.anchors

@@ -58,7 +58,12 @@ def _import_plugin(path: str) -> type[Algorithm]:
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ConfigError(f"algorithm.name plug-in {path!r} is {cls!r}, not an Algorithm subclass")
     registered = _ALGORITHMS.get(getattr(cls, "name", None))
-    return registered if registered is cls else register_algorithm(cls)
+    if registered is cls:
+        return cls
+    try:
+        return register_algorithm(cls)
+    except (TypeError, ValueError) as error:  # no `name`, or another class's
+        raise ConfigError(f"algorithm.name plug-in {path!r}: {error}") from error
 
 
 def check_algorithm_config(cfg: ArmorConfig) -> type[Algorithm]:

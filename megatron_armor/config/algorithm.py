@@ -19,8 +19,8 @@ class AlgorithmConfig:
 
     name: str = doc(
         "armor", "a registered algorithm: armor | grpo (dual-clip PPO, no anchors) | grpo_kl | mipu (sampler-referenced "
-        "loss + gated sync) | opd (on-policy distillation from opd.teacher_path), or one a plug-in registered "
-        "(megatron_armor.algorithms.register_algorithm)"
+        "loss + gated sync) | opd (on-policy distillation from opd.teacher_path), one a plug-in registered "
+        "(megatron_armor.algorithms.register_algorithm), or a plug-in class as package.module:ClassName"
     )
     clip_low: float = doc(0.2, "PPO ratio clip epsilon below 1")
     clip_high: float | None = doc(
@@ -55,6 +55,9 @@ class AlgorithmConfig:
         require_at_least("algorithm", self, ("max_num_gen_batches",), 1)
         require_at_least("algorithm", self, ("ref_reset_period",), 0)
         require(self.clip_low <= 1, f"algorithm.clip_low must be <= 1 (1: no lower clip), got {self.clip_low}")
+        require(self.clip_low >= 0 and (self.clip_high is None or self.clip_high >= 0),
+                f"algorithm.clip_low/clip_high must be >= 0, got {self.clip_low}/{self.clip_high}")
+        require(self.dual_clip is None or self.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {self.dual_clip}")
         require(0.0 <= self.baseline_quantile <= 1.0,
                 f"algorithm.baseline_quantile must be in [0, 1], got {self.baseline_quantile}")
         require(self.loss_aggregation in (None, "token_mean", "seq_mean_token_mean"),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from megatron_armor.config import ArmorConfig, ConfigError
 
 if TYPE_CHECKING:
-    from megatron_armor.launch.ray_job import RayJobSpec
+    from megatron_armor.launch.ray_job import RayJobConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def job_from_args(args: argparse.Namespace) -> RayJobSpec:
-    from megatron_armor.launch.ray_job import RayJobSpec
+def job_from_args(args: argparse.Namespace) -> RayJobConfig:
+    from megatron_armor.launch.ray_job import RayJobConfig
 
-    return RayJobSpec(
+    return RayJobConfig(
         placement=args.placement, num_servers=args.num_servers, num_ref_servers=args.num_ref_servers,
         server_kind=args.server_kind, server_tp_size=args.server_tp, mem_fraction_static=args.mem_fraction,
         server_args=tuple(args.server_arg), cpus_per_actor=args.cpus_per_actor,

@@ -27,10 +27,10 @@ from ray.util.placement_group import remove_placement_group
 
 from megatron_armor.algorithms import check_algorithm_config
 from megatron_armor.config import ArmorConfig, ConfigError, validate
-from megatron_armor.launch.server_process import ServerSpec
+from megatron_armor.launch.server_process import ServerConfig
 from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundles
 from megatron_armor.launch.trainer_ranks import TrainerRanks
-from megatron_armor.rollout.router import RouterSpec, SGLangRouter, use_sglang_router
+from megatron_armor.rollout.router import RouterConfig, SGLangRouter, use_sglang_router
 from megatron_armor.trainer.task_setup import prepare_task
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ COLOCATED_GPU_FRACTION = 0.45  # trainer rank and rollout server(s) each claim p
 
 
 @dataclass(frozen=True)
-class RayJobSpec:
+class RayJobConfig:
     """How the job is laid out on the Ray cluster (the training itself is the ArmorConfig)."""
 
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -56,7 +56,7 @@ class RayJobSpec:
     log_dir: str | None = None  # server logs (default: the node's temp dir)
 
 
-def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, overwrite: bool = False) -> None:
+def run_ray_job(cfg: ArmorConfig, job: RayJobConfig, *, resume: bool = False, overwrite: bool = False) -> None:
     """Run the training job on the connected Ray cluster (call `ray.init` first).
 
     Raises trainer_ranks.TrainerJobError naming the rank that failed, router.RouterError if a router died, or
@@ -110,14 +110,14 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobSpec, *, resume: bool = False, over
 
 
 def _server_group(
-    cfg: ArmorConfig, job: RayJobSpec, role: str, model_path: str, count: int, *, seed_offset: int, trainer_pg,
+    cfg: ArmorConfig, job: RayJobConfig, role: str, model_path: str, count: int, *, seed_offset: int, trainer_pg,
 ) -> ServerGroup:
     """`count` servers of `model_path` for `role` ("actor" | "reference"), behind their own router when
     rollout.sglang.router picks one. Disaggregated groups (their own GPUs) start at once; colocated ones
     (on the trainer's bundles) one after the other, since an SGLang server sizes its KV cache from the memory
     it finds free on the shared GPU."""
     colocated = job.placement == "colocated"
-    spec = ServerSpec(
+    spec = ServerConfig(
         model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
         mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + seed_offset * job.server_tp_size,
         enable_memory_saver=colocated, extra_args=job.server_args,
@@ -129,7 +129,7 @@ def _server_group(
                  if colocated else Placement(cpus_per_actor=job.cpus_per_actor, timeout_s=job.placement_timeout_s))
     router = None
     if use_sglang_router(cfg.rollout.sglang.router, count):
-        router = SGLangRouter(spec=RouterSpec(policy=cfg.rollout.sglang.router_policy), log_dir=job.log_dir,
+        router = SGLangRouter(spec=RouterConfig(policy=cfg.rollout.sglang.router_policy), log_dir=job.log_dir,
                               host=job.server_host or ray.util.get_node_ip_address())
     try:
         return ServerGroup(spec, count, name=role, host=job.server_host, placement=placement, log_dir=job.log_dir,

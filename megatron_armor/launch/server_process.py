@@ -24,7 +24,7 @@ class ServerStartError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ServerSpec:
+class ServerConfig:
     """What every server of a group runs. Seeds differ per server (see `seed_for`).
 
     kind "sglang" runs `sglang.launch_server` (GPU); "local" runs the CPU stand-in (tp_size 1 only).
@@ -44,18 +44,18 @@ class ServerSpec:
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
-            raise ValueError(f"ServerSpec.tp_size must be >= 1, got {self.tp_size}")
+            raise ValueError(f"ServerConfig.tp_size must be >= 1, got {self.tp_size}")
         if self.kind == "local" and self.tp_size != 1:
             raise ValueError(f"the CPU stand-in server has no tensor parallelism; tp_size must be 1, got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"ServerSpec.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ValueError(f"ServerConfig.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
     def seed_for(self, index: int) -> int:
         """Server `index`'s --random-seed: distinct per server, as slime's seed + rank * gpus."""
         return self.seed + index * self.tp_size
 
 
-def server_command(spec: ServerSpec, *, host: str, port: int, seed: int) -> list[str]:
+def server_command(spec: ServerConfig, *, host: str, port: int, seed: int) -> list[str]:
     """The argv that starts one server of `spec` on `host:port`."""
     if spec.kind == "local":
         backup = ["--enable-weights-cpu-backup"] if spec.enable_weights_cpu_backup else []
@@ -75,7 +75,7 @@ def server_command(spec: ServerSpec, *, host: str, port: int, seed: int) -> list
 class RolloutServer:
     """Owns one server subprocess (in its own session, so a stop reaches SGLang's children too)."""
 
-    def __init__(self, spec: ServerSpec, index: int, *, host: str, log_dir: str | None = None) -> None:
+    def __init__(self, spec: ServerConfig, index: int, *, host: str, log_dir: str | None = None) -> None:
         self.spec, self.index, self.host = spec, index, host
         self.port = free_port(host)
         self.restarts = 0

@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_armor.launch.server_process import RolloutServer, ServerSpec
+from megatron_armor.launch.server_process import RolloutServer, ServerConfig
 from megatron_armor.rollout.router import SGLangRouter
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class ServerGroup:
     """
 
     def __init__(
-        self, spec: ServerSpec, num_servers: int, *, name: str = "rollout", host: str | None = None,
+        self, spec: ServerConfig, num_servers: int, *, name: str = "rollout", host: str | None = None,
         placement: Placement = Placement(), log_dir: str | None = None, router: SGLangRouter | None = None,
         wait: bool = True,
     ) -> None:
@@ -168,7 +168,7 @@ class ServerGroup:
 class _ServerActor:
     """The Ray actor around one `RolloutServer`; it lives on the node and GPUs Ray gave it."""
 
-    def __init__(self, spec: ServerSpec, index: int, host: str | None, log_dir: str | None) -> None:
+    def __init__(self, spec: ServerConfig, index: int, host: str | None, log_dir: str | None) -> None:
         self.server = RolloutServer(spec, index, host=host or ray.util.get_node_ip_address(), log_dir=log_dir)
 
     def wait_healthy(self) -> str:

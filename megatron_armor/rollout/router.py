@@ -64,7 +64,7 @@ def use_sglang_router(mode: str, num_servers: int) -> bool:
 
 
 @dataclass(frozen=True)
-class RouterSpec:
+class RouterConfig:
     """How the router runs; times in seconds."""
 
     policy: str = "cache_aware"  # one of rollout.sglang.router_policy's choices; sglang-router's default
@@ -74,7 +74,7 @@ class RouterSpec:
     poll_interval_s: float = 0.2
 
 
-def router_command(spec: RouterSpec, *, host: str, port: int, metrics_port: int) -> list[str]:
+def router_command(spec: RouterConfig, *, host: str, port: int, metrics_port: int) -> list[str]:
     """The argv of a router on `host:port` with no workers yet (they join through `add_workers`)."""
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
@@ -92,7 +92,7 @@ class SGLangRouter:
     """
 
     def __init__(
-        self, worker_urls: Sequence[str] = (), spec: RouterSpec = RouterSpec(), *, host: str = "127.0.0.1",
+        self, worker_urls: Sequence[str] = (), spec: RouterConfig = RouterConfig(), *, host: str = "127.0.0.1",
         log_dir: str | None = None,
     ) -> None:
         self.spec, self.host = spec, host
@@ -191,7 +191,7 @@ def make_sglang_engine(
     """
     servers = urls.split(",")
     if router_url is None and use_sglang_router(rollout.sglang.router, len(servers)):
-        router = SGLangRouter(servers, RouterSpec(policy=rollout.sglang.router_policy), log_dir=log_dir)
+        router = SGLangRouter(servers, RouterConfig(policy=rollout.sglang.router_policy), log_dir=log_dir)
         atexit.register(router.stop)
         router_url = router.url
     return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_armor.config import SamplingConfig, TrainConfig
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
@@ -57,6 +58,11 @@ class ScoringConfig:
     def __post_init__(self) -> None:
         if self.head not in LOGPROB_HEADS:
             raise ValueError(f"unknown logprob head {self.head!r}; choose one of {LOGPROB_HEADS}")
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, train: TrainConfig) -> ScoringConfig:
+        """Scoring at the rollouts' temperature (rollout.sampling) with train.logprob_head's head ("auto" resolved)."""
+        return cls(temperature=sampling.temperature, head=resolve_logprob_head(train.logprob_head))
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

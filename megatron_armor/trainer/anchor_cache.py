@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_armor.config import AnchorsConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 
@@ -29,6 +30,11 @@ class AnchorCache:
             raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
         self.max_prompts = max_prompts
         self._anchors: OrderedDict[PromptKey, list[Sample]] = OrderedDict()  # oldest use first
+
+    @classmethod
+    def from_config(cls, anchors: AnchorsConfig) -> AnchorCache | None:
+        """The cache of rollout.anchors (cache, cache_max_prompts), or None when it is off."""
+        return cls(anchors.cache_max_prompts) if anchors.cache else None
 
     def __len__(self) -> int:
         return len(self._anchors)

@@ -30,7 +30,7 @@ from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
-from megatron_armor.scoring.logprobs import ScoringConfig, resolve_logprob_head
+from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.loop import RLTrainer
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
@@ -91,15 +91,13 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorit
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    overlong = OverlongPenalty(cfg.rollout.sampling.max_new_tokens, cfg.reward.overlong_buffer,
-                               cfg.reward.overlong_factor)
+    overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
     train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
     val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
-    anchors = cfg.rollout.anchors
-    anchor_cache = AnchorCache(anchors.cache_max_prompts) if anchors.cache else None
+    anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), sampler, sampling, train_scorer,
-                        _scoring(cfg), optim,
+                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim,
                         gate=gate, constraint=trainer_models.constraint,
                         constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
                         memory_handoff=handoff, offload=trainer_models.offload)
@@ -127,11 +125,6 @@ def _prompt_rows(cfg: ArmorConfig, paths: TaskPaths, tokenizer) -> tuple[list[Pr
                    apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length)
     train_rows = load_prompt_rows(paths.train_path, **options)
     return train_rows, load_prompt_rows(paths.val_path, **options) if paths.val_path else []
-
-
-def _scoring(cfg: ArmorConfig) -> ScoringConfig:
-    """How the trainer scores tokens: at the rollouts' temperature, with train.logprob_head's LM head."""
-    return ScoringConfig(temperature=cfg.rollout.sampling.temperature, head=resolve_logprob_head(cfg.train.logprob_head))
 
 
 @dataclass
@@ -193,22 +186,22 @@ def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
 def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
     """The teacher that scores every batch (collective): in the trainer's processes at the student's layout, or
     a scoring server (opd.teacher_url, or one the trainer starts at opd.teacher_tensor/pipeline_parallel_size)."""
-    teacher = cfg.opd
+    opd = cfg.opd
     teacher_shape = None
     if paths.teacher_path is not None:  # None: only a teacher_url was given
         teacher_shape = load_model_shape(paths.teacher_path)
         check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"opd.teacher_path {paths.teacher_path}")
-    scoring = _scoring(cfg)  # as the student's
-    if teacher.teacher_url is None and teacher.teacher_layout is None:
+    scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
+    if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
         return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
     launch = None
-    if teacher.teacher_layout is not None:
-        tp, pp = teacher.teacher_layout
+    if opd.teacher_layout is not None:
+        tp, pp = opd.teacher_layout
         check_parallel_layout(teacher_shape, tp, pp)  # before any teacher process starts
         launch = TeacherServerConfig(paths.teacher_path, tp, pp, port=0, micro_batch_size=cfg.train.micro_batch_size,
                                      params_dtype=cfg.model.params_dtype)
-    urls = teacher.teacher_url.split(",") if teacher.teacher_url else None
+    urls = opd.teacher_url.split(",") if opd.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
 

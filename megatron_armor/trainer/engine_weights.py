@@ -2,7 +2,7 @@
 
 With one engine shared by both policies (rollout.anchors.engine shared) the actor's and the reference's
 weights take turns in it; `EngineWeights.holds` names the policies whose current weights it holds: the
-actor's after every push of them (engines start with them: run.py pushes them when they might not),
+actor's after every push of them (engines start with them),
 both right after a reference reset (the reference is then the actor), the reference's after an anchor
 phase. Every rank makes the same calls, so it is the same on all ranks.
 """

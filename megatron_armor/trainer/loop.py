@@ -171,7 +171,7 @@ class RLTrainer:
                 snapshot.restore(models.actor, models.optimizer, self.constraint)
             self.optimizer_steps = snapshot.optimizer_steps
             self.colocation.push_actor_and_serve(self.engine_weights.push_actor)
-            self.gate.rollbacks += 1
+            self.gate.record_rollback()
         return {
             "mipu/gap_proxy": result.gap,
             "mipu/tolerance": result.tolerance,

@@ -122,6 +122,10 @@ class InferenceGapGate:
         c = tolerance(step, config.c_start, config.c_end, config.ramp_steps)
         return GateResult(gap=gap, tolerance=c, accepted=accept_update(gap, c), reward_mean=float(rewards.mean()))
 
+    def record_rollback(self) -> None:
+        """Count a rejected update that the trainer rolled back (the `rollbacks` metric and state)."""
+        self.rollbacks += 1
+
     def state_dict(self) -> dict:
         return {"prompts": self.prompts.state_dict(), "rollbacks": self.rollbacks}
 

@@ -73,7 +73,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         metrics_log.log(0, validate(0))
     progress = tqdm(
         range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
-        desc=cfg.algorithm.name.upper(), disable=not (ctx.is_main and cfg.logging.progress_bar), dynamic_ncols=True,
+        desc=algorithm.name.upper(), disable=not (ctx.is_main and cfg.logging.progress_bar), dynamic_ncols=True,
     )
     for step in progress:
         metrics = trainer.step(step)
@@ -100,7 +100,7 @@ def _prepare_run(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     log.info(
-        "%s from %s: tp %d x pp %d x dp %d, rollouts: %s, run dir %s; GPU extras: %s", cfg.algorithm.name,
+        "%s from %s: tp %d x pp %d x dp %d, rollouts: %s, run dir %s; GPU extras: %s", algorithm.name,
         paths.model_path, ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.rollout.backend, run_dir,
         detect_gpu_extras().describe(),
     )

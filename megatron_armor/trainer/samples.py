@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.rewards.overlong import overlong_penalty
@@ -31,6 +32,11 @@ class OverlongPenalty:
     max_response_length: int
     buffer_length: int = 0
     factor: float = 1.0
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig, max_response_length: int) -> OverlongPenalty:
+        """The penalty of the reward section for responses of at most `max_response_length` tokens."""
+        return cls(max_response_length, reward.overlong_buffer, reward.overlong_factor)
 
 
 class SampleScorer:

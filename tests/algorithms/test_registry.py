@@ -135,7 +135,8 @@ def test_a_plugin_named_by_path_is_imported_and_registered(tmp_path, monkeypatch
     (tmp_path / "my_algorithms.py").write_text(
         "from megatron_armor.algorithms import Algorithm\n\n"
         "class SignOnly(Algorithm):\n    name = 'test_sign_only'\n\n"
-        "NOT_AN_ALGORITHM = 3\n"
+        "NOT_AN_ALGORITHM = 3\n\n"
+        "class Grpo2(Algorithm):\n    name = 'grpo'\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
@@ -146,5 +147,7 @@ def test_a_plugin_named_by_path_is_imported_and_registered(tmp_path, monkeypatch
         unregister_algorithm("test_sign_only")
     with pytest.raises(ConfigError, match="'my_algorithms:NOT_AN_ALGORITHM' is 3, not an Algorithm subclass"):
         algorithm_class("my_algorithms:NOT_AN_ALGORITHM")
+    with pytest.raises(ConfigError, match="plug-in 'my_algorithms:Grpo2': algorithm 'grpo' is already registered"):
+        algorithm_class("my_algorithms:Grpo2")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
         algorithm_class("no_such_module:X")

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from megatron_armor.config import load_config
-from megatron_armor.launch.ray_job import RayJobSpec, _pointed_at, run_ray_job
+from megatron_armor.launch.ray_job import RayJobConfig, _pointed_at, run_ray_job
 
 CONFIG = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
 
@@ -21,7 +21,7 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
         "logging.progress_bar=false", "logging.plot=false",
         "rollout.sglang.router=sglang",  # a router even for one server
     ])
-    job = RayJobSpec(server_kind="local", server_host="127.0.0.1", cpus_per_actor=0.4, monitor_interval_s=5.0,
+    job = RayJobConfig(server_kind="local", server_host="127.0.0.1", cpus_per_actor=0.4, monitor_interval_s=5.0,
                      log_dir=str(tmp_path / "server-logs"))
     run_ray_job(cfg, job)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -13,18 +13,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.config import ConfigError, load_config
-from megatron_armor.launch.server_process import RolloutServer, ServerSpec
+from megatron_armor.launch.server_process import RolloutServer, ServerConfig
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
-from megatron_armor.rollout.router import RouterError, RouterSpec, SGLangRouter, use_sglang_router
+from megatron_armor.rollout.router import RouterError, RouterConfig, SGLangRouter, use_sglang_router
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, http_call
 
 DEMO = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
 SGLANG = ["rollout.backend=sglang", "rollout.sglang.urls=http://a:1", "rollout.sglang.ref_urls=http://b:1"]
 FAST = SGLangEngineConfig(prompts_per_request=2, max_in_flight_per_server=2, backoff_s=0.05, startup_timeout_s=90,
                           poll_interval_s=0.1)
-ROUND_ROBIN = RouterSpec(policy="round_robin", worker_timeout_s=60)
+ROUND_ROBIN = RouterConfig(policy="round_robin", worker_timeout_s=60)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
 LONG = SamplingParams(temperature=0.0, max_new_tokens=16)
 
@@ -50,7 +50,7 @@ def local_engine(model_dir):
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     """Two stand-in servers started in parallel by the launcher's own `RolloutServer` (one thread each)."""
-    spec = ServerSpec(model_path=str(model_dir), kind="local", startup_timeout_s=120, poll_interval_s=0.1)
+    spec = ServerConfig(model_path=str(model_dir), kind="local", startup_timeout_s=120, poll_interval_s=0.1)
     log_dir = str(tmp_path_factory.mktemp("router-test-servers"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")

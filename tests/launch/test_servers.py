@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_armor.launch.server_process import ServerSpec, server_command
+from megatron_armor.launch.server_process import ServerConfig, server_command
 from megatron_armor.launch.servers import Placement, PlacementError, ServerGroup
-from megatron_armor.rollout.router import RouterSpec, SGLangRouter
+from megatron_armor.rollout.router import RouterConfig, SGLangRouter
 from megatron_armor.rollout.sglang_engine import http_call
 
 
 def test_sglang_command_carries_the_launch_settings():
-    spec = ServerSpec(model_path="/ckpt", tp_size=2, mem_fraction_static=0.8, seed=7, enable_memory_saver=True,
+    spec = ServerConfig(model_path="/ckpt", tp_size=2, mem_fraction_static=0.8, seed=7, enable_memory_saver=True,
                       enable_weights_cpu_backup=True, extra_args=("--dtype", "bfloat16"))
     cmd = server_command(spec, host="10.0.0.1", port=30001, seed=spec.seed_for(3))
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -23,12 +23,12 @@ def test_sglang_command_carries_the_launch_settings():
     assert value == {"--model-path": "/ckpt", "--tp-size": "2", "--port": "30001",
                      "--random-seed": "13", "--mem-fraction-static": "0.8"}  # seed 7 + 3 servers x 2 GPUs
     assert "--enable-memory-saver" in cmd and "--enable-weights-cpu-backup" in cmd and cmd[-2:] == ["--dtype", "bfloat16"]
-    assert "--enable-weights-cpu-backup" not in server_command(ServerSpec(model_path="/ckpt"), host="h", port=1, seed=0)
+    assert "--enable-weights-cpu-backup" not in server_command(ServerConfig(model_path="/ckpt"), host="h", port=1, seed=0)
 
 
 def test_local_stand_in_has_no_tensor_parallelism():
     with pytest.raises(ValueError, match="tp_size must be 1"):
-        ServerSpec(model_path="/ckpt", kind="local", tp_size=2)
+        ServerConfig(model_path="/ckpt", kind="local", tp_size=2)
 
 
 def _gone(pid: int, timeout: float = 30.0) -> bool:
@@ -46,9 +46,9 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_factory, tmp_path):
-    spec = ServerSpec(model_path=str(tiny_model_factory("qwen2")), kind="local", startup_timeout_s=120,
+    spec = ServerConfig(model_path=str(tiny_model_factory("qwen2")), kind="local", startup_timeout_s=120,
                       poll_interval_s=0.2)
-    router = SGLangRouter(spec=RouterSpec(worker_timeout_s=60), log_dir=str(tmp_path))
+    router = SGLangRouter(spec=RouterConfig(worker_timeout_s=60), log_dir=str(tmp_path))
     group = ServerGroup(spec, 2, name="actor", host="127.0.0.1", placement=Placement(cpus_per_actor=0.25),
                         log_dir=str(tmp_path), router=router)
     with router, group:
@@ -79,7 +79,7 @@ def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_f
 def test_unplaceable_group_fails_naming_bundles_and_cluster(ray_cluster):
     from ray.util.placement_group import placement_group_table
 
-    spec = ServerSpec(model_path="/never-started", kind="local")
+    spec = ServerConfig(model_path="/never-started", kind="local")
     bundles = r"Ray could not place 2 x \{'CPU': 64\.0\} \(strategy PACK\) within 0\.5 s; the cluster has CPU 2, GPU 0 in all"
     with pytest.raises(PlacementError, match=rf"placement group 'actor-servers': {bundles}, CPU [\d.]+, GPU 0 free"):
         ServerGroup(spec, 2, name="actor", placement=Placement(cpus_per_actor=64.0, timeout_s=0.5))
