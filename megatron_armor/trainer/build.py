@@ -34,7 +34,7 @@ from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.loop import RLTrainer
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
-from megatron_armor.trainer.mipu_gate import InferenceGapGate
+from megatron_armor.trainer.update_gate import InferenceGapGate
 from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.plan import StepPlan

@@ -21,7 +21,6 @@ from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.faults import NonFiniteUpdate
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
-from megatron_armor.trainer.mipu_gate import InferenceGapGate, TrainingSnapshot
 from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import AdamConfig
 from megatron_armor.trainer.plan import StepPlan
@@ -29,7 +28,9 @@ from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, mean
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
+from megatron_armor.trainer.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
 

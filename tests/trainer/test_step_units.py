@@ -10,7 +10,7 @@ from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.loop import RLTrainer
-from megatron_armor.trainer.mipu_gate import TrainingSnapshot
+from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.rollout_phase import trim_to_data_parallel

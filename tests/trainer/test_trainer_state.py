@@ -14,7 +14,7 @@ from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_armor.trainer.loop import RLTrainer
-from megatron_armor.trainer.mipu_gate import InferenceGapGate
+from megatron_armor.trainer.update_gate import InferenceGapGate
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 

@@ -1,5 +1,5 @@
-"""MIPU Step 2 in the trainer: snapshot before the update, measure the post-update inference gap on
-held-out prompts with the synced engine, accept or roll back (mipu.md §3, Algorithm 1).
+"""The post-update gate (MIPU Step 2, mipu.md §3, Algorithm 1): measure the inference gap of the synced
+engine on held-out prompts and accept the update or have the trainer roll it back (`TrainingSnapshot`).
 
 Every rank runs the same gate on the same data: held-out samples are generated round-robin and
 all-gathered, the trainer scores the whole gate batch on every data-parallel rank, and rank 0's
@@ -8,7 +8,6 @@ T_post is broadcast so that every rank takes the same accept/rollback decision.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -16,57 +15,10 @@ import torch.distributed as dist
 
 from megatron_armor.algorithms import UpdateGateConfig, accept_update, gap_proxy, group_advantages, tolerance
 from megatron_armor.data.datasets import PromptRow, PromptSampler
-from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
-
-
-@dataclass
-class TrainingSnapshot:
-    """theta_k and Omega_k of this rank: parameter copies, a deep copy of the Megatron optimizer state
-    (Adam moments and step counts, fp32 master weights for bf16 models), the optimizer-step counter and
-    the subspace constraint's state (its counters; W0 and the bases are never changed in place)."""
-
-    params: list[torch.Tensor]
-    optimizer_state: dict
-    optimizer_steps: int
-    constraint_state: dict | None = None
-
-    @classmethod
-    def capture(
-        cls, ddp: torch.nn.Module, optimizer, optimizer_steps: int, constraint: SubspaceConstraint | None = None, *,
-        to_host: bool = False,
-    ) -> TrainingSnapshot:
-        """Copy the state; `to_host` keeps the copies in CPU memory (a GPU shared with colocated servers)."""
-        device = torch.device("cpu") if to_host else None
-        return cls(
-            params=[p.detach().to(device, copy=True) for p in ddp.module.parameters()],
-            optimizer_state=_copy_tensors(optimizer.state_dict(), device),
-            optimizer_steps=optimizer_steps,
-            constraint_state=None if constraint is None else constraint.state_dict(),
-        )
-
-    @torch.no_grad()
-    def restore(self, ddp: torch.nn.Module, optimizer, constraint: SubspaceConstraint | None = None) -> None:
-        """Put the weights, optimizer state and constraint state back bit for bit (the snapshot stays reusable)."""
-        for param, saved in zip(ddp.module.parameters(), self.params, strict=True):
-            param.copy_(saved)
-        optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
-        if constraint is not None:
-            constraint.load_state_dict(self.constraint_state)
-
-
-def _copy_tensors(tree, device: torch.device | None):
-    """A deep copy of a state-dict tree whose tensors are copied to `device` (None: where they are)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to(device, copy=True)
-    if isinstance(tree, dict):
-        return {key: _copy_tensors(value, device) for key, value in tree.items()}
-    if type(tree) in (list, tuple):
-        return type(tree)(_copy_tensors(value, device) for value in tree)
-    return copy.deepcopy(tree)
 
 
 @dataclass(frozen=True)
