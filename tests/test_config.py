@@ -1,6 +1,7 @@
 """Config loading: YAML + overrides, typed coercion, validation messages, and the CLI surface."""
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,8 @@ import pytest
 from megatron_armor.algorithms import build_algorithm, check_algorithm_config
 from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import (
-    MOVED_FIELDS, ConfigError, OpdConfig, ParallelConfig, SamplingConfig, config_fields, load_config,
-    resolve_distributed_optimizer, save_config,
+    MOVED_FIELDS, AlgorithmConfig, ConfigError, KLConfig, OpdConfig, ParallelConfig, SamplingConfig, WeightSyncConfig,
+    config_fields, load_config, resolve_distributed_optimizer, save_config,
 )
 
 DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
@@ -230,3 +231,16 @@ def test_scaling_knobs_defaults_and_resolution():
 def test_scaling_knobs_refuse_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO, overrides)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: KLConfig(estimator="k9"), "kl.estimator: 'k9' is not allowed; choose one of \\['k1', 'k2', 'k3'\\]"),
+    (lambda: AlgorithmConfig(loss_aggregation="sum"), "algorithm.loss_aggregation: 'sum' is not allowed"),
+    (lambda: dataclasses.replace(WeightSyncConfig(), method="nccl"), "rollout.weight_sync.method: 'nccl' is not allowed"),
+])
+def test_a_section_built_in_code_checks_its_choices(build, message):
+    """The loader's coercion refuses these from YAML and the CLI; a section built or replaced in code (as the Ray
+    launcher does) refuses them too."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+    assert AlgorithmConfig(loss_aggregation=None).loss_aggregation is None  # Optional choices allow None

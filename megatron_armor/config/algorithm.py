@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_armor.config.base import doc, require, require_at_least
+from megatron_armor.config.base import check_choices, doc, require, require_at_least
 
 
 @dataclass
@@ -52,6 +52,7 @@ class AlgorithmConfig:
     )
 
     def __post_init__(self) -> None:
+        check_choices("algorithm", self)
         require_at_least("algorithm", self, ("max_num_gen_batches",), 1)
         require_at_least("algorithm", self, ("ref_reset_period",), 0)
         require(self.clip_low <= 1, f"algorithm.clip_low must be <= 1 (1: no lower clip), got {self.clip_low}")
@@ -60,9 +61,6 @@ class AlgorithmConfig:
         require(self.dual_clip is None or self.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {self.dual_clip}")
         require(0.0 <= self.baseline_quantile <= 1.0,
                 f"algorithm.baseline_quantile must be in [0, 1], got {self.baseline_quantile}")
-        require(self.loss_aggregation in (None, "token_mean", "seq_mean_token_mean"),
-                f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or null (the algorithm's "
-                f"default), got {self.loss_aggregation!r}")
 
 
 @dataclass
@@ -83,6 +81,7 @@ class KLConfig:
     estimator: Literal["k1", "k2", "k3"] = doc("k3", "KL estimator of grpo_kl and mipu")
 
     def __post_init__(self) -> None:
+        check_choices("kl", self)
         require(self.coef >= 0, f"kl.coef must be >= 0, got {self.coef}")
 
 
@@ -106,6 +105,7 @@ class MipuConfig:
     gate_n: int = doc(8, "responses per held-out prompt (validation group size)")
 
     def __post_init__(self) -> None:
+        check_choices("mipu", self)
         require(self.w_max > 0, f"mipu.w_max must be > 0, got {self.w_max}")
         require(self.ramp_steps >= 0, f"mipu.ramp_steps must be >= 0, got {self.ramp_steps}")
         require(self.gate_prompts >= 1, f"mipu.gate_prompts must be >= 1, got {self.gate_prompts}")
@@ -150,6 +150,7 @@ class OpdConfig:
     )
 
     def __post_init__(self) -> None:
+        check_choices("opd", self)
         require(0.0 <= self.alpha <= 1.0, f"opd.alpha must be in [0, 1], got {self.alpha}")
         require(0.0 < self.token_fraction <= 1.0,
                 f"opd.token_fraction must be in (0, 1] (1 keeps every token), got {self.token_fraction}")

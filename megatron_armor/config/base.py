@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import field
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -24,6 +26,30 @@ def require(ok: bool, message: str) -> None:
     """Raise ConfigError(message) unless `ok`."""
     if not ok:
         raise ConfigError(message)
+
+
+def check_choices(where: str, owner: Any) -> None:
+    """Each `Literal`-typed field of the dataclass `owner` holds one of its values (or None where the type allows
+    it), so a section built in code is held to what the loader's coercion checks; the error names
+    `<where>.<field>` as the loader's does."""
+    for name, annotation in typing.get_type_hints(type(owner)).items():
+        allowed = _literal_values(annotation)
+        value = getattr(owner, name)
+        if allowed is not None:
+            require(value in allowed, f"{where}.{name}: {value!r} is not allowed; choose one of "
+                                      f"{[v for v in allowed if v is not None]}")
+
+
+def _literal_values(annotation: Any) -> tuple | None:
+    """The values a `Literal[...]` (or `Literal[...] | None`) annotation allows; None for other types."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        literals = [a for a in options if typing.get_origin(a) is Literal]
+        if literals:
+            return (*typing.get_args(literals[0]), *((None,) if type(None) in options else ()))
+    return None
 
 
 def require_at_least(where: str, owner: Any, names: tuple[str, ...], lower: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_armor.config.base import doc, require, require_at_least, section
+from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
 
 
 @dataclass
@@ -53,6 +53,7 @@ class AnchorsConfig:
     )
 
     def __post_init__(self) -> None:
+        check_choices("rollout.anchors", self)
         require_at_least("rollout.anchors", self, ("cache_max_prompts",), 1)
 
 
@@ -80,6 +81,7 @@ class SGLangClientConfig:
     ref_router_url: str | None = doc(None, "the same for ref_urls")
 
     def __post_init__(self) -> None:
+        check_choices("rollout.sglang", self)
         router_urls = [f"rollout.sglang.{name}" for name in ("router_url", "ref_router_url") if getattr(self, name)]
         require(self.router != "none" or not router_urls,
                 f"rollout.sglang.router is none but {', '.join(router_urls)} is set: drop it, or set "
@@ -113,6 +115,7 @@ class WeightSyncConfig:
     bucket_mb: int = doc(512, "weight-update bucket size in MiB (backend sglang)")
 
     def __post_init__(self) -> None:
+        check_choices("rollout.weight_sync", self)
         require(self.bucket_mb >= 1, f"rollout.weight_sync.bucket_mb must be >= 1, got {self.bucket_mb}")
 
 
@@ -147,6 +150,7 @@ class RolloutConfig:
     memory: MemoryHandoffConfig = section(MemoryHandoffConfig)
 
     def __post_init__(self) -> None:
+        check_choices("rollout", self)
         """Rules between the backend and the sub-sections."""
         s = self.sglang
         require(not self.memory.release_servers or self.backend == "sglang",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_armor.config.base import doc, require, require_at_least
+from megatron_armor.config.base import check_choices, doc, require, require_at_least
 
 
 @dataclass
@@ -19,6 +19,9 @@ class ModelConfig:
     )
     ref_path: str | None = doc(None, "reference/anchor policy, HF or Megatron checkpoint dir (default: path)")
     params_dtype: Literal["float32", "bfloat16"] = doc("float32", "parameter dtype of actor and reference")
+
+    def __post_init__(self) -> None:
+        check_choices("model", self)
 
 
 @dataclass
@@ -140,6 +143,7 @@ class TrainConfig:
     seed: int = doc(1234, "seed of data order, sampling and initialisation")
 
     def __post_init__(self) -> None:
+        check_choices("train", self)
         require_at_least(
             "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps",
                      "recompute_num_layers"), 1
@@ -191,6 +195,7 @@ class TaskConfig:
     cache_dir: str = doc(".cache/megatron-armor", "where synthetic assets and warm starts are cached")
 
     def __post_init__(self) -> None:
+        check_choices("task", self)
         require_at_least("task", self, ("warm_start_steps",), 0)
 
 
