@@ -12,6 +12,7 @@ import torch
 
 from algorithm_factory import NanAdvantagesOnChosenSteps
 from launcher import run_workers
+from state_trees import bit_identical
 from megatron_armor.algorithms import register_algorithm, unregister_algorithm
 from megatron_armor.config import load_config
 from megatron_armor.trainer.run import run_training
@@ -50,17 +51,6 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def _same(a, b) -> bool:
-    """Bit-identical state-dict trees."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cache, tmp_path, nan_algorithm, caplog):
     nan_algorithm({1})
     run_dir = tmp_path / "run"
@@ -75,9 +65,9 @@ def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cac
     assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [0], non-finite gradients on rank(s) [0]" in caplog.text
     (before, _), (after, skipped), (trained, next_state) = (_checkpoint(run_dir, step) for step in (1, 2, 3))
     # mini-batch 0 of step 2 was stepped, then undone: weights, Adam moments and step counts as after step 1
-    assert _same(after["actor"], before["actor"]) and _same(after["optimizer"], before["optimizer"])
+    assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
     assert skipped["optimizer_steps"] == 2 and skipped["consecutive_skips"] == 1
-    assert not _same(trained["actor"], after["actor"])
+    assert not bit_identical(trained["actor"], after["actor"])
     assert next_state["optimizer_steps"] == 4 and next_state["consecutive_skips"] == 0
 
 
@@ -90,7 +80,7 @@ def test_without_rollback_the_mini_batches_before_the_nonfinite_one_stay_applied
     row = _metrics(run_dir)[2]
     assert row["train/update_skipped"] == 1 and row["train/nonfinite_kept_mini_batches"] == 1
     (before, _), (after, state) = (_checkpoint(run_dir, step) for step in (1, 2))
-    assert not _same(after["actor"], before["actor"])  # mini-batch 0 of step 2 was stepped and kept
+    assert not bit_identical(after["actor"], before["actor"])  # mini-batch 0 of step 2 was stepped and kept
     assert state["optimizer_steps"] == 3 and state["consecutive_skips"] == 1
 
 
@@ -131,4 +121,4 @@ def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, 
     assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients on rank(s) [0, 1]" in logs
     for rank in (0, 1):
         (before, _), (after, _) = (_checkpoint(run_dir, step, rank) for step in (1, 2))
-        assert _same(after["actor"], before["actor"]) and _same(after["optimizer"], before["optimizer"])
+        assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])

@@ -19,6 +19,7 @@ from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 
 from algorithm_factory import make_algorithm
+from state_trees import bit_identical
 
 ROWS = [PromptRow(i, [1, i + 2], {}) for i in range(8)]
 
@@ -68,16 +69,6 @@ def _advance(trainer: RLTrainer) -> None:
     trainer.anchor_cache.fetch(ROWS[:1], lambda missing: [anchor])
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def test_state_dict_holds_every_part_and_round_trips(tmp_path):
     source = _trainer(0)
     _advance(source)
@@ -86,9 +77,9 @@ def test_state_dict_holds_every_part_and_round_trips(tmp_path):
     assert state["modules"].keys() == {"actor", "optimizer", "subspace"}  # the reference is model.ref_path's
     json.dumps({k: v for k, v in state.items() if k != "modules"})  # the shared part is JSON-able
     fresh = _trainer(1)
-    assert not _equal(fresh.state_dict(), state)
+    assert not bit_identical(fresh.state_dict(), state)
     fresh.load_state_dict(state)
-    assert _equal(fresh.state_dict(), state)
+    assert bit_identical(fresh.state_dict(), state)
     assert fresh.optimizer_steps == 5 and fresh.consecutive_skips == 1
     assert fresh.gate.rollbacks == 2 and len(fresh.anchor_cache) == 1
     assert fresh.sampler.next_batch() == source.sampler.next_batch()
@@ -97,7 +88,7 @@ def test_state_dict_holds_every_part_and_round_trips(tmp_path):
     step, loaded = load_checkpoint(path)
     from_disk = _trainer(2)
     from_disk.load_state_dict(loaded)
-    assert step == 3 and _equal(from_disk.state_dict(), state)
+    assert step == 3 and bit_identical(from_disk.state_dict(), state)
 
 
 def test_reference_is_restored_only_when_the_state_holds_it():

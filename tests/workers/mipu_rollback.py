@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
+from state_trees import bit_identical  # noqa: E402
 
 from megatron_armor.algorithms import build_algorithm  # noqa: E402
 from megatron_armor.config import load_config  # noqa: E402
@@ -51,16 +52,6 @@ def recording_generate(prompts, sampling):
 trainer.models.actor_engine.generate = recording_generate
 
 
-def equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def force(c: float) -> None:
     """accept iff T_post >= -c: c = +1e9 always accepts, c = -1e9 always rejects."""
     trainer.gate.config = dataclasses.replace(trainer.gate.config, c_start=c, c_end=c)
@@ -76,8 +67,8 @@ after_reject = state()
 write_result(out_dir, {
     "accepted": accepted,
     "rejected": rejected,
-    "accept_changed": [not equal(x, y) for x, y in zip(initial, after_accept)],
-    "reject_restored": [equal(x, y) for x, y in zip(after_accept, after_reject)],
+    "accept_changed": [not bit_identical(x, y) for x, y in zip(initial, after_accept)],
+    "reject_restored": [bit_identical(x, y) for x, y in zip(after_accept, after_reject)],
     "optimizer_steps": [steps_after_accept, trainer.optimizer_steps],
     "loss_clip": [trainer.plan.algorithm.clip.low, trainer.plan.algorithm.clip.high, trainer.plan.algorithm.clip.dual],
     "weights_parked_at_generate": weights_parked_at_generate,
