@@ -24,7 +24,8 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
 def coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Convert a YAML/CLI value to `annotation` (int, float, bool, str, Literal, Optional)."""
+    """Convert a YAML/CLI value to `annotation` (int, float, bool, str, Optional; a Literal's value is the
+    section's to check)."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -34,10 +35,7 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         inner = [a for a in options if a is not type(None)]
         return coerce(value, inner[0], where)
     if origin is Literal:
-        allowed = typing.get_args(annotation)
-        if value not in allowed:
-            raise ConfigError(f"{where}: {value!r} is not allowed; choose one of {list(allowed)}")
-        return value
+        return value  # the section's own `check_choices` refuses a value it does not allow
     if annotation is bool:
         if isinstance(value, bool):
             return value
