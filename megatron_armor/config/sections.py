@@ -129,6 +129,16 @@ class TrainConfig:
         "the first recompute_num_layers layers of each pipeline stage)"
     )
     recompute_num_layers: int = doc(1, "recompute full: layers per chunk (uniform) or recomputed layers (block)")
+    max_tokens_per_micro_batch: int | None = doc(
+        None, "token-budget micro-batches (verl's dynamic batch size): each rank bins its samples of a mini-batch into "
+        "micro-batches of at most this many tokens (prompt + response; a longer sample gets a micro-batch of its own), "
+        "each padded only to its own longest sample, or not at all with pack_sequences; unset: micro_batch_size "
+        "sequences per micro-batch"
+    )
+    pack_sequences: bool = doc(
+        False, "pack each micro-batch's sequences into one row with cu_seqlens (Megatron's PackedSeqParams, THD), so "
+        "no padding token is computed; attention stays within each sequence"
+    )
     max_steps: int = doc(200, "RL steps to run")
     max_consecutive_skips: int = doc(
         3, "stop the run (after checkpointing the last good state) when this many RL steps in a row skipped "
@@ -149,6 +159,8 @@ class TrainConfig:
                      "recompute_num_layers"), 1
         )
         require_at_least("train", self, ("warmup_steps", "max_consecutive_skips"), 0)
+        require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+                f"train.max_tokens_per_micro_batch must be >= 1 (or unset), got {self.max_tokens_per_micro_batch}")
         require(self.train_batch_size % self.mini_batch_size == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
                 f"({self.train_batch_size})")
