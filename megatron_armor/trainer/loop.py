@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
@@ -20,19 +21,28 @@ from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.faults import NonFiniteUpdate
-from megatron_armor.trainer.memory_handoff import MemoryHandoff
-from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import AdamConfig
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
-from megatron_armor.trainer.rollout_phase import RolloutPhase, mean
+from megatron_armor.trainer.rollout_phase import RolloutPhase, RolloutSources, mean
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
 from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
 from megatron_armor.trainer.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
+
+
+@dataclass
+class TrainerParts:
+    """The optional parts of an RL step; each is off when None."""
+
+    gate: InferenceGapGate | None = None  # MIPU Step 2: post-update gate with rollback
+    constraint: SubspaceConstraint | None = None  # subspace-constrained training ...
+    constraint_capture_step: int = 0  # ... whose span is captured after this RL step
+    anchor_cache: AnchorCache | None = None  # a prompt's anchors sampled once per reference
+    colocation: Colocation = field(default_factory=Colocation)  # GPU phases shared with colocated servers
 
 
 class RLTrainer:
@@ -52,20 +62,17 @@ class RLTrainer:
     """
 
     def __init__(
-        self, ctx: DistributedContext, models: PolicyHandles, plan: StepPlan, sampler: PromptSampler,
-        sampling: SamplingParams, scorer: SampleScorer, scoring: ScoringConfig, optim: AdamConfig,
-        gate: InferenceGapGate | None = None, constraint: SubspaceConstraint | None = None,
-        constraint_capture_step: int = 0, anchor_cache: AnchorCache | None = None,
-        memory_handoff: MemoryHandoff | None = None, offload: TrainerOffload | None = None,
+        self, ctx: DistributedContext, models: PolicyHandles, plan: StepPlan, sources: RolloutSources,
+        scoring: ScoringConfig, optim: AdamConfig, parts: TrainerParts | None = None,
     ) -> None:
-        self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sampler
+        parts = parts or TrainerParts()
+        self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sources.sampler
         self.scoring, self.optim = scoring, optim
-        self.gate, self.anchor_cache = gate, anchor_cache
-        self.constraint, self.constraint_capture_step = constraint, constraint_capture_step
-        self.colocation = Colocation(memory_handoff, offload)
+        self.gate, self.anchor_cache = parts.gate, parts.anchor_cache
+        self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
+        self.colocation = parts.colocation
         self.engine_weights = EngineWeights(models, self.colocation)
-        self.rollout = RolloutPhase(plan, models, sampler, sampling, scorer, self.engine_weights, anchor_cache,
-                                    dp_size=ctx.dp_size)
+        self.rollout = RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache, dp_size=ctx.dp_size)
         self.optimizer_steps = 0
         self.consecutive_skips = 0  # RL steps in a row whose update was skipped for a non-finite loss or gradient
         self.checkpoints_reference = bool(plan.ref_reset_period)  # the reference leaves model.ref_path's weights
@@ -105,7 +112,7 @@ class RLTrainer:
                                          pad_token_id=models.pad_token_id)
             prepared = score_logprobs(advantaged, models, plan, self.scoring, optimizer_steps=self.optimizer_steps,
                                       dp_rank=ctx.dp_rank)
-            metrics = batch_metrics(prepared, sampled_by_actor=models.teacher_engine is None,
+            metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
                                     uses_anchors=plan.uses_anchors)
             snapshot = self.snapshot_before_update(len(prepared.mini_batches))
             update_metrics, fault = self.update(step, prepared, snapshot)

@@ -22,6 +22,15 @@ from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.samples import RolloutCounters, SampleScorer, generate_samples
 
 
+@dataclass(frozen=True)
+class RolloutSources:
+    """Where a step's samples come from: the training prompts, how responses are sampled, how they are scored."""
+
+    sampler: PromptSampler
+    sampling: SamplingParams
+    scorer: SampleScorer
+
+
 @dataclass
 class Rollout:
     """What the rollout phase hands on: the kept groups (every rank holds the same ones, each group a
@@ -39,10 +48,11 @@ class RolloutPhase:
     """
 
     def __init__(
-        self, plan: StepPlan, models: PolicyHandles, sampler: PromptSampler, sampling: SamplingParams,
-        scorer: SampleScorer, engine_weights: EngineWeights, anchor_cache: AnchorCache | None, dp_size: int,
+        self, plan: StepPlan, models: PolicyHandles, sources: RolloutSources, engine_weights: EngineWeights,
+        anchor_cache: AnchorCache | None, dp_size: int,
     ) -> None:
-        self.plan, self.models, self.sampler, self.sampling, self.scorer = plan, models, sampler, sampling, scorer
+        self.plan, self.models = plan, models
+        self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
         self.engine_weights, self.anchor_cache, self.dp_size = engine_weights, anchor_cache, dp_size
 
     def collect(self, step: int) -> Rollout:

@@ -64,10 +64,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     start_step, ref_restored = _resume(trainer, resume_from, cfg, paths) if resume_from is not None else (0, False)
     trainer.push_initial_weights(**_stale_engines(setup.models, paths, resumed=resume_from is not None,
                                                   ref_restored=ref_restored))
-    metrics_log = MetricsLogger(
-        run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project, enabled=ctx.is_main,
-        resume_from_step=start_step if resume_from is not None else None,
-    )
+    metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
+                                            resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
     if start_step == 0 and cfg.eval.before_train:
         metrics_log.log(0, validate(0))

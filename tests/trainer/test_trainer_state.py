@@ -13,7 +13,8 @@ from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.checkpoint import load_checkpoint, save_checkpoint
-from megatron_armor.trainer.loop import RLTrainer
+from megatron_armor.trainer.loop import RLTrainer, TrainerParts
+from megatron_armor.trainer.rollout_phase import RolloutSources
 from megatron_armor.trainer.update_gate import InferenceGapGate
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
@@ -48,9 +49,10 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
     gate = InferenceGapGate(gate_config, PromptSampler(ROWS, 2, seed=1), scorer=None, sampling=None, seed=0,
                             adv_eps=1e-6)
-    return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan, PromptSampler(ROWS, 2, seed=0),
-                     sampling=None, scorer=None, scoring=None, optim=None, gate=gate, constraint=constraint,
-                     constraint_capture_step=1, anchor_cache=AnchorCache(4))
+    parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(4))
+    return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan,
+                     RolloutSources(PromptSampler(ROWS, 2, seed=0), sampling=None, scorer=None), scoring=None,
+                     optim=None, parts=parts)
 
 
 def _advance(trainer: RLTrainer) -> None:
