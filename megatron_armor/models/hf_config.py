@@ -193,5 +193,10 @@ def transformer_config(
         # global token count once in `finalize_model_grads`, giving an exact token mean over the
         # mini-batch across micro-batches and data-parallel ranks.
         calculate_per_token_loss=True,
+        # Micro-batches are trimmed to their own longest sequence (or packed), so their shapes differ: pipeline
+        # stages send each activation's shape before it (one 3-int message per transfer).
+        variable_seq_lengths=pp_size > 1,
+        moe_token_dispatcher_type="alltoall",  # Megatron refuses variable lengths with its default (allgather)
+                                               # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
     )

@@ -31,6 +31,7 @@ from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
 from megatron_armor.scoring.logprobs import ScoringConfig
+from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.loop import RLTrainer, TrainerParts
@@ -196,7 +197,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
-        return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
+        return InProcessTeacher(model, micro_batching=MicroBatching.from_config(cfg.train), scoring=scoring)
     launch = None
     if opd.teacher_layout is not None:
         check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts

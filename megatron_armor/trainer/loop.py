@@ -133,7 +133,7 @@ class RLTrainer:
         fault. On a fault the step counts as skipped and the mini-batches already stepped are undone from
         `snapshot` (`snapshot_before_update`); without one (train.nonfinite_rollback false) they stay applied."""
         update = update_policy(
-            self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
+            self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batching=self.plan.micro_batching,
             algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
             constraint=self.constraint,
         )
@@ -172,7 +172,7 @@ class RLTrainer:
         models = self.models
         result = self.gate.measure(
             step, models.actor, models.actor_engine, pad_token_id=models.pad_token_id,
-            micro_batch_size=self.plan.micro_batch_size, scoring=self.scoring,
+            micro_batching=self.plan.micro_batching, scoring=self.scoring,
         )
         if not result.accepted:
             with self.colocation.trainer_phase(resume_serving=False):

@@ -12,6 +12,7 @@ from megatron_armor.algorithms.reduce import aggregation_units
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch
 from megatron_armor.scoring.logprobs import ScoringConfig, TokenScores, forward_backward
+from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.faults import NonFiniteUpdate, find_nonfinite
 from megatron_armor.trainer.optimizer import AdamConfig, learning_rate, optimizer_step, zero_grads
@@ -62,7 +63,7 @@ class UpdateResult:
 
 
 def update_policy(
-    ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batch_size: int, algorithm: Algorithm,
+    ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batching: MicroBatching, algorithm: Algorithm,
     scoring: ScoringConfig, optim: AdamConfig, rl_step: int, constraint: SubspaceConstraint | None = None,
 ) -> UpdateResult:
     """One optimizer step per mini-batch (ppo_epochs = 1), all at RL step `rl_step`'s learning rate.
@@ -76,9 +77,7 @@ def update_policy(
     totals: dict[str, float] = {}
     grad_norms = []
     for index, mini_batch in enumerate(mini_batches):
-        outputs = forward_backward(
-            ddp, list(mini_batch.micro_batches(micro_batch_size)), loss_fn, scoring=scoring, forward_only=False
-        )
+        outputs = forward_backward(ddp, micro_batching.split(mini_batch), loss_fn, scoring=scoring, forward_only=False)
         fault = find_nonfinite(ddp, outputs, rl_step=rl_step, mini_batch=index)
         if fault is not None:
             zero_grads(ddp, optimizer)

@@ -18,6 +18,7 @@ from megatron_armor.trainer.rollout_phase import RolloutSources
 from megatron_armor.trainer.update_gate import InferenceGapGate
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm
 from state_trees import bit_identical
@@ -41,7 +42,8 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     optimizer = torch.optim.AdamW(actor.parameters(), lr=0.1)
     handles = PolicyHandles(actor=actor, optimizer=optimizer, ref=torch.nn.Linear(3, 4, bias=False), shape=None,
                             actor_engine=None, ref_engine=None, pad_token_id=0)
-    plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2, micro_batch_size=2,
+    plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2,
+                    micro_batching=MicroBatching(2),
                     actor_n=2, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
                     ref_reset_period=ref_reset_period, seed=0)
     weight = actor.module.weight
