@@ -16,13 +16,14 @@ layout, and the loss stays the exact token mean of the mini-batch whatever the b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_armor.config import TrainConfig
+from megatron_armor.config import ParallelConfig, TrainConfig
 from megatron_armor.scoring.batch import SequenceBatch
 
 
@@ -53,10 +54,11 @@ class MicroBatching:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
 
     @classmethod
-    def from_config(cls, train: TrainConfig) -> MicroBatching:
-        """train.micro_batch_size, train.max_tokens_per_micro_batch and train.pack_sequences."""
+    def from_config(cls, train: TrainConfig, parallel: ParallelConfig) -> MicroBatching:
+        """train.micro_batch_size, train.max_tokens_per_micro_batch and train.pack_sequences; lengths padded to a
+        multiple of 8 and of the tensor-parallel size (sequence parallelism splits them over its ranks)."""
         return cls(micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_micro_batch,
-                   pack=train.pack_sequences)
+                   pack=train.pack_sequences, pad_to_multiple_of=math.lcm(8, parallel.tensor_parallel_size))
 
     def computed_tokens(self, lengths: Sequence[int]) -> int:
         """Tokens the model computes for one micro-batch of rows of these real `lengths`, padding included."""

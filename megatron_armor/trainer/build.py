@@ -197,7 +197,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
-        return InProcessTeacher(model, micro_batching=MicroBatching.from_config(cfg.train), scoring=scoring)
+        return InProcessTeacher(model, micro_batching=MicroBatching.from_config(cfg.train, cfg.parallel), scoring=scoring)
     launch = None
     if opd.teacher_layout is not None:
         check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts

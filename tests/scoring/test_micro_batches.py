@@ -55,6 +55,17 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
     assert [1] in bins and sorted(r for b in bins for r in b) == [0, 1, 2, 3]
 
 
+def test_the_config_sets_the_micro_batching_of_the_step():
+    from megatron_armor.config import load_config
+    from megatron_armor.trainer.plan import StepPlan
+
+    cfg = load_config(None, ["task.synthetic=arithmetic", "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=96",
+                             "train.pack_sequences=true", "parallel.tensor_parallel_size=3"])
+    plan = StepPlan.from_config(cfg, make_algorithm("grpo"))
+    assert plan.micro_batching == MicroBatching(micro_batch_size=4, max_tokens=96, pack=True, pad_to_multiple_of=24)
+    assert StepPlan.from_config(load_config(None, ["task.synthetic=arithmetic"]), make_algorithm("grpo")).micro_batching == MicroBatching(8)
+
+
 def test_fixed_size_micro_batches_are_consecutive_rows_trimmed_to_their_longest():
     batch = batch_of([5, 20, 9, 7, 30])
     micro = MicroBatching(micro_batch_size=2).split(batch)
