@@ -86,7 +86,7 @@ def update_policy(
             for name, value in out.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         step = optimizer_step(ddp, optimizer, lr, constraint)
-        if not step.updated:  # finite gradients whose norm overflowed: the step is applied, nothing can skip it
+        if not step.updated:  # every rank's norm is finite (find_nonfinite), their sum over model-parallel ranks not
             raise FloatingPointError(f"RL step {rl_step}, mini-batch {index}: non-finite gradient norm {step.grad_norm}")
         grad_norms.append(step.grad_norm)
     if parallel_state.is_pipeline_last_stage():

@@ -62,7 +62,7 @@ def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cac
     for good in (1, 3):
         assert rows[good]["train/update_skipped"] == 0 and "train/nonfinite_skipped" not in rows[good]
         assert rows[good]["optim/grad_norm"] > 0
-    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [0], non-finite gradients on rank(s) [0]" in caplog.text
+    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [0], non-finite gradients (or gradient norm) on rank(s) [0]" in caplog.text
     (before, _), (after, skipped), (trained, next_state) = (_checkpoint(run_dir, step) for step in (1, 2, 3))
     # mini-batch 0 of step 2 was stepped, then undone: weights, Adam moments and step counts as after step 1
     assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
@@ -118,7 +118,24 @@ def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, 
     rows = _metrics(run_dir)
     assert rows[1]["train/update_skipped"] == 0 and rows[2]["train/nonfinite_skipped"] == 1
     logs = (tmp_path / "out" / "stderr.txt").read_text()
-    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients on rank(s) [0, 1]" in logs
+    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients (or gradient norm) on rank(s) [0, 1]" in logs
     for rank in (0, 1):
         (before, _), (after, _) = (_checkpoint(run_dir, step, rank) for step in (1, 2))
         assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
+
+
+def test_finite_gradients_whose_norm_overflows_fp32_count_as_nonfinite():
+    """Megatron clips by the fp32 norm: finite gradients of norm above sqrt(fp32 max) ~ 1.8e19 would clip by an
+    infinite norm (a step with zeroed gradients), so the mini-batch is skipped like a NaN one."""
+    from types import SimpleNamespace
+
+    from megatron_armor.trainer.faults import _grads_finite
+
+    def ddp(*buffers):
+        return SimpleNamespace(buffers=[SimpleNamespace(grad_data=b) for b in buffers], expert_parallel_buffers=[])
+
+    assert _grads_finite(ddp(torch.full((4,), 9e18), torch.zeros(3)))  # norm 1.8e19: norm^2 3.24e38 < 3.40e38
+    assert not _grads_finite(ddp(torch.full((4,), 1e19), torch.zeros(3)))  # norm^2 4e38 overflows
+    assert not _grads_finite(ddp(torch.full((2,), 1e19), torch.full((2,), -1e19)))  # the sum over buffers does too
+    assert not _grads_finite(ddp(torch.tensor([1.0, float("nan")])))
+    assert _grads_finite(ddp(torch.zeros(5))) and _grads_finite(ddp())
