@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_armor.config import TrainConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
 # a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
@@ -133,6 +135,11 @@ class ActivationRecompute:
     granularity: str = "none"
     method: str = "uniform"
     num_layers: int = 1
+
+    @classmethod
+    def from_config(cls, train: TrainConfig) -> ActivationRecompute:
+        """train.recompute, train.recompute_method and train.recompute_num_layers."""
+        return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
 
     def megatron_fields(self) -> dict:
         """TransformerConfig's recompute_granularity / recompute_method / recompute_num_layers."""

@@ -154,7 +154,7 @@ def _build_models(
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
         sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda")
-        recompute = ActivationRecompute(cfg.train.recompute, cfg.train.recompute_method, cfg.train.recompute_num_layers)
+        recompute = ActivationRecompute.from_config(cfg.train)
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
                                sequence_parallel=sequence_parallel)
         ddp, optimizer = wrap_for_training(actor, optim)
