@@ -2,7 +2,8 @@
 
 Every rank holds rollout engines (in-process on CPU; SGLang clients on GPU clusters). The sample
 requests of a generation batch are dealt round-robin over ranks, generated, scored locally, then
-all-gathered so that every rank sees the same ordered list of `Sample`s.
+all-gathered as packed tensors (`distributed/sample_exchange.py`) so that every rank sees the same ordered
+list of `Sample`s.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
+from megatron_armor.distributed.sample_exchange import all_gather_samples
 from megatron_armor.rewards.overlong import overlong_penalty
 from megatron_armor.rewards.registry import score
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -130,12 +132,12 @@ def generate_samples(
     mine = requests[rank::world]
     local_sampling = dataclasses.replace(sampling, seed=call_seed(seed, rank))
     generations = engine.generate([prompts[p].prompt_ids for p, _ in mine], local_sampling) if mine else []
-    scored = [
-        (p, k, scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor))
-        for (p, k), g in zip(mine, generations)
+    samples = [
+        scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor)
+        for (p, _), g in zip(mine, generations)
     ]
-    if world > 1:
-        gathered: list[list] = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, scored)
-        scored = [item for part in gathered for item in part]
-    return [sample for _, _, sample in sorted(scored, key=lambda item: (item[0], item[1]))]
+    answered = mine  # the (prompt, sample index) of each sample
+    if world > 1:  # every rank's share, in rank order: rank r's samples answer requests[r::world]
+        samples = all_gather_samples(samples)
+        answered = [request for r in range(world) for request in requests[r::world]]
+    return [sample for _, sample in sorted(zip(answered, samples), key=lambda item: item[0])]
