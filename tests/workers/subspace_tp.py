@@ -49,7 +49,7 @@ samples = [Sample(i, torch.randint(1, 120, (3 + i,), generator=g).tolist(),
 batch = build_sequence_batch(samples, [1.0, -0.5, 0.25], pad_token_id=0)
 scoring = ScoringConfig(temperature=1.0, head="torch")
 batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=MicroBatching(3), scoring=scoring).logprobs
-forward_backward(ddp, [batch], PolicyLossCallback(make_algorithm("grpo")), scoring=scoring, forward_only=False)
+forward_backward(ddp, MicroBatching(batch.size).split(batch), PolicyLossCallback(make_algorithm("grpo")), scoring=scoring, forward_only=False)
 grads = {name: p.main_grad for name, p in constraint.params.items()}  # this rank's shards, projected in place
 raw_local = {name: g.clone() for name, g in grads.items()}
 
