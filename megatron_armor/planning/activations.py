@@ -79,7 +79,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, micro_batch
 class LogitsBytes:
     """The LM head's bytes for one micro-batch on the last stage: `saved` for backward and `peak` while it runs
     (saved included). Torch head: fp32 [tokens, V/tp] softmax saved by the vocab-parallel cross entropy, and at
-    its peak also the dtype logits and one fp32 temporary. Fused head: no logits; [tokens] fp32 vectors."""
+    its peak also the dtype logits and one fp32 temporary. Fused head: no logits; [tokens] fp32 vectors, and under
+    sequence parallelism the hidden states it all-gathers ([tokens, h], kept for its backward)."""
 
     saved: int
     peak: int
@@ -88,7 +89,8 @@ class LogitsBytes:
 def logits_bytes(shape: ModelShape, layout: Layout, tokens: int) -> LogitsBytes:
     """The head `layout.head` names, for one micro-batch of `tokens` tokens."""
     if layout.head == "fused":
-        vectors = tokens * 4 * FP32  # logprob, log-sum-exp, entropy, label logit
-        return LogitsBytes(saved=vectors, peak=vectors)
+        kept = tokens * 4 * FP32  # logprob, log-sum-exp, entropy, label logit
+        kept += tokens * shape.hidden_size * layout.dtype_bytes if layout.sequence_parallel else 0
+        return LogitsBytes(saved=kept, peak=kept)
     logits = tokens * (shape.padded_vocab_size // layout.tp)
     return LogitsBytes(saved=logits * FP32, peak=logits * (layout.dtype_bytes + 2 * FP32))
