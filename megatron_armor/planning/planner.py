@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_armor.config import ArmorConfig, resolve_distributed_optimizer
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape
+from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout
 from megatron_armor.planning.activations import ActivationBytes, LogitsBytes, activation_bytes, logits_bytes
 from megatron_armor.planning.flops import RLStepFlops, rl_step_flops
 from megatron_armor.planning.memory import Layout, StateBytes, parameter_count, state_bytes
@@ -155,6 +155,7 @@ def plan_inputs(cfg: ArmorConfig, algorithm, gpu_memory_gb: float, reserve_gb: f
     (sequence parallelism's default on, logprob_head auto = fused); `algorithm`: `build_algorithm(cfg)`."""
     shape, _ = resolve_model_shape(cfg.model.path)
     train, par = cfg.train, cfg.parallel
+    check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size)
     layout = Layout(
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True),

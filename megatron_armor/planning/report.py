@@ -15,7 +15,7 @@ def memory_lines(plan: RunPlan) -> list[str]:
     layout, state = inputs.layout, memory.state
     recompute = layout.recompute
     rows = [
-        ("weights", state.weights, f"{state.params / 1e9:.3f} B params on this GPU, {layout.dtype_bytes} B each"),
+        ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"),
         ("gradients", state.gradients, "fp32 DDP grad buffer"),
         ("optimizer state", state.optimizer,
          f"Adam {'distributed over dp' if layout.distributed_optimizer else 'replicated'}; replicated "

@@ -93,15 +93,15 @@ class RLTrainer:
             metrics.update(self.reset_reference())
         metrics.update(self.colocation.offload_metrics())
         seconds = time.perf_counter() - start
+        flops = self.step_flops(rollout.groups)
         metrics.update({"perf/step_seconds": seconds, "perf/tokens_per_second": num_tokens / max(seconds, 1e-9),
-                        "perf/tflops_per_gpu": self.step_flops(rollout.groups) / max(seconds, 1e-9)
-                        / self.ctx.world_size / 1e12})
+                        "perf/tflops_per_gpu": flops / max(seconds, 1e-9) / self.ctx.world_size / 1e12 if flops else 0.0})
         return metrics
 
     def step_flops(self, groups: list[list[Sample]]) -> float:
         """Training FLOPs of an RL step over `groups` (Megatron's formula, planning/flops.py): the update, the
         old-policy logprobs and, as the algorithm needs them, the reference's and the teacher's (at the student's
-        shape); rollout generation and the MIPU gate's scoring are not counted. 0 when the update was skipped."""
+        shape); rollout generation and the MIPU gate's scoring are not counted. 0 when no prompt was kept."""
         if not groups:
             return 0.0
         algorithm = self.plan.algorithm
