@@ -25,6 +25,8 @@ def add_plan_subcommand(subparsers, add_config_arguments) -> argparse.ArgumentPa
     parser.add_argument("--reserve-gb", type=float, default=4.0,
                         help="GiB per GPU kept for the CUDA context, NCCL buffers and fragmentation")
     parser.add_argument("--server-tp", type=int, help="tensor-parallel size of an SGLang server (default: the trainer's tp)")
+    parser.add_argument("--server-mem-fraction", type=float, default=0.8,
+                        help="fraction of a GPU an SGLang server takes for weights and KV cache (--mem-fraction-static)")
     add_config_arguments(parser)
     return parser
 
@@ -32,12 +34,12 @@ def add_plan_subcommand(subparsers, add_config_arguments) -> argparse.ArgumentPa
 def run_plan(args: argparse.Namespace, cfg) -> int:
     """Print the plan of the loaded config `cfg` (an ArmorConfig); 0 when the layout fits, 1 when it does not,
     2 when the model's shape cannot be found or the layout does not split it."""
-    from megatron_armor.planning.planner import plan_run  # imports torch: not for --help
+    from megatron_armor.planning.planner import Hardware, plan_run  # imports torch: not for --help
     from megatron_armor.planning.report import format_plan
 
     try:
-        plan = plan_run(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb, reserve_gb=args.reserve_gb,
-                        server_tp=args.server_tp)
+        plan = plan_run(cfg, Hardware(args.gpus, args.gpu_memory_gb, args.reserve_gb, args.server_tp,
+                                      args.server_mem_fraction))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

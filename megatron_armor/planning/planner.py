@@ -24,7 +24,8 @@ class PlanInputs:
     every rank holds (the reference; an in-process OPD teacher); `gpu_bytes`, `reserve_bytes`: a GPU's memory and
     what the CUDA context, communication buffers and fragmentation take; `colocated`: rollout servers share the
     trainer's GPUs (`offload_trainer`: the trainer parks its state in host memory while they generate), each
-    server sharded over `server_tp` GPUs."""
+    server sharded over `server_tp` GPUs and taking `server_mem_fraction` of a GPU's memory for its weights and KV
+    cache (SGLang's --mem-fraction-static)."""
 
     shape: ModelShape
     layout: Layout
@@ -36,14 +37,16 @@ class PlanInputs:
     colocated: bool = False
     offload_trainer: bool = False
     server_tp: int = 1
+    server_mem_fraction: float = 0.8
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     """Per-GPU bytes of each part of training under `inputs`. `frozen`: weights of each frozen model;
     `logits`: the configured head's, `logits_torch` / `logits_fused` both heads'; `kv_cache`: what a rollout
-    server's KV cache has on a GPU (colocated: beside the trainer's state that stays on the GPU during rollouts;
-    else on a GPU of its own), negative when even its weights do not fit."""
+    server's KV cache has on a GPU: its memory fraction of the GPU, less its bf16 weights shard (colocated: at most
+    what the trainer's state that stays on the GPU during rollouts and the reserve leave); negative when even its
+    weights do not fit."""
 
     inputs: PlanInputs
     state: StateBytes
@@ -80,7 +83,8 @@ def memory_plan(inputs: PlanInputs) -> MemoryPlan:
         logits=logits_bytes(shape, layout, tokens),
         logits_torch=logits_bytes(shape, layout.with_(head="torch"), tokens),
         logits_fused=logits_bytes(shape, layout.with_(head="fused"), tokens),
-        kv_cache=inputs.gpu_bytes - inputs.reserve_bytes - resident - server_weights,
+        kv_cache=int(min(inputs.gpu_bytes * inputs.server_mem_fraction,
+                         inputs.gpu_bytes - inputs.reserve_bytes - resident)) - server_weights,
     )
 
 
@@ -135,6 +139,19 @@ def advice(inputs: PlanInputs, max_len: int) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Hardware:
+    """The GPUs a run is planned on: `gpus` in all (trainer and rollout servers), `gpu_memory_gb` each (GB, 10^9
+    bytes), `reserve_gb` GiB of each kept for the CUDA context, NCCL buffers and fragmentation; an SGLang server's
+    `server_tp` (None: the trainer's TP) and `server_mem_fraction` (its --mem-fraction-static)."""
+
+    gpus: int
+    gpu_memory_gb: float
+    reserve_gb: float = 4.0
+    server_tp: int | None = None
+    server_mem_fraction: float = 0.8
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A config's plan: `memory` (per GPU), `advice` (empty when it fits), `flops` of one RL step with every
     sequence at `max_len` tokens (an upper bound: real responses are shorter), `sequences` per RL step,
@@ -150,8 +167,8 @@ class RunPlan:
     shape_source: str
 
 
-def plan_inputs(cfg: ArmorConfig, algorithm, gpu_memory_gb: float, reserve_gb: float, server_tp: int | None) -> PlanInputs:
-    """The `PlanInputs` of a run's config on GPUs of `gpu_memory_gb` GB (10^9 bytes), planned as on GPUs
+def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
+    """The `PlanInputs` of a run's config on `hardware`, planned as on GPUs
     (sequence parallelism's default on, logprob_head auto = fused); `algorithm`: `build_algorithm(cfg)`."""
     shape, _ = resolve_model_shape(cfg.model.path)
     train, par = cfg.train, cfg.parallel
@@ -172,9 +189,10 @@ def plan_inputs(cfg: ArmorConfig, algorithm, gpu_memory_gb: float, reserve_gb: f
         tokens, micro_batches = train.micro_batch_size * max_len, -(-rank_sequences // train.micro_batch_size)
     return PlanInputs(
         shape=shape, layout=layout, micro_batch_tokens=tokens, micro_batches=micro_batches,
-        frozen=(("reference", shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(gpu_memory_gb * 1e9),
-        reserve_bytes=int(reserve_gb * GIB), colocated=cfg.rollout.memory.release_servers,
-        offload_trainer=cfg.rollout.memory.offload_trainer, server_tp=server_tp or layout.tp,
+        frozen=(("reference", shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
+        reserve_bytes=int(hardware.reserve_gb * GIB), colocated=cfg.rollout.memory.release_servers,
+        offload_trainer=cfg.rollout.memory.offload_trainer, server_tp=hardware.server_tp or layout.tp,
+        server_mem_fraction=hardware.server_mem_fraction,
     )
 
 
@@ -186,22 +204,22 @@ def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tup
     return (("teacher", resolve_model_shape(opd.teacher_path)[0] if opd.teacher_path else student),)
 
 
-def plan_run(cfg: ArmorConfig, *, gpus: int, gpu_memory_gb: float, reserve_gb: float = 4.0,
-             server_tp: int | None = None) -> RunPlan:
-    """Plan `cfg` on `gpus` GPUs of `gpu_memory_gb` GB each (trainer: tp x pp x dp of them)."""
+def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
+    """Plan `cfg` on `hardware` (the trainer takes tp x pp x dp of its GPUs)."""
     from megatron_armor.algorithms import build_algorithm  # imports torch
 
     algorithm = build_algorithm(cfg)
-    inputs = plan_inputs(cfg, algorithm, gpu_memory_gb, reserve_gb, server_tp)
+    inputs = plan_inputs(cfg, algorithm, hardware)
     memory = memory_plan(inputs)
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
     sequences = cfg.train.train_batch_size * cfg.rollout.sampling.n_samples
-    teacher = dict(inputs.frozen).get("teacher") or (
-        inputs.shape if algorithm.needs_teacher else None)
+    teacher = None
+    if algorithm.needs_teacher:  # in-process or a server: its forward counts alike
+        teacher = resolve_model_shape(cfg.opd.teacher_path)[0] if cfg.opd.teacher_path else inputs.shape
     return RunPlan(
         memory=memory, advice=[] if memory.fits else advice(inputs, max_len),
         flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=algorithm.needs_ref_logprobs,
                             teacher=teacher),
-        sequences=sequences, max_len=max_len, gpus=gpus, trainer_gpus=cfg.parallel.world_size,
+        sequences=sequences, max_len=max_len, gpus=hardware.gpus, trainer_gpus=cfg.parallel.world_size,
         shape_source=resolve_model_shape(cfg.model.path)[1],
     )

@@ -34,7 +34,7 @@ def memory_lines(plan: RunPlan) -> list[str]:
     lines.append(f"  {'training peak':<18}{_gib(memory.training_peak)}   of {inputs.gpu_bytes / GIB:.2f} GiB per GPU")
     where = "colocated, beside the trainer's resident state" if inputs.colocated else "on a GPU of its own"
     lines.append(f"  {'KV cache left':<18}{_gib(memory.kv_cache)}   for a TP-{inputs.server_tp} SGLang server {where} "
-                 f"(after its bf16 weights and the reserve)")
+                 f"(mem fraction {inputs.server_mem_fraction}, less its bf16 weights)")
     return lines
 
 
