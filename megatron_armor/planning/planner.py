@@ -107,8 +107,9 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
                         replace(inputs, micro_batch_tokens=max_len)))
     for tp in (2 * layout.tp, 4 * layout.tp):
         if _divides(inputs.shape, tp):
-            changes.append((f"raise tp to {tp} (dp {max(layout.dp * layout.tp // tp, 1)})", replace(
-                inputs, layout=layout.with_(tp=tp, dp=max(layout.dp * layout.tp // tp, 1)))))
+            dp = max(layout.dp * layout.tp // tp, 1)  # on as many GPUs, where dp allows
+            changes.append((f"raise tp to {tp} (dp {dp}; sequence parallel)", replace(
+                inputs, layout=layout.with_(tp=tp, dp=dp, sequence_parallel=True))))
     return changes
 
 
