@@ -22,7 +22,7 @@ TOP = "megatron_armor"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_armor", "utils", "config", "data", "rewards"),
     ("algorithms", "models", "kernels", "distributed"),
-    ("rollout", "convert", "scoring"),
+    ("rollout", "convert", "scoring", "planning"),
     ("teacher", "diagnostics"),
     ("trainer",),
     ("launch", "cli", "__main__"),

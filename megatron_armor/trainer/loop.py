@@ -15,6 +15,7 @@ from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
+from megatron_armor.planning.flops import rl_step_flops
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer.anchor_cache import AnchorCache
@@ -99,8 +100,21 @@ class RLTrainer:
             metrics.update(self.reset_reference())
         metrics.update(self.colocation.offload_metrics())
         seconds = time.perf_counter() - start
-        metrics.update({"perf/step_seconds": seconds, "perf/tokens_per_second": num_tokens / max(seconds, 1e-9)})
+        flops = self.step_flops(rollout.groups)
+        metrics.update({"perf/step_seconds": seconds, "perf/tokens_per_second": num_tokens / max(seconds, 1e-9),
+                        "perf/tflops_per_gpu": flops / max(seconds, 1e-9) / self.ctx.world_size / 1e12 if flops else 0.0})
         return metrics
+
+    def step_flops(self, groups: list[list[Sample]]) -> float:
+        """Training FLOPs of an RL step over `groups` (Megatron's formula, planning/flops.py): the update, the
+        old-policy logprobs and, as the algorithm needs them, the reference's and the teacher's (at the student's
+        shape); rollout generation and the MIPU gate's scoring are not counted. 0 when no prompt was kept."""
+        if not groups:
+            return 0.0
+        algorithm = self.plan.algorithm
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for group in groups for s in group]
+        return rl_step_flops(self.models.shape, lengths, reference=algorithm.needs_ref_logprobs,
+                             teacher=self.models.shape if algorithm.needs_teacher else None).total
 
     def train_on(self, step: int, groups: list[list[Sample]]) -> tuple[dict[str, float], int]:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
