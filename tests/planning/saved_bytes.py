@@ -4,8 +4,6 @@ parameters left out), and the planner's estimate of the same, for the tests and 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from megatron_armor.models.hf_config import ModelShape
@@ -29,9 +27,8 @@ def measured_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, head: str
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         if head == "fused":
-            context = SimpleNamespace(labels=tokens)
             scores = model(tokens, positions, None, output_processor=_fused_head(ScoringConfig(head="fused")),
-                           output_processor_context=context)
+                           output_processor_context=tokens)  # the fused head's context: the labels
             logprobs = scores.logprobs
         else:
             logprobs = token_logprobs(model(tokens, positions, None), tokens)
