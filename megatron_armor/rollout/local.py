@@ -12,23 +12,31 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.cache_utils import Cache
 
 from megatron_armor.config import RolloutConfig
+from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+    rows: torch.Tensor | None = None, batch_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits: [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
+    """Draw one token per row. logits: [A, V] -> (tokens [A] int64, logprobs [A] float32).
 
-    logprobs are log_softmax(logits / T) of the drawn token before top-p filtering (SGLang
-    semantics); T = 0 is greedy with the unscaled log_softmax.
+    logprobs are log_softmax(logits / T) in float32 of the drawn token before top-p filtering (SGLang
+    semantics); T = 0 is greedy with the unscaled log_softmax. The draw is `torch.multinomial`'s for one
+    sample, argmax(probs / q) with q ~ Exp(1) [batch_size, V]: logits' row i takes q's row rows[i]
+    (default: q has A rows, one per logits row), so a decode batch that dropped its finished rows draws
+    what the full batch would have drawn for the rows it kept.
     """
     if sampling.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -42,8 +50,94 @@ def sample_next_tokens(
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    noise = probs.new_empty(batch_size or probs.shape[0], probs.shape[1]).exponential_(1, generator=generator)
+    if rows is not None:
+        noise = noise.index_select(0, rows)
+    tokens = (probs / noise).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclass
+class _DecodeBatch:
+    """The rows of one `generate` batch still being decoded (A of the batch's B), with their KV cache.
+
+    Rows that stopped stay (their draws are ignored) until enough have stopped to make dropping them
+    from the cache and the mask worth the copy (`COMPACT_FRACTION`); each row's logits are then bit-for-bit
+    those of the whole batch (`MIN_ROWS`).
+    """
+
+    cache: Cache
+    attention: torch.Tensor  # [A, capacity] int64: 1 at real tokens; positions < length are filled
+    length: int
+    positions: torch.Tensor  # [A, T] position ids of the next forward's inputs
+    rows: torch.Tensor  # [A] int64: each row's index in the batch (on the device)
+    row_ids: list[int]  # the same on the host
+    running: list[bool]  # [A] False once the row drew a stop token
+    prefill_ids: torch.Tensor  # [B, W] left-padded prompts
+    compactable: bool  # B is even: stopped rows may leave
+
+    COMPACT_FRACTION: ClassVar[float] = 1 / 8  # drop stopped rows once they are this share of the batch
+    # CPU matmuls (MKL) of one token per row round a row the same in every batch of an even number >= 4 of
+    # rows; batches of 1-3 rows or an odd number take other kernels (measured: tests/rollout/
+    # test_engine_equivalence.py). So only an even batch shrinks, and only to an even size >= MIN_ROWS.
+    MIN_ROWS: ClassVar[int] = 4
+
+    @classmethod
+    def left_padded(cls, prompts: Sequence[Sequence[int]], pad_token_id: int, max_new_tokens: int,
+                    device: torch.device) -> _DecodeBatch:
+        """Prompts left-padded to the longest (W); position ids restart at each row's first real token."""
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+        attention = torch.zeros(batch, width + max_new_tokens, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+            attention[row, width - len(prompt) : width] = 1
+        padded = any(len(p) < width for p in prompts)
+        attention = attention.to(device)
+        positions = (attention[:, :width].cumsum(-1) - 1).clamp(min=0)
+        return cls(
+            cache=PreallocatedCache(width + max_new_tokens, keep_decode_mask=padded), attention=attention, length=width, positions=positions,
+            rows=torch.arange(batch, device=device), row_ids=list(range(batch)), running=[True] * batch,
+            prefill_ids=input_ids.to(device), compactable=batch % 2 == 0,
+        )
+
+    def attention_view(self) -> torch.Tensor:
+        """The mask [A, length] of the cached positions plus the next forward's inputs."""
+        return self.attention[:, : self.length]
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Make room for the tokens [A] just drawn; returns the next input ids [A', 1] (A' <= A rows:
+        stopped rows dropped when enough have stopped)."""
+        self.attention[:, self.length] = 1
+        self.length += 1
+        self.positions = self.positions[:, -1:] + 1
+        keep = self._rows_to_keep()
+        if keep is not None:
+            keep_t = torch.tensor(keep, device=tokens.device)
+            self._keep(keep_t)
+            tokens = tokens.index_select(0, keep_t)
+        return tokens[:, None]
+
+    def _rows_to_keep(self) -> list[int] | None:
+        """The rows to keep once enough have stopped (None: keep the batch as it is): the running ones, and
+        stopped ones up to an even count of at least `MIN_ROWS` (see there)."""
+        rows = len(self.running)
+        stopped = [i for i, run in enumerate(self.running) if not run]
+        if not self.compactable or len(stopped) < max(1, self.COMPACT_FRACTION * rows) or rows <= self.MIN_ROWS:
+            return None
+        running = [i for i, run in enumerate(self.running) if run]
+        wanted = max(self.MIN_ROWS, len(running) + len(running) % 2)
+        return sorted(running + stopped[: wanted - len(running)])
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` [A'] of the batch, its mask and its cache."""
+        self.cache.batch_select_indices(keep)
+        self.attention = self.attention.index_select(0, keep)
+        self.positions = self.positions.index_select(0, keep)
+        self.rows = self.rows.index_select(0, keep)
+        kept = keep.tolist()
+        self.row_ids = [self.row_ids[i] for i in kept]
+        self.running = [self.running[i] for i in kept]
 
 
 class LocalEngine(RolloutEngine):
@@ -60,7 +154,9 @@ class LocalEngine(RolloutEngine):
         self.model = model.eval()
         # transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name stays an alias for a
         # while); a name the model does not take would vanish into **kwargs and decode without the history.
-        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._takes_logits_to_keep = "logits_to_keep" in parameters
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
         self.weight_precision = weight_precision
@@ -87,44 +183,42 @@ class LocalEngine(RolloutEngine):
     def _generate_batch(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator | None
     ) -> list[Generation]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros(batch, width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
-            attention[row, width - len(prompt) :] = 1
-        device = self.device
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.long, device=device)
-        responses: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        step_ids = input_ids
-        for _ in range(sampling.max_new_tokens):
-            logits = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                **{self._cache_argument: cache},
-            ).logits[:, -1]
-            tokens, token_logprobs = sample_next_tokens(logits, sampling, generator)
-            token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()  # one device sync per step
-            for row in (~finished).nonzero().flatten().tolist():
-                responses[row].append(token_list[row])
-                logprobs[row].append(logprob_list[row])
-            finished |= torch.isin(tokens, stop)
-            if bool(finished.all()):
+        """Prefill the left-padded batch, then decode one token per step for the rows still running; a
+        row that draws a stop token leaves the batch (and its KV cache) at the next compaction."""
+        batch = _DecodeBatch.left_padded(prompts, self.pad_token_id, sampling.max_new_tokens, self.device)
+        stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.long, device=batch.rows.device)
+        tokens_out = torch.zeros(len(prompts), max(sampling.max_new_tokens, 1), dtype=torch.long, device=stop.device)
+        logprobs_out = torch.zeros(tokens_out.shape, dtype=torch.float32, device=stop.device)
+        lengths = [sampling.max_new_tokens] * len(prompts)
+        step_ids = batch.prefill_ids
+        for step in range(sampling.max_new_tokens):
+            logits = self._last_logits(step_ids, batch, prefill=step == 0)
+            tokens, token_logprobs = sample_next_tokens(logits, sampling, generator, batch.rows, len(prompts))
+            tokens_out[batch.rows, step], logprobs_out[batch.rows, step] = tokens, token_logprobs
+            for row in torch.isin(tokens, stop).nonzero().flatten().tolist():  # the step's one device sync
+                if batch.running[row]:
+                    batch.running[row] = False
+                    lengths[batch.row_ids[row]] = step + 1
+            if not any(batch.running):
                 break
-            step_ids = tokens[:, None]
-            attention = torch.cat([attention, attention.new_ones(batch, 1)], dim=1)
-            positions = positions[:, -1:] + 1
+            step_ids = batch.advance(tokens)
+        token_rows, logprob_rows = tokens_out.tolist(), logprobs_out.tolist()
         return [
             Generation(
-                prompt_ids=list(prompt), response_ids=ids, logprobs=lps,
-                finish_reason="stop" if ids and ids[-1] in sampling.stop_token_ids else "length",
+                prompt_ids=list(prompt), response_ids=ids[:n], logprobs=lps[:n],
+                finish_reason="stop" if n and ids[n - 1] in sampling.stop_token_ids else "length",
             )
-            for prompt, ids, lps in zip(prompts, responses, logprobs)
+            for prompt, ids, lps, n in zip(prompts, token_rows, logprob_rows, lengths)
         ]
+
+    def _last_logits(self, step_ids: torch.Tensor, batch: _DecodeBatch, *, prefill: bool) -> torch.Tensor:
+        """The logits [A, V] of each row's last position for input ids [A, T] (T = prompt width at the
+        prefill, else 1); only the last position goes through the LM head where the model allows it."""
+        keep = {"logits_to_keep": 1} if prefill and self._takes_logits_to_keep else {}
+        return self.model(
+            input_ids=step_ids, attention_mask=batch.attention_view(), position_ids=batch.positions, use_cache=True,
+            **{self._cache_argument: batch.cache}, **keep,
+        ).logits[:, -1]
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,89 @@
+"""The optimized `LocalEngine` (last-position logits at the prefill, a preallocated KV cache, finished rows
+dropped from the decode batch) generates exactly what the plain decode loop it replaced generates: the
+same tokens and bit-identical logprobs, greedy and sampled with a seed (whose draws it preserves)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.local import LocalEngine, _DecodeBatch
+
+
+@torch.no_grad()
+def reference_generate(model, prompts, sampling: SamplingParams, pad_token_id: int = 0):
+    """The engine's decode loop before the optimizations: full-width logits at the prefill, a `DynamicCache`
+    grown by concatenation, every row decoded until all stop, `torch.multinomial` over the whole batch.
+    Returns [(response ids, logprobs)] per prompt."""
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention[row, width - len(prompt) :] = 1
+    positions, cache = (attention.cumsum(-1) - 1).clamp(min=0), DynamicCache()
+    stop = torch.tensor(sampling.stop_token_ids or [-1])
+    out = [([], []) for _ in prompts]
+    finished, step_ids = torch.zeros(batch, dtype=torch.bool), input_ids
+    for _ in range(sampling.max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                       cache=cache).logits[:, -1]
+        if sampling.temperature == 0:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            tokens = logprobs.argmax(dim=-1)
+        else:
+            logprobs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
+            tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        token_logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        for row in (~finished).nonzero().flatten().tolist():
+            out[row][0].append(int(tokens[row]))
+            out[row][1].append(float(token_logprobs[row]))
+        finished |= torch.isin(tokens, stop)
+        if bool(finished.all()):
+            break
+        step_ids = tokens[:, None]
+        attention = torch.cat([attention, attention.new_ones(batch, 1)], dim=1)
+        positions = positions[:, -1:] + 1
+    return out
+
+
+PROMPTS = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12, 13], [99], [3, 3, 3, 60, 61], [20, 30, 40],
+           [11, 12], [50, 51, 52, 53, 54, 55, 56, 57, 58], [70], [80, 81, 82], [90, 91, 92, 93], [33, 34]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("rows", [12, 7])
+def test_engine_equals_the_plain_decode_loop_with_rows_that_stop_early(tiny_model_factory, temperature, rows,
+                                                                      monkeypatch):
+    """Left-padded prompts of mixed lengths; stop tokens chosen among the tokens the rows draw, so some rows
+    stop after a few tokens while others run to the limit (an even batch drops them mid-generation, an odd
+    one keeps its size: its matmuls would round differently)."""
+    prompts = PROMPTS[:rows]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32).eval()
+    free = SamplingParams(temperature=temperature, max_new_tokens=24, seed=3)
+    drawn = [ids for ids, _ in reference_generate(model, prompts, free)]
+    stops = sorted({ids[2] for ids in drawn[:3]} | {drawn[3][10]})  # early stops, and one later
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=24, seed=3, stop_token_ids=stops)
+    want = reference_generate(model, prompts, sampling)
+    kept = []
+    keep = _DecodeBatch._keep
+    monkeypatch.setattr(_DecodeBatch, "_keep", lambda self, rows: (kept.append(len(rows)), keep(self, rows))[1])
+    got = LocalEngine(model).generate(prompts, sampling)
+    assert (min(kept) < rows if rows % 2 == 0 else not kept), kept  # an even decode batch shrank
+    lengths = [len(g.response_ids) for g in got]
+    assert min(lengths) < 8 and max(lengths) == 24, lengths  # the batch shrinks while some rows run on
+    for generation, (ids, logprobs) in zip(got, want):
+        assert generation.response_ids == ids
+        assert generation.logprobs == logprobs  # bit-identical
+        assert generation.finish_reason == ("stop" if ids[-1] in stops else "length")
+
+
+def test_sampled_generation_is_reproducible_and_equals_the_plain_loop_without_stops(tiny_model_factory):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32).eval()
+    sampling = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=16, seed=11)
+    engine = LocalEngine(model)
+    first, second = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)
+    assert [g.response_ids for g in first] == [g.response_ids for g in second]
+    assert [g.logprobs for g in first] == [g.logprobs for g in second]
+    assert [(g.response_ids, g.logprobs) for g in first] == [tuple(r) for r in reference_generate(model, PROMPTS, sampling)]
