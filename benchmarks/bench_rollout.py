@@ -8,6 +8,13 @@ HTTP server (`--http`), to show the protocol overhead. Ratios are against (b), m
 
     python benchmarks/bench_rollout.py                      # small CPU model
     python benchmarks/bench_rollout.py --hidden 512 --layers 8 --prompts 32 --new-tokens 64 --http
+    python benchmarks/bench_rollout.py --vs-hf              # against transformers' generate (issue 18)
+
+`--vs-hf` instead times HF `model.generate` against `LocalEngine.generate` on the same model, prompts,
+sampling (T = 1, seeded) and threads, alternating the two `--repeats` times, for three cases: (a) a tiny
+model with short EOS-terminated responses, (b) 8 layers x 512 hidden x 32k vocabulary, 128-token
+prompts, 64 new tokens, (c) the model of (b) with long-tailed lengths (most rows stop after a few
+tokens, an eighth run to the limit). Tokens/s counts the response tokens each side produced.
 """
 
 from __future__ import annotations
@@ -65,6 +72,67 @@ def http_seconds(model_dir: Path, prompts: list[list[int]], sampling: SamplingPa
         server.wait()
 
 
+def _hf_generate(model, prompts: list[list[int]], sampling: SamplingParams) -> int:
+    """transformers' own sampler on the left-padded batch; returns the response tokens it produced
+    (up to and including the first stop token of each row)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(sampling.seed or 0)
+    draw = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, **(draw if sampling.temperature > 0 else {"do_sample": False}),
+                         max_new_tokens=sampling.max_new_tokens, pad_token_id=0,
+                         eos_token_id=list(sampling.stop_token_ids) or None)[:, width:]
+    stop = torch.isin(out, torch.tensor(list(sampling.stop_token_ids) or [-1]))
+    after_stop = (stop.cumsum(-1) - stop.long()) > 0  # positions after each row's first stop token
+    return int((~after_stop).sum())
+
+
+def _vs_hf_case(name: str, model, prompts, sampling: SamplingParams, repeats: int) -> None:
+    """Alternate HF generate and the engine `repeats` times; print the best tokens/s of each and the ratio."""
+    engine = LocalEngine(model)
+    seconds = {"hf": [], "engine": []}
+    tokens = {}
+    for _ in range(repeats):
+        t, tokens["hf"] = timed(lambda: _hf_generate(model, prompts, sampling))
+        seconds["hf"].append(t)
+        t, generations = timed(lambda: engine.generate(prompts, sampling))
+        seconds["engine"].append(t)
+        tokens["engine"] = sum(len(g.response_ids) for g in generations)
+    rate = {k: tokens[k] / min(seconds[k]) for k in seconds}
+    print(f"{name:>34} {tokens['hf']:>7} {rate['hf']:>9.1f} {tokens['engine']:>7} {rate['engine']:>9.1f} "
+          f"{rate['engine'] / rate['hf']:>6.2f}x")
+
+
+def _model(tmp: str, name: str, **options):
+    path = make_tiny_checkpoint(Path(tmp) / name, seed=0, **options)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def vs_hf(repeats: int) -> None:
+    """Cases (a)-(c) of issue 18 (see the module docstring)."""
+    g = torch.Generator().manual_seed(0)
+    print(f"{torch.get_num_threads()} threads; best of {repeats} alternating runs; T = 1, top-p 1")
+    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'eng tok':>7} {'eng tok/s':>9} {'ratio':>7}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = _model(tmp, "tiny")  # 2 layers x 64 hidden, 128-token vocabulary
+        prompts = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 17, (32,), generator=g)]
+        _vs_hf_case("(a) tiny, 32 prompts, EOS-terminated", tiny, prompts,
+                    SamplingParams(temperature=1.0, max_new_tokens=32, seed=0, stop_token_ids=[2, 3, 4, 5]), repeats)
+        big = _model(tmp, "big", hidden_size=512, num_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                     intermediate_size=1536, vocab_size=32000, max_position_embeddings=512)
+        prompts = [torch.randint(1, 96, (128,), generator=g).tolist() for _ in range(16)]
+        _vs_hf_case("(b) 8x512, 32k vocab, 16x128 -> 64", big, prompts,
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)
+        # (c), greedy so both sides decode the same rows: stop tokens are tokens that rows 2.. draw within
+        # their first 6 and rows 0-1 never draw, so 14 rows stop within 6 tokens and 2 run to the limit.
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
+        drawn = [g.response_ids for g in LocalEngine(big).generate(prompts, greedy)]
+        stops = sorted({t for ids in drawn[2:] for t in ids[:6]} - {t for ids in drawn[:2] for t in ids})
+        _vs_hf_case("(c) as (b) greedy, 14 rows stop <= 6", big, prompts,
+                    SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=stops), repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
@@ -73,7 +141,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--http", action="store_true", help="also time the SGLang-schema HTTP path")
+    parser.add_argument("--vs-hf", action="store_true", help="time HF generate against the engine (cases a-c)")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.vs_hf:
+        vs_hf(args.repeats)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint(

@@ -165,10 +165,20 @@ class LocalEngine(RolloutEngine):
 
 
     @classmethod
-    def from_config(cls, model: str | Path | PreTrainedModel, rollout: RolloutConfig, *, pad_token_id: int) -> LocalEngine:
+    def from_config(
+        cls, model: str | Path | PreTrainedModel, rollout: RolloutConfig, *, pad_token_id: int,
+        device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+    ) -> LocalEngine:
         """An in-process engine of a training run: `model` (a checkpoint directory or a model) with the rollout
-        section's weight precision (rollout.engine_precision), padding with the tokenizer's `pad_token_id`."""
-        return cls(model, pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
+        section's weight precision (rollout.engine_precision), padding with the tokenizer's `pad_token_id`,
+        its weights in `dtype` on `device` (default: where they are; the trainer passes its GPU and dtype)."""
+        if isinstance(model, torch.nn.Module):
+            model = model.to(dtype=dtype)
+        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
+        if device is not None:
+            engine.model.to(device)
+        return engine
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):

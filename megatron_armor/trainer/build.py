@@ -228,8 +228,11 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     """
     rollout = cfg.rollout
     if rollout.backend == "local":
-        actor = _local_engine(paths.model_path, rollout, pad_token_id)
-        return actor, actor if rollout.anchors.engine == "shared" else _local_engine(paths.ref_path, rollout, pad_token_id)
+        placement = _engine_placement(cfg)
+        actor = _local_engine(paths.model_path, rollout, pad_token_id, placement)
+        if rollout.anchors.engine == "shared":
+            return actor, actor
+        return actor, _local_engine(paths.ref_path, rollout, pad_token_id, placement)
     from megatron_armor.rollout.router import make_sglang_engine
     from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
 
@@ -256,15 +259,24 @@ def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> Lo
             f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
             f"megatron-to-hf`"
         )
-    return LocalEngine.from_config(paths.teacher_path, cfg.rollout, pad_token_id=pad_token_id)
+    return LocalEngine.from_config(paths.teacher_path, cfg.rollout, pad_token_id=pad_token_id, **_engine_placement(cfg))
 
 
-def _local_engine(path: str, rollout: RolloutConfig, pad_token_id: int) -> LocalEngine:
+def _engine_placement(cfg: ArmorConfig) -> dict:
+    """Where in-process engines run: on the trainer's GPU in its parameter dtype when there is one (their
+    logprobs are still computed in float32), else on the CPU in float32."""
+    device = training_device()
+    if device.type != "cuda":
+        return {}
+    return {"device": device, "dtype": PARAMS_DTYPES[cfg.model.params_dtype]}
+
+
+def _local_engine(path: str, rollout: RolloutConfig, pad_token_id: int, placement: dict) -> LocalEngine:
     """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
     its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
     model = path
     if is_megatron_checkpoint(path):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    return LocalEngine.from_config(model, rollout, pad_token_id=pad_token_id)
+    return LocalEngine.from_config(model, rollout, pad_token_id=pad_token_id, **placement)
 
 
