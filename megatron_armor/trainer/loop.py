@@ -107,14 +107,16 @@ class RLTrainer:
 
     def step_flops(self, groups: list[list[Sample]]) -> float:
         """Training FLOPs of an RL step over `groups` (Megatron's formula, planning/flops.py): the update, the
-        old-policy logprobs and, as the algorithm needs them, the reference's and the teacher's (at the student's
-        shape); rollout generation and the MIPU gate's scoring are not counted. 0 when no prompt was kept."""
+        old-policy logprobs (unless the update gives them) and, as the algorithm needs them, the reference's and the
+        teacher's (at the student's shape); rollout generation and the MIPU gate's scoring are not counted. 0 when
+        no prompt was kept."""
         if not groups:
             return 0.0
         algorithm = self.plan.algorithm
         lengths = [len(s.prompt_ids) + len(s.response_ids) for group in groups for s in group]
         return rl_step_flops(self.models.shape, lengths, reference=algorithm.needs_ref_logprobs,
-                             teacher=self.models.shape if algorithm.needs_teacher else None).total
+                             teacher=self.models.shape if algorithm.needs_teacher else None,
+                             old_logprobs=not self.plan.old_logprobs_from_update).total
 
     def train_on(self, step: int, groups: list[list[Sample]]) -> tuple[dict[str, float], int]:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
@@ -126,10 +128,10 @@ class RLTrainer:
                                          pad_token_id=models.pad_token_id)
             prepared = score_logprobs(advantaged, models, plan, self.scoring, optimizer_steps=self.optimizer_steps,
                                       dp_rank=ctx.dp_rank)
-            metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
-                                    uses_anchors=plan.uses_anchors)
             snapshot = self.snapshot_before_update(len(prepared.mini_batches))
             update_metrics, fault = self.update(step, prepared, snapshot)
+            metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
+                                    uses_anchors=plan.uses_anchors)  # of the batch before the update
             metrics.update(update_metrics)
         metrics["perf/train_seconds"] = time.perf_counter() - start
         gated = self.gate is not None and fault is None
@@ -151,6 +153,8 @@ class RLTrainer:
             algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
             constraint=self.constraint,
         )
+        if update.old_scores is not None:  # an on-policy update scored the batch's old policy itself
+            prepared.record_old_scores(update.old_scores)
         if update.fault is None:
             self.optimizer_steps += update.optimizer_steps
             self.consecutive_skips = 0
