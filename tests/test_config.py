@@ -258,14 +258,15 @@ def test_list_fields_take_yaml_lists_or_comma_separated_strings_and_round_trip(t
 
 
 def test_monitor_section_loads_and_documents_its_actions():
-    cfg = load_config(DEMO, ["monitor.enabled=true", "monitor.hack_rate=0.3", "monitor.hack_rate_action=stop",
+    cfg = load_config(DEMO, ["monitor.enabled=true", "monitor.hack_rate=0.3", "monitor.actions=hack_rate=stop",
                              "monitor.val_drop=null"])
-    assert cfg.monitor.enabled and cfg.monitor.hack_rate == 0.3 and cfg.monitor.hack_rate_action == "stop"
-    assert cfg.monitor.val_drop is None
-    with pytest.raises(ConfigError, match="monitor.hack_rate_action: 'anchor' is not allowed"):
-        load_config(DEMO, ["monitor.hack_rate_action=anchor"])
+    assert cfg.monitor.enabled and cfg.monitor.hack_rate == 0.3 and cfg.monitor.action_of()["hack_rate"] == "stop"
+    assert cfg.monitor.val_drop is None and cfg.monitor.action_of()["reward_gap"] == "warn"
+    with pytest.raises(ConfigError, match="action 'anchor' is not allowed"):
+        load_config(DEMO, ["monitor.actions=[hack_rate=anchor]"])
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
-    assert "--monitor.hack_rate_action VALUE action of hack_rate: warn:" in help_text
+    assert "--monitor.actions VALUE per-alarm actions as <kind>=<action>" in help_text
+    assert "anchor, switching to ARMOR from the best checkpoint, is not built yet" in help_text
     assert "--reward.audit_fns VALUE audit verifiers" in help_text and "(default: [])" in help_text
 
 

@@ -61,7 +61,7 @@ class CollapseMonitor:
         if unknown:
             raise ValueError(f"monitor alarms {unknown} have no registered rule (megatron_armor.monitor.rules)")
         self.rules: dict[str, AlarmRule] = {kind: ALARM_RULES[kind](getattr(cfg, kind), cfg.window) for kind in kinds}
-        self.actions = {kind: getattr(cfg, f"{kind}_action") for kind in kinds}
+        self.actions = cfg.action_of()
         self.active: set[str] = set()
 
     def observe(self, metrics: Mapping[str, float]) -> MonitorReport:

@@ -93,7 +93,7 @@ def test_reward_gap_needs_a_widening_gap():
 
 
 def test_alarm_reason_and_action():
-    monitor = CollapseMonitor(MonitorConfig(enabled=True, val_drop=0.1, val_drop_action="stop"))
+    monitor = CollapseMonitor(MonitorConfig(enabled=True, val_drop=0.1, actions=["val_drop=stop"]))
     monitor.observe({"val/accuracy": 0.6})
     report = monitor.observe({"val/accuracy": 0.4})
     (alarm,) = report.stopping
@@ -119,6 +119,9 @@ def test_monitor_config_validation():
         MonitorConfig(window=0)
     with pytest.raises(ConfigError, match="monitor.hack_rate must be >= 0"):
         MonitorConfig(hack_rate=-0.1)
-    with pytest.raises(ConfigError, match="monitor.val_drop_action: 'anchor' is not allowed"):
-        MonitorConfig(val_drop_action="anchor")
-    assert MonitorConfig().enabled is False
+    with pytest.raises(ConfigError, match="monitor.actions: 'val_drop=anchor': action 'anchor' is not allowed"):
+        MonitorConfig(actions=["val_drop=anchor"])
+    with pytest.raises(ConfigError, match="monitor.actions: 'drift=stop' must look like <kind>=<action>"):
+        MonitorConfig(actions=["drift=stop"])
+    assert MonitorConfig(actions=["hack_rate = stop"]).action_of()["hack_rate"] == "stop"
+    assert set(MonitorConfig().action_of().values()) == {"warn"} and MonitorConfig().enabled is False

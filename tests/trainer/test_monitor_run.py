@@ -24,7 +24,7 @@ def test_audits_and_monitor_log_metrics_and_a_stop_alarm_checkpoints_and_stops(s
         f"reward.audit_fns=[megatron_armor.rewards.arithmetic:verify, {audits}:never]",
         # every sample the training verifier calls correct, `never` calls wrong: hack rate = train accuracy > 0,
         # so the window of 2 steps fills and fires at step 2
-        "monitor.enabled=true", "monitor.window=2", "monitor.hack_rate=0.0", "monitor.hack_rate_action=stop",
+        "monitor.enabled=true", "monitor.window=2", "monitor.hack_rate=0.0", "monitor.actions=[hack_rate=stop]",
     ])
     with caplog.at_level(logging.WARNING, logger="megatron_armor"):
         assert run_training(cfg) == 1
