@@ -109,14 +109,25 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthe
 
 def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, tmp_path):
     """Data-parallel size 2, NaN advantages on rank 1 only: both ranks skip step 2 and keep step 1's state; the
-    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it)."""
+    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it).
+    The same run audits its samples (reward.audit_fns) on both ranks: an audit equal to the training verifier
+    agrees with train/accuracy, one that calls everything wrong flags every sample the verifier calls correct,
+    which holds only when the two ranks' counts are summed."""
+    never = tmp_path / "never.py"
+    never.write_text("def wrong(response, row):\n    return 0.0, False\n")
     run_dir = tmp_path / "run"
     run_workers("train_run.py", 2, tmp_path / "out", CONFIG, *_overrides(
         synthetic_cache, run_dir, "algorithm.name=algorithm_factory:NanOnRankOneAtStepTwo",
         "parallel.data_parallel_size=2", "train.max_steps=2", "checkpoint.every=1",
+        f"reward.audit_fns=megatron_armor.rewards.arithmetic:verify,{never}:wrong",
     ))
     rows = _metrics(run_dir)
     assert rows[1]["train/update_skipped"] == 0 and rows[2]["train/nonfinite_skipped"] == 1
+    for row in rows.values():
+        assert 0 < row["train/accuracy"] < 1
+        assert row["audit/arithmetic_verify_accuracy"] == row["train/accuracy"]
+        assert row["audit/arithmetic_verify_hack_rate"] == 0 and row["audit/never_wrong_accuracy"] == 0
+        assert row["audit/never_wrong_hack_rate"] == row["train/accuracy"] == row["audit/hack_rate"]
     logs = (tmp_path / "out" / "stderr.txt").read_text()
     assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients (or gradient norm) on rank(s) [0, 1]" in logs
     for rank in (0, 1):
