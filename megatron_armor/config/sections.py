@@ -225,3 +225,11 @@ class LoggingConfig:
     wandb_project: str | None = doc(None, "log to this Weights & Biases project (needs wandb)")
     plot: bool = doc(True, "write curves.png at the end")
     progress_bar: bool = doc(True, "show a progress bar")
+    update_geometry_every: int = doc(
+        0, "every N RL steps log the update's geometry per decoder layer type (geometry/*: relative update norm, "
+        "fraction of weights changed under the bf16-aware rule, drift from the reference's weights); costs a copy of "
+        "the decoder matrices on those steps (0: never)"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least("logging", self, ("update_geometry_every",), 0)

@@ -13,6 +13,7 @@ import torch
 
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
+from megatron_armor.diagnostics.step_geometry import StepGeometry
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.planning.flops import rl_step_flops
@@ -44,6 +45,7 @@ class TrainerParts:
     constraint_capture_step: int = 0  # ... whose span is captured after this RL step
     anchor_cache: AnchorCache | None = None  # a prompt's anchors sampled once per reference
     colocation: Colocation = field(default_factory=Colocation)  # GPU phases shared with colocated servers
+    geometry_every: int = 0  # log the update's geometry every this many RL steps (0: never)
 
 
 class RLTrainer:
@@ -71,7 +73,7 @@ class RLTrainer:
         self.scoring, self.optim = scoring, optim
         self.gate, self.anchor_cache = parts.gate, parts.anchor_cache
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
-        self.colocation = parts.colocation
+        self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
         self.rollout = RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache, dp_size=ctx.dp_size)
         self.optimizer_steps = 0
@@ -129,10 +131,13 @@ class RLTrainer:
             prepared = score_logprobs(advantaged, models, plan, self.scoring, optimizer_steps=self.optimizer_steps,
                                       dp_rank=ctx.dp_rank)
             snapshot = self.snapshot_before_update(len(prepared.mini_batches))
+            geometry = StepGeometry.capture(models.actor.module) if self.measures_geometry(step) else None
             update_metrics, fault = self.update(step, prepared, snapshot)
             metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
                                     uses_anchors=plan.uses_anchors)  # of the batch before the update
             metrics.update(update_metrics)
+            if geometry is not None and fault is None:
+                metrics.update(self.update_geometry(geometry))
         metrics["perf/train_seconds"] = time.perf_counter() - start
         gated = self.gate is not None and fault is None
         sync = self.colocation.push_actor_and_serve(self.engine_weights.push_actor, keep_weights=gated)
@@ -170,6 +175,17 @@ class RLTrainer:
             log.warning("%s; update skipped (%d in a row): %s", update.fault.describe(), self.consecutive_skips, state)
         metrics = {**update.metrics, "train/nonfinite_skipped": 1.0, "train/nonfinite_kept_mini_batches": float(kept)}
         return metrics, update.fault
+
+    def measures_geometry(self, step: int) -> bool:
+        """Whether RL step `step` (0-based) logs its update's geometry (every `geometry_every` steps)."""
+        return bool(self.geometry_every) and (step + 1) % self.geometry_every == 0
+
+    def update_geometry(self, geometry: StepGeometry) -> dict[str, float]:
+        """geometry/* of the update since `geometry` was captured (diagnostics/step_geometry.py) and its cost."""
+        start = time.perf_counter()
+        metrics = geometry.metrics(self.models.actor.module, self.models.ref)
+        seconds = geometry.capture_seconds + time.perf_counter() - start
+        return {**metrics, "perf/update_geometry_seconds": seconds}
 
     def snapshot_before_update(self, num_mini_batches: int) -> TrainingSnapshot | None:
         """theta_k and Omega_k before the update, when something may have to restore them: the MIPU gate (on the
