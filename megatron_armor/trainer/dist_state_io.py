@@ -1,0 +1,109 @@
+"""Save and load a tree of Megatron sharded objects with Megatron's distributed checkpointing (torch_dist
+backend; gloo on CPU): each rank writes only its shards, a load reads only the slices this rank needs.
+
+Only the tree's sharded leaves (`ShardedTensor`, `ShardedTensorFactory`, `ShardedObject`) go to disk; its
+other leaves are the caller's (e.g. an optimizer's param groups) and a load hands back the caller's own,
+so a checkpoint never depends on how the saving run's optimizer structured its state dict. Lists are saved
+as dicts keyed by position.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.validation import StrictHandling
+
+from megatron_armor.convert.megatron_checkpoint import collect_write_results_in_process
+
+
+def plan_save(tree: Any, directory: Path) -> AsyncRequest:
+    """Plan the save of `tree`'s sharded leaves into `directory` (collective: the ranks agree who writes
+    what) and return Megatron's request: `async_fn` writes this rank's shards (no collective), its
+    `finalize_fns` (collective) write the global metadata once every rank wrote."""
+    collect_write_results_in_process()
+    return dist_checkpointing.save(_sharded_only(tree) or {}, str(directory), async_sharded_save=True,
+                                   async_strategy="mcore")
+
+
+def start_write(request: AsyncRequest, *, background: bool) -> Callable[[], None]:
+    """Write this rank's shards of a `plan_save` request, now or (`background`) in a thread; returns the
+    function that waits for the write (re-raising its error). In the background the shards are staged
+    first (copies: training goes on changing the live tensors) and the thread does file I/O only, no
+    collective, so it runs beside the training's collectives."""
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None and background:
+        args[1] = _copies(request.preload_fn())
+    failure: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            if request.async_fn is not None:
+                request.async_fn(*args, **request.async_fn_kwargs)
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(error)
+
+    thread = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+    if background:
+        thread.start()
+    else:
+        write()
+
+    def wait() -> None:
+        if background:
+            thread.join()
+        if failure:
+            raise RuntimeError(f"the checkpoint shard write failed: {failure[0]}") from failure[0]
+
+    return wait
+
+
+def _copies(buckets: list) -> list:
+    """Megatron's staged write buckets with CPU tensors copied (its staging copies GPU tensors to the host
+    and leaves host tensors as they are, i.e. the live ones)."""
+    return [(file_name, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
+            for file_name, key, (data, tensors) in buckets]
+
+
+def load_tree(request: Any, directory: Path) -> Any:
+    """`request` with its sharded leaves replaced by the values saved in `directory` (resharded to this
+    rank's shards; collective); its other leaves stay the request's. Keys saved but not requested are
+    ignored (e.g. a distributed optimizer's extra state), requested keys missing from it raise."""
+    sharded = _sharded_only(request)
+    if sharded is None:
+        return request
+    loaded = dist_checkpointing.load(sharded, str(directory), strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    return _fill(request, loaded)
+
+
+def _children(tree: Any) -> list[tuple[Any, Any]]:
+    if isinstance(tree, dict):
+        return list(tree.items())
+    if isinstance(tree, (list, tuple)):
+        return list(enumerate(tree))
+    return []
+
+
+def _sharded_only(tree: Any) -> Any:
+    """The sharded leaves of `tree` in nested dicts (lists become dicts keyed by position); None: none."""
+    if isinstance(tree, ShardedBase):
+        return tree
+    kept = {key: _sharded_only(value) for key, value in _children(tree)}
+    kept = {key: value for key, value in kept.items() if value is not None}
+    return kept or None
+
+
+def _fill(request: Any, loaded: Any) -> Any:
+    """`request` with each sharded leaf replaced by the value at its position in `loaded`."""
+    if isinstance(request, ShardedBase):
+        return loaded
+    if not isinstance(loaded, dict) or not _children(request):
+        return request
+    filled = [(key, _fill(value, loaded.get(key))) for key, value in _children(request)]
+    return dict(filled) if isinstance(request, dict) else type(request)(value for _, value in filled)
+

@@ -1,0 +1,133 @@
+"""Megatron sharded state dicts of the trainer's checkpointed modules, and their restore after a load.
+
+`sharded_modules` maps `RLTrainer.checkpointed_modules()` to what Megatron's distributed checkpointing
+saves and loads (trainer/checkpoint.py):
+    "actor"      the actor's `sharded_state_dict()`: tensors under their global keys, TP/PP shards as
+                 offsets of the full tensor, so they load at any TP x PP layout
+    "optimizer"  {"megatron": Megatron's optimizer `sharded_state_dict(actor's)`, "adam_step": ShardedObject}:
+                 the Adam moments (and a bf16 model's fp32 master weights) per parameter, as
+                 "optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter key>"; the distributed optimizer
+                 uses Megatron's `fully_sharded_model_space` format, whose tensors are flat ranges of those
+                 same tensors, so a checkpoint reshards over TP, PP and DP and moves between the plain and
+                 the distributed optimizer. The Adam step count (one for every parameter) travels beside it
+    "ref"        the reference's `sharded_state_dict(prefix="ref.")` (when the trainer checkpoints it)
+    other        e.g. "subspace": the module's `state_dict()` as one object per (PP, TP) position,
+                 replicated over DP: it resumes only at the TP x PP layout it was saved at
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+
+REF_PREFIX = "ref."
+DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+
+def sharded_modules(modules: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    """{name: Megatron sharded state dict} of `modules` ({"actor": DDP model, "optimizer": its Megatron optimizer,
+    ...}); the tensors are the live ones (a load fills them, or returns new ones to restore with `restore_module`)."""
+    actor = _model_state(modules["actor"], "")
+    sharded: dict[str, Any] = {}
+    for name, module in modules.items():
+        if name == "actor":
+            sharded[name] = actor
+        elif name == "optimizer":
+            sharded[name] = _optimizer_state(module, actor, is_loading=is_loading)
+        elif name == "ref":
+            sharded[name] = _model_state(module, REF_PREFIX)
+        else:
+            sharded[name] = _layout_bound_object(name, module.state_dict())
+    return sharded
+
+
+def restore_module(name: str, module: Any, state: Any) -> None:
+    """Load `state` into `module`: a loaded `sharded_modules()` entry, or the module's own `state_dict()`."""
+    if name == "optimizer" and isinstance(state, dict) and "adam_step" in state:
+        target = getattr(module, "megatron_optimizer", module)  # ShardedStateOptimizer: Megatron's own load
+        target.load_state_dict(_with_adam_step(state["megatron"], state["adam_step"]))
+    elif name == "ref":
+        module.load_state_dict({key.removeprefix(REF_PREFIX): value for key, value in state.items()})
+    else:
+        module.load_state_dict(state)
+
+
+def _model_state(model: torch.nn.Module, prefix: str) -> dict[str, Any]:
+    """A (DDP-wrapped) GPTModel's sharded state dict with its tensor keys under `prefix`."""
+    return getattr(model, "module", model).sharded_state_dict(prefix=prefix)
+
+
+def _optimizer_state(optimizer: Any, actor: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+    """The "optimizer" entry of `sharded_modules` (see the module docstring). An fp32 model's distributed
+    optimizer has no master weights of its own (its "fp32_param" tensors are views of the weights, saved as
+    the actor): they are left out, so its checkpoint matches the plain optimizer's."""
+    megatron = getattr(optimizer, "megatron_optimizer", optimizer)
+    state = megatron.sharded_state_dict(actor, is_loading=is_loading, metadata=DISTRIBUTED_OPTIMIZER_FORMAT)
+    config = megatron.config
+    if not (config.bf16 or config.fp16):
+        _drop_fp32_params(state)
+    step = ShardedObject("optimizer.adam_step", adam_step(megatron), (1,), (0,), replica_id=_global_rank())
+    return {"megatron": state, "adam_step": step}
+
+
+def _drop_fp32_params(tree: Any) -> None:
+    """Replace every "optimizer.state.fp32_param.*" tensor in `tree` by None (in place; Megatron skips those)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in list(items):
+        if isinstance(value, ShardedBase) and value.key.startswith("optimizer.state.fp32_param."):
+            tree[key] = None
+        else:
+            _drop_fp32_params(value)
+
+
+def adam_step(optimizer: Any) -> int:
+    """The number of Adam steps the optimizer (Megatron's, chained or not) took: its common per-parameter step."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if "step" in state:
+                return int(state["step"])
+        for group in (inner.param_groups if inner is not None else ()):
+            if "step" in group:
+                return int(group["step"])
+    return 0
+
+
+def _with_adam_step(tree: Any, step: int) -> Any:
+    """`tree` (an optimizer state dict) with every "step" / "common_step" entry set to `step`."""
+    if isinstance(tree, dict):
+        return {key: _step_like(value, step) if key in ("step", "common_step") else _with_adam_step(value, step)
+                for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_with_adam_step(value, step) for value in tree]
+    return tree
+
+
+def _step_like(value: Any, step: int) -> Any:
+    return torch.full_like(value, step) if torch.is_tensor(value) else type(value)(step) if value is not None else step
+
+
+def _layout_bound_object(name: str, state: Any) -> ShardedObject:
+    """`state` as this (PP, TP) position's object, saved by DP rank 0 of the position."""
+    grid = (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size())
+    position = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    return ShardedObject(f"{name}.state", state, grid, position, replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+RESHARDABLE = ("actor", "optimizer", "ref")
+
+
+def check_layout_change(names: list[str], saved: dict[str, int], current: dict[str, int]) -> None:
+    """Refuse a TP or PP change for a checkpoint with layout-bound modules (e.g. the subspace constraint)."""
+    bound = [name for name in names if name not in RESHARDABLE]
+    if bound and (saved["tp"], saved["pp"]) != (current["tp"], current["pp"]):
+        raise ValueError(f"the checkpoint's {bound} state resumes only at the tensor and pipeline parallel sizes it "
+                         f"was saved at (tp {saved['tp']} x pp {saved['pp']}), not tp {current['tp']} x pp {current['pp']}")
