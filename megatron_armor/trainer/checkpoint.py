@@ -166,7 +166,7 @@ def load_checkpoint(path: Path, request: dict[str, Any], *, seed: int) -> tuple[
 
 def process_rank() -> int:
     """This process's global rank (0 without a process group)."""
-    return dist.getprocess_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _world_size() -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -99,9 +100,13 @@ def _sharded_only(tree: Any) -> Any:
 
 
 def _fill(request: Any, loaded: Any) -> Any:
-    """`request` with each sharded leaf replaced by the value at its position in `loaded`."""
+    """`request` with each sharded leaf replaced by the value at its position in `loaded`, never the live tensor
+    the leaf was built on (Megatron loads into it in place; a copy keeps the loaded value when the module whose
+    live tensor it is gets written by another's restore, e.g. an optimizer's master weights, views of it)."""
     if isinstance(request, ShardedBase):
-        return loaded
+        live = getattr(request, "data", None)
+        aliased = torch.is_tensor(loaded) and torch.is_tensor(live) and loaded.data_ptr() == live.data_ptr()
+        return loaded.clone() if aliased else loaded
     if not isinstance(loaded, dict) or not _children(request):
         return request
     filled = [(key, _fill(value, loaded.get(key))) for key, value in _children(request)]

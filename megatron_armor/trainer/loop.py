@@ -28,7 +28,7 @@ from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, mean
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
-from megatron_armor.trainer.sharded_state import restore_module, sharded_modules
+from megatron_armor.trainer.sharded_state import restore_module, restore_order, sharded_modules
 from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
 from megatron_armor.trainer.update_gate import InferenceGapGate
@@ -278,9 +278,9 @@ class RLTrainer:
             raise ValueError(f"the trainer state has no {missing} state (has {sorted(modules)}): it was saved by a "
                              f"run without them; resume with that run's config")
         with self.colocation.state_writable():
-            for name, module in expected.items():
+            for name in restore_order(list(expected)):
                 if name in modules:
-                    restore_module(name, module, modules[name])
+                    restore_module(name, expected[name], modules[name])
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer_steps = state["optimizer_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)  # 0 in checkpoints from before skips were counted

@@ -23,8 +23,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 
+from megatron_armor.distributed.cpu_compat import megatron_device_scope
+
 REF_PREFIX = "ref."
-DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+MASTER_WEIGHT_KEYS = ("optimizer.state.param.", "optimizer.state.fp32_param.")  # distributed, plain optimizer
 
 
 def sharded_modules(modules: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
@@ -44,11 +47,18 @@ def sharded_modules(modules: dict[str, Any], *, is_loading: bool) -> dict[str, A
     return sharded
 
 
+def restore_order(names: list[str]) -> list[str]:
+    """The order to restore modules in: the optimizer first, as a distributed optimizer's load also writes its
+    fp32 master weights, views of the actor's weights; the actor's own restore then puts the saved weights."""
+    return sorted(names, key=lambda name: name != "optimizer")
+
+
 def restore_module(name: str, module: Any, state: Any) -> None:
     """Load `state` into `module`: a loaded `sharded_modules()` entry, or the module's own `state_dict()`."""
     if name == "optimizer" and isinstance(state, dict) and "adam_step" in state:
         target = getattr(module, "megatron_optimizer", module)  # ShardedStateOptimizer: Megatron's own load
-        target.load_state_dict(_with_adam_step(state["megatron"], state["adam_step"]))
+        with megatron_device_scope():  # the distributed optimizer scatters its state on CUDA buffers
+            _load_with_adam_step(target, state["megatron"], state["adam_step"])
     elif name == "ref":
         module.load_state_dict({key.removeprefix(REF_PREFIX): value for key, value in state.items()})
     else:
@@ -65,49 +75,64 @@ def _optimizer_state(optimizer: Any, actor: dict[str, Any], *, is_loading: bool)
     optimizer has no master weights of its own (its "fp32_param" tensors are views of the weights, saved as
     the actor): they are left out, so its checkpoint matches the plain optimizer's."""
     megatron = getattr(optimizer, "megatron_optimizer", optimizer)
-    state = megatron.sharded_state_dict(actor, is_loading=is_loading, metadata=DISTRIBUTED_OPTIMIZER_FORMAT)
+    _init_adam_state(megatron)
+    with megatron_device_scope():  # the distributed optimizer gathers its state over DP on CUDA buffers
+        state = megatron.sharded_state_dict(actor, is_loading=is_loading, metadata=DISTRIBUTED_OPTIMIZER_FORMAT)
     config = megatron.config
     if not (config.bf16 or config.fp16):
-        _drop_fp32_params(state)
+        _drop_master_weights(state, keep_data=is_loading)
     step = ShardedObject("optimizer.adam_step", adam_step(megatron), (1,), (0,), replica_id=_global_rank())
     return {"megatron": state, "adam_step": step}
 
 
-def _drop_fp32_params(tree: Any) -> None:
-    """Replace every "optimizer.state.fp32_param.*" tensor in `tree` by None (in place; Megatron skips those)."""
+def _init_adam_state(optimizer: Any) -> None:
+    """Give every parameter of an optimizer that has not stepped yet its Adam state (zero moments, step 0), as
+    torch's first step would: Megatron's state dicts need it (a fresh torch optimizer's state is empty)."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(part, "init_state_fn", None) is not None and getattr(part, "optimizer", None) is not None:
+            part.init_state_fn(part.optimizer, part.config)
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _drop_master_weights(tree: Any, *, keep_data: bool) -> None:
+    """Take every master-weight tensor in `tree` out of the checkpoint (in place): None in a save, its plain
+    tensor in a load request (whatever it holds lands in views of the weights, which the actor's restore
+    then overwrites: `restore_order`)."""
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
     for key, value in list(items):
-        if isinstance(value, ShardedBase) and value.key.startswith("optimizer.state.fp32_param."):
-            tree[key] = None
+        if isinstance(value, ShardedBase) and value.key.startswith(MASTER_WEIGHT_KEYS):
+            tree[key] = value.data if keep_data else None
         else:
-            _drop_fp32_params(value)
+            _drop_master_weights(value, keep_data=keep_data)
+
+
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (chained or not) that hold parameters of this rank."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
 
 
 def adam_step(optimizer: Any) -> int:
     """The number of Adam steps the optimizer (Megatron's, chained or not) took: its common per-parameter step."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
-        for state in (inner.state.values() if inner is not None else ()):
+    for inner in _torch_optimizers(optimizer):
+        for state in [*inner.state.values(), *inner.param_groups]:
             if "step" in state:
                 return int(state["step"])
-        for group in (inner.param_groups if inner is not None else ()):
-            if "step" in group:
-                return int(group["step"])
     return 0
 
 
-def _with_adam_step(tree: Any, step: int) -> Any:
-    """`tree` (an optimizer state dict) with every "step" / "common_step" entry set to `step`."""
-    if isinstance(tree, dict):
-        return {key: _step_like(value, step) if key in ("step", "common_step") else _with_adam_step(value, step)
-                for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_with_adam_step(value, step) for value in tree]
-    return tree
-
-
-def _step_like(value: Any, step: int) -> Any:
-    return torch.full_like(value, step) if torch.is_tensor(value) else type(value)(step) if value is not None else step
+def _load_with_adam_step(optimizer: Any, state: dict[str, Any], step: int) -> None:
+    """Megatron's `load_state_dict(state)`, then every parameter's Adam step set to `step` (the step in `state`
+    is the loading optimizer's own: only sharded leaves come from the checkpoint)."""
+    optimizer.load_state_dict(state)
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            group.update({"step": step} if "step" in group else {})
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(float(step))
 
 
 def _layout_bound_object(name: str, state: Any) -> ShardedObject:
