@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -107,8 +107,11 @@ def _fill(request: Any, loaded: Any) -> Any:
         live = getattr(request, "data", None)
         aliased = torch.is_tensor(loaded) and torch.is_tensor(live) and loaded.data_ptr() == live.data_ptr()
         return loaded.clone() if aliased else loaded
-    if not isinstance(loaded, dict) or not _children(request):
+    if isinstance(request, LocalNonpersistentObject):  # a value of this rank's that Megatron never saves
+        return request.unwrap()
+    if not _children(request):
         return request
+    loaded = loaded if isinstance(loaded, dict) else {}
     filled = [(key, _fill(value, loaded.get(key))) for key, value in _children(request)]
     return dict(filled) if isinstance(request, dict) else type(request)(value for _, value in filled)
 

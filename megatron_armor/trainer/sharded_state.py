@@ -126,7 +126,12 @@ def adam_step(optimizer: Any) -> int:
 
 def _load_with_adam_step(optimizer: Any, state: dict[str, Any], step: int) -> None:
     """Megatron's `load_state_dict(state)`, then every parameter's Adam step set to `step` (the step in `state`
-    is the loading optimizer's own: only sharded leaves come from the checkpoint)."""
+    is the loading optimizer's own: only sharded leaves come from the checkpoint). The plain optimizers' state
+    dicts hold it as "common_step" beside the per-parameter state (Megatron drops the per-parameter one)."""
+    for part in [state, *(value for key, value in state.items() if isinstance(key, int))]:
+        torch_style = part.get("optimizer", part) if isinstance(part, dict) else None  # Float16Optimizer nests it
+        if isinstance(torch_style, dict) and isinstance(torch_style.get("state"), dict):
+            torch_style["state"]["common_step"] = torch.tensor(float(step))
     optimizer.load_state_dict(state)
     for inner in _torch_optimizers(optimizer):
         for group in inner.param_groups:
