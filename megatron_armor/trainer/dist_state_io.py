@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_armor.convert.megatron_checkpoint import collect_write_results_in_process
@@ -25,11 +27,13 @@ from megatron_armor.convert.megatron_checkpoint import collect_write_results_in_
 
 def plan_save(tree: Any, directory: Path) -> AsyncRequest:
     """Plan the save of `tree`'s sharded leaves into `directory` (collective: the ranks agree who writes
-    what) and return Megatron's request: `async_fn` writes this rank's shards (no collective), its
+    what; a tensor replicated over data-parallel ranks is written by one of them, Megatron's fully parallel
+    save spreading those writes evenly over the DP group) and return Megatron's request: `async_fn` writes this rank's shards (no collective), its
     `finalize_fns` (collective) write the global metadata once every rank wrote."""
     collect_write_results_in_process()
-    return dist_checkpointing.save(_sharded_only(tree) or {}, str(directory), async_sharded_save=True,
-                                   async_strategy="mcore")
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), parallel_state.get_data_parallel_group())
+    return dist_checkpointing.save(_sharded_only(tree) or {}, str(directory), sharded_strategy=strategy,
+                                   async_sharded_save=True, async_strategy="mcore")
 
 
 def start_write(request: AsyncRequest, *, background: bool) -> Callable[[], None]:
