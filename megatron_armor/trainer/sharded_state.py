@@ -5,11 +5,13 @@ saves and loads (trainer/checkpoint.py):
     "actor"      the actor's `sharded_state_dict()`: tensors under their global keys, TP/PP shards as
                  offsets of the full tensor, so they load at any TP x PP layout
     "optimizer"  {"megatron": Megatron's optimizer `sharded_state_dict(actor's)`, "adam_step": ShardedObject}:
-                 the Adam moments (and a bf16 model's fp32 master weights) per parameter, as
-                 "optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<parameter key>"; the distributed optimizer
-                 uses Megatron's `fully_sharded_model_space` format, whose tensors are flat ranges of those
-                 same tensors, so a checkpoint reshards over TP, PP and DP and moves between the plain and
-                 the distributed optimizer. The Adam step count (one for every parameter) travels beside it
+                 the Adam moments (and a bf16 model's fp32 master weights) per parameter, sharded as the
+                 parameter, as "optimizer.state.<exp_avg|exp_avg_sq>.<parameter key>"; the distributed optimizer
+                 uses Megatron's `fully_reshardable` format (its DP shards gathered to DP rank 0 of each group
+                 for the save, sliced again on load), the same tensors, so a checkpoint reshards over TP, PP
+                 and DP and moves between the plain and the distributed optimizer (fp32 models: their master
+                 weights are the weights, saved once as the actor's). The Adam step count (one for every
+                 parameter) travels beside it
     "ref"        the reference's `sharded_state_dict(prefix="ref.")` (when the trainer checkpoints it)
     other        e.g. "subspace": the module's `state_dict()` as one object per (PP, TP) position,
                  replicated over DP: it resumes only at the TP x PP layout it was saved at
