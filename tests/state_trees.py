@@ -45,3 +45,13 @@ def saved_modules(checkpoint) -> dict:
         elif not shard and name != "common_state":
             groups.setdefault("actor", {})[name] = value
     return groups
+
+
+def full_weight(actor: dict, name: str) -> torch.Tensor:
+    """Parameter `name` of a model ("decoder.layers.<i>.<rest>" or any other name), whole, from `saved_modules`'s
+    actor (or reference), whose layers are stacked under "decoder.layers.<rest>" (a SwiGLU fc1 with its gate and
+    up halves on an axis of their own: reshape to the parameter's shape)."""
+    import re
+
+    layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    return actor[f"decoder.layers.{layer[2]}"][int(layer[1])] if layer else actor[name]

@@ -4,14 +4,13 @@ runs offloaded (rollout.memory.offload_trainer), so W0 and the bases are parked 
 the capture and every checkpoint read them back."""
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from state_trees import saved_modules
+from state_trees import full_weight, saved_modules
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
@@ -23,10 +22,7 @@ def _checkpoint(run_dir: Path, step: int) -> dict:
 
 
 def _weight(actor: dict, name: str, shape: torch.Size) -> torch.Tensor:
-    """Decoder matrix `name` ("decoder.layers.<i>.<rest>") of the saved actor, whose layers are stacked under
-    "decoder.layers.<rest>" (a SwiGLU fc1 with its gate and up halves on an axis of their own)."""
-    layer, rest = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name).groups()
-    return actor[f"decoder.layers.{rest}"][int(layer)].reshape(shape)
+    return full_weight(actor, name).reshape(shape)
 
 
 def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_path):
