@@ -14,6 +14,7 @@ from megatron_armor.trainer.checkpoint import (
     load_checkpoint, saved_modules,
 )
 from megatron_armor.trainer.checkpoint_save import CheckpointSaver, save_checkpoint
+from megatron_armor.trainer.sharded_state import check_layout_change
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,3 +117,12 @@ def test_guard_refuses_to_overwrite_and_resume_returns_latest(tmp_path):
     assert guard_run_dir(tmp_path, resume=True, overwrite=False).name == "step_000004"
     assert guard_run_dir(tmp_path, resume=False, overwrite=True) is None
     assert list_checkpoints(checkpoint_root(tmp_path)) == []
+
+
+def test_layout_bound_state_refuses_a_tp_or_pp_change():
+    """The subspace constraint's state is per (PP, TP) position: a DP change is fine, a TP change is refused."""
+    names, saved = ["actor", "optimizer", "subspace"], {"tp": 2, "pp": 1, "dp": 1}
+    check_layout_change(names, saved, {"tp": 2, "pp": 1, "dp": 2})
+    check_layout_change(["actor", "optimizer", "ref"], saved, {"tp": 1, "pp": 2, "dp": 1})
+    with pytest.raises(ValueError, match="\\['subspace'\\] state resumes only at .* \\(tp 2 x pp 1\\)"):
+        check_layout_change(names, saved, {"tp": 1, "pp": 1, "dp": 2})

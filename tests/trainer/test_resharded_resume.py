@@ -67,6 +67,7 @@ def test_tp2_checkpoint_resumes_at_tp1_dp2(uninterrupted, synthetic_cache, tmp_p
     _resume_from(uninterrupted, run_dir, 1)
     run_workers("train_run.py", 2, tmp_path / "w", CONFIG, "--resume", *_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
     assert_same_step(_metrics(run_dir)[2], _metrics(uninterrupted)[2])
+    assert "RNG states are per rank and do not reshard" in (tmp_path / "w" / "stderr.txt").read_text()
     resaved = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert resaved["layout"] == {"tp": 1, "pp": 1, "dp": 2}
 
