@@ -43,7 +43,7 @@ def start_write(request: AsyncRequest, *, background: bool) -> Callable[[], None
     collective, so it runs beside the training's collectives."""
     args = list(request.async_fn_args)
     if request.preload_fn is not None and background:
-        args[1] = _copies(request.preload_fn())
+        args[1] = _copies(request.preload_fn(), originals={id(t) for *_, (_, tensors) in args[1] for _, t in tensors})
     failure: list[BaseException] = []
 
     def write() -> None:
@@ -68,10 +68,11 @@ def start_write(request: AsyncRequest, *, background: bool) -> Callable[[], None
     return wait
 
 
-def _copies(buckets: list) -> list:
-    """Megatron's staged write buckets with CPU tensors copied (its staging copies GPU tensors to the host
-    and leaves host tensors as they are, i.e. the live ones)."""
-    return [(file_name, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
+def _copies(buckets: list, *, originals: set[int]) -> list:
+    """Megatron's staged write buckets with the tensors it did not copy copied (its staging copies GPU tensors to
+    the host and leaves host tensors, the live ones, as they are); `originals`: ids of the unstaged tensors."""
+    return [(file_name, key, (data, [(item, tensor.clone() if id(tensor) in originals else tensor)
+                                     for item, tensor in tensors]))
             for file_name, key, (data, tensors) in buckets]
 
 
