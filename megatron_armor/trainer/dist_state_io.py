@@ -28,8 +28,9 @@ from megatron_armor.convert.megatron_checkpoint import collect_write_results_in_
 def plan_save(tree: Any, directory: Path) -> AsyncRequest:
     """Plan the save of `tree`'s sharded leaves into `directory` (collective: the ranks agree who writes
     what; a tensor replicated over data-parallel ranks is written by one of them, Megatron's fully parallel
-    save spreading those writes evenly over the DP group) and return Megatron's request: `async_fn` writes this rank's shards (no collective), its
-    `finalize_fns` (collective) write the global metadata once every rank wrote."""
+    save spreading those writes evenly over the DP group) and return Megatron's request: `async_fn` writes
+    this rank's shards (no collective), its `finalize_fns` (collective) write the global metadata once every
+    rank wrote."""
     collect_write_results_in_process()
     strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), parallel_state.get_data_parallel_group())
     return dist_checkpointing.save(_sharded_only(tree) or {}, str(directory), sharded_strategy=strategy,
@@ -38,12 +39,13 @@ def plan_save(tree: Any, directory: Path) -> AsyncRequest:
 
 def start_write(request: AsyncRequest, *, background: bool) -> Callable[[], None]:
     """Write this rank's shards of a `plan_save` request, now or (`background`) in a thread; returns the
-    function that waits for the write (re-raising its error). In the background the shards are staged
-    first (copies: training goes on changing the live tensors) and the thread does file I/O only, no
-    collective, so it runs beside the training's collectives."""
+    function that waits for the write (re-raising its error). The shards are staged to host memory first
+    (Megatron's `preload_fn`), in the background as copies (training goes on changing the live tensors); the
+    thread does file I/O only, no collective, so it runs beside the training's collectives."""
     args = list(request.async_fn_args)
-    if request.preload_fn is not None and background:
-        args[1] = _copies(request.preload_fn(), originals={id(t) for *_, (_, tensors) in args[1] for _, t in tensors})
+    if request.preload_fn is not None:
+        unstaged = {id(t) for *_, (_, tensors) in args[1] for _, t in tensors}
+        args[1] = _copies(request.preload_fn(), originals=unstaged) if background else request.preload_fn()
     failure: list[BaseException] = []
 
     def write() -> None:
