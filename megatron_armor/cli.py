@@ -6,6 +6,7 @@
     armor serve-teacher --model DIR --tp N --pp M --port P   a Megatron OPD teacher scoring tokens over HTTP
     armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
     armor convert hf-to-megatron|megatron-to-hf ...          checkpoint conversion (HF <-> Megatron dist ckpt)
+    armor plan --config FILE --gpus N --gpu-memory-gb M      per-GPU memory and RL-step FLOPs of a layout
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import sys
 from collections.abc import Sequence
 
 from megatron_armor.config import MOVED_FIELDS, ConfigError, config_fields, load_config
+from megatron_armor.config.base import default_of
 from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
+from megatron_armor.planning.cli import add_plan_subcommand, run_plan
+from megatron_armor.rewards.registry import RewardError
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand
 from megatron_armor.teacher.serve_cli import add_serve_teacher_subcommand, run_serve_teacher
 from megatron_armor.utils.net import free_port
@@ -43,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_teacher_subcommand(commands).set_defaults(handler=run_serve_teacher)
     add_diagnose_subcommand(commands)
     add_convert_subcommand(commands)
+    add_plan_subcommand(commands, add_config_arguments)
     return parser
 
 
@@ -55,24 +60,34 @@ def run_serve_local(args: argparse.Namespace) -> int:
 
 def add_train_arguments(train: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `armor train` (and `armor ray-train`): config file, shorthands, every config field."""
+    add_config_arguments(train, run_options=True)
+    return train
+
+
+def add_config_arguments(train: argparse.ArgumentParser, run_options: bool = False) -> argparse.ArgumentParser:
+    """The options that make a config (`overrides_from_args`): config file, shorthands, every config field;
+    with `run_options` also those of a run (--resume, --overwrite, --nproc)."""
     train.add_argument("--config", help="YAML config file (sections as in ArmorConfig)")
     train.add_argument("--algo", help="shorthand for --algorithm.name: armor | grpo | grpo_kl | mipu | opd, or a plug-in "
                        "Algorithm class as package.module:ClassName")
     train.add_argument("--max-steps", type=int, help="shorthand for --train.max_steps")
     train.add_argument("--run-dir", help="shorthand for --logging.run_dir")
-    train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
-    train.add_argument("--overwrite", action="store_true", help="delete existing checkpoints in the run directory first")
+    if run_options:
+        train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+        train.add_argument("--overwrite", action="store_true",
+                           help="delete existing checkpoints in the run directory first")
     train.add_argument("--tp", type=int, help="shorthand for --parallel.tensor_parallel_size")
     train.add_argument("--pp", type=int, help="shorthand for --parallel.pipeline_parallel_size")
     train.add_argument("--dp", type=int, help="shorthand for --parallel.data_parallel_size")
-    train.add_argument(
-        "--nproc", type=int,
-        help="launch this many local processes with torchrun (default outside torchrun: tp x pp x dp)",
-    )
+    if run_options:
+        train.add_argument(
+            "--nproc", type=int,
+            help="launch this many local processes with torchrun (default outside torchrun: tp x pp x dp)",
+        )
     fields = train.add_argument_group("config fields")
     for dotted, f in config_fields():
         fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
-                            help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
+                            help=f"{f.metadata.get('help', '')} (default: {default_of(f)!r})")
     for old in MOVED_FIELDS:  # hidden; load_config turns each into "<old> moved to <new>" (exit code 2)
         fields.add_argument(f"--{old}", dest=f"cfg:{old}", metavar="VALUE", default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
@@ -123,7 +138,7 @@ def _enable_triton_interpreter_without_gpu() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.command not in ("train", "ray-train"):
+    if args.command not in ("train", "ray-train", "plan"):
         return args.handler(args)
     quiet_third_party_noise()
     try:
@@ -131,13 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.command == "plan":
+        return run_plan(args, cfg)
     if cfg.train.logprob_head == "fused":
         _enable_triton_interpreter_without_gpu()
     from megatron_armor.algorithms import check_algorithm_config  # imports torch: not for --help
+    from megatron_armor.rewards.reward_fns import RewardFns
 
     try:
         check_algorithm_config(cfg)  # its own rules, before any process starts
-    except ConfigError as error:
+        RewardFns.from_config(cfg.reward)  # every reward function loads (module or file, function)
+    except (ConfigError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.command == "ray-train":

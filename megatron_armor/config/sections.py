@@ -75,11 +75,18 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     train_fn: str = doc(
-        "megatron_armor.rewards.math_dapo:verify", "training reward, module:function; default: DAPO's exact match of "
+        "megatron_armor.rewards.math_dapo:verify", "training reward, module:function or path/to/file.py:function (a "
+        "file of your own: no package or PYTHONPATH needed); default: DAPO's exact match of "
         "the last 'Answer:' line, as the ARMOR paper (megatron_armor.rewards.math_verify_reward:verify: math-verify's "
         "value equality, also of a final \\boxed{})"
     )
-    val_fn: str | None = doc(None, "validation reward, module:function (default: train_fn)")
+    val_fn: str | None = doc(None, "validation reward, module:function or path/to/file.py:function (default: train_fn)")
+    audit_fns: list[str] = doc(
+        [], "audit verifiers (module:function or path/to/file.py:function each) run on every on-policy training sample "
+        "beside train_fn and never trained on; logged per step: audit/<stem>_<function>_accuracy, "
+        "audit/<stem>_<function>_hack_rate (train_fn says correct, the audit says wrong) and audit/hack_rate (the "
+        "largest of those)"
+    )
     overlong_buffer: int = doc(4096, "DAPO overlong penalty buffer in tokens (0 disables)")
     overlong_factor: float = doc(1.0, "DAPO overlong penalty factor")
 

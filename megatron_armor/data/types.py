@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]  # why an engine stopped a generation (SGLang's "abort" is retried)
 
 
 @dataclass
@@ -19,7 +22,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     engine_logprobs: list[float]
-    finish_reason: str
+    finish_reason: FinishReason
     is_anchor: bool
     reward: float = 0.0
     correct: bool = False

@@ -4,6 +4,10 @@ Megatron's local `DotProductAttention` allocates its score matrix from a CUDA-on
 buffer, so it cannot run on CPU. This module takes the same constructor and forward arguments and
 computes causal (GQA-aware) attention with `torch.nn.functional.scaled_dot_product_attention`,
 which dispatches to flash/memory-efficient kernels on GPU and a fused C++ kernel on CPU.
+
+Packed sequences (Megatron's `PackedSeqParams`, THD format: the sequences of a micro-batch concatenated
+along one token dimension, `cu_seqlens` their offsets) are attended one sequence at a time, each causal, so
+no token sees another sequence's.
 """
 
 from __future__ import annotations
@@ -50,17 +54,34 @@ class SDPAttention(MegatronModule):
         packed_seq_params=None,
     ) -> torch.Tensor:
         """query: [sq, b, heads, d]; key/value: [sk, b, groups, d]; attention_mask: optional bool
-        [b or 1, 1, sq, sk], True = masked out (Megatron convention). Returns [sq, b, heads * d]."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
+        [b or 1, 1, sq, sk], True = masked out (Megatron convention). Returns [sq, b, heads * d].
+        Packed (THD `packed_seq_params`): query [t, heads, d], key/value [t, groups, d] -> [t, 1, heads * d]."""
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support attention bias")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            return self._attend_packed(query, key, value, packed_seq_params, mask_type)
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        return self._attend(query, key, value, attention_mask, causal)
+
+    def _attend_packed(self, query, key, value, packed_seq_params, mask_type: AttnMaskType) -> torch.Tensor:
+        """Causal attention within each sequence of a THD pack; [t, heads, d] in, [t, 1, heads * d] out."""
+        if packed_seq_params.qkv_format != "thd" or mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"SDPAttention packs only causal THD sequences, got "
+                                      f"{packed_seq_params.qkv_format} {mask_type}")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        pieces = [self._attend(query[a:b, None], key[a:b, None], value[a:b, None], None, causal=True)
+                  for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(pieces)
+
+    def _attend(self, query, key, value, attention_mask, causal: bool) -> torch.Tensor:
+        """SDPA of query [sq, b, heads, d] over key/value [sk, b, groups, d] -> [sq, b, heads * d]."""
         seq_q, batch, heads, head_dim = query.shape
         groups = key.shape[2]
         # [s, b, h, d] -> [b, h, s, d]; repeat K/V so each query head sees its group's K/V.
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
         v = value.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
-        mask_type = attn_mask_type or self.attn_mask_type
-        causal = attention_mask is None and mask_type == AttnMaskType.causal
         out = F.scaled_dot_product_attention(
             q,
             k,

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_armor.config import TrainConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
 # a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
@@ -134,6 +136,11 @@ class ActivationRecompute:
     method: str = "uniform"
     num_layers: int = 1
 
+    @classmethod
+    def from_config(cls, train: TrainConfig) -> ActivationRecompute:
+        """train.recompute, train.recompute_method and train.recompute_num_layers."""
+        return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
+
     def megatron_fields(self) -> dict:
         """TransformerConfig's recompute_granularity / recompute_method / recompute_num_layers."""
         if self.granularity == "none":
@@ -193,5 +200,10 @@ def transformer_config(
         # global token count once in `finalize_model_grads`, giving an exact token mean over the
         # mini-batch across micro-batches and data-parallel ranks.
         calculate_per_token_loss=True,
+        # Micro-batches are trimmed to their own longest sequence (or packed), so their shapes differ: pipeline
+        # stages send each activation's shape before it (one 3-int message per transfer).
+        variable_seq_lengths=pp_size > 1,
+        moe_token_dispatcher_type="alltoall",  # Megatron refuses variable lengths with its default (allgather)
+                                               # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
     )

@@ -5,13 +5,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from megatron_armor.config import SamplingConfig
-
-FinishReason = Literal["stop", "length"]
+from megatron_armor.data.types import FinishReason
 
 
 @dataclass(frozen=True)

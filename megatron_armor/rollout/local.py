@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from megatron_armor.config import RolloutConfig
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 
@@ -66,6 +67,12 @@ class LocalEngine(RolloutEngine):
         if weight_precision != "fp32":  # round the loaded weights too
             self.update_weights(list(self.model.named_parameters()))
 
+
+    @classmethod
+    def from_config(cls, model: str | Path | PreTrainedModel, rollout: RolloutConfig, *, pad_token_id: int) -> LocalEngine:
+        """An in-process engine of a training run: `model` (a checkpoint directory or a model) with the rollout
+        section's weight precision (rollout.engine_precision), padding with the tokenizer's `pad_token_id`."""
+        return cls(model, pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):

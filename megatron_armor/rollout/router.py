@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_armor.config import RolloutConfig
+from megatron_armor.config import SGLangClientConfig
 from megatron_armor.rollout.process import ManagedProcess, NotReady, wait_until
 from megatron_armor.rollout.sglang_engine import (
     TRANSPORT_ERRORS, SGLangEngine, SGLangEngineConfig, http_call,
@@ -180,18 +180,18 @@ class SGLangRouter:
 
 
 def make_sglang_engine(
-    urls: str, router_url: str | None, rollout: RolloutConfig, client: SGLangEngineConfig = SGLangEngineConfig(),
+    urls: str, router_url: str | None, sglang: SGLangClientConfig, client: SGLangEngineConfig = SGLangEngineConfig(),
     *, log_dir: str | None = None, push_urls: list[str] | None = None,
 ) -> SGLangEngine:
     """The client of the servers at comma-separated `urls`, generating through a router if one is wanted.
 
     `router_url`: a router already in front of `urls` (set by `armor ray-train`). Without one, this
-    process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `rollout.sglang.router`
-    asks for it. `push_urls`: the servers this process pushes weights to (default: all).
+    process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `sglang.router`
+    (rollout.sglang) asks for it. `push_urls`: the servers this process pushes weights to (default: all).
     """
     servers = urls.split(",")
-    if router_url is None and use_sglang_router(rollout.sglang.router, len(servers)):
-        router = SGLangRouter(servers, RouterConfig(policy=rollout.sglang.router_policy), log_dir=log_dir)
+    if router_url is None and use_sglang_router(sglang.router, len(servers)):
+        router = SGLangRouter(servers, RouterConfig(policy=sglang.router_policy), log_dir=log_dir)
         atexit.register(router.stop)
         router_url = router.url
     return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls)

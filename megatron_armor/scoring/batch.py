@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -26,6 +26,7 @@ class SequenceBatch:
       teacher_logprobs: [B, S] float32 label-aligned logprobs of the OPD teacher (or None).
       token_advantages: [B, S] float32 per-token advantages (OPD), preferred by the loss over
                      `advantages` when set; 0 off-response.
+      seq_lengths:   [B] int64 prompt + response tokens of each row (None: every row counts as S long).
     Right padding with a causal mask leaves real tokens unaffected, so no attention mask is needed
     and position ids are simply 0..S-1. Batches are built on the CPU; `scoring.logprobs.forward_backward`
     moves each micro-batch to the training device.
@@ -41,10 +42,17 @@ class SequenceBatch:
     ref_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
     token_advantages: torch.Tensor | None = None
+    seq_lengths: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    def real_lengths(self) -> torch.Tensor:
+        """[B] int64 tokens of each row before its padding (`seq_lengths`, or S when unknown)."""
+        if self.seq_lengths is not None:
+            return self.seq_lengths
+        return torch.full((self.size,), self.input_ids.shape[1], dtype=torch.long)
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -61,6 +69,10 @@ class SequenceBatch:
         """The sub-batch of rows `index` (every field indexed along dim 0)."""
         return self._map(lambda tensor: tensor[index])
 
+    def trim(self, width: int) -> SequenceBatch:
+        """The first `width` columns of every per-token [B, S] field (per-row fields unchanged)."""
+        return self._map(lambda tensor: tensor[:, :width] if tensor.dim() == 2 else tensor)
+
     def to(self, device: torch.device, *, non_blocking: bool = False) -> SequenceBatch:
         """This batch with every tensor on `device` (tensors already there are shared, not copied).
 
@@ -72,10 +84,6 @@ class SequenceBatch:
         """A batch of `fn` applied to every tensor field (None fields stay None)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return SequenceBatch(**{name: None if v is None else fn(v) for name, v in values.items()})
-
-    def micro_batches(self, micro_batch_size: int) -> Iterator[SequenceBatch]:
-        for start in range(0, self.size, micro_batch_size):
-            yield self.select(slice(start, start + micro_batch_size))
 
 
 def build_sequence_batch(
@@ -104,5 +112,6 @@ def build_sequence_batch(
         engine_logprobs=engine_logprobs,
         advantages=torch.tensor(advantages, dtype=torch.float32),
         is_anchor=torch.tensor([s.is_anchor for s in samples], dtype=torch.bool),
+        seq_lengths=torch.tensor(lengths, dtype=torch.long),
     )
 

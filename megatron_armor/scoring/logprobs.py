@@ -24,6 +24,7 @@ from megatron_armor.config import SamplingConfig, TrainConfig
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
+from megatron_armor.scoring.micro_batches import MicroBatch, MicroBatching
 
 LOGPROB_HEADS = ("torch", "fused")
 
@@ -90,31 +91,32 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def forward_backward(
-    model: torch.nn.Module, micro_batches: Sequence[SequenceBatch], loss_fn: LossFn, *, scoring: ScoringConfig,
+    model: torch.nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, scoring: ScoringConfig,
     forward_only: bool,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Megatron's schedule (no pipelining or 1F1B, per parallel_state) over `micro_batches`.
 
     Each micro-batch is moved to `training_device()` (the model's) before the forward, so the model
-    and `loss_fn` see it there. Returns the stats dict of every micro-batch on the last pipeline
-    stage (empty list elsewhere), on that device. Gradients (when not forward_only) accumulate into
+    and `loss_fn` see it there; a packed one runs packed and `loss_fn` gets its scores as rows
+    (`MicroBatch.unpack`). Micro-batches may differ in shape (under pipeline parallelism the stages exchange
+    each activation's shape: `variable_seq_lengths`). Returns the stats dict of every micro-batch on the last
+    pipeline stage (empty list elsewhere), on that device. Gradients (when not forward_only) accumulate into
     the model; with `calculate_per_token_loss` Megatron's `finalize_model_grads` divides them by the
     total token count.
     """
     batches = list(micro_batches)
-    shapes = {tuple(mb.input_ids.shape) for mb in batches}
-    if len(shapes) != 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError(f"pipeline parallelism needs equal micro-batch shapes, got {sorted(shapes)}")
-    mb_size, seq_len = batches[0].input_ids.shape
+    mb_size, seq_len = batches[0].model_tokens[0].shape
     device = training_device()
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)  # host-to-GPU (or no-op): safe to overlap
+        input_ids, position_ids, labels, packing = mb.model_tokens
         if scoring.head == "fused":
-            output = chunk(mb.input_ids, mb.position_ids, None, output_processor=_fused_head(scoring), output_processor_context=mb)
-            return output, lambda scores: loss_fn(scores, mb)
-        output = chunk(mb.input_ids, mb.position_ids, None)
-        return output, lambda logits: loss_fn(_torch_head(logits, mb, scoring), mb)
+            output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
+                           output_processor=_fused_head(scoring), output_processor_context=labels)
+            return output, lambda scores: loss_fn(_unpack(scores, mb), mb.rows)
+        output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
+        return output, lambda logits: loss_fn(_unpack(_torch_head(logits, labels, scoring), mb), mb.rows)
 
     with megatron_device_scope():
         return get_forward_backward_func()(
@@ -128,32 +130,38 @@ def forward_backward(
         )
 
 
-def _torch_head(logits: torch.Tensor, mb: SequenceBatch, scoring: ScoringConfig) -> TokenScores:
-    """Scores from vocab-sharded logits [b, S, V/tp]."""
+def _torch_head(logits: torch.Tensor, labels: torch.Tensor, scoring: ScoringConfig) -> TokenScores:
+    """Scores of `labels` [b, S] from vocab-sharded logits [b, S, V/tp]."""
     entropy = token_entropy(logits, scoring.temperature) if scoring.with_entropy else None
-    return TokenScores(token_logprobs(logits, mb.labels, scoring.temperature), entropy)
+    return TokenScores(token_logprobs(logits, labels, scoring.temperature), entropy)
+
+
+def _unpack(scores: TokenScores, mb: MicroBatch) -> TokenScores:
+    """Scores of a micro-batch's model tokens as its rows [n, s] (a packed micro-batch's are [1, T])."""
+    entropy = None if scores.entropy is None else mb.unpack(scores.entropy)
+    return TokenScores(mb.unpack(scores.logprobs), entropy)
 
 
 def _fused_head(scoring: ScoringConfig) -> Callable:
     """GPTModel `output_processor`: hidden [S, b, H] ([S/tp, b, H] under sequence parallelism, gathered here) +
-    this rank's output weight shard -> TokenScores.
+    this rank's output weight shard + the labels [b, S] (its context) -> TokenScores.
 
     Rows of the (padded) weight past the real vocabulary, `output_layer.unpadded_vocab_size` (set by
     `models.gpt.build_gpt_model`), are left out of the softmax, as the torch head's mask does.
     """
     from megatron_armor.kernels import fused_logprobs
 
-    def process(hidden_states, output_layer, output_weight, context: SequenceBatch, **_):
+    def process(hidden_states, output_layer, output_weight, context: torch.Tensor, **_):
         weight = output_layer.weight if output_weight is None else output_weight
         if output_layer.sequence_parallel:  # [S/tp, b, H] -> [S, b, H]; the kernel all-reduces grad_hidden over TP,
             # so the backward keeps this rank's sequence slice of it (no reduce-scatter)
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False
             )
-        b, s = context.labels.shape
+        b, s = context.shape  # the labels
         hidden = hidden_states.transpose(0, 1).reshape(b * s, -1)  # [b*S, H]
         logprobs, entropy = fused_logprobs(
-            hidden, weight, context.labels.reshape(-1), temperature=scoring.temperature,
+            hidden, weight, context.reshape(-1), temperature=scoring.temperature,
             vocab_size=output_layer.unpadded_vocab_size, tp_group=parallel_state.get_tensor_model_parallel_group(),
         )
         return TokenScores(logprobs.view(b, s), entropy.view(b, s) if scoring.with_entropy else None)
@@ -171,28 +179,46 @@ class LogprobResult:
 
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, scoring: ScoringConfig
+    model: torch.nn.Module, batch: SequenceBatch, *, micro_batching: MicroBatching, scoring: ScoringConfig
 ) -> LogprobResult:
     """Logprobs (and entropy if `scoring.with_entropy`) of `batch.labels` under `model`, forward
-    only, identical on every rank; scored on the training device, returned on `batch`'s."""
+    only, identical on every rank; scored on the training device in `micro_batching`'s micro-batches, returned
+    on `batch`'s device as [B, S] rows of `batch`."""
 
     def collect(scores: TokenScores, mb: SequenceBatch):
-        stats = {"logprobs": scores.logprobs * mb.response_mask}
-        if scores.entropy is not None:
-            stats["entropy"] = scores.entropy * mb.response_mask
-        return scores.logprobs.new_zeros(()), scores.logprobs.new_zeros((), dtype=torch.int), stats
+        return scores.logprobs.new_zeros(()), scores.logprobs.new_zeros((), dtype=torch.int), masked_scores(scores, mb)
 
     was_training = model.training
     model.eval()
-    outputs = forward_backward(model, list(batch.micro_batches(micro_batch_size)), collect, scoring=scoring,
-                               forward_only=True)
+    micro_batches = micro_batching.split(batch)
+    outputs = forward_backward(model, micro_batches, collect, scoring=scoring, forward_only=True)
     model.train(was_training)
-    keys = ["logprobs"] + (["entropy"] if scoring.with_entropy else [])
+    return gather_scores(outputs, micro_batches, batch, with_entropy=scoring.with_entropy)
+
+
+def masked_scores(scores: TokenScores, rows: SequenceBatch) -> dict[str, torch.Tensor]:
+    """A micro-batch's detached scores on its response tokens, as loss-callback stats for `gather_scores`:
+    {"scores/logprobs": [n, s], "scores/entropy": [n, s] (with entropy)}, 0 off the response."""
+    stats = {"scores/logprobs": scores.logprobs.detach() * rows.response_mask}
+    if scores.entropy is not None:
+        stats["scores/entropy"] = scores.entropy.detach() * rows.response_mask
+    return stats
+
+
+def gather_scores(
+    outputs: list[dict[str, torch.Tensor]], micro_batches: Sequence[MicroBatch], batch: SequenceBatch, *,
+    with_entropy: bool,
+) -> LogprobResult:
+    """The `masked_scores` of every micro-batch of `batch` (the schedule's `outputs`: on the last pipeline stage
+    only) as [B, S] rows of `batch`, on every stage (collective over the pipeline group) and `batch`'s device."""
+    keys = ["scores/logprobs"] + (["scores/entropy"] if with_entropy else [])
     result, device = {}, training_device()  # stages without outputs receive the last stage's there
     for key in keys:
-        values = torch.cat([out[key] for out in outputs]) if outputs else torch.empty(batch.input_ids.shape, device=device)
+        values = torch.zeros(batch.input_ids.shape, device=device)
+        for out, mb in zip(outputs, micro_batches):  # no outputs off the last stage
+            values[mb.row_index.to(device), : out[key].shape[1]] = out[key]
         result[key] = _broadcast_from_last_stage(values).to(batch.input_ids.device)
-    return LogprobResult(logprobs=result["logprobs"], entropy=result.get("entropy"))
+    return LogprobResult(logprobs=result["scores/logprobs"], entropy=result.get("scores/entropy"))
 
 
 def _broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from megatron_armor.models.hf_config import ModelConfigError
 from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 from megatron_armor.scoring.batch import SequenceBatch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
+from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.teacher.launcher import TeacherError, TeacherServerGroup
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_response, score_request_body
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
@@ -57,11 +58,11 @@ class TeacherScorer(abc.ABC):
 class InProcessTeacher(TeacherScorer):
     """A frozen GPTModel sharded like the student (this process's `parallel_state` layout)."""
 
-    def __init__(self, model: torch.nn.Module, *, micro_batch_size: int, scoring: ScoringConfig) -> None:
-        self.model, self.micro_batch_size, self.scoring = model, micro_batch_size, scoring
+    def __init__(self, model: torch.nn.Module, *, micro_batching: MicroBatching, scoring: ScoringConfig) -> None:
+        self.model, self.micro_batching, self.scoring = model, micro_batching, scoring
 
     def score(self, batch: SequenceBatch) -> torch.Tensor:
-        return compute_logprobs(self.model, batch, micro_batch_size=self.micro_batch_size, scoring=self.scoring).logprobs
+        return compute_logprobs(self.model, batch, micro_batching=self.micro_batching, scoring=self.scoring).logprobs
 
 
 class TeacherClient:

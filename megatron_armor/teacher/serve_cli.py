@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import NoReturn
 
+from megatron_armor.config import ModelConfig, OpdConfig, TrainConfig
 from megatron_armor.distributed.launch import torchrun_command
 
 PARAMS_DTYPES = ("float32", "bfloat16")
@@ -34,6 +35,13 @@ class TeacherServerConfig:
                 raise ValueError(f"serve-teacher: {name} must be >= 1, got {getattr(self, name)}")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"serve-teacher: params_dtype must be one of {PARAMS_DTYPES}, got {self.params_dtype!r}")
+
+    @classmethod
+    def from_config(cls, model_path: str, opd: OpdConfig, train: TrainConfig, model: ModelConfig) -> TeacherServerConfig:
+        """The server the trainer starts for `model_path` (opd.teacher_path) at opd.teacher_tensor/pipeline_parallel_size
+        on a free loopback port, with the student's micro-batch size (train) and parameter dtype (model)."""
+        tp, pp = opd.teacher_layout
+        return cls(model_path, tp, pp, port=0, micro_batch_size=train.micro_batch_size, params_dtype=model.params_dtype)
 
     @property
     def world_size(self) -> int:

@@ -40,6 +40,7 @@ from megatron_armor.rollout.http_server import LocalSGLangServer
 from megatron_armor.rollout.local_server import RequestError
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
+from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.teacher.protocol import ScoreRequest, parse_score_request, score_item_body
 from megatron_armor.teacher.serve_cli import TeacherServerConfig, add_serve_teacher_arguments, settings_from_args
 
@@ -51,18 +52,13 @@ SERVER_VERSION = "megatron-armor-teacher"
 
 
 def score_sequences(model: torch.nn.Module, request: ScoreRequest, micro_batch_size: int) -> list[list[float]]:
-    """Collective over the teacher ranks: per sequence [L - 1] logprobs of its tokens 1..L-1 (fp32).
-
-    The batch is padded with 1-token rows to whole micro-batches, which pipeline parallelism needs.
-    """
+    """Collective over the teacher ranks: per sequence [L - 1] logprobs of its tokens 1..L-1 (fp32), in
+    micro-batches of `micro_batch_size` sequences."""
     sequences = request.sequences
-    size = min(micro_batch_size, len(sequences))
-    rows = -(-len(sequences) // size) * size
-    samples = [_scored_sample(seq) for seq in sequences] + [_scored_sample([0])] * (rows - len(sequences))
-    batch = build_sequence_batch(samples, [0.0] * rows, pad_token_id=0)
+    batch = build_sequence_batch([_scored_sample(seq) for seq in sequences], [0.0] * len(sequences), pad_token_id=0)
     logprobs = compute_logprobs(
-        model, batch, micro_batch_size=size, scoring=ScoringConfig(temperature=request.temperature)
-    ).logprobs  # [rows, S] label aligned: column t scores token t + 1
+        model, batch, micro_batching=MicroBatching(micro_batch_size), scoring=ScoringConfig(temperature=request.temperature)
+    ).logprobs  # [B, S] label aligned: column t scores token t + 1
     return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.algorithms import Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig, resolve_distributed_optimizer
+from megatron_armor.config import ArmorConfig, RolloutConfig, resolve_distributed_optimizer
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.weights import parameters_exported_as_views
@@ -23,7 +23,7 @@ from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout, load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
-from megatron_armor.rewards.registry import load_reward_fn
+from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
@@ -31,13 +31,16 @@ from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
 from megatron_armor.scoring.logprobs import ScoringConfig
+from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.loop import RLTrainer
+from megatron_armor.trainer.colocation import Colocation
+from megatron_armor.trainer.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.update_gate import InferenceGapGate
 from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.plan import StepPlan
+from megatron_armor.trainer.rollout_phase import RolloutSources
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.samples import OverlongPenalty, SampleScorer
 from megatron_armor.trainer.task_setup import TaskPaths
@@ -67,9 +70,12 @@ def context_length_warning(cfg: ArmorConfig, shape: ModelShape) -> str | None:
             f"requests unless started with --context-length (or the config raises it)")
 
 
-def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths) -> TrainingSetup:
+def build_training(
+    ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, rewards: RewardFns | None = None,
+) -> TrainingSetup:
     """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` and `algorithm` (built from it)
-    say (collective)."""
+    say (collective); `rewards` loaded beforehand (`RewardFns.from_config`), else here, before any model."""
+    rewards = rewards or RewardFns.from_config(cfg.reward)
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
@@ -90,17 +96,17 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorit
         teacher_engine=teacher_engine,
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
-    sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
     overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
-    train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
-    val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
+    train_scorer = SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
+    val_scorer = SampleScorer(tokenizer, rewards.val)
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
-    trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), sampler, sampling, train_scorer,
-                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim,
-                        gate=gate, constraint=trainer_models.constraint,
-                        constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
-                        memory_handoff=handoff, offload=trainer_models.offload)
+    parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
+                         constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
+                         colocation=Colocation(handoff, trainer_models.offload))
+    trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
+                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim, parts)
     return TrainingSetup(trainer=trainer, models=models, val_rows=all_val_rows[: cfg.eval.max_prompts],
                          val_scorer=val_scorer, val_sampling=val_sampling)
 
@@ -151,7 +157,7 @@ def _build_models(
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
         sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda")
-        recompute = ActivationRecompute(cfg.train.recompute, cfg.train.recompute_method, cfg.train.recompute_num_layers)
+        recompute = ActivationRecompute.from_config(cfg.train)
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
                                sequence_parallel=sequence_parallel)
         ddp, optimizer = wrap_for_training(actor, optim)
@@ -194,13 +200,11 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
-        return InProcessTeacher(model, micro_batch_size=cfg.train.micro_batch_size, scoring=scoring)
+        return InProcessTeacher(model, micro_batching=MicroBatching.from_config(cfg.train, cfg.parallel), scoring=scoring)
     launch = None
     if opd.teacher_layout is not None:
-        tp, pp = opd.teacher_layout
-        check_parallel_layout(teacher_shape, tp, pp)  # before any teacher process starts
-        launch = TeacherServerConfig(paths.teacher_path, tp, pp, port=0, micro_batch_size=cfg.train.micro_batch_size,
-                                     params_dtype=cfg.model.params_dtype)
+        check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts
+        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.train, cfg.model)
     urls = opd.teacher_url.split(",") if opd.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
@@ -227,9 +231,8 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     """
     rollout = cfg.rollout
     if rollout.backend == "local":
-        options = _local_engine_options(cfg, pad_token_id)
-        actor = _local_engine(paths.model_path, **options)
-        return actor, actor if rollout.anchors.engine == "shared" else _local_engine(paths.ref_path, **options)
+        actor = _local_engine(paths.model_path, rollout, pad_token_id)
+        return actor, actor if rollout.anchors.engine == "shared" else _local_engine(paths.ref_path, rollout, pad_token_id)
     from megatron_armor.rollout.router import make_sglang_engine
     from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
 
@@ -238,7 +241,7 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
 
     def engine(urls: str, router_url: str | None):
         push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
-        return make_sglang_engine(urls, router_url, rollout, client, log_dir=log_dir, push_urls=push_urls)
+        return make_sglang_engine(urls, router_url, rollout.sglang, client, log_dir=log_dir, push_urls=push_urls)
 
     sglang = rollout.sglang
     actor = engine(sglang.urls, sglang.router_url)
@@ -256,19 +259,15 @@ def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> Lo
             f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
             f"megatron-to-hf`"
         )
-    return LocalEngine(paths.teacher_path, **_local_engine_options(cfg, pad_token_id))
+    return LocalEngine.from_config(paths.teacher_path, cfg.rollout, pad_token_id=pad_token_id)
 
 
-def _local_engine_options(cfg: ArmorConfig, pad_token_id: int) -> dict[str, Any]:
-    """Keyword arguments of every in-process engine of the run (`LocalEngine`)."""
-    return dict(pad_token_id=pad_token_id, weight_precision=cfg.rollout.engine_precision)
-
-
-def _local_engine(path: str, **options) -> LocalEngine:
+def _local_engine(path: str, rollout: RolloutConfig, pad_token_id: int) -> LocalEngine:
     """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
     its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
-    if not is_megatron_checkpoint(path):
-        return LocalEngine(path, **options)
-    return LocalEngine(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32), **options)
+    model = path
+    if is_megatron_checkpoint(path):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    return LocalEngine.from_config(model, rollout, pad_token_id=pad_token_id)
 
 

@@ -1,6 +1,10 @@
 """Non-finite updates: find a mini-batch whose loss or gradients are not finite before its optimizer step,
 name the ranks that saw it, and the error that stops a run after too many skipped steps in a row.
 
+Gradients count as not finite also when they are finite but their norm is not in fp32 (the square of this rank's
+gradient norm exceeds fp32's largest value): Megatron computes the clipping norm in fp32 and would clip by an
+infinite norm, i.e. step with zeroed gradients.
+
 Every rank takes the same decision: each rank's flags (loss, gradients) are all-gathered over the whole
 job, so a NaN on one pipeline stage or data-parallel shard skips the step everywhere.
 """
@@ -30,7 +34,7 @@ class NonFiniteUpdate:
 
     def describe(self) -> str:
         seen = [f"{what} on rank(s) {list(ranks)}" for what, ranks in
-                (("non-finite loss", self.loss_ranks), ("non-finite gradients", self.grad_ranks)) if ranks]
+                (("non-finite loss", self.loss_ranks), ("non-finite gradients (or gradient norm)", self.grad_ranks)) if ranks]
         return f"RL step {self.rl_step + 1}, mini-batch {self.mini_batch}: {', '.join(seen)}"
 
 
@@ -55,14 +59,28 @@ def find_nonfinite(
     return NonFiniteUpdate(rl_step, mini_batch, loss_ranks, grad_ranks)
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _grads_finite(ddp: torch.nn.Module) -> bool:
-    """Whether DDP's grad buffers hold only finite values: their min and max (NaN propagates into both), so no
-    buffer-sized temporary is made and the device syncs once."""
+    """Whether DDP's grad buffers hold only finite values whose squared norm is finite in fp32.
+
+    Their min and max first (NaN propagates into both; no buffer-sized temporary, one device sync); only when
+    max|g|^2 * numel could reach fp32's largest value is the squared norm summed, over g / max|g| (each term
+    <= 1, so the sum cannot overflow) and scaled back in float64.
+    """
     buffers = [buffer.grad_data for buffer in (*ddp.buffers, *ddp.expert_parallel_buffers)]
     if not buffers:
         return True
     extremes = torch.stack([value for grads in buffers for value in torch.aminmax(grads)])  # [2 * buffers]
-    return bool(torch.isfinite(extremes).all())
+    if not bool(torch.isfinite(extremes).all()):
+        return False
+    largest = float(extremes.abs().max())
+    numel = sum(grads.numel() for grads in buffers)
+    if largest == 0 or largest * largest * numel < FP32_MAX:
+        return True
+    scaled_squares = sum(float(torch.square(grads / largest).sum(dtype=torch.float64)) for grads in buffers)
+    return largest * largest * scaled_squares < FP32_MAX
 
 
 class TooManySkipsError(RuntimeError):

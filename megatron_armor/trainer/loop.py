@@ -6,27 +6,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
+from megatron_armor.planning.flops import rl_step_flops
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.faults import NonFiniteUpdate
-from megatron_armor.trainer.memory_handoff import MemoryHandoff
-from megatron_armor.trainer.offload import TrainerOffload
 from megatron_armor.trainer.optimizer import AdamConfig
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
-from megatron_armor.trainer.rollout_phase import RolloutPhase, mean
+from megatron_armor.trainer.rollout_phase import RolloutPhase, RolloutSources, mean
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
 from megatron_armor.trainer.sharded_state import restore_module, restore_order, sharded_modules
 from megatron_armor.trainer.snapshot import TrainingSnapshot
@@ -34,6 +34,17 @@ from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch
 from megatron_armor.trainer.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
+
+
+@dataclass
+class TrainerParts:
+    """The optional parts of an RL step; each is off when None."""
+
+    gate: InferenceGapGate | None = None  # MIPU Step 2: post-update gate with rollback
+    constraint: SubspaceConstraint | None = None  # subspace-constrained training ...
+    constraint_capture_step: int = 0  # ... whose span is captured after this RL step
+    anchor_cache: AnchorCache | None = None  # a prompt's anchors sampled once per reference
+    colocation: Colocation = field(default_factory=Colocation)  # GPU phases shared with colocated servers
 
 
 class RLTrainer:
@@ -53,20 +64,17 @@ class RLTrainer:
     """
 
     def __init__(
-        self, ctx: DistributedContext, models: PolicyHandles, plan: StepPlan, sampler: PromptSampler,
-        sampling: SamplingParams, scorer: SampleScorer, scoring: ScoringConfig, optim: AdamConfig,
-        gate: InferenceGapGate | None = None, constraint: SubspaceConstraint | None = None,
-        constraint_capture_step: int = 0, anchor_cache: AnchorCache | None = None,
-        memory_handoff: MemoryHandoff | None = None, offload: TrainerOffload | None = None,
+        self, ctx: DistributedContext, models: PolicyHandles, plan: StepPlan, sources: RolloutSources,
+        scoring: ScoringConfig, optim: AdamConfig, parts: TrainerParts | None = None,
     ) -> None:
-        self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sampler
+        parts = parts or TrainerParts()
+        self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sources.sampler
         self.scoring, self.optim = scoring, optim
-        self.gate, self.anchor_cache = gate, anchor_cache
-        self.constraint, self.constraint_capture_step = constraint, constraint_capture_step
-        self.colocation = Colocation(memory_handoff, offload)
+        self.gate, self.anchor_cache = parts.gate, parts.anchor_cache
+        self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
+        self.colocation = parts.colocation
         self.engine_weights = EngineWeights(models, self.colocation)
-        self.rollout = RolloutPhase(plan, models, sampler, sampling, scorer, self.engine_weights, anchor_cache,
-                                    dp_size=ctx.dp_size)
+        self.rollout = RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache, dp_size=ctx.dp_size)
         self.optimizer_steps = 0
         self.consecutive_skips = 0  # RL steps in a row whose update was skipped for a non-finite loss or gradient
         self.checkpoints_reference = bool(plan.ref_reset_period)  # the reference leaves model.ref_path's weights
@@ -93,8 +101,23 @@ class RLTrainer:
             metrics.update(self.reset_reference())
         metrics.update(self.colocation.offload_metrics())
         seconds = time.perf_counter() - start
-        metrics.update({"perf/step_seconds": seconds, "perf/tokens_per_second": num_tokens / max(seconds, 1e-9)})
+        flops = self.step_flops(rollout.groups)
+        metrics.update({"perf/step_seconds": seconds, "perf/tokens_per_second": num_tokens / max(seconds, 1e-9),
+                        "perf/tflops_per_gpu": flops / max(seconds, 1e-9) / self.ctx.world_size / 1e12 if flops else 0.0})
         return metrics
+
+    def step_flops(self, groups: list[list[Sample]]) -> float:
+        """Training FLOPs of an RL step over `groups` (Megatron's formula, planning/flops.py): the update, the
+        old-policy logprobs (unless the update gives them) and, as the algorithm needs them, the reference's and the
+        teacher's (at the student's shape); rollout generation and the MIPU gate's scoring are not counted. 0 when
+        no prompt was kept."""
+        if not groups:
+            return 0.0
+        algorithm = self.plan.algorithm
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for group in groups for s in group]
+        return rl_step_flops(self.models.shape, lengths, reference=algorithm.needs_ref_logprobs,
+                             teacher=self.models.shape if algorithm.needs_teacher else None,
+                             old_logprobs=not self.plan.old_logprobs_from_update).total
 
     def train_on(self, step: int, groups: list[list[Sample]]) -> tuple[dict[str, float], int]:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
@@ -106,10 +129,10 @@ class RLTrainer:
                                          pad_token_id=models.pad_token_id)
             prepared = score_logprobs(advantaged, models, plan, self.scoring, optimizer_steps=self.optimizer_steps,
                                       dp_rank=ctx.dp_rank)
-            metrics = batch_metrics(prepared, sampled_by_actor=models.teacher_engine is None,
-                                    uses_anchors=plan.uses_anchors)
             snapshot = self.snapshot_before_update(len(prepared.mini_batches))
             update_metrics, fault = self.update(step, prepared, snapshot)
+            metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
+                                    uses_anchors=plan.uses_anchors)  # of the batch before the update
             metrics.update(update_metrics)
         metrics["perf/train_seconds"] = time.perf_counter() - start
         gated = self.gate is not None and fault is None
@@ -127,10 +150,12 @@ class RLTrainer:
         fault. On a fault the step counts as skipped and the mini-batches already stepped are undone from
         `snapshot` (`snapshot_before_update`); without one (train.nonfinite_rollback false) they stay applied."""
         update = update_policy(
-            self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batch_size=self.plan.micro_batch_size,
+            self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batching=self.plan.micro_batching,
             algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
             constraint=self.constraint,
         )
+        if update.old_scores is not None:  # an on-policy update scored the batch's old policy itself
+            prepared.record_old_scores(update.old_scores)
         if update.fault is None:
             self.optimizer_steps += update.optimizer_steps
             self.consecutive_skips = 0
@@ -166,7 +191,7 @@ class RLTrainer:
         models = self.models
         result = self.gate.measure(
             step, models.actor, models.actor_engine, pad_token_id=models.pad_token_id,
-            micro_batch_size=self.plan.micro_batch_size, scoring=self.scoring,
+            micro_batching=self.plan.micro_batching, scoring=self.scoring,
         )
         if not result.accepted:
             with self.colocation.trainer_phase(resume_serving=False):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megatron_armor.algorithms import Algorithm
 from megatron_armor.config import ArmorConfig
+from megatron_armor.scoring.micro_batches import MicroBatching
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class StepPlan:
     algorithm: Algorithm
     train_batch_size: int  # prompts per step
     mini_batch_size: int  # prompts per optimizer step
-    micro_batch_size: int  # sequences per forward/backward
+    micro_batching: MicroBatching  # how a rank's mini-batch is cut into forward/backward micro-batches
     actor_n: int  # on-policy samples per prompt
     ref_n: int  # anchor samples per prompt (algorithms that use anchors)
     max_num_gen_batches: int
@@ -33,7 +34,7 @@ class StepPlan:
         section, train = cfg.algorithm, cfg.train
         return cls(
             algorithm=algorithm, train_batch_size=train.train_batch_size, mini_batch_size=train.mini_batch_size,
-            micro_batch_size=train.micro_batch_size, actor_n=cfg.rollout.sampling.actor_n,
+            micro_batching=MicroBatching.from_config(train, cfg.parallel), actor_n=cfg.rollout.sampling.actor_n,
             ref_n=cfg.rollout.anchors.ref_n, max_num_gen_batches=section.max_num_gen_batches,
             allow_partial_batch=section.allow_partial_batch, adv_eps=section.adv_eps,
             ref_reset_period=section.ref_reset_period, seed=train.seed, advantage_baseline=section.advantage_baseline,
@@ -44,6 +45,11 @@ class StepPlan:
     def uses_anchors(self) -> bool:
         """The reference samples anchors, and a group needs a correct one (the algorithm says)."""
         return self.algorithm.uses_anchors
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """The update's own forward gives the old-policy logprobs (`Algorithm.old_logprobs_from_update`)."""
+        return self.algorithm.old_logprobs_from_update(self.train_batch_size // self.mini_batch_size)
 
     def resets_reference_after(self, step: int) -> bool:
         """Whether RL step `step` (0-based) ends with a reference reset (every `ref_reset_period` steps)."""

@@ -73,7 +73,6 @@ def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
 def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], cfg: ArmorConfig) -> Path:
     from megatron_armor.trainer.warmstart import WarmStartConfig, cached_warm_start
 
-    ws = WarmStartConfig(steps=cfg.task.warm_start_steps, target_accuracy=cfg.task.warm_start_target_accuracy,
-                         seed=cfg.train.seed)
-    result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", ws)
+    warm_start = WarmStartConfig.from_config(cfg.task, seed=cfg.train.seed)
+    result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", warm_start)
     return Path(result.path)

@@ -8,6 +8,7 @@ Both phases see only this data-parallel rank's share of each mini-batch (`local_
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
-from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
+from megatron_armor.scoring.logprobs import LogprobResult, ScoringConfig, compute_logprobs
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.samples import call_seed
@@ -45,14 +46,20 @@ class PreparedBatch:
     batch: the `AdvantageBatch`'s, with old_logprobs [B, S] float32 and, as the plan needs them,
            ref_logprobs [B, S] float32, teacher_logprobs and token_advantages [B, S] float32 (OPD);
     mini_batches: row slices of `batch`, one per optimizer step;
-    entropy: token-mean policy entropy of the local batch before the update;
+    old_entropy: [B, S] float32 policy entropy before the update (0 off the response);
     num_tokens: prompt + response tokens of the whole step (all data-parallel ranks).
+    With `StepPlan.old_logprobs_from_update` old_logprobs and old_entropy are None until the update's forward
+    gives them (`record_old_scores`).
     """
 
     batch: SequenceBatch
     mini_batches: list[SequenceBatch]
-    entropy: float
+    old_entropy: torch.Tensor | None
     num_tokens: int
+
+    def record_old_scores(self, scores: LogprobResult) -> None:
+        """Keep the old-policy logprobs and entropy the on-policy update's forward gave ([B, S] rows of `batch`)."""
+        self.batch.old_logprobs, self.old_entropy = scores.logprobs, scores.entropy
 
 
 def advantage_batch(
@@ -68,9 +75,10 @@ def advantage_batch(
     group_start = [0]
     for g in groups:
         group_start.append(group_start[-1] + len(g))
+    group_tokens = [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in groups]
     rows = [  # sample rows of each local mini-batch
         [r for gi in local for r in range(group_start[gi], group_start[gi + 1])]
-        for local in local_mini_batch_groups(len(groups), plan.mini_batch_size, dp_size, dp_rank)
+        for local in local_mini_batch_groups(group_tokens, plan.mini_batch_size, dp_size, dp_rank)
     ]
     order = [r for mini in rows for r in mini]
     batch = build_sequence_batch([samples[r] for r in order], advantages[order].tolist(), pad_token_id=pad_token_id)
@@ -85,17 +93,19 @@ def score_logprobs(
     advantaged: AdvantageBatch, models: PolicyHandles, plan: StepPlan, scoring: ScoringConfig, *,
     optimizer_steps: int, dp_rank: int,
 ) -> PreparedBatch:
-    """The actor's logprobs and entropy before the update, and what the algorithm asks for: the reference's
-    logprobs, the teacher's, and per-token advantages from the scored batch (its random draws: one stream per
-    optimizer-step count and data shard). Collective over the model-parallel group; fills in
-    `advantaged.batch` in place."""
+    """The actor's logprobs and entropy before the update (unless the update gives them:
+    `StepPlan.old_logprobs_from_update`), and what the algorithm asks for: the reference's logprobs, the
+    teacher's, and per-token advantages from the scored batch (its random draws: one stream per optimizer-step
+    count and data shard). Collective over the model-parallel group; fills in `advantaged.batch` in place."""
     batch, algorithm = advantaged.batch, plan.algorithm
-    old = compute_logprobs(models.actor, batch, micro_batch_size=plan.micro_batch_size,
-                           scoring=dataclasses.replace(scoring, with_entropy=True))
-    batch.old_logprobs = old.logprobs
+    old_entropy = None
+    if not plan.old_logprobs_from_update:
+        old = compute_logprobs(models.actor, batch, micro_batching=plan.micro_batching,
+                               scoring=dataclasses.replace(scoring, with_entropy=True))
+        batch.old_logprobs, old_entropy = old.logprobs, old.entropy
     if algorithm.needs_ref_logprobs:
         batch.ref_logprobs = compute_logprobs(
-            models.ref, batch, micro_batch_size=plan.micro_batch_size, scoring=scoring
+            models.ref, batch, micro_batching=plan.micro_batching, scoring=scoring
         ).logprobs
     if algorithm.needs_teacher:
         batch.teacher_logprobs = models.teacher.score(batch)
@@ -109,7 +119,7 @@ def score_logprobs(
     return PreparedBatch(
         batch=batch,
         mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])],
-        entropy=float(masked_mean(old.entropy, batch.response_mask)),
+        old_entropy=old_entropy,
         num_tokens=advantaged.num_tokens,
     )
 
@@ -122,7 +132,7 @@ def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_ancho
     Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks (collective).
     """
     batch = prepared.batch
-    metrics = {"policy/entropy": prepared.entropy}
+    metrics = {"policy/entropy": float(masked_mean(prepared.old_entropy, batch.response_mask))}
     if sampled_by_actor:  # engine_logprobs are the actor engine's
         on_policy = ~batch.is_anchor
         diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
@@ -138,17 +148,36 @@ def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_ancho
     return mean_over_data_parallel(metrics)
 
 
-def local_mini_batch_groups(num_groups: int, mini_batch_size: int, dp_size: int, dp_rank: int) -> list[list[int]]:
-    """Group indices of rank `dp_rank`'s share of each mini-batch (group gi goes to rank gi % dp_size).
+def local_mini_batch_groups(
+    group_tokens: Sequence[int], mini_batch_size: int, dp_size: int, dp_rank: int
+) -> list[list[int]]:
+    """Group indices (ascending) of rank `dp_rank`'s share of each mini-batch, for groups of `group_tokens`
+    prompt + response tokens: each mini-batch's groups are dealt to the ranks in equal numbers, balancing their
+    token totals (`balanced_deal`, as verl's balance_batch), so no rank waits for a rank with the long tail.
 
     Both counts must be multiples of dp_size (config validation, `rollout_phase.trim_to_data_parallel`): then
     no share is empty and every rank gets ceil(num_groups / mini_batch_size) mini-batches, i.e. runs the
     same optimizer steps (and collectives).
     """
+    num_groups = len(group_tokens)
     if num_groups % dp_size or mini_batch_size % dp_size:
         raise ValueError(f"{num_groups} groups in mini-batches of {mini_batch_size} cannot be dealt evenly to "
                          f"{dp_size} data-parallel ranks (both must be multiples of it)")
-    return [
-        [gi for gi in range(start, min(start + mini_batch_size, num_groups)) if gi % dp_size == dp_rank]
-        for start in range(0, num_groups, mini_batch_size)
-    ]
+    shares = []
+    for start in range(0, num_groups, mini_batch_size):
+        mini_batch = range(start, min(start + mini_batch_size, num_groups))
+        shares.append(balanced_deal(mini_batch, group_tokens, dp_size)[dp_rank])
+    return shares
+
+
+def balanced_deal(items: Sequence[int], weights: Sequence[int], parts: int) -> list[list[int]]:
+    """`items` (a multiple of `parts` of them) dealt into `parts` lists of equal length with near-equal total
+    `weights[item]`: heaviest first, each to the lightest list that still has room (ties: the lower list, the
+    lower item). Deterministic, so every rank computes the same deal. Each list ascending."""
+    per_part = len(items) // parts
+    totals, dealt = [0] * parts, [[] for _ in range(parts)]
+    for item in sorted(items, key=lambda i: (-weights[i], i)):
+        part = min((p for p in range(parts) if len(dealt[p]) < per_part), key=lambda p: (totals[p], p))
+        dealt[part].append(item)
+        totals[part] += weights[item]
+    return [sorted(part) for part in dealt]

@@ -18,6 +18,7 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
+from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
 
 
@@ -55,8 +56,8 @@ class InferenceGapGate:
                    adv_eps=adv_eps)
 
     def measure(
-        self, step: int, actor: torch.nn.Module, engine: RolloutEngine, *, pad_token_id: int, micro_batch_size: int,
-        scoring: ScoringConfig,
+        self, step: int, actor: torch.nn.Module, engine: RolloutEngine, *, pad_token_id: int,
+        micro_batching: MicroBatching, scoring: ScoringConfig,
     ) -> GateResult:
         """Collective over all ranks: sample the held-out batch from `engine` (mu_{k+1}), score it with
         `actor` (pi_{k+1}) and compare T_post with -c_step."""
@@ -69,7 +70,7 @@ class InferenceGapGate:
         rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float32)
         advantages = group_advantages(rewards, group_ids, eps=self.adv_eps)
         batch = build_sequence_batch(samples, advantages.tolist(), pad_token_id=pad_token_id)
-        trainer_logp = compute_logprobs(actor, batch, micro_batch_size=micro_batch_size, scoring=scoring).logprobs
+        trainer_logp = compute_logprobs(actor, batch, micro_batching=micro_batching, scoring=scoring).logprobs
         gap = _from_rank0(gap_proxy(trainer_logp, batch.engine_logprobs, batch.response_mask, advantages))
         c = tolerance(step, config.c_start, config.c_end, config.ramp_steps)
         return GateResult(gap=gap, tolerance=c, accepted=accept_update(gap, c), reward_mean=float(rewards.mean()))

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from megatron_armor.config import TaskConfig
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import verify
 from megatron_armor.rollout.base import SamplingParams
@@ -35,6 +36,11 @@ class WarmStartConfig:
     eval_every: int = 50
     eval_rows: int = 64
     seed: int = 0
+
+    @classmethod
+    def from_config(cls, task: TaskConfig, *, seed: int) -> WarmStartConfig:
+        """The synthetic task's warm start: task.warm_start_steps at most, until task.warm_start_target_accuracy."""
+        return cls(steps=task.warm_start_steps, target_accuracy=task.warm_start_target_accuracy, seed=seed)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ import math
 import warnings
 from pathlib import Path
 
+from megatron_armor.config import LoggingConfig
+
 
 class MetricsLogger:
     """Appends one JSON object per step; non-finite values are written as null and listed under
@@ -38,6 +40,13 @@ class MetricsLogger:
             except ImportError as error:
                 raise RuntimeError("logging.wandb_project is set but wandb is not installed: pip install wandb") from error
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir))
+
+    @classmethod
+    def from_config(cls, logging: LoggingConfig, *, enabled: bool = True, resume_from_step: int | None = None) -> MetricsLogger:
+        """The run's logger as the logging section says (run_dir, tensorboard, wandb_project); `enabled`: this
+        rank writes (the main rank); `resume_from_step`: the step a resumed run continues from."""
+        return cls(logging.run_dir, tensorboard=logging.tensorboard, wandb_project=logging.wandb_project,
+                   enabled=enabled, resume_from_step=resume_from_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -5,6 +5,7 @@ No GPU here, so the moves are checked with the meta device standing in for CUDA.
 
 from dataclasses import fields
 
+import pytest
 import torch
 
 from launcher import run_workers
@@ -13,6 +14,7 @@ from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import model_shape_from_dict, transformer_config
 from megatron_armor.scoring import logprobs
 from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
+from megatron_armor.scoring.micro_batches import MicroBatching
 
 META = torch.device("meta")
 
@@ -60,13 +62,16 @@ def test_sequence_batch_to_moves_every_tensor_field():
     assert all(same_tensor is tensor_fields(batch)[name] for name, same_tensor in tensor_fields(same).items())
 
 
-def test_forward_backward_feeds_model_and_loss_on_the_training_device(monkeypatch):
-    """Every micro-batch reaches the model chunk and the loss function on `training_device()`."""
+@pytest.mark.parametrize("micro_batching", [MicroBatching(1), MicroBatching(2, pack=True)], ids=["rows", "packed"])
+def test_forward_backward_feeds_model_and_loss_on_the_training_device(monkeypatch, micro_batching):
+    """Every micro-batch reaches the model chunk and the loss function on `training_device()`, packed or not."""
     seen = []
 
-    def chunk(input_ids, position_ids, attention_mask, *, output_processor, output_processor_context):
-        seen.append(("model", {"input_ids": input_ids, "position_ids": position_ids, **tensor_fields(output_processor_context)}))
-        return "scores"
+    def chunk(input_ids, position_ids, attention_mask, *, packed_seq_params, output_processor, output_processor_context):
+        packing = {} if packed_seq_params is None else {"cu_seqlens": packed_seq_params.cu_seqlens_q}
+        seen.append(("model", {"input_ids": input_ids, "position_ids": position_ids,
+                               "labels": output_processor_context, **packing}))
+        return logprobs.TokenScores(torch.zeros(input_ids.shape, device=META), None)
 
     def schedule(*, forward_step_func, data_iterator, model, num_microbatches, **_):
         results = []
@@ -82,9 +87,9 @@ def test_forward_backward_feeds_model_and_loss_on_the_training_device(monkeypatc
     monkeypatch.setattr(logprobs, "training_device", lambda: META)
     monkeypatch.setattr(logprobs, "get_forward_backward_func", lambda: schedule)
     batch = full_batch()
-    logprobs.forward_backward(chunk, list(batch.micro_batches(1)), loss_fn,
+    logprobs.forward_backward(chunk, micro_batching.split(batch), loss_fn,
                               scoring=logprobs.ScoringConfig(head="fused"), forward_only=True)
-    assert [where for where, _ in seen] == ["model", "loss"] * 2
+    assert [where for where, _ in seen] == ["model", "loss"] * (2 if micro_batching.micro_batch_size == 1 else 1)
     for where, tensors in seen:
         assert {name: t.device for name, t in tensors.items()} == {name: META for name in tensors}, where
 

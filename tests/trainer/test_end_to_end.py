@@ -53,6 +53,7 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
                     "loss/mixed_ratio_mean", "policy/entropy", "mismatch/logprob_abs_diff", "perf/step_seconds",
                     "perf/tokens_per_second", "loss/policy_loss"):
             assert math.isfinite(row[key]), (key, row)
+        assert row["perf/tflops_per_gpu"] > 0  # planning/flops.py's count of the step / its seconds / 2 ranks
         assert row["armor/anchors_used"] == row["armor/prompts_kept"] > 0
         assert row["mix_kl/main_ratio"] == 7 / 8  # groups of 7 on-policy samples and 1 anchor
         assert row["mismatch/logprob_abs_diff"] < 1e-3

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from algorithm_factory import NanAdvantagesOnChosenSteps
 from launcher import run_workers
@@ -60,7 +61,7 @@ def test_a_nonfinite_step_is_skipped_whole_and_the_next_one_trains(synthetic_cac
     for good in (1, 3):
         assert rows[good]["train/update_skipped"] == 0 and "train/nonfinite_skipped" not in rows[good]
         assert rows[good]["optim/grad_norm"] > 0
-    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [0], non-finite gradients on rank(s) [0]" in caplog.text
+    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [0], non-finite gradients (or gradient norm) on rank(s) [0]" in caplog.text
     (before, _), (after, skipped), (trained, next_state) = (_checkpoint(run_dir, step) for step in (1, 2, 3))
     # mini-batch 0 of step 2 was stepped, then undone: weights, Adam moments and step counts as after step 1
     assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
@@ -109,15 +110,43 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthe
 
 def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, tmp_path):
     """Data-parallel size 2, NaN advantages on rank 1 only: both ranks skip step 2 and keep step 1's state; the
-    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it)."""
+    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it).
+    The same run audits its samples (reward.audit_fns) on both ranks: an audit equal to the training verifier
+    agrees with train/accuracy, one that calls everything wrong flags every sample the verifier calls correct,
+    which holds only when the two ranks' counts are summed."""
+    never = tmp_path / "never.py"
+    never.write_text("def wrong(response, row):\n    return 0.0, False\n")
     run_dir = tmp_path / "run"
     run_workers("train_run.py", 2, tmp_path / "out", CONFIG, *_overrides(
         synthetic_cache, run_dir, "algorithm.name=algorithm_factory:NanOnRankOneAtStepTwo",
         "parallel.data_parallel_size=2", "train.max_steps=2", "checkpoint.every=1",
+        f"reward.audit_fns=megatron_armor.rewards.arithmetic:verify,{never}:wrong",
     ))
     rows = _metrics(run_dir)
     assert rows[1]["train/update_skipped"] == 0 and rows[2]["train/nonfinite_skipped"] == 1
+    for row in rows.values():
+        assert 0 < row["train/accuracy"] < 1
+        assert row["audit/arithmetic_verify_accuracy"] == row["train/accuracy"]
+        assert row["audit/arithmetic_verify_hack_rate"] == 0 and row["audit/never_wrong_accuracy"] == 0
+        assert row["audit/never_wrong_hack_rate"] == row["train/accuracy"] == row["audit/hack_rate"]
     logs = (tmp_path / "out" / "stderr.txt").read_text()
-    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients on rank(s) [0, 1]" in logs
+    assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients (or gradient norm) on rank(s) [0, 1]" in logs
     (before, _), (after, _) = (_checkpoint(run_dir, step) for step in (1, 2))  # both ranks' shards
     assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
+
+
+def test_finite_gradients_whose_norm_overflows_fp32_count_as_nonfinite():
+    """Megatron clips by the fp32 norm: finite gradients of norm above sqrt(fp32 max) ~ 1.8e19 would clip by an
+    infinite norm (a step with zeroed gradients), so the mini-batch is skipped like a NaN one."""
+    from types import SimpleNamespace
+
+    from megatron_armor.trainer.faults import _grads_finite
+
+    def ddp(*buffers):
+        return SimpleNamespace(buffers=[SimpleNamespace(grad_data=b) for b in buffers], expert_parallel_buffers=[])
+
+    assert _grads_finite(ddp(torch.full((4,), 9e18), torch.zeros(3)))  # norm 1.8e19: norm^2 3.24e38 < 3.40e38
+    assert not _grads_finite(ddp(torch.full((4,), 1e19), torch.zeros(3)))  # norm^2 4e38 overflows
+    assert not _grads_finite(ddp(torch.full((2,), 1e19), torch.full((2,), -1e19)))  # the sum over buffers does too
+    assert not _grads_finite(ddp(torch.tensor([1.0, float("nan")])))
+    assert _grads_finite(ddp(torch.zeros(5))) and _grads_finite(ddp())

@@ -21,6 +21,7 @@ from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.trainer.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
 from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.policy_update import update_policy
+from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm
 
@@ -63,8 +64,8 @@ def _batch(vocab_size: int, seed: int):
 
 
 def _update(ddp, optimizer, batch, step: int) -> None:
-    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=2, scoring=ScoringConfig()).logprobs
-    update_policy(ddp, optimizer, [batch], micro_batch_size=2, algorithm=ALGORITHM, scoring=SCORING, optim=OPTIM,
+    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=MicroBatching(2), scoring=ScoringConfig()).logprobs
+    update_policy(ddp, optimizer, [batch], micro_batching=MicroBatching(2), algorithm=ALGORITHM, scoring=SCORING, optim=OPTIM,
                   rl_step=step)
 
 
@@ -101,7 +102,7 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(t.untyped_storage().nbytes() == 0 for t in parked)
     assert offload.metrics()["memory/trainer_parked_gib"] * 2**30 == expected
     with pytest.raises(ParkedWeightsError, match="parked"):
-        compute_logprobs(ddp, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringConfig())
+        compute_logprobs(ddp, _batch(vocab, 1), micro_batching=MicroBatching(2), scoring=ScoringConfig())
 
     with offload.weights_resident("ref"):  # a push of the reference's weights between rollouts
         assert all(p.untyped_storage().nbytes() for p in ref.parameters())
@@ -115,7 +116,7 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(t.untyped_storage().nbytes() == 0 for t in [*ref.parameters(), *moments, *constrained])
     assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
     with pytest.raises(ParkedWeightsError, match="the ref model"):
-        compute_logprobs(ref, _batch(vocab, 1), micro_batch_size=2, scoring=ScoringConfig())
+        compute_logprobs(ref, _batch(vocab, 1), micro_batching=MicroBatching(2), scoring=ScoringConfig())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

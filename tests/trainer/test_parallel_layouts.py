@@ -1,5 +1,6 @@
 """TP=2 (also with sequence parallelism), PP=2, DP=2 (also with the distributed optimizer) and TP=2 x PP=2 give
-the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU);
+the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU), and so do token-budget and packed micro-batches (one
+process, PP=2 with micro-batches of different shapes, TP=2 with sequence parallelism and the fused head);
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2."""
 
@@ -36,11 +37,14 @@ def tied_checkpoints(tmp_path_factory):
 
 # job name -> (tied checkpoints?, tp, pp, head, worker options...); the jobs of one process count share one launch.
 JOBS = {
-    1: {"base": (False, 1, 1, "torch"), "tied-base": (True, 1, 1, "torch")},
+    1: {"base": (False, 1, 1, "torch"), "tied-base": (True, 1, 1, "torch"),
+        "budget-packed": (False, 1, 1, "torch", "budget=40", "packed")},
     2: {"tp2": (False, 2, 1, "torch"), "pp2": (False, 1, 2, "torch"), "dp2": (False, 1, 1, "torch"),
         "dp2-distopt": (False, 1, 1, "torch", "distopt"),
         "tp2-fused-head": (False, 2, 1, "fused"),
         "tp2-sp": (False, 2, 1, "torch", "sp"), "tp2-sp-fused-head": (False, 2, 1, "fused", "sp"),
+        "pp2-budget": (False, 1, 2, "torch", "budget=40"), "pp2-budget-packed": (False, 1, 2, "torch", "budget=40", "packed"),
+        "tp2-sp-packed-fused-head": (False, 2, 1, "fused", "sp", "packed"),
         "tied-pp2": (True, 1, 2, "torch"),
         "tied-tp2-fused-head": (True, 2, 1, "fused")},
     4: {"tp2xpp2": (False, 2, 2, "torch")},
@@ -61,7 +65,8 @@ def runs(checkpoints, tied_checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "dp2-distopt", "tp2xpp2", "tp2-fused-head", "tp2-sp",
-                                  "tp2-sp-fused-head"])
+                                  "tp2-sp-fused-head", "budget-packed", "pp2-budget", "pp2-budget-packed",
+                                  "tp2-sp-packed-fused-head"])
 def test_layout_matches_single_rank(runs, name):
     ranks = runs[name]
     _, tp, pp, head, *_ = next(jobs[name] for jobs in JOBS.values() if name in jobs)

@@ -13,8 +13,10 @@ from megatron_armor.trainer.loop import RLTrainer
 from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
 from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.rollout_phase import trim_to_data_parallel
+from megatron_armor.trainer.rollout_phase import RolloutSources, trim_to_data_parallel
+from megatron_armor.trainer.samples import SampleScorer
 from megatron_armor.trainer.training_batch import local_mini_batch_groups
+from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm
 
@@ -33,11 +35,32 @@ def test_every_rank_gets_the_same_number_of_non_empty_mini_batches(dp_size, mini
     for num_groups in range(0, 3 * mini_batch_size + 2):
         kept = len(trim_to_data_parallel([[]] * num_groups, dp_size))
         assert kept == num_groups // dp_size * dp_size
-        shares = [local_mini_batch_groups(kept, mini_batch_size, dp_size, rank) for rank in range(dp_size)]
+        tokens = [10 + (7 * gi) % 13 for gi in range(kept)]
+        shares = [local_mini_batch_groups(tokens, mini_batch_size, dp_size, rank) for rank in range(dp_size)]
         assert len({len(s) for s in shares}) == 1 and all(mini for s in shares for mini in s)
         assert sorted(gi for s in shares for mini in s for gi in mini) == list(range(kept))
+        for mini in zip(*shares):  # each mini-batch: every rank the same number of groups, all from it
+            assert len({len(share) for share in mini}) == 1
+            assert len({gi // mini_batch_size for share in mini for gi in share}) == 1
     with pytest.raises(ValueError, match="cannot be dealt evenly"):
-        local_mini_batch_groups(3, 4, 2, 0)
+        local_mini_batch_groups([1, 2, 3], 4, 2, 0)
+
+
+def test_groups_are_dealt_to_data_parallel_ranks_balancing_their_tokens():
+    """A long tail of group lengths: dealing by index leaves one rank most of the tokens, the balanced deal
+    keeps every rank within the longest group of the mean (and is never worse than by index)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(20):
+        tokens = [int(200 * rng.paretovariate(1.1)) for _ in range(32)]
+        dp_size = 4
+        by_index = [sum(tokens[gi] for gi in range(32) if gi % dp_size == rank) for rank in range(dp_size)]
+        balanced = [sum(tokens[gi] for mini in local_mini_batch_groups(tokens, 32, dp_size, rank) for gi in mini)
+                    for rank in range(dp_size)]
+        assert sum(balanced) == sum(tokens)
+        assert max(balanced) <= max(by_index)
+        assert max(balanced) - min(balanced) <= max(tokens)
 
 
 def _sample(prompt_index, correct, is_anchor=False):
@@ -48,13 +71,14 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     """allow_partial_batch: 1 kept prompt on 2 data-parallel ranks is cut to 0 (one rank would have no
     batch and skip optimizer steps the other runs); the step then trains on nothing, says so, and
     touches neither the actor nor the engine."""
-    plan = StepPlan(algorithm=make_algorithm("grpo"), train_batch_size=4, mini_batch_size=2, micro_batch_size=2,
+    plan = StepPlan(algorithm=make_algorithm("grpo"), train_batch_size=4, mini_batch_size=2,
+                    micro_batching=MicroBatching(2),
                     actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
                     ref_reset_period=0, seed=0)
     handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
     prompts = SimpleNamespace(next_batch=lambda: [PromptRow(i, [1, 2], {}) for i in range(2)])
-    trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan, prompts, sampling=None, scorer=None,
-                        scoring=None, optim=None)
+    trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan,
+                        RolloutSources(prompts, sampling=None, scorer=SampleScorer(None, None)), scoring=None, optim=None)
     # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
     trainer.rollout.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
                                                                      _sample(1, False), _sample(1, False)]

@@ -13,10 +13,12 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.loop import RLTrainer
+from megatron_armor.trainer.loop import RLTrainer, TrainerParts
+from megatron_armor.trainer.rollout_phase import RolloutSources
 from megatron_armor.trainer.update_gate import InferenceGapGate
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm
 from state_trees import bit_identical
@@ -40,7 +42,8 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     optimizer = torch.optim.AdamW(actor.parameters(), lr=0.1)
     handles = PolicyHandles(actor=actor, optimizer=optimizer, ref=torch.nn.Linear(3, 4, bias=False), shape=None,
                             actor_engine=None, ref_engine=None, pad_token_id=0)
-    plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2, micro_batch_size=2,
+    plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2,
+                    micro_batching=MicroBatching(2),
                     actor_n=2, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
                     ref_reset_period=ref_reset_period, seed=0)
     weight = actor.module.weight
@@ -48,9 +51,10 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
     gate = InferenceGapGate(gate_config, PromptSampler(ROWS, 2, seed=1), scorer=None, sampling=None, seed=0,
                             adv_eps=1e-6)
-    return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan, PromptSampler(ROWS, 2, seed=0),
-                     sampling=None, scorer=None, scoring=None, optim=None, gate=gate, constraint=constraint,
-                     constraint_capture_step=1, anchor_cache=AnchorCache(4))
+    parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(4))
+    return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan,
+                     RolloutSources(PromptSampler(ROWS, 2, seed=0), sampling=None, scorer=None), scoring=None,
+                     optim=None, parts=parts)
 
 
 def _advance(trainer: RLTrainer) -> None:

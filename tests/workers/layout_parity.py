@@ -1,7 +1,8 @@
 """Worker: one ARMOR step on a fixed batch under given TP x PP (x DP) layouts, one job after another.
 
 argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (head "torch" | "fused"; option
-"distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism); the process
+"distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism; "budget=N":
+micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD); the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
 (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
@@ -37,6 +38,7 @@ from megatron_armor.trainer.plan import StepPlan  # noqa: E402
 from megatron_armor.trainer.policies import PolicyHandles  # noqa: E402
 from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.trainer.training_batch import advantage_batch, score_logprobs  # noqa: E402
+from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 def fixed_groups(num_groups=4, group_size=4):
     """Random sequences of varying length; one correct anchor closes each group."""
@@ -101,7 +103,9 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
     # layouts are compared on clipped and unclipped tokens alike.
     algorithm = make_algorithm("armor", "armor.alpha=0.75", "algorithm.clip_low=0.003", "algorithm.clip_high=0.003")
-    plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2, micro_batch_size=2, actor_n=3,
+    budget = next((int(option.removeprefix("budget=")) for option in options if option.startswith("budget=")), None)
+    plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2,
+                    micro_batching=MicroBatching(2, max_tokens=budget, pack="packed" in options), actor_n=3,
                     ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
                     seed=0)
     scoring = ScoringConfig(temperature=1.0, head=head)
@@ -114,7 +118,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
         logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
 
-    forward_backward(ddp, list(prepared.mini_batches[0].micro_batches(plan.micro_batch_size)),
+    forward_backward(ddp, plan.micro_batching.split(prepared.mini_batches[0]),
                      PolicyLossCallback(algorithm), scoring=scoring, forward_only=False)
     if "distopt" in options:
         gather_sharded_grads(ddp)
@@ -125,12 +129,12 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
     zero_grads(ddp, optimizer)
 
-    update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batch_size=plan.micro_batch_size,
+    update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batching=plan.micro_batching,
                            algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     state_bytes = optimizer_state_bytes(optimizer)
     round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(
-        ddp, optimizer, prepared.mini_batches[:1], micro_batch_size=plan.micro_batch_size, algorithm=algorithm,
+        ddp, optimizer, prepared.mini_batches[:1], micro_batching=plan.micro_batching, algorithm=algorithm,
         scoring=scoring, optim=optim, rl_step=1))
     (Path(out_dir) / name).mkdir(exist_ok=True)
     torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,

@@ -28,6 +28,7 @@ from megatron_armor.trainer.optimizer import (  # noqa: E402
     AdamConfig, learning_rate, optimizer_step, wrap_for_training, zero_grads,
 )
 from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
+from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 out_dir, model_dir, batch_path = sys.argv[1:4]
 ctx = initialize_distributed(1, 1, seed=0)
@@ -46,11 +47,11 @@ for aggregation in ("token_mean", "seq_mean_token_mean"):
                           "kl.coef=0.001", "mipu.is_correction=tis", "mipu.w_max=2.0",
                           f"algorithm.loss_aggregation={aggregation}")
     for micro, micro_batch_size in (("one", 1), ("whole", local.size)):
-        forward_backward(ddp, list(local.micro_batches(micro_batch_size)), PolicyLossCallback(loss), scoring=SCORING,
+        forward_backward(ddp, MicroBatching(micro_batch_size).split(local), PolicyLossCallback(loss), scoring=SCORING,
                          forward_only=False)
         grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
         zero_grads(ddp, optimizer)
-        update = update_policy(ddp, optimizer, [local], micro_batch_size=micro_batch_size, algorithm=loss,
+        update = update_policy(ddp, optimizer, [local], micro_batching=MicroBatching(micro_batch_size), algorithm=loss,
                                scoring=SCORING, optim=optim, rl_step=0)
         results[f"{aggregation}/{micro}"] = {"grads": grads, "metrics": update.metrics}
 
@@ -79,14 +80,14 @@ def armor_run(case: dict) -> dict:
 
     out = {}
     ddp, optimizer = fresh()
-    outputs = forward_backward(ddp, list(local(range(batch.size)).micro_batches(2)), PolicyLossCallback(loss),
+    outputs = forward_backward(ddp, MicroBatching(2).split(local(range(batch.size))), PolicyLossCallback(loss),
                                scoring=SCORING, forward_only=False)
     out["grads"] = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
     out["sums"] = {name: sum(float(o[name]) for o in outputs) for name in outputs[0]}
     zero_grads(ddp, optimizer)
     out["updates"] = []
     for rl_step, mini_batches in case["steps"]:
-        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches], micro_batch_size=1,
+        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches], micro_batching=MicroBatching(1),
                                algorithm=loss, scoring=SCORING, optim=optim, rl_step=rl_step)
         out["updates"].append({"metrics": update.metrics, "weights": hf_weights(ddp)})
 

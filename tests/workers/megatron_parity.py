@@ -20,6 +20,7 @@ from megatron_armor.rollout.base import SamplingParams  # noqa: E402
 from megatron_armor.rollout.local import LocalEngine  # noqa: E402
 from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs  # noqa: E402
+from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 out_dir, *model_dirs = sys.argv[1:]
 world = int(__import__("os").environ["WORLD_SIZE"])
@@ -49,7 +50,7 @@ def check(model_dir: str) -> dict:
     gens = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=9, seed=3))
     samples = [Sample(i, g.prompt_ids, g.response_ids, g.logprobs, g.finish_reason, False) for i, g in enumerate(gens)]
     batch = build_sequence_batch(samples, [0.0] * len(samples), pad_token_id=0)
-    trainer = compute_logprobs(model, batch, micro_batch_size=2, scoring=ScoringConfig(temperature=0.8, with_entropy=True))
+    trainer = compute_logprobs(model, batch, micro_batching=MicroBatching(2), scoring=ScoringConfig(temperature=0.8, with_entropy=True))
     mask = batch.response_mask.bool()
     engine_diff = (trainer.logprobs - batch.engine_logprobs)[mask].abs().max().item()
     with torch.no_grad():

@@ -32,6 +32,7 @@ from megatron_armor.trainer.checkpoint_save import save_checkpoint  # noqa: E402
 from megatron_armor.trainer.sharded_state import sharded_modules  # noqa: E402
 from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.policy_update import PolicyLossCallback  # noqa: E402
+from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 out_dir, w0_dir, wt_dir, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ctx = initialize_distributed(int(os.environ["WORLD_SIZE"]), 1, seed=0)
@@ -49,8 +50,8 @@ samples = [Sample(i, torch.randint(1, 120, (3 + i,), generator=g).tolist(),
            for i in range(3)]
 batch = build_sequence_batch(samples, [1.0, -0.5, 0.25], pad_token_id=0)
 scoring = ScoringConfig(temperature=1.0, head="torch")
-batch.old_logprobs = compute_logprobs(ddp, batch, micro_batch_size=3, scoring=scoring).logprobs
-forward_backward(ddp, [batch], PolicyLossCallback(make_algorithm("grpo")), scoring=scoring, forward_only=False)
+batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=MicroBatching(3), scoring=scoring).logprobs
+forward_backward(ddp, MicroBatching(batch.size).split(batch), PolicyLossCallback(make_algorithm("grpo")), scoring=scoring, forward_only=False)
 grads = {name: p.main_grad for name, p in constraint.params.items()}  # this rank's shards, projected in place
 raw_local = {name: g.clone() for name, g in grads.items()}
 

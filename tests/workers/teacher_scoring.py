@@ -17,6 +17,7 @@ from megatron_armor.models.hf_config import load_model_shape  # noqa: E402
 from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig  # noqa: E402
 from megatron_armor.teacher.scorer import InProcessTeacher, RemoteTeacher, TeacherClient  # noqa: E402
+from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 out_dir, model_dir, url, temperature, sequences = sys.argv[1:]
 temperature = float(temperature)
@@ -25,7 +26,7 @@ samples = [Sample(prompt_index=i, prompt_ids=p, response_ids=r, engine_logprobs=
                   is_anchor=False) for i, (p, r) in enumerate(json.loads(sequences))]
 batch = build_sequence_batch(samples, [0.0] * len(samples), pad_token_id=0)
 model = load_gpt_model(model_dir, load_model_shape(model_dir))
-in_process = InProcessTeacher(model, micro_batch_size=2, scoring=ScoringConfig(temperature=temperature))
+in_process = InProcessTeacher(model, micro_batching=MicroBatching(2), scoring=ScoringConfig(temperature=temperature))
 remote = RemoteTeacher(TeacherClient([url]), temperature=temperature)
 write_result(out_dir, {"in_process": in_process.score(batch).tolist(), "remote": remote.score(batch).tolist(),
                        "response_mask": batch.response_mask.tolist()})

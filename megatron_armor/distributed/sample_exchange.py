@@ -1,0 +1,131 @@
+"""Samples moved between ranks as packed tensors, not as pickled per-token Python lists.
+
+`pack_samples` turns a list of `Sample`s into a few flat tensors, `unpack_samples` turns them back
+(every field exactly: token ids as int64, logprobs and rewards as float64, the same bits as the Python
+floats). `all_gather_samples` is the drop-in replacement of `dist.all_gather_object` for a list of
+samples: two collectives per call whatever the number of samples (the per-rank buffer sizes, then one
+buffer per rank, padded to the largest), on CPU tensors under gloo and CUDA ones under NCCL.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import get_args
+
+import torch
+import torch.distributed as dist
+
+from megatron_armor.data.types import FinishReason, Sample
+from megatron_armor.distributed.device import training_device
+
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)  # finish reason i travels as the code i
+SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code")
+
+
+@dataclass
+class PackedSamples:
+    """n samples as flat tensors; T = sum over samples of P_i + R_i (prompt, response lengths), L = sum of R_i.
+
+    token_ids:       [T] int64, each sample's prompt ids then its response ids, samples in order
+    engine_logprobs: [L] float64, each sample's response logprobs, samples in order
+    lengths:         [n, 2] int64, (P_i, R_i)
+    scalars:         [n, 4] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS)
+    rewards:         [n] float64
+    """
+
+    token_ids: torch.Tensor
+    engine_logprobs: torch.Tensor
+    lengths: torch.Tensor
+    scalars: torch.Tensor
+    rewards: torch.Tensor
+
+    def to_words(self) -> torch.Tensor:
+        """One [1 + 7n + T + L] int64 buffer: n, lengths, scalars, rewards, token ids, logprobs (floats as their
+        bits), so that a single collective moves it."""
+        n = torch.tensor([self.lengths.shape[0]], dtype=torch.int64)
+        return torch.cat([n, self.lengths.reshape(-1), self.scalars.reshape(-1), self.rewards.view(torch.int64),
+                          self.token_ids, self.engine_logprobs.view(torch.int64)])
+
+    @classmethod
+    def from_words(cls, words: torch.Tensor) -> PackedSamples:
+        """The inverse of `to_words`; `words` may carry padding after its end (ignored)."""
+        n = int(words[0])
+        lengths = words[1 : 1 + 2 * n].reshape(n, 2)
+        total_tokens, total_logprobs = int(lengths.sum()), int(lengths[:, 1].sum())
+        offsets = torch.tensor([1 + 2 * n, 4 * n, n, total_tokens, total_logprobs]).cumsum(0).tolist()
+        scalars, rewards, token_ids, logprobs = (words[a:b] for a, b in zip(offsets, offsets[1:]))
+        return cls(token_ids=token_ids, engine_logprobs=logprobs.view(torch.float64), lengths=lengths,
+                   scalars=scalars.reshape(n, 4), rewards=rewards.view(torch.float64))
+
+
+def finish_code(reason: str) -> int:
+    """The code of a finish reason; a clear error for one outside FINISH_REASONS."""
+    try:
+        return FINISH_REASONS.index(reason)
+    except ValueError:
+        raise ValueError(f"finish_reason {reason!r} cannot be packed: known reasons are {FINISH_REASONS}") from None
+
+
+def _tensor(parts: list[bytes], dtype: torch.dtype) -> torch.Tensor:
+    """The concatenated native-order bytes as a 1-D tensor of `dtype` (frombuffer refuses an empty buffer)."""
+    data = bytearray().join(parts)
+    return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def pack_samples(samples: list[Sample]) -> PackedSamples:
+    """The samples as flat tensors (see `PackedSamples`); ValueError when a sample's logprobs do not match its
+    response or its finish reason is unknown, struct.error for a token id outside int64.
+
+    struct.pack per sample: the fastest way from Python ints and floats to bytes (about twice array.extend's speed).
+    """
+    ids, logprobs, ints, rewards = [], [], [], []
+    for i, s in enumerate(samples):
+        if len(s.engine_logprobs) != len(s.response_ids):
+            raise ValueError(
+                f"sample {i}: {len(s.engine_logprobs)} engine logprobs for {len(s.response_ids)} response tokens")
+        ids.append(struct.pack(f"{len(s.prompt_ids) + len(s.response_ids)}q", *s.prompt_ids, *s.response_ids))
+        logprobs.append(struct.pack(f"{len(s.engine_logprobs)}d", *s.engine_logprobs))
+        ints.append(struct.pack("6q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
+                                finish_code(s.finish_reason)))
+        rewards.append(struct.pack("d", s.reward))
+    table = _tensor(ints, torch.int64).reshape(len(samples), 6)
+    return PackedSamples(token_ids=_tensor(ids, torch.int64), engine_logprobs=_tensor(logprobs, torch.float64),
+                         lengths=table[:, :2].contiguous(), scalars=table[:, 2:].contiguous(),
+                         rewards=_tensor(rewards, torch.float64))
+
+
+def unpack_samples(packed: PackedSamples) -> list[Sample]:
+    """The samples `pack_samples` packed, equal field by field (ints, bools, floats, finish-reason strings).
+
+    Each sample's ids and logprobs become lists by their own `tolist` (quicker than one list of everything, sliced).
+    """
+    lengths = packed.lengths.tolist()
+    ids = packed.token_ids.split([length for pair in lengths for length in pair])  # prompt 0, response 0, prompt 1, ...
+    logprobs = packed.engine_logprobs.split([response for _, response in lengths])
+    return [
+        Sample(prompt_index=index, prompt_ids=ids[2 * i].tolist(), response_ids=ids[2 * i + 1].tolist(),
+               engine_logprobs=logprobs[i].tolist(), finish_reason=FINISH_REASONS[code], is_anchor=bool(anchor),
+               reward=reward, correct=bool(correct))
+        for i, ((index, anchor, correct, code), reward) in enumerate(
+            zip(packed.scalars.tolist(), packed.rewards.tolist()))
+    ]
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's tensors must live: the training GPU under NCCL, else (gloo) the CPU."""
+    return training_device() if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
+
+
+def all_gather_samples(samples: list[Sample], group: dist.ProcessGroup | None = None) -> list[Sample]:
+    """Every rank's `samples`, concatenated in rank order: what `dist.all_gather_object` of the lists gives,
+    flattened. A collective over `group` (the default group when None); two collectives whatever the sizes."""
+    device = collective_device(group)
+    words = pack_samples(samples).to_words().to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([words.numel()], dtype=torch.int64, device=device), group=group)
+    longest = int(torch.cat(sizes).max())
+    gathered = [torch.empty(longest, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.nn.functional.pad(words, (0, longest - words.numel())), group=group)
+    return [sample for part in gathered for sample in unpack_samples(PackedSamples.from_words(part.cpu()))]

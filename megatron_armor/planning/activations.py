@@ -1,0 +1,96 @@
+"""Bytes autograd keeps for backward per micro-batch (activations), and the LM head's logits.
+
+Counted per token of one micro-batch on one GPU, in elements of the activation dtype (`Layout.dtype_bytes`), for
+each part of a decoder layer (a = heads / tp, g = kv heads / tp, d = head_dim, q = a d, k = g d, f = ffn / tp,
+h = hidden, divided by tp under sequence parallelism):
+  two RMSNorms          2 (3 h + 1)       input, normalised output, the residual stream; 1 = the rstd
+  QKV projection        q + 2 k           its output (the QK norms read views of it)
+  QK norms (Qwen3)      2 q + a + k + g   the query copy, both outputs and rstds
+  core attention        q + 2 kv' + a     q, k, v (kv' = q when the local spec repeats K/V to every head, else k)
+                                          and the log-sum-exp; selective recomputation keeps q + 2 k instead
+  attention output      q                 the output projection's input
+  SwiGLU MLP            5 f               fc1's output (2 f), silu's output, the product, a gate copy
+Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_armor.models.hf_config import ModelShape
+from megatron_armor.planning.memory import FP32, Layout
+
+
+def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bool = False) -> int:
+    """Elements one decoder layer saves for backward per token without full recomputation (see the module doc)."""
+    tp = layout.tp
+    a, g, d = shape.num_attention_heads // tp, shape.num_kv_heads // tp, shape.head_dim
+    q, k, f = a * d, g * d, shape.ffn_hidden_size // tp
+    h = shape.hidden_size // tp if layout.sequence_parallel else shape.hidden_size
+    norms = 2 * (3 * h + 1)
+    qk_norms = 2 * q + a + k + g if shape.qk_norm else 0
+    core = q + 2 * k if selective else q + 2 * (q if layout.local_attention else k) + a
+    return norms + (q + 2 * k) + qk_norms + core + q + 5 * f
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes on one GPU for its pipeline stage: `saved` (kept from the forward to the backward, for
+    every micro-batch in flight) and `recompute` (the working set full recomputation rebuilds during one chunk's
+    backward); the peak is their sum."""
+
+    saved: int
+    recompute: int
+
+    @property
+    def peak(self) -> int:
+        return self.saved + self.recompute
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> ActivationBytes:
+    """Saved and recompute bytes of one pipeline stage's decoder layers for one micro-batch of `tokens` tokens."""
+    recompute, layers = layout.recompute, shape.num_layers // layout.pp
+    full = layer_elements_per_token(shape, layout, selective=recompute.granularity == "selective")
+    h = shape.hidden_size // layout.tp if layout.sequence_parallel else shape.hidden_size
+    if recompute.granularity != "full":
+        return ActivationBytes(saved=tokens * full * layers * layout.dtype_bytes, recompute=0)
+    if recompute.method == "uniform":
+        chunk = min(recompute.num_layers, layers)
+        kept, working = -(-layers // chunk) * h, chunk * full
+    else:  # block: the first num_layers layers of the stage keep their input only
+        recomputed = min(recompute.num_layers, layers)
+        kept, working = recomputed * h + (layers - recomputed) * full, full if recomputed else 0
+    return ActivationBytes(saved=tokens * kept * layout.dtype_bytes, recompute=tokens * working * layout.dtype_bytes)
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, micro_batches: int) -> ActivationBytes:
+    """Activations of the GPU with the most: under 1F1B pipelining the first stage holds min(pp, micro_batches)
+    micro-batches in flight; the last stage holds one plus the final norm (the LM head is `logits_bytes`)."""
+    one = layer_activation_bytes(shape, layout, tokens)
+    in_flight = min(layout.pp, max(micro_batches, 1))
+    h = shape.hidden_size // layout.tp if layout.sequence_parallel else shape.hidden_size
+    final_norm = tokens * (3 * h + 1) * layout.dtype_bytes
+    first = ActivationBytes(saved=one.saved * in_flight, recompute=one.recompute)
+    last = ActivationBytes(saved=one.saved + final_norm, recompute=one.recompute)
+    return first if layout.pp > 1 and first.peak > last.peak else last
+
+
+@dataclass(frozen=True)
+class LogitsBytes:
+    """The LM head's bytes for one micro-batch on the last stage: `saved` for backward and `peak` while it runs
+    (saved included). Torch head: fp32 [tokens, V/tp] softmax saved by the vocab-parallel cross entropy, and at
+    its peak also the dtype logits and one fp32 temporary. Fused head: no logits; [tokens] fp32 vectors, and under
+    sequence parallelism the hidden states it all-gathers ([tokens, h], kept for its backward)."""
+
+    saved: int
+    peak: int
+
+
+def logits_bytes(shape: ModelShape, layout: Layout, tokens: int) -> LogitsBytes:
+    """The head `layout.head` names, for one micro-batch of `tokens` tokens."""
+    if layout.head == "fused":
+        kept = tokens * 4 * FP32  # logprob, log-sum-exp, entropy, label logit
+        kept += tokens * shape.hidden_size * layout.dtype_bytes if layout.sequence_parallel else 0
+        return LogitsBytes(saved=kept, peak=kept)
+    logits = tokens * (shape.padded_vocab_size // layout.tp)
+    return LogitsBytes(saved=logits * FP32, peak=logits * (layout.dtype_bytes + 2 * FP32))

@@ -1,0 +1,72 @@
+"""Training FLOPs of a dense decoder (Megatron-LM's `num_floating_point_operations`, `transformer_flops` for a
+model without MoE, MTP, MLA or linear attention), and of one RL step. One place, used by the planner and by the
+trainer's `perf/tflops_per_gpu`.
+
+Per real token, forward + backward (3x the forward; 2 FLOPs per multiply-add), L layers, hidden h, SwiGLU:
+    6 h (3 ffn L + L (q + 2 kv + q) + V_pad)  + per sequence of length s: 6 q L s^2 / 2 * 2
+with q = heads * head_dim, kv = kv_heads * head_dim; the causal core attention counts half the s x s scores.
+Model FLOPs: recomputation and padding tokens are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_armor.models.hf_config import ModelShape
+
+FORWARD_BACKWARD = 3  # backward = 2x forward
+FMA = 2  # FLOPs per multiply-add
+
+
+def forward_backward_flops(shape: ModelShape, total_tokens: int, seqlen_squared_sum: int) -> float:
+    """FLOPs of a forward + backward pass over sequences with `total_tokens` real tokens in all and
+    sum(len^2) = `seqlen_squared_sum` (Megatron's THD accounting; a padded batch of b sequences of length s
+    is b*s and b*s^2)."""
+    q = shape.head_dim * shape.num_attention_heads
+    kv = shape.head_dim * shape.num_kv_heads
+    layers, hidden = shape.num_layers, shape.hidden_size
+    per_token = FORWARD_BACKWARD * FMA * (
+        hidden * shape.ffn_hidden_size * 3 * layers  # SwiGLU: gate, up, down
+        + layers * (hidden * (q + 2 * kv) + q * hidden)  # QKV and output projections
+        + hidden * shape.padded_vocab_size  # LM head
+    )
+    core_attention = FORWARD_BACKWARD * FMA * q / 2 * 2 * layers  # causal half of QK^T and of (QK^T)V
+    return total_tokens * per_token + seqlen_squared_sum * core_attention
+
+
+def forward_flops(shape: ModelShape, total_tokens: int, seqlen_squared_sum: int) -> float:
+    """FLOPs of a forward-only pass (a logprob pass): a third of `forward_backward_flops`."""
+    return forward_backward_flops(shape, total_tokens, seqlen_squared_sum) / FORWARD_BACKWARD
+
+
+@dataclass(frozen=True)
+class RLStepFlops:
+    """FLOPs of one RL step's training side (rollout generation not counted), by pass: `update` (forward +
+    backward of the policy loss over every sample), `old_logprobs` (forward of the actor before the update),
+    `reference` and `teacher` (forward of the frozen models, 0 when the algorithm needs none)."""
+
+    update: float
+    old_logprobs: float
+    reference: float = 0.0
+    teacher: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.update + self.old_logprobs + self.reference + self.teacher
+
+
+def rl_step_flops(
+    shape: ModelShape, lengths: Sequence[int], *, reference: bool, teacher: ModelShape | None = None,
+    old_logprobs: bool = True,
+) -> RLStepFlops:
+    """FLOPs of one RL step over sequences of `lengths` tokens (prompt + response, all data-parallel ranks):
+    one update pass, an old-policy logprob pass (unless the update gives them: `old_logprobs` False), and a
+    reference / `teacher` logprob pass when asked."""
+    tokens, squares = sum(lengths), sum(n * n for n in lengths)
+    forward = forward_flops(shape, tokens, squares)
+    return RLStepFlops(
+        update=forward_backward_flops(shape, tokens, squares), old_logprobs=forward if old_logprobs else 0.0,
+        reference=forward if reference else 0.0,
+        teacher=forward_flops(teacher, tokens, squares) if teacher is not None else 0.0,
+    )

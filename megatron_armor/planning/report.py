@@ -1,0 +1,59 @@
+"""`RunPlan` -> the text `armor plan` prints (GiB = 2^30 bytes, per GPU)."""
+
+from __future__ import annotations
+
+from megatron_armor.planning.planner import GIB, RunPlan
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:9.2f} GiB"
+
+
+def memory_lines(plan: RunPlan) -> list[str]:
+    """One line per part of the per-GPU memory, the peak and the verdict."""
+    memory, inputs = plan.memory, plan.memory.inputs
+    layout, state = inputs.layout, memory.state
+    recompute = layout.recompute
+    rows = [
+        ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"),
+        ("gradients", state.gradients, "fp32 DDP grad buffer"),
+        ("optimizer state", state.optimizer,
+         f"Adam {'distributed over dp' if layout.distributed_optimizer else 'replicated'}; replicated "
+         f"{state.optimizer_replicated / GIB:.2f} GiB, distributed {state.optimizer_distributed / GIB:.2f} GiB"),
+        *((f"{name} model", size, "frozen weights") for name, size in memory.frozen.items()),
+        ("activations", memory.activations.peak,
+         f"recompute {recompute.granularity}"
+         + (f" ({recompute.method}, {recompute.num_layers})" if recompute.granularity == "full" else "")
+         + f", {inputs.micro_batch_tokens} tokens/micro-batch, sequence parallel {layout.sequence_parallel}; "
+           f"saved {memory.activations.saved / GIB:.2f} GiB + recompute {memory.activations.recompute / GIB:.2f} GiB"),
+        (f"LM head ({layout.head})", memory.logits.peak,
+         f"torch head {memory.logits_torch.peak / GIB:.2f} GiB, fused head {memory.logits_fused.peak / GIB:.2f} GiB"),
+        ("reserve", inputs.reserve_bytes, "CUDA context, communication buffers, fragmentation"),
+    ]
+    lines = [f"  {name:<18}{_gib(size)}   {note}" for name, size, note in rows]
+    lines.append(f"  {'training peak':<18}{_gib(memory.training_peak)}   of {inputs.gpu_bytes / GIB:.2f} GiB per GPU")
+    where = "colocated, beside the trainer's resident state" if inputs.colocated else "on a GPU of its own"
+    lines.append(f"  {'KV cache left':<18}{_gib(memory.kv_cache)}   for a TP-{inputs.server_tp} SGLang server {where} "
+                 f"(mem fraction {inputs.server_mem_fraction}, less its bf16 weights)")
+    return lines
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The whole report: model, layout, per-GPU bytes, verdict and advice, FLOPs of one RL step."""
+    inputs, layout = plan.memory.inputs, plan.memory.inputs.layout
+    shape, flops = inputs.shape, plan.flops
+    lines = [
+        f"model: {shape.arch}, {shape.num_layers} layers, hidden {shape.hidden_size}, heads {shape.num_attention_heads}"
+        f" (kv {shape.num_kv_heads}), ffn {shape.ffn_hidden_size}, vocab {shape.vocab_size} ({plan.shape_source})",
+        f"layout: tp {layout.tp} x pp {layout.pp} x dp {layout.dp} = {plan.trainer_gpus} trainer GPUs of {plan.gpus}; "
+        f"{inputs.micro_batches} micro-batches per optimizer step per rank",
+        "per GPU (estimate):", *memory_lines(plan),
+        "fits" if plan.memory.fits else "does NOT fit; knobs to turn:",
+        *(f"  - {line}" for line in plan.advice),
+        f"training FLOPs of one RL step ({plan.sequences} sequences at the maximum {plan.max_len} tokens, an upper "
+        f"bound): {flops.total:.3e} (update {flops.update:.3e}, old logprobs {flops.old_logprobs:.3e}, reference "
+        f"{flops.reference:.3e}, teacher {flops.teacher:.3e}); per trainer GPU {flops.total / plan.trainer_gpus:.3e}",
+    ]
+    if plan.trainer_gpus > plan.gpus:
+        lines.append(f"error: the layout needs {plan.trainer_gpus} GPUs, only {plan.gpus} given")
+    return "\n".join(lines)

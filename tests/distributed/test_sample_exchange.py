@@ -1,0 +1,90 @@
+"""Samples as packed tensors: exact round trips, the shapes and dtypes of the packing, and the all-gather over two
+gloo ranks against `dist.all_gather_object`."""
+
+import struct
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher import run_workers
+from megatron_armor.data.types import Sample
+from megatron_armor.distributed import sample_exchange
+from megatron_armor.distributed.sample_exchange import (
+    FINISH_REASONS, PackedSamples, collective_device, pack_samples, unpack_samples,
+)
+
+BIG = 2**63 - 1
+
+
+def samples() -> list[Sample]:
+    """Edge cases: an empty response, an empty prompt, anchors, int64 extremes, floats that float32 would change."""
+    return [
+        Sample(3, [1, 2, 3], [4, 5], [-0.1, -2.5e-8], "stop", False, reward=1.0, correct=True),
+        Sample(0, [7], [], [], "length", True, reward=-0.1234567890123, correct=False),
+        Sample(9, [], [BIG, 0, -BIG - 1], [-0.0, float("-inf"), 5e-324], "length", False),
+        Sample(2**40, [151_999] * 4, [6], [-1.0000000000000002], "stop", True, reward=0.1, correct=True),
+    ]
+
+
+def bits(samples: list[Sample]) -> list[tuple]:
+    """Every field, floats by their bits (so -0.0 != 0.0 and a float32 rounding shows)."""
+    return [(s.prompt_index, s.prompt_ids, s.response_ids, [struct.pack("d", x) for x in s.engine_logprobs],
+             s.finish_reason, s.is_anchor, struct.pack("d", s.reward), s.correct) for s in samples]
+
+
+def test_round_trip_is_exact_in_every_field_and_type():
+    original = samples()
+    back = unpack_samples(pack_samples(original))
+    assert back == original
+    assert bits(back) == bits(original)
+    for s in back:
+        assert type(s.is_anchor) is bool and type(s.correct) is bool and type(s.reward) is float
+        assert all(type(x) is float for x in s.engine_logprobs)
+
+
+def test_packed_shapes_and_dtypes():
+    packed = pack_samples(samples())
+    assert (packed.token_ids.dtype, packed.token_ids.shape) == (torch.int64, (3 + 2 + 1 + 0 + 0 + 3 + 4 + 1,))
+    assert (packed.engine_logprobs.dtype, packed.engine_logprobs.shape) == (torch.float64, (6,))
+    assert packed.lengths.tolist() == [[3, 2], [1, 0], [0, 3], [4, 1]]
+    assert packed.scalars.tolist() == [[3, 0, 1, 0], [0, 1, 0, 1], [9, 0, 0, 1], [2**40, 1, 1, 0]]
+    assert (packed.rewards.dtype, packed.rewards.shape) == (torch.float64, (4,))
+    assert FINISH_REASONS == ("stop", "length")
+
+
+def test_words_round_trip_ignores_padding_and_holds_no_samples():
+    words = pack_samples(samples()).to_words()
+    assert words.dtype == torch.int64 and words.numel() == 1 + 7 * 4 + 14 + 6
+    padded = torch.cat([words, torch.full((5,), -7, dtype=torch.int64)])
+    assert bits(unpack_samples(PackedSamples.from_words(padded))) == bits(samples())
+    empty = pack_samples([])
+    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 4)
+    assert unpack_samples(PackedSamples.from_words(empty.to_words())) == []
+
+
+def test_unknown_finish_reason_and_mismatched_logprobs_are_refused():
+    known = r"known reasons are \('stop', 'length'\)"
+    with pytest.raises(ValueError, match=rf"finish_reason 'abort' cannot be packed: {known}"):
+        pack_samples([Sample(0, [1], [2], [-1.0], "abort", False)])
+    with pytest.raises(ValueError, match="sample 0: 1 engine logprobs for 2 response tokens"):
+        pack_samples([Sample(0, [1], [2, 3], [-1.0], "stop", False)])
+    with pytest.raises(struct.error):
+        pack_samples([Sample(0, [1], [2**63], [-1.0], "stop", False)])
+
+
+def test_collectives_run_on_the_cpu_under_gloo_and_on_the_training_gpu_under_nccl(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collective_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(sample_exchange, "training_device", lambda: torch.device("cuda", 1))
+    assert collective_device() == torch.device("cuda", 1)
+
+
+def test_all_gather_samples_equals_all_gather_object_on_two_ranks(tmp_path):
+    results = run_workers("sample_exchange.py", 2, tmp_path)
+    for case in ("one_rank_empty", "uneven", "all_empty"):
+        assert all(r[case]["same_as_all_gather_object"] for r in results), case
+        assert results[0][case]["samples"] == results[1][case]["samples"], case
+    assert [len(results[0][case]["samples"]) for case in ("one_rank_empty", "uneven", "all_empty")] == [5, 10, 0]
+    assert results[0]["uneven"]["samples"][3]["prompt_index"] == 100  # rank 1's first sample follows rank 0's three

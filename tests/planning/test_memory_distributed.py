@@ -1,0 +1,43 @@
+"""The planner at TP=2 (sequence parallelism off and on) and DP=2 (distributed optimizer) against a tiny Megatron
+model's tensors on two gloo ranks (tests/workers/planner_layouts.py): activations saved for backward within 15%
+for recompute none / selective / full and both heads; parameter and grad-buffer bytes of a TP shard exactly; the
+distributed optimizer's grad buffer exactly (with Megatron's padding) and its Adam state within its padding of
+1/DP of the replicated state, the two ranks' shards adding up to the replicated state."""
+
+import pytest
+from launcher import run_workers
+
+from megatron_armor.models.hf_config import load_model_shape
+from megatron_armor.planning.memory import Layout, state_bytes
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_factory, tmp_path_factory):
+    checkpoint = tiny_model_factory("qwen3", num_layers=4, vocab_size=256)
+    return checkpoint, run_workers("planner_layouts.py", 2, tmp_path_factory.mktemp("planner"), str(checkpoint))
+
+
+def test_tensor_parallel_activations_within_15_percent(results):
+    _, ranks = results
+    for rank in ranks:
+        assert len(rank["activations"]) == 12
+        for name, measured, estimated in rank["activations"]:
+            assert estimated == pytest.approx(measured, rel=0.15), name
+
+
+def test_tensor_parallel_state_bytes_equal_the_tensors(results):
+    _, ranks = results
+    for rank in ranks:
+        for planned, actual in rank["tp2_state"]:
+            assert planned == actual
+
+
+def test_distributed_optimizer_state_bytes(results):
+    checkpoint, ranks = results
+    replicated = state_bytes(load_model_shape(checkpoint), Layout(dtype_bytes=4)).optimizer
+    for rank in ranks:
+        planned = rank["dp2"]["planned"]
+        assert rank["dp2"]["gradients"] == planned["gradients"]
+        assert planned["optimizer"] == pytest.approx(rank["dp2"]["optimizer"], rel=0.02)
+        assert planned["optimizer_replicated"] == replicated
+    assert sum(rank["dp2"]["optimizer"] for rank in ranks) == replicated

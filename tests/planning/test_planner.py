@@ -1,0 +1,63 @@
+"""The planner's bookkeeping on a recipe's config: micro-batch tokens from the token budget, the frozen models the
+algorithm keeps, the KV cache colocated servers get, and advice that re-plans each knob."""
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from megatron_armor.algorithms import build_algorithm
+from megatron_armor.config import load_config
+from megatron_armor.planning.memory import parameter_count
+from megatron_armor.planning.planner import GIB, Hardware, advice, memory_plan, plan_inputs, plan_run
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+H100 = Hardware(gpus=128, gpu_memory_gb=80)
+
+
+def inputs_of(recipe: str, *overrides: str, hardware: Hardware = H100):
+    cfg = load_config(str(EXAMPLES / recipe), list(overrides))
+    return plan_inputs(cfg, build_algorithm(cfg), hardware)
+
+
+def test_micro_batch_tokens_follow_the_token_budget():
+    max_len = 2048 + 20480
+    assert inputs_of("qwen3-8b-base/armor.yaml").micro_batch_tokens == 2 * max_len  # micro_batch_size 2, padded
+    budget = inputs_of("qwen3-8b-base/armor.yaml", "train.max_tokens_per_micro_batch=65536")
+    assert budget.micro_batch_tokens == 65536
+    rank_sequences = 32 * 16 // 16  # mini_batch_size prompts x n_samples over dp 16
+    assert budget.micro_batches == math.ceil(rank_sequences * max_len / 65536)
+    # a budget below the longest sequence still trains it, alone in its micro-batch
+    assert inputs_of("qwen3-8b-base/armor.yaml", "train.max_tokens_per_micro_batch=1000").micro_batch_tokens == max_len
+
+
+def test_frozen_models_follow_the_algorithm():
+    assert [name for name, _ in inputs_of("qwen3-8b-base/armor.yaml").frozen] == ["reference"]
+    opd = inputs_of("tiny/opd.yaml")
+    assert [name for name, _ in opd.frozen] == ["reference", "teacher"]
+    remote = inputs_of("tiny/opd.yaml", "opd.teacher_url=http://teacher:1")
+    assert [name for name, _ in remote.frozen] == ["reference"]
+    assert plan_run(load_config(str(EXAMPLES / "tiny/opd.yaml"), []), H100).flops.teacher > 0
+
+
+def test_colocated_servers_get_what_the_trainer_leaves():
+    inputs = inputs_of("qwen3-1.7b/mipu.yaml", "rollout.memory.release_servers=true", "rollout.backend=sglang",
+                       "rollout.sglang.urls=http://s:1")
+    gpu, server = inputs.gpu_bytes, parameter_count(inputs.shape, 1, 1) * 2
+    plan = memory_plan(inputs)
+    resident = plan.state.weights + plan.state.gradients + plan.state.optimizer + sum(plan.frozen.values())
+    assert plan.kv_cache == int(min(0.8 * gpu, gpu - inputs.reserve_bytes - resident)) - server
+    parked = memory_plan(replace(inputs, offload_trainer=True))
+    assert parked.kv_cache == int(0.8 * gpu) - server > plan.kv_cache
+    small = memory_plan(replace(inputs, gpu_bytes=int(24e9)))  # the trainer's state leaves no room for a server
+    assert small.kv_cache < 0 and not small.fits
+
+
+def test_advice_replans_every_knob():
+    inputs = inputs_of("qwen3-8b-base/armor.yaml", "train.recompute=none", "train.logprob_head=torch")
+    assert not memory_plan(inputs).fits
+    rows = advice(inputs, max_len=2048 + 20480)
+    knobs = [row.split(":")[0] for row in rows]
+    assert "turn on train.recompute full" in knobs and "set train.logprob_head fused" in knobs
+    assert rows[0].endswith("(fits)")  # those that fit first
+    fused = memory_plan(replace(inputs, layout=inputs.layout.with_(head="fused")))
+    assert f"set train.logprob_head fused: peak {fused.training_peak / GIB:.1f} GiB" in rows

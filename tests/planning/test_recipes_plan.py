@@ -1,0 +1,48 @@
+"""`armor plan` on every recipe in examples/ for the hardware its header names: each fits (exit code 0)."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.cli import main
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+# recipe -> (GPUs, GB per GPU) as its header (run_torchrun.sh) names them; the tiny CPU recipes run as `--nproc 2`
+# on a CPU box, planned here as two 16 GB devices.
+HARDWARE = {
+    "qwen2.5-math-7b/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
+    "qwen3-8b-base/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
+    "qwen3-1.7b/mipu.yaml": (8, 80),  # 1 node x 8 H100 (80 GB)
+    "tiny/armor.yaml": (2, 16),
+    "tiny/mipu.yaml": (2, 16),
+    "tiny/opd.yaml": (2, 16),
+}
+
+
+def test_every_recipe_has_its_hardware():
+    assert sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.glob("*/*.yaml")) == sorted(HARDWARE)
+
+
+@pytest.mark.parametrize("recipe", sorted(HARDWARE))
+def test_recipe_fits_its_hardware(recipe, capsys):
+    gpus, memory = HARDWARE[recipe]
+    code = main(["plan", "--config", str(EXAMPLES / recipe), "--gpus", str(gpus), "--gpu-memory-gb", str(memory)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "\nfits\n" in out and "per GPU (estimate):" in out
+
+
+def test_a_layout_that_does_not_fit_names_the_knobs(capsys):
+    recipe = EXAMPLES / "qwen3-8b-base/armor.yaml"
+    code = main(["plan", "--config", str(recipe), "--gpus", "128", "--gpu-memory-gb", "80", "--train.recompute", "none"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does NOT fit" in out and "turn on train.recompute full" in out and "(fits)" in out
+
+
+def test_plan_help_and_bad_layout(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--help"])
+    assert done.value.code == 0 and "--gpu-memory-gb" in capsys.readouterr().out
+    recipe = EXAMPLES / "qwen3-1.7b/mipu.yaml"
+    assert main(["plan", "--config", str(recipe), "--gpus", "8", "--gpu-memory-gb", "80", "--tp", "3"]) == 2

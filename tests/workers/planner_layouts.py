@@ -1,0 +1,82 @@
+"""Worker (2 ranks): the planner's bytes against a tiny Megatron model's tensors at TP=2 and at DP=2.
+
+argv: out_dir checkpoint_dir. Each rank writes {"activations": [[name, measured, estimated], ...] (bytes saved for
+backward by a forward + logprobs at TP=2, sequence parallelism off and on, recompute none / selective / full,
+torch and fused head), "tp2_state": [planned, actual] (parameter and grad-buffer bytes of its TP shard),
+"dp2": {"planned": StateBytes fields, "gradients": grad-buffer bytes, "optimizer": Adam moment bytes} of the
+distributed optimizer at DP=2}.
+"""
+import os
+import sys
+from dataclasses import asdict
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused head runs in Triton's CPU interpreter here
+
+import torch  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/workers/", 1)[0] + "/planning")
+from launcher import write_result  # noqa: E402
+from saved_bytes import estimated_saved_bytes, measured_saved_bytes  # noqa: E402
+from test_memory import adam_state_bytes  # noqa: E402
+
+from megatron.core import parallel_state  # noqa: E402
+
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
+from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.planning.memory import Layout, state_bytes  # noqa: E402
+from megatron_armor.trainer.optimizer import AdamConfig, optimizer_step, wrap_for_training  # noqa: E402
+
+RECOMPUTE = {"none": ActivationRecompute(), "selective": ActivationRecompute("selective"),
+             "full": ActivationRecompute("full", "uniform", 1)}
+
+
+def tensor_parallel_activations(shape) -> list:
+    """[name, measured, estimated] for every sequence-parallel, recompute and head setting at TP=2."""
+    rows = []
+    tokens = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(1))  # the same on both ranks
+    for sp in (False, True):
+        for name, recompute in RECOMPUTE.items():
+            config = transformer_config(shape, tp_size=2, sequence_parallel=sp, recompute=recompute)
+            model = build_gpt_model(shape, config, trainable=True)
+            for head in ("torch", "fused"):
+                layout = Layout(tp=2, sequence_parallel=sp, dtype_bytes=4, recompute=recompute, head=head,
+                                local_attention=True)
+                rows.append([f"sp={sp},{name},{head}", measured_saved_bytes(model, tokens, head),
+                             estimated_saved_bytes(shape, layout, tokens.numel())])
+    return rows
+
+
+def trained(shape, tp: int, distributed: bool):
+    """A model of this layout wrapped for training after one optimizer step (Adam's state exists)."""
+    model = build_gpt_model(shape, transformer_config(shape, tp_size=tp), trainable=True)
+    ddp, optimizer = wrap_for_training(model, AdamConfig(distributed=distributed))
+    tokens = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2))
+    ddp(tokens, torch.arange(8).expand_as(tokens), None).sum().backward()
+    optimizer_step(ddp, optimizer, lr=1e-3)
+    return ddp, optimizer
+
+
+def main(out_dir: str, checkpoint: str) -> None:
+    shape = load_model_shape(checkpoint)
+    initialize_distributed(2, 1, seed=0)
+    activations = tensor_parallel_activations(shape)
+    ddp, _ = trained(shape, 2, distributed=False)
+    planned = state_bytes(shape, Layout(tp=2, dtype_bytes=4))
+    tp2_state = [[planned.weights, sum(p.nbytes for p in ddp.module.parameters())],
+                 [planned.gradients, sum(b.grad_data.nbytes for b in ddp.buffers)]]
+    parallel_state.destroy_model_parallel()
+    initialize_distributed(1, 1, seed=0)  # dp 2
+    ddp, optimizer = trained(shape, 1, distributed=True)
+    planned = state_bytes(shape, Layout(dp=2, distributed_optimizer=True, dtype_bytes=4))
+    write_result(out_dir, {
+        "activations": activations, "tp2_state": tp2_state,
+        "dp2": {"planned": asdict(planned), "gradients": sum(b.grad_data.nbytes for b in ddp.buffers),
+                "optimizer": adam_state_bytes(optimizer)},
+    })
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
