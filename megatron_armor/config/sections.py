@@ -198,6 +198,10 @@ class CheckpointConfig:
     save_model: bool = doc(
         True, "also write the actor as a Megatron distributed checkpoint (step_N/model/) for `armor convert` / `diagnose`"
     )
+    async_save: bool = doc(
+        False, "write each rank's checkpoint shards in the background while training goes on; the checkpoint is "
+        "marked COMPLETE at the next save or the end of the run, once every rank has written"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("checkpoint", self, ("every",), 1)

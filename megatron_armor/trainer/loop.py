@@ -29,6 +29,7 @@ from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, RolloutSources, mean
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.sharded_state import restore_module, restore_order, sharded_modules
 from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
 from megatron_armor.trainer.update_gate import InferenceGapGate
@@ -281,17 +282,30 @@ class RLTrainer:
         of `checkpointed_modules()`}}; all but "modules" is JSON-able and the same on every rank. The modules'
         tensors are this rank's shards, views of the live ones: offloaded, read them inside `state_resident()`.
         """
+        modules = self.checkpointed_modules()
+        return {**self._shared_state(), "modules": {name: module.state_dict() for name, module in modules.items()}}
+
+    def sharded_state_dict(self, *, is_loading: bool = False, names: list[str] | None = None) -> dict[str, Any]:
+        """`state_dict()` with "modules" as Megatron sharded state dicts (trainer/sharded_state.py), what a
+        distributed checkpoint saves, or (`is_loading`) the request it loads into for the modules `names`
+        (those a checkpoint holds; default `checkpointed_modules()`). Its loaded form goes to `load_state_dict`."""
+        available = {**self.checkpointed_modules(), "ref": self.models.ref}
+        chosen = self.checkpointed_modules() if names is None else {n: available[n] for n in names if n in available}
+        return {**self._shared_state(), "modules": sharded_modules(chosen, is_loading=is_loading)}
+
+    def _shared_state(self) -> dict[str, Any]:
+        """The JSON-able entries of `state_dict()`, the same on every rank."""
         state: dict[str, Any] = {"optimizer_steps": self.optimizer_steps, "consecutive_skips": self.consecutive_skips,
                                  "sampler": self.sampler.state_dict()}
         if self.gate is not None:
             state["mipu_gate"] = self.gate.state_dict()
         if self.anchor_cache is not None:
             state["anchor_cache"] = self.anchor_cache.state_dict()
-        state["modules"] = {name: module.state_dict() for name, module in self.checkpointed_modules().items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()` (collective when offloaded: the modules load in a trainer phase).
+        """Restore a `state_dict()`, or a loaded `sharded_state_dict()` (collective when offloaded: the modules
+        load in a trainer phase).
 
         A reference in it is restored, and checkpointed from then on, whatever the plan says; without one
         the reference stays model.ref_path's. A cache's state is restored when it has one (none: saved with
@@ -305,9 +319,9 @@ class RLTrainer:
             raise ValueError(f"the trainer state has no {missing} state (has {sorted(modules)}): it was saved by a "
                              f"run without them; resume with that run's config")
         with self.colocation.state_writable():
-            for name, module in expected.items():
+            for name in restore_order(list(expected)):
                 if name in modules:
-                    module.load_state_dict(modules[name])
+                    restore_module(name, expected[name], modules[name])
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer_steps = state["optimizer_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)  # 0 in checkpoints from before skips were counted
