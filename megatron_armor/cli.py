@@ -17,11 +17,13 @@ import sys
 from collections.abc import Sequence
 
 from megatron_armor.config import MOVED_FIELDS, ConfigError, config_fields, load_config
+from megatron_armor.config.base import default_of
 from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
 from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.planning.cli import add_plan_subcommand, run_plan
+from megatron_armor.rewards.registry import RewardError
 from megatron_armor.rollout.serve_cli import add_serve_local_subcommand
 from megatron_armor.teacher.serve_cli import add_serve_teacher_subcommand, run_serve_teacher
 from megatron_armor.utils.net import free_port
@@ -85,7 +87,7 @@ def add_config_arguments(train: argparse.ArgumentParser, run_options: bool = Fal
     fields = train.add_argument_group("config fields")
     for dotted, f in config_fields():
         fields.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE", default=argparse.SUPPRESS,
-                            help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
+                            help=f"{f.metadata.get('help', '')} (default: {default_of(f)!r})")
     for old in MOVED_FIELDS:  # hidden; load_config turns each into "<old> moved to <new>" (exit code 2)
         fields.add_argument(f"--{old}", dest=f"cfg:{old}", metavar="VALUE", default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
@@ -149,10 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.train.logprob_head == "fused":
         _enable_triton_interpreter_without_gpu()
     from megatron_armor.algorithms import check_algorithm_config  # imports torch: not for --help
+    from megatron_armor.rewards.reward_fns import RewardFns
 
     try:
         check_algorithm_config(cfg)  # its own rules, before any process starts
-    except ConfigError as error:
+        RewardFns.from_config(cfg.reward)  # every reward function loads (module or file, function)
+    except (ConfigError, RewardError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.command == "ray-train":

@@ -34,6 +34,9 @@ CASES: dict[str, list[str]] = {
     "mipu": ["--config", "examples/tiny/mipu.yaml", "--max-steps", "2", *_SHORT],
     "opd": ["--config", "examples/tiny/opd.yaml", "--max-steps", "2", *_SHORT],
 }
+# One mini-batch per RL step (the update is exactly on-policy), recorded before the update's own forward took over
+# the separate old-policy pass (issue 18): skipping that pass must not change a metric.
+CASES["grpo_kl_on_policy"] = [*CASES["grpo_kl"], "--train.mini_batch_size", "8"]
 # The same run with token-budget, packed micro-batches (train.max_tokens_per_micro_batch, train.pack_sequences):
 # computing fewer padding tokens must not change a metric, so it is held to grpo_kl's reference.
 CASES["grpo_kl_packed"] = [*CASES["grpo_kl"], "--train.max_tokens_per_micro_batch", "96", "--train.pack_sequences",

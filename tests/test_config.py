@@ -244,3 +244,36 @@ def test_a_section_built_in_code_checks_its_choices(build, message):
     with pytest.raises(ConfigError, match=message):
         build()
     assert AlgorithmConfig(loss_aggregation=None).loss_aggregation is None  # Optional choices allow None
+
+
+def test_list_fields_take_yaml_lists_or_comma_separated_strings_and_round_trip(tmp_path):
+    cfg = load_config(DEMO, ["reward.audit_fns=megatron_armor.rewards.math_dapo:verify, checks/strict.py:exact"])
+    assert cfg.reward.audit_fns == ["megatron_armor.rewards.math_dapo:verify", "checks/strict.py:exact"]
+    assert load_config(DEMO, ["reward.audit_fns=[a:b]"]).reward.audit_fns == ["a:b"]
+    assert load_config(DEMO).reward.audit_fns == [] and load_config(DEMO).monitor.enabled is False
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == cfg
+    with pytest.raises(ConfigError, match=r"reward.audit_fns\[0\]: expected a string"):
+        load_config(DEMO, ["reward.audit_fns=[[a]]"])
+
+
+def test_monitor_section_loads_and_documents_its_actions():
+    cfg = load_config(DEMO, ["monitor.enabled=true", "monitor.hack_rate=0.3", "monitor.actions=hack_rate=stop",
+                             "monitor.val_drop=null"])
+    assert cfg.monitor.enabled and cfg.monitor.hack_rate == 0.3 and cfg.monitor.action_of()["hack_rate"] == "stop"
+    assert cfg.monitor.val_drop is None and cfg.monitor.action_of()["reward_gap"] == "warn"
+    with pytest.raises(ConfigError, match="action 'anchor' is not allowed"):
+        load_config(DEMO, ["monitor.actions=[hack_rate=anchor]"])
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    assert "--monitor.actions VALUE per-alarm actions as <kind>=<action>" in help_text
+    assert "anchor, switching to ARMOR from the best checkpoint, is not built yet" in help_text
+    assert "--reward.audit_fns VALUE audit verifiers" in help_text and "(default: [])" in help_text
+
+
+def test_cli_reports_a_missing_reward_file_with_exit_code_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(DEMO), "--reward.audit_fns",
+         "no/such/checks.py:strict"], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: reward.audit_fns[0]: reward function 'no/such/checks.py:strict': no file" in proc.stderr

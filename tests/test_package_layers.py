@@ -21,7 +21,7 @@ TOP = "megatron_armor"
 # "megatron_armor" is the top-level __init__.py. A new package must be placed here deliberately.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_armor", "utils", "config", "data", "rewards"),
-    ("algorithms", "models", "kernels", "distributed"),
+    ("algorithms", "models", "kernels", "distributed", "monitor"),
     ("rollout", "convert", "scoring", "planning"),
     ("teacher", "diagnostics"),
     ("trainer",),

@@ -92,6 +92,9 @@ class Algorithm:
     needs_teacher: ClassVar[bool] = False
     default_loss_aggregation: ClassVar[LossAggregation] = "token_mean"
     uses_kl_penalty: ClassVar[bool] = False  # adds kl.coef * KL(pi_theta || pi_ref) to the loss
+    # something before the update reads the actor's old-policy logprobs (e.g. `token_advantages`), so an exactly
+    # on-policy step cannot take them from the update's own forward
+    reads_old_logprobs_before_update: ClassVar[bool] = False
 
     def __init__(self, cfg: ArmorConfig) -> None:
         section = cfg.algorithm
@@ -198,6 +201,12 @@ class Algorithm:
     ) -> torch.Tensor | None:
         """Per-token advantages [B, S] from the scored batch, or None to broadcast `sequence_advantages` [B]."""
         return None
+
+    def old_logprobs_from_update(self, mini_batches_per_step: int) -> bool:
+        """Whether the update's own forward gives the old-policy logprobs (detached) instead of a separate pass: with
+        one mini-batch per RL step the update runs at the very weights the old-policy pass would score with, so its
+        ratios start at exactly 1 either way; unless something reads them before the update."""
+        return mini_batches_per_step == 1 and not self.reads_old_logprobs_before_update
 
     def update_gate(self) -> UpdateGateConfig | None:
         """Settings of a post-update accept / roll-back gate, or None for none."""

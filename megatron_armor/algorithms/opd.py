@@ -105,6 +105,7 @@ class Opd(Grpo):
 
     name = "opd"
     needs_teacher = True
+    reads_old_logprobs_before_update = True  # the token advantages are computed from them
 
     def __init__(self, cfg: ArmorConfig) -> None:
         super().__init__(cfg)

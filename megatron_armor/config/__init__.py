@@ -5,6 +5,7 @@
     sections.py         model, parallel, data, reward, train, eval, checkpoint, task, logging
     rollout.py          rollout and its sub-sections: sampling, anchors, sglang, weight_sync, memory
     algorithm.py        algorithm, armor, kl, mipu, opd
+    monitor.py          monitor (the collapse monitor's alarms)
     root.py             ArmorConfig, config_fields
     cross_section.py    the rules between sections (the chosen algorithm's own rules are checked by its
                         object: megatron_armor.algorithms)
@@ -19,6 +20,7 @@ from megatron_armor.config.algorithm import AlgorithmConfig, KLConfig, MipuConfi
 from megatron_armor.config.base import ConfigError
 from megatron_armor.config.cross_section import resolve_distributed_optimizer
 from megatron_armor.config.loading import coerce, config_hash, load_config, save_config, validate
+from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.rollout import (
     AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig, WeightSyncConfig,
@@ -31,7 +33,7 @@ from megatron_armor.config.sections import (
 
 __all__ = [
     "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
-    "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig",
+    "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
     "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "coerce", "config_fields", "config_hash",
     "load_config", "resolve_distributed_optimizer", "save_config", "validate",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 import typing
+import dataclasses
 from dataclasses import field
 from typing import Any, Literal
 
@@ -13,8 +14,15 @@ class ConfigError(ValueError):
 
 
 def doc(default: Any, help: str) -> Any:
-    """A dataclass field with its `--help` text (`metadata["help"]`)."""
+    """A dataclass field with its `--help` text (`metadata["help"]`); a list default is copied per config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """The default value of a `doc` field (a fresh one for a list)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def section(cls: type) -> Any:

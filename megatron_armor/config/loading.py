@@ -24,8 +24,8 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
 def coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Convert a YAML/CLI value to `annotation` (int, float, bool, str, Optional; a Literal's value is the
-    section's to check)."""
+    """Convert a YAML/CLI value to `annotation` (int, float, bool, str, Optional, list of those: a YAML list or a
+    comma-separated string; a Literal's value is the section's to check)."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -36,6 +36,12 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         return coerce(value, inner[0], where)
     if origin is Literal:
         return value  # the section's own `check_choices` refuses a value it does not allow
+    if origin is list:
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{where}: expected a list (YAML [a, b] or a comma-separated string), got {value!r}")
+        (inner,) = typing.get_args(annotation)
+        return [coerce(item, inner, f"{where}[{i}]") for i, item in enumerate(items)]
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megatron_armor.config.algorithm import AlgorithmConfig, KLConfig, MipuConfig, MixedRatioConfig, OpdConfig
 from megatron_armor.config.base import section
+from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.rollout import RolloutConfig
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
@@ -32,6 +33,7 @@ class ArmorConfig:
     train: TrainConfig = section(TrainConfig)
     eval: EvalConfig = section(EvalConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    monitor: MonitorConfig = section(MonitorConfig)
     task: TaskConfig = section(TaskConfig)
     logging: LoggingConfig = section(LoggingConfig)
 

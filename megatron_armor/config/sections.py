@@ -75,11 +75,18 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     train_fn: str = doc(
-        "megatron_armor.rewards.math_dapo:verify", "training reward, module:function; default: DAPO's exact match of "
+        "megatron_armor.rewards.math_dapo:verify", "training reward, module:function or path/to/file.py:function (a "
+        "file of your own: no package or PYTHONPATH needed); default: DAPO's exact match of "
         "the last 'Answer:' line, as the ARMOR paper (megatron_armor.rewards.math_verify_reward:verify: math-verify's "
         "value equality, also of a final \\boxed{})"
     )
-    val_fn: str | None = doc(None, "validation reward, module:function (default: train_fn)")
+    val_fn: str | None = doc(None, "validation reward, module:function or path/to/file.py:function (default: train_fn)")
+    audit_fns: list[str] = doc(
+        [], "audit verifiers (module:function or path/to/file.py:function each) run on every on-policy training sample "
+        "beside train_fn and never trained on; logged per step: audit/<stem>_<function>_accuracy, "
+        "audit/<stem>_<function>_hack_rate (train_fn says correct, the audit says wrong) and audit/hack_rate (the "
+        "largest of those)"
+    )
     overlong_buffer: int = doc(4096, "DAPO overlong penalty buffer in tokens (0 disables)")
     overlong_factor: float = doc(1.0, "DAPO overlong penalty factor")
 
@@ -191,6 +198,10 @@ class CheckpointConfig:
     save_model: bool = doc(
         True, "also write the actor as a Megatron distributed checkpoint (step_N/model/) for `armor convert` / `diagnose`"
     )
+    async_save: bool = doc(
+        False, "write each rank's checkpoint shards in the background while training goes on; the checkpoint is "
+        "marked COMPLETE at the next save or the end of the run, once every rank has written"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("checkpoint", self, ("every",), 1)
@@ -218,3 +229,11 @@ class LoggingConfig:
     wandb_project: str | None = doc(None, "log to this Weights & Biases project (needs wandb)")
     plot: bool = doc(True, "write curves.png at the end")
     progress_bar: bool = doc(True, "show a progress bar")
+    update_geometry_every: int = doc(
+        0, "every N RL steps log the update's geometry per decoder layer type (geometry/*: relative update norm, "
+        "fraction of weights changed under the bf16-aware rule, drift from the reference's weights); costs a copy of "
+        "the decoder matrices on those steps (0: never)"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least("logging", self, ("update_geometry_every",), 0)

@@ -35,6 +35,11 @@ Adaptations (megatron-core 0.19):
 8. The distributed optimizer (optimizer state sharded over data-parallel ranks) reduce-scatters grads
    and all-gathers the updated weights on flat buffers (`reduce_scatter_tensor`, `all_gather_into_tensor`):
    gloo has both in torch 2.14 (the DP=2 distributed-optimizer layout test runs them); nothing to patch.
+9. Without Apex or Transformer Engine (always so on CPU) the distributed optimizer runs torch's Adam, which
+   keeps a "step" tensor in every parameter's state. Loading a distributed checkpoint, Megatron puts that
+   step back from the param groups, then copies every tensor of the parameter's state from the loaded
+   one, which never holds "step" (`_set_main_param_and_optimizer_states` raises KeyError). The copy gets
+   the parameter's own step tensor for "step" (`_set_states_keeping_step`), i.e. the step stays Megatron's.
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -52,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 _CPU = torch.device("cpu")
 _lock = threading.Lock()
 _installed = False
+_original_set_states = None  # Megatron's DistributedOptimizer._set_main_param_and_optimizer_states (adaptation 9)
 
 
 def _is_cuda_device(device: object) -> bool:
@@ -117,6 +123,14 @@ def _fork_on_cpu_rng(self, name: str = "model-parallel-rng") -> Iterator[None]:
     yield
 
 
+def _set_states_keeping_step(self, model_param, tensors) -> None:
+    """Adaptation 9: Megatron's state copy with the parameter's own "step" tensor as the source of its step."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    step = self.optimizer.state[main_param].get("step")
+    _original_set_states(self, model_param, {"step": step, **tensors} if torch.is_tensor(step) else tensors)
+
+
 def cpu_compat_needed() -> bool:
     """True when Megatron must be adapted: this process has no usable CUDA device."""
     return not torch.cuda.is_available()
@@ -143,6 +157,11 @@ def enable_cpu_compat() -> bool:
             megatron_random._get_cuda_rng_state = _no_cuda_rng_state  # adaptation 7
             megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state  # adaptation 7
             megatron_random.CudaRNGStatesTracker.fork = _fork_on_cpu_rng  # adaptation 7
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+            global _original_set_states
+            _original_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+            DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_keeping_step  # adaptation 9
             _installed = True
     return True
 

@@ -24,6 +24,20 @@ def sum_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, packed.tolist()))
 
 
+def sum_over_ranks(counts: list[int]) -> list[int]:
+    """Each count summed over every rank of the job (the default group; every rank passes as many counts)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return counts
+    packed = torch.tensor(counts, dtype=torch.int64, device=training_device())  # NCCL: on the GPU
+    dist.all_reduce(packed)
+    return packed.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank of the job (collective over the default group)."""
+    return sum_over_ranks([int(flag)])[0] > 0
+
+
 def mean_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
     """Unweighted mean of each value over the data-parallel group."""
     size = parallel_state.get_data_parallel_world_size()

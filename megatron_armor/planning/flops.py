@@ -58,13 +58,15 @@ class RLStepFlops:
 
 def rl_step_flops(
     shape: ModelShape, lengths: Sequence[int], *, reference: bool, teacher: ModelShape | None = None,
+    old_logprobs: bool = True,
 ) -> RLStepFlops:
     """FLOPs of one RL step over sequences of `lengths` tokens (prompt + response, all data-parallel ranks):
-    one update pass, one old-policy logprob pass, and a reference / `teacher` logprob pass when asked."""
+    one update pass, an old-policy logprob pass (unless the update gives them: `old_logprobs` False), and a
+    reference / `teacher` logprob pass when asked."""
     tokens, squares = sum(lengths), sum(n * n for n in lengths)
     forward = forward_flops(shape, tokens, squares)
     return RLStepFlops(
-        update=forward_backward_flops(shape, tokens, squares), old_logprobs=forward,
+        update=forward_backward_flops(shape, tokens, squares), old_logprobs=forward if old_logprobs else 0.0,
         reference=forward if reference else 0.0,
         teacher=forward_flops(teacher, tokens, squares) if teacher is not None else 0.0,
     )

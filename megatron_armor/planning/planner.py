@@ -220,7 +220,8 @@ def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     return RunPlan(
         memory=memory, advice=[] if memory.fits else advice(inputs, max_len),
         flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=algorithm.needs_ref_logprobs,
-                            teacher=teacher),
+                            teacher=teacher, old_logprobs=not algorithm.old_logprobs_from_update(
+                                cfg.train.train_batch_size // cfg.train.mini_batch_size)),
         sequences=sequences, max_len=max_len, gpus=hardware.gpus, trainer_gpus=cfg.parallel.world_size,
         shape_source=resolve_model_shape(cfg.model.path)[1],
     )

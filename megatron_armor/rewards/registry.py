@@ -1,4 +1,5 @@
-"""Reward functions named by dotted path: `package.module:function(response, row) -> (float, bool)`."""
+"""Reward functions named by path, `package.module:function` or `path/to/file.py:function`, with the signature
+`function(response, row) -> (float, bool)`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ class RewardError(ValueError):
 
 
 def load_reward_fn(path: str) -> RewardFn:
-    """Import `module:function`, e.g. `megatron_armor.rewards.arithmetic:verify`."""
+    """Import `module:function` (e.g. `megatron_armor.rewards.arithmetic:verify`) or `path/to/file.py:function`
+    (a file of the user's, no package or PYTHONPATH needed)."""
     try:
         fn = import_attribute(path, "reward function", "package.module:function")
     except ValueError as error:

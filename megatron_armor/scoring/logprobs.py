@@ -186,24 +186,39 @@ def compute_logprobs(
     on `batch`'s device as [B, S] rows of `batch`."""
 
     def collect(scores: TokenScores, mb: SequenceBatch):
-        stats = {"logprobs": scores.logprobs * mb.response_mask}
-        if scores.entropy is not None:
-            stats["entropy"] = scores.entropy * mb.response_mask
-        return scores.logprobs.new_zeros(()), scores.logprobs.new_zeros((), dtype=torch.int), stats
+        return scores.logprobs.new_zeros(()), scores.logprobs.new_zeros((), dtype=torch.int), masked_scores(scores, mb)
 
     was_training = model.training
     model.eval()
     micro_batches = micro_batching.split(batch)
     outputs = forward_backward(model, micro_batches, collect, scoring=scoring, forward_only=True)
     model.train(was_training)
-    keys = ["logprobs"] + (["entropy"] if scoring.with_entropy else [])
+    return gather_scores(outputs, micro_batches, batch, with_entropy=scoring.with_entropy)
+
+
+def masked_scores(scores: TokenScores, rows: SequenceBatch) -> dict[str, torch.Tensor]:
+    """A micro-batch's detached scores on its response tokens, as loss-callback stats for `gather_scores`:
+    {"scores/logprobs": [n, s], "scores/entropy": [n, s] (with entropy)}, 0 off the response."""
+    stats = {"scores/logprobs": scores.logprobs.detach() * rows.response_mask}
+    if scores.entropy is not None:
+        stats["scores/entropy"] = scores.entropy.detach() * rows.response_mask
+    return stats
+
+
+def gather_scores(
+    outputs: list[dict[str, torch.Tensor]], micro_batches: Sequence[MicroBatch], batch: SequenceBatch, *,
+    with_entropy: bool,
+) -> LogprobResult:
+    """The `masked_scores` of every micro-batch of `batch` (the schedule's `outputs`: on the last pipeline stage
+    only) as [B, S] rows of `batch`, on every stage (collective over the pipeline group) and `batch`'s device."""
+    keys = ["scores/logprobs"] + (["scores/entropy"] if with_entropy else [])
     result, device = {}, training_device()  # stages without outputs receive the last stage's there
     for key in keys:
         values = torch.zeros(batch.input_ids.shape, device=device)
         for out, mb in zip(outputs, micro_batches):  # no outputs off the last stage
             values[mb.row_index.to(device), : out[key].shape[1]] = out[key]
         result[key] = _broadcast_from_last_stage(values).to(batch.input_ids.device)
-    return LogprobResult(logprobs=result["logprobs"], entropy=result.get("entropy"))
+    return LogprobResult(logprobs=result["scores/logprobs"], entropy=result.get("scores/entropy"))
 
 
 def _broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout, load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
-from megatron_armor.rewards.registry import load_reward_fn
+from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
@@ -70,9 +70,12 @@ def context_length_warning(cfg: ArmorConfig, shape: ModelShape) -> str | None:
             f"requests unless started with --context-length (or the config raises it)")
 
 
-def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths) -> TrainingSetup:
+def build_training(
+    ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, rewards: RewardFns | None = None,
+) -> TrainingSetup:
     """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` and `algorithm` (built from it)
-    say (collective)."""
+    say (collective); `rewards` loaded beforehand (`RewardFns.from_config`), else here, before any model."""
+    rewards = rewards or RewardFns.from_config(cfg.reward)
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
@@ -95,13 +98,14 @@ def build_training(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorit
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
     overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
-    train_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.train_fn), overlong)
-    val_scorer = SampleScorer(tokenizer, load_reward_fn(cfg.reward.val_fn or cfg.reward.train_fn))
+    train_scorer = SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
+    val_scorer = SampleScorer(tokenizer, rewards.val)
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
-                         colocation=Colocation(handoff, trainer_models.offload))
+                         colocation=Colocation(handoff, trainer_models.offload),
+                         geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
                         ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim, parts)
     return TrainingSetup(trainer=trainer, models=models, val_rows=all_val_rows[: cfg.eval.max_prompts],

@@ -46,6 +46,11 @@ class StepPlan:
         """The reference samples anchors, and a group needs a correct one (the algorithm says)."""
         return self.algorithm.uses_anchors
 
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """The update's own forward gives the old-policy logprobs (`Algorithm.old_logprobs_from_update`)."""
+        return self.algorithm.old_logprobs_from_update(self.train_batch_size // self.mini_batch_size)
+
     def resets_reference_after(self, step: int) -> bool:
         """Whether RL step `step` (0-based) ends with a reference reset (every `ref_reset_period` steps)."""
         return bool(self.ref_reset_period) and (step + 1) % self.ref_reset_period == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,9 @@ from megatron_armor.algorithms import Algorithm, LossInputs
 from megatron_armor.algorithms.reduce import aggregation_units
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch
-from megatron_armor.scoring.logprobs import ScoringConfig, TokenScores, forward_backward
+from megatron_armor.scoring.logprobs import (
+    LogprobResult, ScoringConfig, TokenScores, forward_backward, gather_scores, masked_scores,
+)
 from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.faults import NonFiniteUpdate, find_nonfinite
@@ -35,8 +38,10 @@ class PolicyLossCallback:
 
     def __call__(self, scores: TokenScores, micro_batch: SequenceBatch):
         mask = micro_batch.response_mask  # [b, S]
+        on_policy = micro_batch.old_logprobs is None  # the old policy is this forward's (`update_policy`)
+        old_logprobs = scores.logprobs.detach() if on_policy else micro_batch.old_logprobs
         terms = self.algorithm.policy_loss(LossInputs(
-            logprobs=scores.logprobs, old_logprobs=micro_batch.old_logprobs, ref_logprobs=micro_batch.ref_logprobs,
+            logprobs=scores.logprobs, old_logprobs=old_logprobs, ref_logprobs=micro_batch.ref_logprobs,
             engine_logprobs=micro_batch.engine_logprobs, advantages=micro_batch.per_token_advantages(),
             response_mask=mask,
         ))
@@ -47,6 +52,8 @@ class PolicyLossCallback:
         sums.update({f"loss/{name}": value for name, value in terms.per_unit.items()})
         sums["num_tokens"] = num_tokens.detach()
         sums["num_units"] = units
+        if on_policy:
+            sums.update(masked_scores(scores, micro_batch))
         return terms.loss, units.to(torch.int), sums
 
 
@@ -60,6 +67,7 @@ class UpdateResult:
     metrics: dict[str, float]
     optimizer_steps: int
     fault: NonFiniteUpdate | None = None
+    old_scores: LogprobResult | None = None  # an on-policy mini-batch's logprobs and entropy (rows of it)
 
 
 def update_policy(
@@ -71,17 +79,28 @@ def update_policy(
     Returns loss statistics averaged over the whole step (all data-parallel ranks), on every rank. A
     mini-batch whose loss or gradients are not finite on any rank is never stepped: its gradients are
     discarded and the update stops there on every rank (`UpdateResult.fault`).
+    A single mini-batch without old_logprobs is exactly on-policy (`StepPlan.old_logprobs_from_update`): its
+    forward's detached logprobs are the old policy's, and they come back with its entropy in `old_scores`.
     """
+    on_policy = [mini_batch.old_logprobs is None for mini_batch in mini_batches]
+    if any(on_policy) and len(mini_batches) > 1:
+        raise ValueError("old-policy logprobs come from the update's forward only with one mini-batch per RL step; "
+                         f"got {len(mini_batches)} mini-batches, {sum(on_policy)} of them without old_logprobs")
     loss_fn = PolicyLossCallback(algorithm)
     lr = learning_rate(rl_step, optim)
     totals: dict[str, float] = {}
-    grad_norms = []
+    grad_norms, old_scores = [], None
     for index, mini_batch in enumerate(mini_batches):
-        outputs = forward_backward(ddp, micro_batching.split(mini_batch), loss_fn, scoring=scoring, forward_only=False)
+        micro_batches = micro_batching.split(mini_batch)
+        pass_scoring = dataclasses.replace(scoring, with_entropy=True) if on_policy[index] else scoring
+        outputs = forward_backward(ddp, micro_batches, loss_fn, scoring=pass_scoring, forward_only=False)
+        scores = [{k: out.pop(k) for k in list(out) if k.startswith("scores/")} for out in outputs]
+        if on_policy[index]:
+            old_scores = gather_scores(scores, micro_batches, mini_batch, with_entropy=True)
         fault = find_nonfinite(ddp, outputs, rl_step=rl_step, mini_batch=index)
         if fault is not None:
             zero_grads(ddp, optimizer)
-            return UpdateResult(metrics={"optim/lr": lr}, optimizer_steps=index, fault=fault)
+            return UpdateResult(metrics={"optim/lr": lr}, optimizer_steps=index, fault=fault, old_scores=old_scores)
         for out in outputs:
             for name, value in out.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
@@ -97,4 +116,4 @@ def update_policy(
     metrics = {name: value / (units if name in loss_fn.per_unit_metrics else tokens) for name, value in totals.items()}
     metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["optim/lr"] = lr
-    return UpdateResult(metrics=metrics, optimizer_steps=len(mini_batches))
+    return UpdateResult(metrics=metrics, optimizer_steps=len(mini_batches), old_scores=old_scores)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from megatron_armor.algorithms import GroupCollector, build_groups
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
+from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.engine_weights import EngineWeights
@@ -68,7 +69,7 @@ class RolloutPhase:
         )
         on_policy_all: list[Sample] = []
         anchors_all: list[Sample] = []
-        counters = RolloutCounters()
+        counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
         phases = {"actor": self.sample_on_policy, "ref": self.sample_anchors}
         while not collector.done:
             batch_index = collector.num_gen_batches
@@ -97,7 +98,7 @@ class RolloutPhase:
         counters.add_push("actor", self.engine_weights.load_into_shared_engine("actor"))
         return generate_samples(
             self.models.training_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False,
-            seed=seed,
+            seed=seed, audit=counters.audit,
         )
 
     def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
@@ -123,7 +124,8 @@ class RolloutPhase:
         counters: RolloutCounters,
     ) -> dict[str, float]:
         """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept,
-        anchors, the shared engine's swaps and the engine's own."""
+        anchors, the audit verifiers' verdicts on every on-policy sample (counts summed over ranks: collective),
+        the shared engine's swaps and the engine's own."""
         uses_anchors = self.plan.uses_anchors
         metrics = {
             "train/reward_mean": mean([s.reward for s in on_policy]),
@@ -138,6 +140,8 @@ class RolloutPhase:
             metrics["armor/anchor_accuracy"] = mean([float(s.correct) for s in anchors])
         if uses_anchors and groups:  # armor.md §7: the fraction of on-policy samples in the batch
             metrics["mix_kl/main_ratio"] = mean([float(not s.is_anchor) for g in groups for s in g])
+        if counters.audit is not None:
+            metrics.update(counters.audit.from_vector(sum_over_ranks(counters.audit.as_vector())).metrics())
         metrics.update(counters.metrics(
             uses_anchors=uses_anchors, cache=self.anchor_cache is not None, shared=self.models.shared_engine
         ))

@@ -15,8 +15,12 @@ from megatron_armor.algorithms import Algorithm, build_algorithm
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
+from megatron_armor.monitor import CollapseAlarmError
+from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.trainer.build import TrainingSetup, build_training
-from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, save_checkpoint
+from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, saved_modules
+from megatron_armor.trainer.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.collapse_watch import CollapseWatch
 from megatron_armor.trainer.faults import TooManySkipsError
 from megatron_armor.trainer.loop import RLTrainer, evaluate
 from megatron_armor.trainer.policies import PolicyHandles
@@ -51,24 +55,30 @@ def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = Fa
 
 
 def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite: bool) -> None:
-    """The run on this rank (collective): set up, resume, give the engines their first weights, then step,
-    validate, log and checkpoint until train.max_steps; tear down. After train.max_consecutive_skips skipped
-    updates in a row (non-finite loss or gradients) it checkpoints the last good state and raises
-    `TooManySkipsError`."""
+    """The run on this rank (collective): load the reward functions, set up, resume, give the engines their first
+    weights, then step, validate, watch for collapse, log and checkpoint until train.max_steps; tear down. After
+    train.max_consecutive_skips skipped updates in a row (non-finite loss or gradients) it checkpoints the last good
+    state and raises `TooManySkipsError`; on a collapse-monitor alarm whose action is stop it checkpoints and raises
+    `CollapseAlarmError`."""
     algorithm = build_algorithm(cfg)
+    rewards = RewardFns.from_config(cfg.reward)  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
-    setup = build_training(ctx, cfg, algorithm, paths)
-    trainer = setup.trainer
-    start_step, ref_restored = _resume(trainer, resume_from, cfg, paths) if resume_from is not None else (0, False)
+    setup = build_training(ctx, cfg, algorithm, paths, rewards)
+    trainer, watch = setup.trainer, CollapseWatch(cfg.monitor, is_main=ctx.is_main)
+    start_step, ref_restored = (_resume(trainer, watch, resume_from, cfg, paths) if resume_from is not None
+                                else (0, False))
     trainer.push_initial_weights(**_stale_engines(setup.models, paths, resumed=resume_from is not None,
                                                   ref_restored=ref_restored))
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
+    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
     if start_step == 0 and cfg.eval.before_train:
-        metrics_log.log(0, validate(0))
+        initial = validate(0)
+        watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
+        metrics_log.log(0, initial)
     progress = tqdm(
         range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
         desc=algorithm.name.upper(), disable=not (ctx.is_main and cfg.logging.progress_bar), dynamic_ncols=True,
@@ -78,15 +88,19 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(validate(done))
+        alarms = watch.observe(done, metrics)
         metrics_log.log(done, metrics)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
-        if stop or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
-            checkpoint = _save(trainer, setup.models, cfg, paths, done)
-        if stop:
+        if stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
+            checkpoint = _save(saver, trainer, watch, setup.models, cfg, paths, done)
+        if stop or alarms:
+            saver.finalize()
             metrics_log.close()
-            raise TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint)
+            raise (TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint) if stop
+                   else CollapseAlarmError(done, alarms, checkpoint))
+    saver.finalize()  # an asynchronous save still in flight
     metrics_log.close()
     _teardown(ctx, cfg, setup.models, run_dir)
 
@@ -105,14 +119,18 @@ def _prepare_run(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm
     return paths
 
 
-def _resume(trainer: RLTrainer, checkpoint: Path, cfg: ArmorConfig, paths: TaskPaths) -> tuple[int, bool]:
-    """Restore the trainer and the RNG states from `checkpoint` (collective); returns the step to continue
-    from and whether the reference came from the checkpoint (then not from model.ref_path)."""
-    step, state = load_checkpoint(checkpoint)
+def _resume(
+    trainer: RLTrainer, watch: CollapseWatch, checkpoint: Path, cfg: ArmorConfig, paths: TaskPaths,
+) -> tuple[int, bool]:
+    """Restore the trainer, the collapse monitor and the RNG states from `checkpoint` (collective); returns the step
+    to continue from and whether the reference came from the checkpoint (then not from model.ref_path)."""
+    request = trainer.sharded_state_dict(is_loading=True, names=saved_modules(checkpoint))
+    step, state = load_checkpoint(checkpoint, request, seed=cfg.train.seed)
     try:
         trainer.load_state_dict(state)
     except ValueError as error:
         raise ValueError(f"{checkpoint}: {error}") from error
+    watch.load(state)
     ref_restored = "ref" in state["modules"]
     if ref_restored:
         log.info("reference policy restored from %s (not from %s)", checkpoint, paths.ref_path)
@@ -147,17 +165,21 @@ def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, s
     return result
 
 
-def _save(trainer: RLTrainer, models: PolicyHandles, cfg: ArmorConfig, paths: TaskPaths, step: int) -> Path:
-    """Checkpoint the trainer after `step` steps (collective), with the actor as a Megatron distributed
-    checkpoint beside it when checkpoint.save_model; returns its directory."""
+def _save(
+    saver: CheckpointSaver, trainer: RLTrainer, watch: CollapseWatch, models: PolicyHandles, cfg: ArmorConfig,
+    paths: TaskPaths, step: int,
+) -> Path:
+    """Checkpoint the trainer (and the collapse monitor's state beside its entries) after `step` steps
+    (collective; with checkpoint.async_save its shards are still being written on return), with the actor as a
+    Megatron distributed checkpoint beside it when checkpoint.save_model; returns its directory."""
 
     def export_model(checkpoint_dir: Path) -> None:
         save_model_checkpoint(models.actor.module, models.shape, checkpoint_dir / "model",
                               side_files_from=paths.model_path)
 
     with trainer.state_resident():
-        return save_checkpoint(cfg.logging.run_dir, step, trainer.state_dict(), keep_last=cfg.checkpoint.keep_last,
-                               write_extra=export_model if cfg.checkpoint.save_model else None)
+        return saver.save(step, {**trainer.sharded_state_dict(), **watch.state()},
+                          write_extra=export_model if cfg.checkpoint.save_model else None)
 
 
 def _teardown(ctx: DistributedContext, cfg: ArmorConfig, models: PolicyHandles, run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.sample_exchange import all_gather_samples
+from megatron_armor.rewards.audit import AuditCounts, AuditVerifiers
 from megatron_armor.rewards.overlong import overlong_penalty
 from megatron_armor.rewards.registry import score
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -42,12 +43,23 @@ class OverlongPenalty:
 
 
 class SampleScorer:
-    """Turns engine generations into scored `Sample`s (decode, verify, overlong penalty)."""
+    """Turns engine generations into scored `Sample`s (decode, verify, overlong penalty); with `audits`, also
+    judges them by the audit verifiers (`audit`), which never change a sample's reward."""
 
-    def __init__(self, tokenizer, reward_fn: RewardFn, overlong: OverlongPenalty | None = None) -> None:
+    def __init__(
+        self, tokenizer, reward_fn: RewardFn, overlong: OverlongPenalty | None = None,
+        audits: AuditVerifiers = AuditVerifiers(),
+    ) -> None:
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.overlong = overlong
+        self.audits = audits
+
+    def audit(self, prompt: PromptRow, sample: Sample) -> tuple[bool, ...]:
+        """Each audit verifier's `correct` for `sample`, a response to `prompt` (() without audits)."""
+        if not self.audits.names:
+            return ()
+        return self.audits.verdicts(self.response_text(sample.response_ids, sample.finish_reason), prompt.row)
 
     def response_text(self, response_ids: Sequence[int], finish_reason: str) -> str:
         """Decoded response without its stop token."""
@@ -81,6 +93,7 @@ class RolloutCounters:
     actor_restore_seconds: float = 0.0  # actor pushes back into a shared engine after an anchor phase
     weight_swaps: int = 0  # pushes into a shared engine
     anchor_cache_hits: int = 0  # prompts whose anchors came from the cache
+    audit: AuditCounts | None = None  # audit verdicts on the on-policy samples this rank scored (with audits)
 
     def add_push(self, policy: str, report: SyncReport | None) -> None:
         """Count a push of `policy`'s weights ("actor" | "ref") into a shared engine; None: none was needed."""
@@ -121,11 +134,14 @@ def generate_samples(
     *,
     is_anchor: bool,
     seed: int,
+    audit: AuditCounts | None = None,
 ) -> list[Sample]:
     """`samples_per_prompt` scored samples of every prompt, ordered by prompt then sample index.
 
     A collective over the default process group when it is initialised: each rank generates its
-    round-robin share of the requests with a rank-specific seed derived from `seed`.
+    round-robin share of the requests with a rank-specific seed derived from `seed`. With `audit`, the scorer's
+    audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts over
+    ranks for the whole batch's).
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
@@ -136,6 +152,9 @@ def generate_samples(
         scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor)
         for (p, _), g in zip(mine, generations)
     ]
+    if audit is not None:
+        for (p, _), sample in zip(mine, samples):
+            audit.add(sample.correct, scorer.audit(prompts[p], sample))
     answered = mine  # the (prompt, sample index) of each sample
     if world > 1:  # every rank's share, in rank order: rank r's samples answer requests[r::world]
         samples = all_gather_samples(samples)

@@ -18,7 +18,7 @@ from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
-from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
+from megatron_armor.scoring.logprobs import LogprobResult, ScoringConfig, compute_logprobs
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.samples import call_seed
@@ -46,14 +46,20 @@ class PreparedBatch:
     batch: the `AdvantageBatch`'s, with old_logprobs [B, S] float32 and, as the plan needs them,
            ref_logprobs [B, S] float32, teacher_logprobs and token_advantages [B, S] float32 (OPD);
     mini_batches: row slices of `batch`, one per optimizer step;
-    entropy: token-mean policy entropy of the local batch before the update;
+    old_entropy: [B, S] float32 policy entropy before the update (0 off the response);
     num_tokens: prompt + response tokens of the whole step (all data-parallel ranks).
+    With `StepPlan.old_logprobs_from_update` old_logprobs and old_entropy are None until the update's forward
+    gives them (`record_old_scores`).
     """
 
     batch: SequenceBatch
     mini_batches: list[SequenceBatch]
-    entropy: float
+    old_entropy: torch.Tensor | None
     num_tokens: int
+
+    def record_old_scores(self, scores: LogprobResult) -> None:
+        """Keep the old-policy logprobs and entropy the on-policy update's forward gave ([B, S] rows of `batch`)."""
+        self.batch.old_logprobs, self.old_entropy = scores.logprobs, scores.entropy
 
 
 def advantage_batch(
@@ -87,14 +93,16 @@ def score_logprobs(
     advantaged: AdvantageBatch, models: PolicyHandles, plan: StepPlan, scoring: ScoringConfig, *,
     optimizer_steps: int, dp_rank: int,
 ) -> PreparedBatch:
-    """The actor's logprobs and entropy before the update, and what the algorithm asks for: the reference's
-    logprobs, the teacher's, and per-token advantages from the scored batch (its random draws: one stream per
-    optimizer-step count and data shard). Collective over the model-parallel group; fills in
-    `advantaged.batch` in place."""
+    """The actor's logprobs and entropy before the update (unless the update gives them:
+    `StepPlan.old_logprobs_from_update`), and what the algorithm asks for: the reference's logprobs, the
+    teacher's, and per-token advantages from the scored batch (its random draws: one stream per optimizer-step
+    count and data shard). Collective over the model-parallel group; fills in `advantaged.batch` in place."""
     batch, algorithm = advantaged.batch, plan.algorithm
-    old = compute_logprobs(models.actor, batch, micro_batching=plan.micro_batching,
-                           scoring=dataclasses.replace(scoring, with_entropy=True))
-    batch.old_logprobs = old.logprobs
+    old_entropy = None
+    if not plan.old_logprobs_from_update:
+        old = compute_logprobs(models.actor, batch, micro_batching=plan.micro_batching,
+                               scoring=dataclasses.replace(scoring, with_entropy=True))
+        batch.old_logprobs, old_entropy = old.logprobs, old.entropy
     if algorithm.needs_ref_logprobs:
         batch.ref_logprobs = compute_logprobs(
             models.ref, batch, micro_batching=plan.micro_batching, scoring=scoring
@@ -111,7 +119,7 @@ def score_logprobs(
     return PreparedBatch(
         batch=batch,
         mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])],
-        entropy=float(masked_mean(old.entropy, batch.response_mask)),
+        old_entropy=old_entropy,
         num_tokens=advantaged.num_tokens,
     )
 
@@ -124,7 +132,7 @@ def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_ancho
     Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks (collective).
     """
     batch = prepared.batch
-    metrics = {"policy/entropy": prepared.entropy}
+    metrics = {"policy/entropy": float(masked_mean(prepared.old_entropy, batch.response_mask))}
     if sampled_by_actor:  # engine_logprobs are the actor engine's
         on_policy = ~batch.is_anchor
         diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask

@@ -3,36 +3,15 @@ its budget and covers every row once; packing concatenates exactly the real toke
 model (one process; layouts in tests/trainer/test_parallel_layouts.py) token-budget and packed micro-batches
 give the logprobs, entropy, loss and gradients of whole padded micro-batches."""
 
-import random
-
 import pytest
 import torch
 
-from megatron_armor.data.types import Sample
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward
 from megatron_armor.scoring.micro_batches import MicroBatching, pack_rows
 
 from algorithm_factory import make_algorithm
-
-
-def rlvr_lengths(count: int, seed: int, longest: int = 4096) -> list[int]:
-    """Prompt + response lengths as RLVR makes them: most responses short, a long tail up to `longest`."""
-    rng = random.Random(seed)
-    return [min(longest, 64 + int(rng.paretovariate(1.2) * 150)) for _ in range(count)]
-
-
-def batch_of(lengths: list[int], vocab: int = 96, seed: int = 0, prompt: int = 3):
-    """A batch whose row i holds `lengths[i]` tokens (a `prompt`-token prompt, the rest response)."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, length in enumerate(lengths):
-        ids = torch.randint(1, vocab, (length,), generator=g).tolist()
-        samples.append(Sample(i, ids[:prompt], ids[prompt:], torch.randn(length - prompt, generator=g).tolist(), "stop",
-                              i % 3 == 0, 1.0, True))
-    advantages = torch.randn(len(lengths), generator=g).tolist()
-    return build_sequence_batch(samples, advantages, pad_token_id=0)
+from sequence_batches import batch_of, rlvr_lengths
 
 
 @pytest.mark.parametrize("pack", [False, True])

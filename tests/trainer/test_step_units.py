@@ -14,6 +14,7 @@ from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.rollout_phase import RolloutSources, trim_to_data_parallel
+from megatron_armor.trainer.samples import SampleScorer
 from megatron_armor.trainer.training_batch import local_mini_batch_groups
 from megatron_armor.scoring.micro_batches import MicroBatching
 
@@ -77,7 +78,7 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
     prompts = SimpleNamespace(next_batch=lambda: [PromptRow(i, [1, 2], {}) for i in range(2)])
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan,
-                        RolloutSources(prompts, sampling=None, scorer=None), scoring=None, optim=None)
+                        RolloutSources(prompts, sampling=None, scorer=SampleScorer(None, None)), scoring=None, optim=None)
     # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
     trainer.rollout.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
                                                                      _sample(1, False), _sample(1, False)]

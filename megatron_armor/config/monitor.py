@@ -1,0 +1,70 @@
+"""The `monitor` section: the collapse monitor's alarms (megatron_armor.monitor), each a threshold and an action."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_armor.config.base import doc, require, require_at_least
+
+ACTIONS = ("warn", "stop")  # "anchor" (switch to ARMOR from the best checkpoint) is not built yet
+SETTINGS = ("enabled", "window", "actions")  # every other field is an alarm's threshold
+
+
+@dataclass
+class MonitorConfig:
+    """Which alarms the collapse monitor raises and what each does. Alarm <kind> has a threshold, field `<kind>`
+    (null: off), and an action in `actions` (default warn); it fires (monitor/alarm_<kind> = 1) on the step its
+    condition starts to hold, and again only after it stopped holding."""
+
+    enabled: bool = doc(False, "watch every step's metrics for over-optimization and log monitor/* (off: none logged)")
+    window: int = doc(
+        5, "steps in the windows of the per-step alarms (means, and the baseline jumps are measured against), and "
+        "validations in the reward-gap trend"
+    )
+    actions: list[str] = doc(
+        [], "per-alarm actions as <kind>=<action>, e.g. [hack_rate=stop, val_drop=stop]; an alarm not listed warns. "
+        "warn: log the alarm's reason and go on; stop: checkpoint, then exit with an error naming the alarm (anchor, "
+        "switching to ARMOR from the best checkpoint, is not built yet)"
+    )
+    reward_gap: float | None = doc(
+        0.2, "alarm reward_gap: train/accuracy (mean over the window's steps) minus val/accuracy above this while the "
+        "gap widens (positive slope over the window's validations)"
+    )
+    val_drop: float | None = doc(0.1, "alarm val_drop: val/accuracy this far below its best so far")
+    clip_fraction: float | None = doc(0.2, "alarm clip_fraction: loss/clip_fraction's mean over the window above this")
+    entropy_jump: float | None = doc(
+        1.0, "alarm entropy_jump: policy/entropy above (1 + this) or below 1 / (1 + this) times its mean over the "
+        "window's previous steps"
+    )
+    length_growth: float | None = doc(
+        0.5, "alarm length_growth: response/length_mean above (1 + this) times its mean over the window's previous steps"
+    )
+    importance_weight: float | None = doc(
+        0.2, "alarm importance_weight: |loss/is_weight_mean - 1| (MIPU's importance weights) averaged over the window "
+        "above this"
+    )
+    hack_rate: float | None = doc(0.1, "alarm hack_rate: audit/hack_rate (reward.audit_fns) averaged over the window above this")
+
+    def __post_init__(self) -> None:
+        require_at_least("monitor", self, ("window",), 1)
+        for kind in self.alarm_kinds():
+            threshold = getattr(self, kind)
+            require(threshold is None or threshold >= 0, f"monitor.{kind} must be >= 0 (or null: off), got {threshold}")
+        self.action_of()  # every entry of `actions` names a kind and an allowed action
+
+    @classmethod
+    def alarm_kinds(cls) -> tuple[str, ...]:
+        """The alarm kinds this section configures: every field but the monitor's own settings."""
+        return tuple(name for name in cls.__dataclass_fields__ if name not in SETTINGS)
+
+    def action_of(self) -> dict[str, str]:
+        """{kind: action} of every alarm kind, from `actions` (warn where not listed)."""
+        actions = dict.fromkeys(self.alarm_kinds(), "warn")
+        for entry in self.actions:
+            kind, sep, action = (part.strip() for part in entry.partition("="))
+            require(bool(sep) and kind in actions, f"monitor.actions: {entry!r} must look like <kind>=<action> with a "
+                                                   f"kind of {list(actions)}")
+            require(action in ACTIONS, f"monitor.actions: {entry!r}: action {action!r} is not allowed; choose one of "
+                                       f"{list(ACTIONS)} (anchor is not built yet)")
+            actions[kind] = action
+        return actions

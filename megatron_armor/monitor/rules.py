@@ -1,0 +1,203 @@
+"""The alarm kinds, registered by name: each is an `AlarmRule` subclass that reads a step's metrics, keeps what it
+needs in `Window`s (its checkpointed state) and says whether its condition holds.
+
+A rule whose metric is absent on a step (no validation ran, an algorithm without that statistic) observes nothing
+on that step. Thresholds and actions come from the `monitor` section: field `<kind>` and `<kind>_action`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from megatron_armor.monitor.windows import Window
+
+ALARM_RULES: dict[str, type[AlarmRule]] = {}
+
+
+def register_alarm(cls: type[AlarmRule]) -> type[AlarmRule]:
+    """Class decorator: make `cls` the rule of alarm `cls.kind`."""
+    ALARM_RULES[cls.kind] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a rule saw on a step: its `monitor/*` metrics, whether its condition holds, and why (one line)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    breached: bool = False
+    reason: str = ""
+
+
+class AlarmRule:
+    """One alarm kind: `observe` a step's metrics against `threshold`, with windows of `window` values.
+
+    Subclasses set `kind`, build their `windows` in `__init__` and implement `observe`; their state is the windows'
+    values (`state_dict`)."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, threshold: float, window: int) -> None:
+        self.threshold, self.size = threshold, window
+        self.windows: dict[str, Window] = {}
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        """The observation of a step's `metrics`, or None when the rule's metrics are absent."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: list(window.values) for name, window in self.windows.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, window in self.windows.items():
+            window.values = [float(v) for v in state.get(name, [])][-window.size :]
+
+
+@register_alarm
+class RewardGap(AlarmRule):
+    """Training accuracy pulls away from validation accuracy: at each validation, gap = mean train/accuracy over
+    the window's steps - val/accuracy; fires while gap > threshold and the gap's slope over the window's
+    validations is positive (train/accuracy, not train/reward_mean: the same scale as val/accuracy, no overlong
+    penalty)."""
+
+    kind = "reward_gap"
+
+    def __init__(self, threshold: float, window: int) -> None:
+        super().__init__(threshold, window)
+        self.train, self.gaps = Window(window), Window(window)
+        self.windows = {"train_accuracy": self.train, "gaps": self.gaps}
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        if "train/accuracy" in metrics:
+            self.train.push(metrics["train/accuracy"])
+        if "val/accuracy" not in metrics or not self.train.values:
+            return None
+        train, val = self.train.mean(), metrics["val/accuracy"]
+        self.gaps.push(train - val)
+        gap, trend = train - val, self.gaps.slope()
+        breached = gap > self.threshold and len(self.gaps.values) >= 2 and trend > 0
+        reason = (f"train/accuracy {train:.3f} (mean of {len(self.train.values)} steps) exceeds val/accuracy "
+                  f"{val:.3f} by {gap:.3f} > {self.threshold}, widening by {trend:+.3f} per validation")
+        return Observation({"monitor/reward_gap": gap, "monitor/reward_gap_trend": trend}, breached, reason)
+
+
+@register_alarm
+class ValDrop(AlarmRule):
+    """Validation accuracy falls from its best: fires while best - val/accuracy > threshold."""
+
+    kind = "val_drop"
+
+    def __init__(self, threshold: float, window: int) -> None:
+        super().__init__(threshold, window)
+        self.best = Window(1)
+        self.windows = {"best": self.best}
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        if "val/accuracy" not in metrics:
+            return None
+        val = metrics["val/accuracy"]
+        self.best.push(max([val, *self.best.values]))
+        best = self.best.values[0]
+        reason = f"val/accuracy {val:.3f} is {best - val:.3f} below its best {best:.3f} (> {self.threshold})"
+        return Observation({"monitor/val_best": best, "monitor/val_drop": best - val}, best - val > self.threshold,
+                           reason)
+
+
+class RatioToRecent(AlarmRule):
+    """A metric against its mean over the window's previous steps: ratio = value / that mean, once the window
+    is full (and its mean positive); `breaches(ratio)` decides."""
+
+    key: ClassVar[str]  # the metric watched
+    name: ClassVar[str]  # logged as monitor/<name>_ratio
+
+    def __init__(self, threshold: float, window: int) -> None:
+        super().__init__(threshold, window)
+        self.history = Window(window)
+        self.windows = {"history": self.history}
+
+    def breaches(self, ratio: float) -> bool:
+        raise NotImplementedError
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        if self.key not in metrics:
+            return None
+        value, baseline = metrics[self.key], self.history.mean()
+        ready = self.history.full and baseline > 0
+        self.history.push(value)
+        if not ready:
+            return Observation()
+        ratio = value / baseline
+        reason = (f"{self.key} {value:.4g} is {ratio:.2f}x its mean {baseline:.4g} over the previous "
+                  f"{self.size} steps (threshold {self.threshold})")
+        return Observation({f"monitor/{self.name}_ratio": ratio}, self.breaches(ratio), reason)
+
+
+@register_alarm
+class EntropyJump(RatioToRecent):
+    """Policy entropy jumps or collapses: ratio > 1 + threshold or < 1 / (1 + threshold)."""
+
+    kind, key, name = "entropy_jump", "policy/entropy", "entropy"
+
+    def breaches(self, ratio: float) -> bool:
+        return ratio > 1 + self.threshold or ratio < 1 / (1 + self.threshold)
+
+
+@register_alarm
+class LengthGrowth(RatioToRecent):
+    """Responses grow fast: ratio of response/length_mean to its recent mean > 1 + threshold."""
+
+    kind, key, name = "length_growth", "response/length_mean", "length"
+
+    def breaches(self, ratio: float) -> bool:
+        return ratio > 1 + self.threshold
+
+
+class WindowMean(AlarmRule):
+    """A per-step statistic (`value` of the metrics) averaged over the window: fires while the window is full and
+    its mean > threshold; logged as monitor/<kind>_mean."""
+
+    value: ClassVar[Callable[[Mapping[str, float]], float | None]]
+    what: ClassVar[str]  # the statistic, for the reason
+
+    def __init__(self, threshold: float, window: int) -> None:
+        super().__init__(threshold, window)
+        self.recent = Window(window)
+        self.windows = {"recent": self.recent}
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        value = self.value(metrics)
+        if value is None:
+            return None
+        self.recent.push(value)
+        mean = self.recent.mean()
+        reason = f"{self.what} averages {mean:.4g} over the last {len(self.recent.values)} steps (> {self.threshold})"
+        return Observation({f"monitor/{self.kind}_mean": mean}, self.recent.full and mean > self.threshold, reason)
+
+
+def _metric(key: str) -> Callable[[Mapping[str, float]], float | None]:
+    return lambda metrics: metrics.get(key)
+
+
+@register_alarm
+class ClipFraction(WindowMean):
+    """Many tokens hit the PPO clip: the policy moves far from the sampler each step."""
+
+    kind, what, value = "clip_fraction", "loss/clip_fraction", staticmethod(_metric("loss/clip_fraction"))
+
+
+@register_alarm
+class ImportanceWeight(WindowMean):
+    """MIPU's importance weights drift from 1: the trainer's and the sampler's policies disagree."""
+
+    kind, what = "importance_weight", "|loss/is_weight_mean - 1|"
+    value = staticmethod(lambda metrics: abs(metrics["loss/is_weight_mean"] - 1) if "loss/is_weight_mean" in metrics
+                         else None)
+
+
+@register_alarm
+class HackRate(WindowMean):
+    """Audit verifiers disagree with the training verifier on samples it calls correct (reward.audit_fns)."""
+
+    kind, what, value = "hack_rate", "audit/hack_rate", staticmethod(_metric("audit/hack_rate"))

@@ -1,0 +1,48 @@
+"""The collapse monitor in the run loop: each step's metrics (with its validation's) go through the
+`CollapseMonitor` (megatron_armor.monitor), its `monitor/*` metrics join them, the alarms are logged, and the
+alarms whose action is stop are agreed on by every rank. Off (`monitor.enabled` false), it adds nothing."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from megatron_armor.config import MonitorConfig
+from megatron_armor.distributed.reduce import any_rank
+from megatron_armor.monitor import Alarm, CollapseMonitor
+
+log = logging.getLogger("megatron_armor")
+
+STATE_KEY = "monitor"  # the monitor's entry in a checkpoint's trainer state (under "extra" in trainer_state.json)
+
+
+class CollapseWatch:
+    """Runs a `CollapseMonitor` when the section enables it; its state travels with the checkpoints (`state`,
+    `load`)."""
+
+    def __init__(self, cfg: MonitorConfig, *, is_main: bool) -> None:
+        self.monitor = CollapseMonitor(cfg) if cfg.enabled else None
+        self.is_main = is_main
+
+    def observe(self, step: int, metrics: dict[str, float]) -> tuple[Alarm, ...]:
+        """Feed step `step`'s metrics, add the monitor's to them, log each alarm that fired (main rank); the alarms
+        whose action is stop (collective when enabled: every rank stops if any rank's monitor says so)."""
+        if self.monitor is None:
+            return ()
+        report = self.monitor.observe(metrics)
+        metrics.update(report.metrics)
+        if self.is_main:
+            for alarm in report.alarms:
+                log.warning("step %d: collapse monitor: %s", step, alarm.describe())
+        if not any_rank(bool(report.stopping)):
+            return ()
+        return report.stopping or (Alarm("other_rank", "another rank's monitor stopped the run", "stop"),)
+
+    def state(self) -> dict[str, Any]:
+        """The entries the monitor adds to a checkpoint's trainer state ({} when off)."""
+        return {} if self.monitor is None else {STATE_KEY: self.monitor.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore the monitor from a checkpoint's trainer state (one saved without it: the monitor starts afresh)."""
+        if self.monitor is not None and STATE_KEY in state:
+            self.monitor.load_state_dict(state[STATE_KEY])

@@ -1,0 +1,127 @@
+"""The collapse monitor on synthetic metric streams: a planted divergence fires, healthy runs do not, each alarm
+kind fires on its own condition, and the monitor's state survives a checkpoint round trip."""
+
+import json
+import random
+
+import pytest
+
+from megatron_armor.config import ConfigError, MonitorConfig
+from megatron_armor.monitor import ALARM_RULES, CollapseMonitor
+
+EVAL_EVERY = 5
+
+
+def run(monitor: CollapseMonitor, stream) -> list[tuple[int, str]]:
+    """Feed (step, metrics) pairs; the (step, kind) of every alarm that fired."""
+    fired = []
+    for step, metrics in stream:
+        report = monitor.observe(metrics)
+        fired += [(step, alarm.kind) for alarm in report.alarms]
+        for kind in monitor.rules:
+            assert report.metrics[f"monitor/alarm_{kind}"] == float(any(a.kind == kind for a in report.alarms))
+    return fired
+
+
+def accuracy_stream(train_acc, val_acc, steps=60, seed=0, noise=0.0):
+    """Per-step train/accuracy (+ healthy entropy, length, clip) and val/accuracy every EVAL_EVERY steps."""
+    rng = random.Random(seed)
+    for step in range(1, steps + 1):
+        metrics = {
+            "train/accuracy": train_acc(step) + rng.uniform(-noise, noise),
+            "policy/entropy": 0.5 + rng.uniform(-0.05, 0.05),
+            "response/length_mean": 100 + rng.uniform(-5, 5),
+            "loss/clip_fraction": 0.02,
+        }
+        if step % EVAL_EVERY == 0:
+            metrics["val/accuracy"] = val_acc(step) + rng.uniform(-noise, noise)
+        yield step, metrics
+
+
+def test_planted_divergence_fires_reward_gap_and_val_drop():
+    stream = accuracy_stream(lambda s: min(0.3 + 0.012 * s, 0.95),
+                             lambda s: 0.3 + 0.01 * s if s <= 20 else max(0.5 - 0.02 * (s - 20), 0.0))
+    fired = run(CollapseMonitor(MonitorConfig(enabled=True)), stream)
+    kinds = {kind for _, kind in fired}
+    assert kinds == {"reward_gap", "val_drop"}, fired
+    assert all(step > 20 for step, _ in fired)  # nothing before the divergence starts
+    assert [kind for _, kind in fired].count("val_drop") == 1  # a lasting condition warns once
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.05])
+def test_healthy_runs_do_not_fire(noise):
+    rising = accuracy_stream(lambda s: 0.3 + 0.008 * s, lambda s: 0.28 + 0.008 * s, noise=noise, seed=1)
+    flat = accuracy_stream(lambda s: 0.5, lambda s: 0.5, noise=noise, seed=2)
+    for stream in (rising, flat):
+        assert run(CollapseMonitor(MonitorConfig(enabled=True)), stream) == []
+
+
+def single(kind: str, threshold: float, window: int = 3) -> CollapseMonitor:
+    """A monitor with only alarm `kind` on."""
+    off = {k: None for k in MonitorConfig.alarm_kinds() if k != kind}
+    return CollapseMonitor(MonitorConfig(enabled=True, window=window, **off, **{kind: threshold}))
+
+
+def steps(key: str, values):
+    return [(i, {key: v}) for i, v in enumerate(values, start=1)]
+
+
+def test_every_configured_alarm_kind_has_a_rule():
+    assert set(MonitorConfig.alarm_kinds()) == set(ALARM_RULES)
+
+
+@pytest.mark.parametrize(("kind", "stream", "expected"), [
+    ("reward_gap", [(1, {"train/accuracy": 0.5, "val/accuracy": 0.45}), (2, {"train/accuracy": 0.7, "val/accuracy": 0.4}),
+                    (3, {"train/accuracy": 0.9, "val/accuracy": 0.3})], [(3, "reward_gap")]),
+    ("val_drop", steps("val/accuracy", [0.4, 0.6, 0.55, 0.45, 0.7, 0.5]), [(4, "val_drop"), (6, "val_drop")]),
+    ("entropy_jump", steps("policy/entropy", [0.5, 0.5, 0.5, 0.55, 1.2, 0.5, 0.5, 0.1]),
+     [(5, "entropy_jump"), (8, "entropy_jump")]),
+    ("length_growth", steps("response/length_mean", [100, 100, 100, 120, 200]), [(5, "length_growth")]),
+    ("clip_fraction", steps("loss/clip_fraction", [0.1, 0.3, 0.3, 0.3, 0.1]), [(3, "clip_fraction")]),
+    ("importance_weight", steps("loss/is_weight_mean", [1.0, 1.3, 1.4, 1.5]), [(3, "importance_weight")]),
+    ("hack_rate", steps("audit/hack_rate", [0.0, 0.05, 0.2, 0.3, 0.0, 0.0, 0.0]), [(4, "hack_rate")]),
+])
+def test_each_alarm_kind_fires_on_its_condition(kind, stream, expected):
+    threshold = {"reward_gap": 0.2, "val_drop": 0.1, "entropy_jump": 1.0, "length_growth": 0.5, "clip_fraction": 0.2,
+                 "importance_weight": 0.2, "hack_rate": 0.1}[kind]
+    assert run(single(kind, threshold), stream) == expected
+
+
+def test_reward_gap_needs_a_widening_gap():
+    stream = [(s, {"train/accuracy": 0.9, "val/accuracy": 0.5}) for s in range(1, 6)]  # wide but steady
+    assert run(single("reward_gap", 0.2), stream) == []
+
+
+def test_alarm_reason_and_action():
+    monitor = CollapseMonitor(MonitorConfig(enabled=True, val_drop=0.1, actions=["val_drop=stop"]))
+    monitor.observe({"val/accuracy": 0.6})
+    report = monitor.observe({"val/accuracy": 0.4})
+    (alarm,) = report.stopping
+    assert alarm.kind == "val_drop" and "0.400 is 0.200 below its best 0.600" in alarm.reason
+    assert report.metrics["monitor/val_best"] == 0.6
+    assert report.metrics["monitor/val_drop"] == pytest.approx(0.2)
+
+
+def test_state_round_trip_continues_as_if_not_stopped():
+    stream = list(accuracy_stream(lambda s: min(0.3 + 0.012 * s, 0.95),
+                                  lambda s: 0.3 + 0.01 * s if s <= 20 else max(0.5 - 0.02 * (s - 20), 0.0)))
+    whole = CollapseMonitor(MonitorConfig(enabled=True))
+    expected = run(whole, stream)
+    first = CollapseMonitor(MonitorConfig(enabled=True))
+    fired = run(first, stream[:24])
+    resumed = CollapseMonitor(MonitorConfig(enabled=True))
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as trainer_state.json stores it
+    assert fired + run(resumed, stream[24:]) == expected
+
+
+def test_monitor_config_validation():
+    with pytest.raises(ConfigError, match="monitor.window must be >= 1"):
+        MonitorConfig(window=0)
+    with pytest.raises(ConfigError, match="monitor.hack_rate must be >= 0"):
+        MonitorConfig(hack_rate=-0.1)
+    with pytest.raises(ConfigError, match="monitor.actions: 'val_drop=anchor': action 'anchor' is not allowed"):
+        MonitorConfig(actions=["val_drop=anchor"])
+    with pytest.raises(ConfigError, match="monitor.actions: 'drift=stop' must look like <kind>=<action>"):
+        MonitorConfig(actions=["drift=stop"])
+    assert MonitorConfig(actions=["hack_rate = stop"]).action_of()["hack_rate"] == "stop"
+    assert set(MonitorConfig().action_of().values()) == {"warn"} and MonitorConfig().enabled is False
