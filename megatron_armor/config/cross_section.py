@@ -25,6 +25,10 @@ def check_cross_section(cfg: ArmorConfig) -> None:
         require(not (refused and t.use_distributed_optimizer),
                 f"train.use_distributed_optimizer does not work with {name} yet (they read or move the whole "
                 f"optimizer state, which the distributed optimizer shards): set train.use_distributed_optimizer false")
+    keep_best, every, eval_every = cfg.checkpoint.keep_best, cfg.checkpoint.every, cfg.eval.every
+    require(keep_best is None or (eval_every > 0 and every % eval_every == 0),
+            f"checkpoint.keep_best {keep_best} needs a validation at every checkpoint: checkpoint.every ({every}) must "
+            f"be a multiple of eval.every ({eval_every}), and eval.every > 0")
     require(t.mini_batch_size % dp == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
             f"every data-parallel rank trains on the same number of prompts")

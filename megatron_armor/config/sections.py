@@ -203,9 +203,19 @@ class CheckpointConfig:
         "marked COMPLETE at the next save or the end of the run, once every rank has written"
     )
 
+    keep_best: str | None = doc(
+        None, "also keep the checkpoint with the best value of this validation metric (e.g. val/accuracy), never "
+        "pruned by keep_last, named in checkpoints/BEST and logged as checkpoint/best_step; needs a validation at "
+        "every checkpoint (checkpoint.every a multiple of eval.every)"
+    )
+    best_mode: Literal["max", "min"] = doc("max", "keep_best: whether a higher (max) or lower (min) value is better")
+
     def __post_init__(self) -> None:
+        check_choices("checkpoint", self)
         require_at_least("checkpoint", self, ("every",), 1)
         require_at_least("checkpoint", self, ("keep_last",), 0)
+        require(self.keep_best is None or self.keep_best.startswith("val/"),
+                f"checkpoint.keep_best must name a validation metric (val/...), got {self.keep_best!r}")
 
 
 @dataclass

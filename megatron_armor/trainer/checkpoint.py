@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_armor.trainer.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.dist_state_io import load_tree
 from megatron_armor.trainer.rng_state import layout, reseed_after_layout_change, restore_rng_state, rng_sharded_object
 from megatron_armor.trainer.sharded_state import check_layout_change
@@ -107,9 +108,10 @@ def shared_record(step: int, state: dict[str, Any]) -> dict[str, Any]:
             **top, "extra": extra}
 
 
-def publish(tmp: Path, final: Path, record: dict[str, Any], *, keep_last: int) -> None:
+def publish(tmp: Path, final: Path, record: dict[str, Any], *, keep_last: int, best: BestCheckpoint | None = None) -> None:
     """Every rank has written into `tmp` (collective): rank 0 writes trainer_state.json and the COMPLETE
-    marker, renames `tmp` to `final` and prunes all but the newest `keep_last` checkpoints (0: keep all)."""
+    marker, renames `tmp` to `final`, names it in checkpoints/BEST when it is the `best`, and prunes all but the
+    newest `keep_last` checkpoints (0: keep all) and the best."""
     barrier()
     if process_rank() == 0:
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2))
@@ -117,9 +119,12 @@ def publish(tmp: Path, final: Path, record: dict[str, Any], *, keep_last: int) -
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        if best is not None and best.step == record["step"]:
+            best.write_note(final)
         if keep_last > 0:
-            for _, old in list_checkpoints(final.parent)[:-keep_last]:
-                shutil.rmtree(old)
+            for step, old in list_checkpoints(final.parent)[:-keep_last]:
+                if best is None or step != best.step:
+                    shutil.rmtree(old)
     barrier()
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
+from megatron_armor.trainer.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.checkpoint import (
     STATE_DIR, barrier, checkpoint_root, process_rank, publish, shared_record, step_dirs,
 )
@@ -51,8 +52,11 @@ class _PendingSave:
 class CheckpointSaver:
     """Saves trainer states of one run directory; at most one save is in flight (collective methods)."""
 
-    def __init__(self, run_dir: str | Path, *, keep_last: int = 0, async_save: bool = False):
-        self.root, self.keep_last, self.async_save = checkpoint_root(run_dir), keep_last, async_save
+    def __init__(
+        self, run_dir: str | Path, *, keep_last: int = 0, async_save: bool = False, best: BestCheckpoint | None = None,
+    ):
+        """`best`: the run's best checkpoint (checkpoint.keep_best), never pruned and named in checkpoints/BEST."""
+        self.root, self.keep_last, self.async_save, self.best = checkpoint_root(run_dir), keep_last, async_save, best
         self.pending: _PendingSave | None = None
 
     def save(self, step: int, state: dict[str, Any], write_extra: Callable[[Path], None] | None = None) -> Path:
@@ -85,7 +89,7 @@ class CheckpointSaver:
         barrier()
         for finalize_fn in pending.request.finalize_fns:  # Megatron's global metadata (collective)
             finalize_fn()
-        publish(pending.tmp, pending.final, pending.record, keep_last=self.keep_last)
+        publish(pending.tmp, pending.final, pending.record, keep_last=self.keep_last, best=self.best)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, keep_last: int = 0,

@@ -7,6 +7,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -20,6 +21,7 @@ from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.trainer.build import TrainingSetup, build_training
 from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, saved_modules
 from megatron_armor.trainer.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.collapse_watch import CollapseWatch
 from megatron_armor.trainer.faults import TooManySkipsError
 from megatron_armor.trainer.loop import RLTrainer, evaluate
@@ -30,6 +32,14 @@ from megatron_armor.utils.metrics import MetricsLogger
 from megatron_armor.utils.plotting import plot_metrics
 
 log = logging.getLogger("megatron_armor")
+
+
+class RunTracker(Protocol):
+    """Run-level state beside the trainer's that every checkpoint carries (the collapse monitor, the best checkpoint)."""
+
+    def state(self) -> dict[str, Any]: ...
+
+    def load(self, state: dict[str, Any]) -> None: ...
 
 
 def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = False) -> int:
@@ -67,14 +77,17 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
     trainer, watch = setup.trainer, CollapseWatch(cfg.monitor, is_main=ctx.is_main)
-    start_step, ref_restored = (_resume(trainer, watch, resume_from, cfg, paths) if resume_from is not None
+    best = BestCheckpoint.from_config(cfg.checkpoint)
+    trackers = [tracker for tracker in (watch, best) if tracker is not None]  # their state rides in the checkpoints
+    start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
     trainer.push_initial_weights(**_stale_engines(setup.models, paths, resumed=resume_from is not None,
                                                   ref_restored=ref_restored))
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
-    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
+    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
+                            best=best)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
         watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
@@ -89,12 +102,15 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(validate(done))
         alarms = watch.observe(done, metrics)
-        metrics_log.log(done, metrics)
-        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
-        if stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
-            checkpoint = _save(saver, trainer, watch, setup.models, cfg, paths, done)
+        saving = stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps
+        if saving and best is not None and best.improved_by(metrics):
+            best.choose(done, metrics)  # before the save: the checkpoint carries the choice
+        metrics_log.log(done, metrics)
+        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
+        if saving:
+            checkpoint = _save(saver, trainer, trackers, setup.models, cfg, paths, done)
         if stop or alarms:
             saver.finalize()
             metrics_log.close()
@@ -120,17 +136,19 @@ def _prepare_run(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm
 
 
 def _resume(
-    trainer: RLTrainer, watch: CollapseWatch, checkpoint: Path, cfg: ArmorConfig, paths: TaskPaths,
+    trainer: RLTrainer, trackers: list[RunTracker], checkpoint: Path, cfg: ArmorConfig, paths: TaskPaths,
 ) -> tuple[int, bool]:
-    """Restore the trainer, the collapse monitor and the RNG states from `checkpoint` (collective); returns the step
-    to continue from and whether the reference came from the checkpoint (then not from model.ref_path)."""
+    """Restore the trainer, the run's trackers (collapse monitor, best checkpoint) and the RNG states from
+    `checkpoint` (collective); returns the step to continue from and whether the reference came from the
+    checkpoint (then not from model.ref_path)."""
     request = trainer.sharded_state_dict(is_loading=True, names=saved_modules(checkpoint))
     step, state = load_checkpoint(checkpoint, request, seed=cfg.train.seed)
     try:
         trainer.load_state_dict(state)
     except ValueError as error:
         raise ValueError(f"{checkpoint}: {error}") from error
-    watch.load(state)
+    for tracker in trackers:
+        tracker.load(state)
     ref_restored = "ref" in state["modules"]
     if ref_restored:
         log.info("reference policy restored from %s (not from %s)", checkpoint, paths.ref_path)
@@ -166,10 +184,10 @@ def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, s
 
 
 def _save(
-    saver: CheckpointSaver, trainer: RLTrainer, watch: CollapseWatch, models: PolicyHandles, cfg: ArmorConfig,
+    saver: CheckpointSaver, trainer: RLTrainer, trackers: list[RunTracker], models: PolicyHandles, cfg: ArmorConfig,
     paths: TaskPaths, step: int,
 ) -> Path:
-    """Checkpoint the trainer (and the collapse monitor's state beside its entries) after `step` steps
+    """Checkpoint the trainer (and the run's trackers' state beside its entries) after `step` steps
     (collective; with checkpoint.async_save its shards are still being written on return), with the actor as a
     Megatron distributed checkpoint beside it when checkpoint.save_model; returns its directory."""
 
@@ -178,7 +196,8 @@ def _save(
                               side_files_from=paths.model_path)
 
     with trainer.state_resident():
-        return saver.save(step, {**trainer.sharded_state_dict(), **watch.state()},
+        tracked = {key: value for tracker in trackers for key, value in tracker.state().items()}
+        return saver.save(step, {**trainer.sharded_state_dict(), **tracked},
                           write_extra=export_model if cfg.checkpoint.save_model else None)
 
 

@@ -13,6 +13,7 @@ from megatron_armor.trainer.checkpoint import (
     CheckpointExistsError, CheckpointFormatError, checkpoint_root, guard_run_dir, latest_checkpoint, list_checkpoints,
     load_checkpoint, saved_modules,
 )
+from megatron_armor.trainer.best_checkpoint import BEST_FILE, BestCheckpoint
 from megatron_armor.trainer.checkpoint_save import CheckpointSaver, save_checkpoint
 from megatron_armor.trainer.sharded_state import check_layout_change
 
@@ -106,6 +107,30 @@ def test_incomplete_checkpoint_is_ignored_and_keep_last_prunes(tmp_path):
     (checkpoint_root(tmp_path) / "step_000009").mkdir()  # a crashed save: no COMPLETE marker
     assert [s for s, _ in list_checkpoints(checkpoint_root(tmp_path))] == [2, 3]
     assert latest_checkpoint(checkpoint_root(tmp_path)).name == "step_000003"
+
+
+def test_the_best_checkpoint_is_kept_beside_the_newest_and_named_in_best(tmp_path):
+    """checkpoint.keep_best val/accuracy with keep_last 1: the best of the validated checkpoints survives pruning,
+    checkpoints/BEST names it, and the choice rides in the checkpoints so a resumed run keeps it."""
+    best = BestCheckpoint("val/accuracy")
+    saver = CheckpointSaver(tmp_path, keep_last=1, best=best)
+    for step, accuracy in ((1, 0.5), (2, 0.7), (3, 0.6), (4, float("nan")), (5, 0.65)):
+        metrics = {"val/accuracy": accuracy}
+        if best.improved_by(metrics):
+            best.choose(step, metrics)
+            assert metrics == {"val/accuracy": accuracy, "checkpoint/best_step": step, "checkpoint/best_value": accuracy}
+        saver.save(step, _state(torch.ones(2, 3), torch.ones(2, 3), **best.state()))
+    root = checkpoint_root(tmp_path)
+    assert [s for s, _ in list_checkpoints(root)] == [2, 5]  # the best (0.7 at step 2) and the newest
+    assert json.loads((root / BEST_FILE).read_text()) == {"step": 2, "path": "step_000002", "metric": "val/accuracy",
+                                                          "value": 0.7}
+    resumed = BestCheckpoint("val/accuracy")
+    resumed.load(load_checkpoint(latest_checkpoint(root), _request(), seed=0)[1])
+    assert (resumed.step, resumed.value) == (2, 0.7)
+    assert not resumed.improved_by({"val/accuracy": 0.69}) and resumed.improved_by({"val/accuracy": 0.71})
+    lowest = BestCheckpoint("val/loss", lower_is_better=True, step=1, value=0.3)
+    assert lowest.improved_by({"val/loss": 0.2}) and not lowest.improved_by({"val/loss": 0.4})
+    assert not lowest.improved_by({"train/reward_mean": 0.0})  # a step without the validation metric
 
 
 def test_guard_refuses_to_overwrite_and_resume_returns_latest(tmp_path):

@@ -1,0 +1,65 @@
+"""The best checkpoint of a run by a validation metric (`checkpoint.keep_best`): which saved step it is, kept out of
+`checkpoint.keep_last`'s pruning and named in `checkpoints/BEST` and metrics.jsonl (`checkpoint/best_step`).
+
+A checkpoint is a candidate when the step it is saved at also validated (config validation makes
+checkpoint.every a multiple of eval.every), so its value is that of the weights it holds. The choice travels
+with the checkpoints (`state` / `load`), so a resumed run keeps its best.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_armor.config import CheckpointConfig
+
+STATE_KEY = "best_checkpoint"  # its entry in a checkpoint's trainer state (under "extra" in trainer_state.json)
+BEST_FILE = "BEST"  # checkpoints/BEST: {"step", "path", "metric", "value"} of the best complete checkpoint
+
+
+@dataclass
+class BestCheckpoint:
+    """The best saved step by `metric` (higher is better unless `lower_is_better`); None until one is saved."""
+
+    metric: str
+    lower_is_better: bool = False
+    step: int | None = None
+    value: float | None = None
+
+    @classmethod
+    def from_config(cls, checkpoint: CheckpointConfig) -> BestCheckpoint | None:
+        """The run's tracker, or None without checkpoint.keep_best."""
+        if checkpoint.keep_best is None:
+            return None
+        return cls(checkpoint.keep_best, lower_is_better=checkpoint.best_mode == "min")
+
+    def improved_by(self, metrics: dict[str, float]) -> bool:
+        """Whether a checkpoint of the weights `metrics` (a step's, with its validation) describe beats the best."""
+        value = metrics.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.value is None:
+            return True
+        return value < self.value if self.lower_is_better else value > self.value
+
+    def choose(self, step: int, metrics: dict[str, float]) -> None:
+        """The checkpoint of step `step` is the best now; `metrics` gain checkpoint/best_step and best_value."""
+        self.step, self.value = step, float(metrics[self.metric])
+        metrics.update({"checkpoint/best_step": float(step), "checkpoint/best_value": self.value})
+
+    def write_note(self, checkpoint: Path) -> None:
+        """checkpoints/BEST naming `checkpoint`, the best (rank 0, once it is complete)."""
+        note = {"step": self.step, "path": checkpoint.name, "metric": self.metric, "value": self.value}
+        (checkpoint.parent / BEST_FILE).write_text(json.dumps(note, indent=2) + "\n")
+
+    def state(self) -> dict[str, Any]:
+        return {STATE_KEY: {"metric": self.metric, "step": self.step, "value": self.value}}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore the choice from a checkpoint's trainer state (saved by a run tracking the same metric)."""
+        saved = state.get(STATE_KEY)
+        if saved is not None and saved["metric"] == self.metric:
+            self.step, self.value = saved["step"], saved["value"]
