@@ -35,6 +35,13 @@ Adaptations (megatron-core 0.19):
 8. The distributed optimizer (optimizer state sharded over data-parallel ranks) reduce-scatters grads
    and all-gathers the updated weights on flat buffers (`reduce_scatter_tensor`, `all_gather_into_tensor`):
    gloo has both in torch 2.14 (the DP=2 distributed-optimizer layout test runs them); nothing to patch.
+9. The MoE all-to-all token dispatcher (`MoEAlltoAllTokenDispatcher`) creates a class-wide `torch.cuda.Stream()`
+   on which it copies its routing counts to the host, records an event on it and synchronises on that event.
+   The class's stream is set to the `_NullStream` stand-in up front (its `record_event()` gives an event whose
+   `synchronize()` does nothing) and `torch.cuda.stream(...)` becomes a null context. Its host copies
+   (`maybe_move_tensor_to_cpu`, which turns the all-to-all split sizes into numpy arrays only when it copies
+   them from a GPU) give the CPU tensors' numpy views where it asks for numpy. Its all-to-all over the expert-parallel
+   group is `all_to_all_single` with uneven splits, which gloo has in torch 2.14 (the EP=2 tests run it).
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -88,6 +95,11 @@ class _NullStream:
 
     def synchronize(self) -> None:
         pass
+
+    def record_event(self, event: object = None) -> _NullStream:
+        """Adaptation 9: the event recorded on the stand-in stream; it is itself (its `synchronize` does nothing)."""
+        del event
+        return self
 
 
 def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
@@ -143,8 +155,25 @@ def enable_cpu_compat() -> bool:
             megatron_random._get_cuda_rng_state = _no_cuda_rng_state  # adaptation 7
             megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state  # adaptation 7
             megatron_random.CudaRNGStatesTracker.fork = _fork_on_cpu_rng  # adaptation 7
+            _adapt_moe_dispatcher()  # adaptation 9
             _installed = True
     return True
+
+
+def _adapt_moe_dispatcher() -> None:
+    """Adaptation 9: the MoE all-to-all token dispatcher's device-to-host side stream, its events and copies."""
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _host_copy(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
+    """Adaptation 9: `maybe_move_tensor_to_cpu` for CPU tensors: the tensor itself, or with `as_numpy` its
+    numpy view (the all-to-all split sizes, which `all_to_all_single` takes as a sequence, not a tensor)."""
+    del record_stream
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def cpu_compat_active() -> bool:
