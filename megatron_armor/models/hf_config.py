@@ -169,7 +169,10 @@ class MoERouting:
     def megatron_fields(self, shape: ModelShape, ep_size: int) -> dict:
         """TransformerConfig's MoE fields for `shape` (none for a dense model). HF's router takes the softmax
         over all experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over the
-        top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k."""
+        top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k.
+        Tokens reach experts on other EP ranks by Megatron's all-to-all dispatcher (`transformer_config` sets it:
+        gloo has the uneven all-to-all on CPU, and the allgather dispatcher refuses the variable sequence lengths
+        set under pipeline parallelism)."""
         if not shape.num_experts:
             return {}
         return {
@@ -222,10 +225,7 @@ def transformer_config(
     weights directly on the current GPU, as Megatron-LM trains (its default `use_cpu_initialization=False`;
     CPU initialisation plus a copy is slow for large models); otherwise (the default, and what
     building on the meta device in `convert` needs) on the CPU.
-    `ep_size` and `moe` (MoE models only): the routed experts split over `ep_size` expert-parallel ranks (each
-    holds num_experts / ep_size of them) and the router's load balancing. Tokens reach their experts with
-    Megatron's all-to-all dispatcher (gloo has the uneven all-to-all on CPU; its allgather dispatcher would
-    refuse the variable sequence lengths set under pipeline parallelism).
+    `ep_size`, `moe` (MoE models): experts split over `ep_size` ranks; load balancing (`MoERouting`).
     """
     check_parallel_layout(shape, tp_size, pp_size, ep_size)
     return TransformerConfig(
