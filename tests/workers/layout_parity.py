@@ -2,7 +2,8 @@
 
 argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (head "torch" | "fused"; option
 "distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism; "budget=N":
-micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD); the process
+micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD; "ep=N": a MoE model's
+experts over N expert-parallel ranks); the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
 (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
@@ -87,11 +88,12 @@ def gather_sharded_grads(ddp) -> None:
 
 
 def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
-    ctx = initialize_distributed(tp, pp, seed=0)
+    ep = next((int(option.removeprefix("ep=")) for option in options if option.startswith("ep=")), 1)
+    ctx = initialize_distributed(tp, pp, seed=0, expert_parallel_size=ep)
     shape = load_model_shape(actor_dir)
 
     def model(path, trainable):
-        config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options)
+        config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options, ep_size=ep)
         m = build_gpt_model(shape, config, trainable=trainable)
         load_hf_weights(m, path, shape)
         return m
