@@ -31,6 +31,7 @@ setup(
         # NVIDIA apex is not on the package index under that name; see README for its source install.
         "gpu": ["transformer-engine[pytorch]", "sglang", "flash-attn"],
         "wandb": ["wandb"],
+        "bench": ["trl>=1.16"],  # benchmarks/bench_grpo_step.py compares a GRPO step with TRL's GRPOTrainer
     },
     entry_points={"console_scripts": ["armor=megatron_armor.cli:main"]},
 )

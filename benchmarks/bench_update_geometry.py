@@ -39,13 +39,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.config import ArmorConfig, load_config
-from megatron_armor.convert.mapping import megatron_shards_to_hf, model_mappings
+from megatron_armor.convert.hf_export import read_megatron_checkpoint
 from megatron_armor.convert.weights import HFCheckpointReader
 from megatron_armor.diagnostics import DiagnoseConfig, Snapshot, diagnose_sources
-from megatron_armor.models.hf_config import ModelShape, load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import make_rows
-from megatron_armor.trainer.checkpoint import COMPLETE_MARKER, list_checkpoints
+from megatron_armor.trainer.checkpoint import list_checkpoints
 from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
 from megatron_armor.trainer.task_setup import prepare_task
 from megatron_armor.trainer.warmstart import WarmStartConfig, _sft_batch, cached_warm_start, sampled_accuracy
@@ -137,20 +136,15 @@ def run_rl(args: argparse.Namespace, algo: str, base: Path, run_dir: Path, extra
     subprocess.run(command, check=True)
 
 
-def checkpoint_weights(step_dir: Path, shape: ModelShape) -> Weights:
-    """HF-named weights of a single-rank (TP 1, PP 1) training checkpoint."""
-    if (step_dir / COMPLETE_MARKER).read_text().strip() != "1":
-        raise ValueError(f"{step_dir}: saved by more than one rank; this reader handles TP 1 / PP 1 checkpoints only")
-    actor = torch.load(step_dir / "rank_00000.pt", map_location="cpu", weights_only=False)["actor"]
-    weights = {}
-    for mapping in model_mappings(shape):
-        weights.update(zip(mapping.hf_names, megatron_shards_to_hf(mapping, [actor[mapping.megatron_name]], shape)))
-    return weights
+def checkpoint_weights(step_dir: Path) -> Weights:
+    """HF-named weights of a training checkpoint's actor (`step_N/model/`, checkpoint.save_model; any layout)."""
+    reader = read_megatron_checkpoint(step_dir / "model")
+    return {name: tensor for mapping in reader.mappings for name, tensor in zip(mapping.hf_names, reader.read(mapping))}
 
 
-def run_checkpoints(run_dir: Path, shape: ModelShape) -> dict[int, Weights]:
+def run_checkpoints(run_dir: Path) -> dict[int, Weights]:
     """Every complete checkpoint of an `armor train` run, by step."""
-    return {step: checkpoint_weights(path, shape) for step, path in list_checkpoints(run_dir / "checkpoints")}
+    return {step: checkpoint_weights(path) for step, path in list_checkpoints(run_dir / "checkpoints")}
 
 
 def accuracy(base: Path, weights: Weights | None, rows: list[dict], seed: int) -> float:
@@ -271,14 +265,13 @@ def main() -> None:
     started = time.time()
     cfg = task_config(args)
     base, teacher = prepare_base_and_teacher(cfg)
-    shape = load_model_shape(base)
     print(f"W0 {base}\nteacher {teacher}", flush=True)
 
     snapshots = {"SFT": run_sft(cfg, base, args.steps, args.steps // args.checkpoints)}
     for method, algo, extra in (("OPD", "opd", ["--opd.teacher_path", str(teacher)]), ("RLVR", "grpo", [])):
         run_dir = args.out / method.lower()
         run_rl(args, algo, base, run_dir, extra)
-        snapshots[method] = run_checkpoints(run_dir, shape)
+        snapshots[method] = run_checkpoints(run_dir)
     trained = time.time()
 
     w0 = Snapshot("W0", 0, HFCheckpointReader(base))

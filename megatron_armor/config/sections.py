@@ -217,6 +217,10 @@ class CheckpointConfig:
     save_model: bool = doc(
         True, "also write the actor as a Megatron distributed checkpoint (step_N/model/) for `armor convert` / `diagnose`"
     )
+    async_save: bool = doc(
+        False, "write each rank's checkpoint shards in the background while training goes on; the checkpoint is "
+        "marked COMPLETE at the next save or the end of the run, once every rank has written"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("checkpoint", self, ("every",), 1)
@@ -244,3 +248,11 @@ class LoggingConfig:
     wandb_project: str | None = doc(None, "log to this Weights & Biases project (needs wandb)")
     plot: bool = doc(True, "write curves.png at the end")
     progress_bar: bool = doc(True, "show a progress bar")
+    update_geometry_every: int = doc(
+        0, "every N RL steps log the update's geometry per decoder layer type (geometry/*: relative update norm, "
+        "fraction of weights changed under the bf16-aware rule, drift from the reference's weights); costs a copy of "
+        "the decoder matrices on those steps (0: never)"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least("logging", self, ("update_geometry_every",), 0)

@@ -90,7 +90,7 @@ def save_megatron_checkpoint(
     every rank's save has returned, so a save that fails on any rank never leaves one. Collective
     over all ranks.
     """
-    _collect_write_results_in_process()
+    collect_write_results_in_process()
     ckpt = Path(out_dir) / DIST_CHECKPOINT_DIR
     if dist.get_rank() == 0:
         ckpt.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def copy_side_files(source: str | Path, dest: str | Path) -> None:
             shutil.copy2(path, Path(dest) / path.name)
 
 
-def _collect_write_results_in_process() -> None:
+def collect_write_results_in_process() -> None:
     """Megatron's torch_dist writer returns its write results through a queue served by a spawned
     `multiprocessing.Manager` process, made for its asynchronous save; that process imports torch to
     unpickle them (seconds and hundreds of MB per rank) and re-imports the `__main__` module. Our

@@ -35,13 +35,18 @@ Adaptations (megatron-core 0.19):
 8. The distributed optimizer (optimizer state sharded over data-parallel ranks) reduce-scatters grads
    and all-gathers the updated weights on flat buffers (`reduce_scatter_tensor`, `all_gather_into_tensor`):
    gloo has both in torch 2.14 (the DP=2 distributed-optimizer layout test runs them); nothing to patch.
-9. The MoE all-to-all token dispatcher (`MoEAlltoAllTokenDispatcher`) creates a class-wide `torch.cuda.Stream()`
-   on which it copies its routing counts to the host, records an event on it and synchronises on that event.
-   The class's stream is set to the `_NullStream` stand-in up front (its `record_event()` gives an event whose
-   `synchronize()` does nothing) and `torch.cuda.stream(...)` becomes a null context. Its host copies
-   (`maybe_move_tensor_to_cpu`, which turns the all-to-all split sizes into numpy arrays only when it copies
-   them from a GPU) give the CPU tensors' numpy views where it asks for numpy. Its all-to-all over the expert-parallel
-   group is `all_to_all_single` with uneven splits, which gloo has in torch 2.14 (the EP=2 tests run it).
+9. Without Apex or Transformer Engine (always so on CPU) the distributed optimizer runs torch's Adam, which
+   keeps a "step" tensor in every parameter's state. Loading a distributed checkpoint, Megatron puts that
+   step back from the param groups, then copies every tensor of the parameter's state from the loaded
+   one, which never holds "step" (`_set_main_param_and_optimizer_states` raises KeyError). The copy gets
+   the parameter's own step tensor for "step" (`_set_states_keeping_step`), i.e. the step stays Megatron's.
+10. The MoE all-to-all token dispatcher (`MoEAlltoAllTokenDispatcher`) creates a class-wide `torch.cuda.Stream()`
+    on which it copies its routing counts to the host, records an event on it and synchronises on that event.
+    The class's stream is set to the `_NullStream` stand-in up front (its `record_event()` gives an event whose
+    `synchronize()` does nothing) and `torch.cuda.stream(...)` becomes a null context. Its host copies
+    (`maybe_move_tensor_to_cpu`, which turns the all-to-all split sizes into numpy arrays only when it copies
+    them from a GPU) give the CPU tensors' numpy views where it asks for numpy. Its all-to-all over the expert-parallel
+    group is `all_to_all_single` with uneven splits, which gloo has in torch 2.14 (the EP=2 tests run it).
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -59,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 _CPU = torch.device("cpu")
 _lock = threading.Lock()
 _installed = False
+_original_set_states = None  # Megatron's DistributedOptimizer._set_main_param_and_optimizer_states (adaptation 9)
 
 
 def _is_cuda_device(device: object) -> bool:
@@ -97,7 +103,7 @@ class _NullStream:
         pass
 
     def record_event(self, event: object = None) -> _NullStream:
-        """Adaptation 9: the event recorded on the stand-in stream; it is itself (its `synchronize` does nothing)."""
+        """Adaptation 10: the event recorded on the stand-in stream; it is itself (its `synchronize` does nothing)."""
         del event
         return self
 
@@ -129,6 +135,14 @@ def _fork_on_cpu_rng(self, name: str = "model-parallel-rng") -> Iterator[None]:
     yield
 
 
+def _set_states_keeping_step(self, model_param, tensors) -> None:
+    """Adaptation 9: Megatron's state copy with the parameter's own "step" tensor as the source of its step."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    step = self.optimizer.state[main_param].get("step")
+    _original_set_states(self, model_param, {"step": step, **tensors} if torch.is_tensor(step) else tensors)
+
+
 def cpu_compat_needed() -> bool:
     """True when Megatron must be adapted: this process has no usable CUDA device."""
     return not torch.cuda.is_available()
@@ -155,13 +169,18 @@ def enable_cpu_compat() -> bool:
             megatron_random._get_cuda_rng_state = _no_cuda_rng_state  # adaptation 7
             megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state  # adaptation 7
             megatron_random.CudaRNGStatesTracker.fork = _fork_on_cpu_rng  # adaptation 7
-            _adapt_moe_dispatcher()  # adaptation 9
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+            global _original_set_states
+            _original_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+            DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_keeping_step  # adaptation 9
+            _adapt_moe_dispatcher()  # adaptation 10
             _installed = True
     return True
 
 
 def _adapt_moe_dispatcher() -> None:
-    """Adaptation 9: the MoE all-to-all token dispatcher's device-to-host side stream, its events and copies."""
+    """Adaptation 10: the MoE all-to-all token dispatcher's device-to-host side stream, its events and copies."""
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
@@ -170,7 +189,7 @@ def _adapt_moe_dispatcher() -> None:
 
 
 def _host_copy(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
-    """Adaptation 9: `maybe_move_tensor_to_cpu` for CPU tensors: the tensor itself, or with `as_numpy` its
+    """Adaptation 10: `maybe_move_tensor_to_cpu` for CPU tensors: the tensor itself, or with `as_numpy` its
     numpy view (the all-to-all split sizes, which `all_to_all_single` takes as a sequence, not a tensor)."""
     del record_stream
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor

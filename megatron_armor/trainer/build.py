@@ -106,7 +106,8 @@ def build_training(
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
-                         colocation=Colocation(handoff, trainer_models.offload))
+                         colocation=Colocation(handoff, trainer_models.offload),
+                         geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
                         ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim, parts)
     return TrainingSetup(trainer=trainer, models=models, val_rows=all_val_rows[: cfg.eval.max_prompts],

@@ -13,6 +13,7 @@ import torch
 
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
+from megatron_armor.diagnostics.step_geometry import StepGeometry
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.planning.flops import rl_step_flops
@@ -28,6 +29,7 @@ from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, RolloutSources, mean
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.sharded_state import restore_module, restore_order, sharded_modules
 from megatron_armor.trainer.snapshot import TrainingSnapshot
 from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
 from megatron_armor.trainer.update_gate import InferenceGapGate
@@ -44,6 +46,7 @@ class TrainerParts:
     constraint_capture_step: int = 0  # ... whose span is captured after this RL step
     anchor_cache: AnchorCache | None = None  # a prompt's anchors sampled once per reference
     colocation: Colocation = field(default_factory=Colocation)  # GPU phases shared with colocated servers
+    geometry_every: int = 0  # log the update's geometry every this many RL steps (0: never)
 
 
 class RLTrainer:
@@ -71,7 +74,7 @@ class RLTrainer:
         self.scoring, self.optim = scoring, optim
         self.gate, self.anchor_cache = parts.gate, parts.anchor_cache
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
-        self.colocation = parts.colocation
+        self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
         self.rollout = RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache, dp_size=ctx.dp_size)
         self.optimizer_steps = 0
@@ -129,10 +132,13 @@ class RLTrainer:
             prepared = score_logprobs(advantaged, models, plan, self.scoring, optimizer_steps=self.optimizer_steps,
                                       dp_rank=ctx.dp_rank)
             snapshot = self.snapshot_before_update(len(prepared.mini_batches))
+            geometry = StepGeometry.capture(models.actor.module) if self.measures_geometry(step) else None
             update_metrics, fault = self.update(step, prepared, snapshot)
             metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
                                     uses_anchors=plan.uses_anchors)  # of the batch before the update
             metrics.update(update_metrics)
+            if geometry is not None and fault is None:
+                metrics.update(self.update_geometry(geometry))
         metrics["perf/train_seconds"] = time.perf_counter() - start
         gated = self.gate is not None and fault is None
         sync = self.colocation.push_actor_and_serve(self.engine_weights.push_actor, keep_weights=gated)
@@ -170,6 +176,17 @@ class RLTrainer:
             log.warning("%s; update skipped (%d in a row): %s", update.fault.describe(), self.consecutive_skips, state)
         metrics = {**update.metrics, "train/nonfinite_skipped": 1.0, "train/nonfinite_kept_mini_batches": float(kept)}
         return metrics, update.fault
+
+    def measures_geometry(self, step: int) -> bool:
+        """Whether RL step `step` (0-based) logs its update's geometry (every `geometry_every` steps)."""
+        return bool(self.geometry_every) and (step + 1) % self.geometry_every == 0
+
+    def update_geometry(self, geometry: StepGeometry) -> dict[str, float]:
+        """geometry/* of the update since `geometry` was captured (diagnostics/step_geometry.py) and its cost."""
+        start = time.perf_counter()
+        metrics = geometry.metrics(self.models.actor.module, self.models.ref)
+        seconds = geometry.capture_seconds + time.perf_counter() - start
+        return {**metrics, "perf/update_geometry_seconds": seconds}
 
     def snapshot_before_update(self, num_mini_batches: int) -> TrainingSnapshot | None:
         """theta_k and Omega_k before the update, when something may have to restore them: the MIPU gate (on the
@@ -265,17 +282,30 @@ class RLTrainer:
         of `checkpointed_modules()`}}; all but "modules" is JSON-able and the same on every rank. The modules'
         tensors are this rank's shards, views of the live ones: offloaded, read them inside `state_resident()`.
         """
+        modules = self.checkpointed_modules()
+        return {**self._shared_state(), "modules": {name: module.state_dict() for name, module in modules.items()}}
+
+    def sharded_state_dict(self, *, is_loading: bool = False, names: list[str] | None = None) -> dict[str, Any]:
+        """`state_dict()` with "modules" as Megatron sharded state dicts (trainer/sharded_state.py), what a
+        distributed checkpoint saves, or (`is_loading`) the request it loads into for the modules `names`
+        (those a checkpoint holds; default `checkpointed_modules()`). Its loaded form goes to `load_state_dict`."""
+        available = {**self.checkpointed_modules(), "ref": self.models.ref}
+        chosen = self.checkpointed_modules() if names is None else {n: available[n] for n in names if n in available}
+        return {**self._shared_state(), "modules": sharded_modules(chosen, is_loading=is_loading)}
+
+    def _shared_state(self) -> dict[str, Any]:
+        """The JSON-able entries of `state_dict()`, the same on every rank."""
         state: dict[str, Any] = {"optimizer_steps": self.optimizer_steps, "consecutive_skips": self.consecutive_skips,
                                  "sampler": self.sampler.state_dict()}
         if self.gate is not None:
             state["mipu_gate"] = self.gate.state_dict()
         if self.anchor_cache is not None:
             state["anchor_cache"] = self.anchor_cache.state_dict()
-        state["modules"] = {name: module.state_dict() for name, module in self.checkpointed_modules().items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()` (collective when offloaded: the modules load in a trainer phase).
+        """Restore a `state_dict()`, or a loaded `sharded_state_dict()` (collective when offloaded: the modules
+        load in a trainer phase).
 
         A reference in it is restored, and checkpointed from then on, whatever the plan says; without one
         the reference stays model.ref_path's. A cache's state is restored when it has one (none: saved with
@@ -289,9 +319,9 @@ class RLTrainer:
             raise ValueError(f"the trainer state has no {missing} state (has {sorted(modules)}): it was saved by a "
                              f"run without them; resume with that run's config")
         with self.colocation.state_writable():
-            for name, module in expected.items():
+            for name in restore_order(list(expected)):
                 if name in modules:
-                    module.load_state_dict(modules[name])
+                    restore_module(name, expected[name], modules[name])
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer_steps = state["optimizer_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)  # 0 in checkpoints from before skips were counted

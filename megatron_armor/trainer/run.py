@@ -18,7 +18,8 @@ from megatron_armor.distributed.init import DistributedContext, destroy_distribu
 from megatron_armor.monitor import CollapseAlarmError
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.trainer.build import TrainingSetup, build_training
-from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, save_checkpoint
+from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, saved_modules
+from megatron_armor.trainer.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.collapse_watch import CollapseWatch
 from megatron_armor.trainer.faults import TooManySkipsError
 from megatron_armor.trainer.loop import RLTrainer, evaluate
@@ -74,6 +75,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
+    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
         watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
@@ -93,11 +95,13 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
         if stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps:
-            checkpoint = _save(trainer, watch, setup.models, cfg, paths, done)
+            checkpoint = _save(saver, trainer, watch, setup.models, cfg, paths, done)
         if stop or alarms:
+            saver.finalize()
             metrics_log.close()
             raise (TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint) if stop
                    else CollapseAlarmError(done, alarms, checkpoint))
+    saver.finalize()  # an asynchronous save still in flight
     metrics_log.close()
     _teardown(ctx, cfg, setup.models, run_dir)
 
@@ -121,7 +125,8 @@ def _resume(
 ) -> tuple[int, bool]:
     """Restore the trainer, the collapse monitor and the RNG states from `checkpoint` (collective); returns the step
     to continue from and whether the reference came from the checkpoint (then not from model.ref_path)."""
-    step, state = load_checkpoint(checkpoint)
+    request = trainer.sharded_state_dict(is_loading=True, names=saved_modules(checkpoint))
+    step, state = load_checkpoint(checkpoint, request, seed=cfg.train.seed)
     try:
         trainer.load_state_dict(state)
     except ValueError as error:
@@ -162,20 +167,20 @@ def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, s
 
 
 def _save(
-    trainer: RLTrainer, watch: CollapseWatch, models: PolicyHandles, cfg: ArmorConfig, paths: TaskPaths, step: int,
+    saver: CheckpointSaver, trainer: RLTrainer, watch: CollapseWatch, models: PolicyHandles, cfg: ArmorConfig,
+    paths: TaskPaths, step: int,
 ) -> Path:
     """Checkpoint the trainer (and the collapse monitor's state beside its entries) after `step` steps
-    (collective), with the actor as a Megatron distributed checkpoint beside it when checkpoint.save_model; returns
-    its directory."""
+    (collective; with checkpoint.async_save its shards are still being written on return), with the actor as a
+    Megatron distributed checkpoint beside it when checkpoint.save_model; returns its directory."""
 
     def export_model(checkpoint_dir: Path) -> None:
         save_model_checkpoint(models.actor.module, models.shape, checkpoint_dir / "model",
                               side_files_from=paths.model_path)
 
     with trainer.state_resident():
-        return save_checkpoint(cfg.logging.run_dir, step, {**trainer.state_dict(), **watch.state()},
-                               keep_last=cfg.checkpoint.keep_last,
-                               write_extra=export_model if cfg.checkpoint.save_model else None)
+        return saver.save(step, {**trainer.sharded_state_dict(), **watch.state()},
+                          write_extra=export_model if cfg.checkpoint.save_model else None)
 
 
 def _teardown(ctx: DistributedContext, cfg: ArmorConfig, models: PolicyHandles, run_dir: Path) -> None:

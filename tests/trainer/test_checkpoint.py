@@ -1,69 +1,108 @@
-"""Checkpoint layout, atomicity and the guard against overwriting existing runs (1 process)."""
+"""Checkpoint layout, atomicity, the asynchronous save, refusal of other formats and the guard against
+overwriting existing runs (1 process; Megatron distributed checkpointing over a 1-rank gloo group)."""
 
 import json
 import random
 
 import pytest
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.trainer.checkpoint import (
-    CheckpointExistsError, checkpoint_root, guard_run_dir, latest_checkpoint, list_checkpoints, load_checkpoint,
-    save_checkpoint,
+    CheckpointExistsError, CheckpointFormatError, checkpoint_root, guard_run_dir, latest_checkpoint, list_checkpoints,
+    load_checkpoint, saved_modules,
 )
+from megatron_armor.trainer.checkpoint_save import CheckpointSaver, save_checkpoint
+from megatron_armor.trainer.sharded_state import check_layout_change
 
 
-def _modules(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(4, 3)).sum().backward()
-    opt.step()
-    return {"actor": model, "optimizer": opt}
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    initialize_distributed(1, 1, 1)
+    yield
+    destroy_distributed()
 
 
-def _state(modules, **entries):
-    """A trainer state (`RLTrainer.state_dict` layout) of `modules` and the JSON-able `entries`."""
-    return {**entries, "modules": {name: module.state_dict() for name, module in modules.items()}}
+def _state(weight, moment, **entries):
+    """A trainer state (`RLTrainer.sharded_state_dict` layout) of two sharded modules and JSON-able `entries`."""
+    return {**entries, "modules": {
+        "actor": {"weight": ShardedTensor.from_rank_offsets("weight", weight, replica_id=0)},
+        "optimizer": {"megatron": {"exp_avg": ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.weight", moment,
+                                                                              replica_id=0), "lr": 0.5},
+                      "counter": ShardedObject("optimizer.counter", 7, (1,), (0,), replica_id=0)},
+    }}
 
 
-def test_save_load_round_trip_restores_weights_optimizer_rng_and_state(tmp_path):
-    saved = _modules(0)
+def _request():
+    """What a fresh trainer asks a load for: its own tensors (to be filled) and its own non-sharded values."""
+    return _state(torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+def test_save_load_round_trip_restores_modules_rng_and_entries(tmp_path):
+    weight, moment = torch.randn(2, 3), torch.randn(2, 3)
     torch.manual_seed(42)
     random.seed(7)
-    path = save_checkpoint(tmp_path, 3, _state(saved, optimizer_steps=6, sampler={"epoch": 1, "cursor": 5}))
+    path = save_checkpoint(tmp_path, 3, _state(weight, moment, optimizer_steps=6, sampler={"epoch": 1, "cursor": 5}))
     expected_draw = (torch.rand(3), random.random())
-    restored = _modules(1)
-    assert not torch.equal(restored["actor"].weight, saved["actor"].weight)
     torch.manual_seed(0)
-    step, state = load_checkpoint(path)
+    assert saved_modules(path) == ["actor", "optimizer"]
+    step, state = load_checkpoint(path, _request(), seed=0)
     assert step == 3 and state.keys() == {"optimizer_steps", "sampler", "modules"}
     assert state["optimizer_steps"] == 6 and state["sampler"] == {"epoch": 1, "cursor": 5}
-    for name, module in restored.items():
-        module.load_state_dict(state["modules"][name])
-    assert torch.equal(restored["actor"].weight, saved["actor"].weight)
-    exp_avg = lambda o: next(iter(o.state_dict()["state"].values()))["exp_avg"]  # noqa: E731
-    assert torch.equal(exp_avg(restored["optimizer"]), exp_avg(saved["optimizer"]))
+    assert torch.equal(state["modules"]["actor"]["weight"], weight)
+    assert torch.equal(state["modules"]["optimizer"]["megatron"]["exp_avg"], moment)
+    assert state["modules"]["optimizer"]["megatron"]["lr"] == 0.5 and state["modules"]["optimizer"]["counter"] == 7
     assert torch.equal(torch.rand(3), expected_draw[0]) and random.random() == expected_draw[1]
 
 
-def test_on_disk_layout_is_that_of_earlier_checkpoints(tmp_path):
-    """Checkpoints written before the trainer had a state_dict stay resumable: the rank file holds each module's
-    state and the RNG states, trainer_state.json the step, the sampler and every other entry under "extra"."""
-    path = save_checkpoint(tmp_path, 2, _state(_modules(0), optimizer_steps=4, sampler={"epoch": 0, "cursor": 8},
-                                               mipu_gate={"prompts": {"epoch": 0, "cursor": 2}, "rollbacks": 1}))
+def test_on_disk_layout(tmp_path):
+    """trainer_state.json: format, step, layout, module names, the sampler and every other entry under "extra";
+    state/: Megatron's distributed checkpoint, one shard file per writing rank."""
+    path = save_checkpoint(tmp_path, 2, _state(torch.ones(2, 3), torch.ones(2, 3), optimizer_steps=4,
+                                               sampler={"epoch": 0, "cursor": 8}, mipu_gate={"rollbacks": 1}))
     assert json.loads((path / "trainer_state.json").read_text()) == {
-        "step": 2, "sampler": {"epoch": 0, "cursor": 8},
-        "extra": {"optimizer_steps": 4, "mipu_gate": {"prompts": {"epoch": 0, "cursor": 2}, "rollbacks": 1}},
+        "format_version": 2, "step": 2, "layout": {"tp": 1, "pp": 1, "dp": 1}, "modules": ["actor", "optimizer"],
+        "sampler": {"epoch": 0, "cursor": 8}, "extra": {"optimizer_steps": 4, "mipu_gate": {"rollbacks": 1}},
     }
-    assert set(torch.load(path / "rank_00000.pt", weights_only=False)) == {"actor", "optimizer", "rng"}
-    step, state = load_checkpoint(path)
-    assert step == 2 and state["mipu_gate"]["rollbacks"] == 1 and set(state["modules"]) == {"actor", "optimizer"}
+    assert [p.name for p in (path / "state").glob("*.distcp")] == ["__0_0.distcp"]
+    assert (path / "COMPLETE").is_file() and not list(checkpoint_root(tmp_path).glob(".tmp_*"))
+
+
+def test_async_save_writes_the_state_at_save_time_and_completes_on_finalize(tmp_path):
+    weight = torch.full((2, 3), 1.0)
+    saver = CheckpointSaver(tmp_path, async_save=True)
+    final = saver.save(1, _state(weight, weight.clone()))
+    weight.add_(5.0)  # training goes on changing the live tensors while the shards are written
+    assert not final.exists() and latest_checkpoint(checkpoint_root(tmp_path)) is None
+    saver.finalize()
+    assert (final / "COMPLETE").is_file()
+    _, state = load_checkpoint(final, _request(), seed=0)
+    assert torch.equal(state["modules"]["actor"]["weight"], torch.full((2, 3), 1.0))
+    saver.save(2, _state(weight, weight))  # the next save finalizes the one in flight first
+    saver.save(3, _state(weight, weight))
+    assert [s for s, _ in list_checkpoints(checkpoint_root(tmp_path))] == [1, 2]
+    saver.finalize()
+    assert [s for s, _ in list_checkpoints(checkpoint_root(tmp_path))] == [1, 2, 3]
+
+
+def test_old_and_damaged_checkpoints_are_refused(tmp_path):
+    old = checkpoint_root(tmp_path) / "step_000001"
+    old.mkdir(parents=True)
+    torch.save({"actor": {}}, old / "rank_00000.pt")
+    (old / "trainer_state.json").write_text(json.dumps({"step": 1, "extra": {}}))
+    (old / "COMPLETE").write_text("1")
+    with pytest.raises(CheckpointFormatError, match="rank_XXXXX.pt, format 1.*format 2"):
+        load_checkpoint(old, _request(), seed=0)
+    damaged = save_checkpoint(tmp_path, 2, _state(torch.ones(2, 3), torch.ones(2, 3)))
+    (damaged / "trainer_state.json").write_text("{")
+    with pytest.raises(CheckpointFormatError, match="unreadable trainer_state.json"):
+        saved_modules(damaged)
 
 
 def test_incomplete_checkpoint_is_ignored_and_keep_last_prunes(tmp_path):
-    modules = _modules(0)
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, _state(modules), keep_last=2)
+        save_checkpoint(tmp_path, step, _state(torch.ones(2, 3), torch.ones(2, 3)), keep_last=2)
     (checkpoint_root(tmp_path) / "step_000009").mkdir()  # a crashed save: no COMPLETE marker
     assert [s for s, _ in list_checkpoints(checkpoint_root(tmp_path))] == [2, 3]
     assert latest_checkpoint(checkpoint_root(tmp_path)).name == "step_000003"
@@ -71,10 +110,19 @@ def test_incomplete_checkpoint_is_ignored_and_keep_last_prunes(tmp_path):
 
 def test_guard_refuses_to_overwrite_and_resume_returns_latest(tmp_path):
     assert guard_run_dir(tmp_path, resume=False, overwrite=False) is None
-    save_checkpoint(tmp_path, 4, _state(_modules(0)))
+    save_checkpoint(tmp_path, 4, _state(torch.ones(2, 3), torch.ones(2, 3)))
     with pytest.raises(CheckpointExistsError, match="--resume.*--overwrite"):
         guard_run_dir(tmp_path, resume=False, overwrite=False)
-    assert (checkpoint_root(tmp_path) / "step_000004" / "rank_00000.pt").is_file()
+    assert (checkpoint_root(tmp_path) / "step_000004" / "COMPLETE").is_file()
     assert guard_run_dir(tmp_path, resume=True, overwrite=False).name == "step_000004"
     assert guard_run_dir(tmp_path, resume=False, overwrite=True) is None
     assert list_checkpoints(checkpoint_root(tmp_path)) == []
+
+
+def test_layout_bound_state_refuses_a_tp_or_pp_change():
+    """The subspace constraint's state is per (PP, TP) position: a DP change is fine, a TP change is refused."""
+    names, saved = ["actor", "optimizer", "subspace"], {"tp": 2, "pp": 1, "dp": 1}
+    check_layout_change(names, saved, {"tp": 2, "pp": 1, "dp": 2})
+    check_layout_change(["actor", "optimizer", "ref"], saved, {"tp": 1, "pp": 2, "dp": 1})
+    with pytest.raises(ValueError, match="\\['subspace'\\] state resumes only at .* \\(tp 2 x pp 1\\)"):
+        check_layout_change(names, saved, {"tp": 1, "pp": 1, "dp": 2})

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from launcher import run_workers
+from state_trees import saved_modules
 from megatron_armor.config import load_config
 from megatron_armor.trainer.run import run_training
 
@@ -30,8 +31,7 @@ def _overrides(cache_dir: Path, run_dir: Path, steps: int) -> list[str]:
 
 
 def _ref_state(run_dir: Path, step: int) -> dict:
-    # Our own file: its RNG states hold numpy arrays, which weights_only loading refuses.
-    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "rank_00000.pt", weights_only=False)["ref"]
+    return saved_modules(run_dir / "checkpoints" / f"step_{step:06d}")["ref"]
 
 
 def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_path, caplog):
@@ -82,19 +82,24 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
     assert {k: resumed[3][k] for k in deterministic} == {k: rows[3][k] for k in deterministic}
     # The frozen reference stays in later checkpoints, so resuming again keeps it too.
     saved, kept = _ref_state(part, 2), _ref_state(part, 3)
-    tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]  # (Megatron adds None extra states)
+    tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]  # (Megatron adds layers' extra states)
     assert saved.keys() == kept.keys() and tensors and all(torch.equal(saved[k], kept[k]) for k in tensors)
 
 
 def test_dp2_distributed_optimizer_resume_matches_uninterrupted(synthetic_cache, tmp_path):
-    """At DP=2 the distributed optimizer is on by default; each rank's checkpoint holds its shard of the Adam
-    state, and a run resumed from step 1 at the same layout gives step 2's metrics exactly."""
+    """At DP=2 the distributed optimizer is on by default; the checkpoint holds the Adam moments of every
+    parameter, both ranks write shards of it, and a run resumed from step 1 at the same layout gives step 2's
+    metrics exactly."""
     full, part = tmp_path / "full", tmp_path / "part"
     layout = ["parallel.tensor_parallel_size=1", "parallel.data_parallel_size=2", "eval.every=0"]
     run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(synthetic_cache, full, 2), *layout)
     rows = _read_metrics(full)
-    shard = torch.load(full / "checkpoints" / "step_000001" / "rank_00001.pt", weights_only=False)
-    assert list(shard["optimizer"]) == ["shards"]  # the rank's own shard of the Adam state, not Megatron's stub
+    checkpoint = full / "checkpoints" / "step_000001"
+    assert sorted(p.name for p in (checkpoint / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    saved = saved_modules(checkpoint)
+    assert saved["optimizer"]["adam_step"] == 2  # two mini-batches
+    assert {f"optimizer.state.{moment}.{key}" for key in saved["actor"] if not key.endswith("_extra_state")
+            for moment in ("exp_avg", "exp_avg_sq")} == set(saved["optimizer"]) - {"adam_step"}
     shutil.copytree(full / "checkpoints" / "step_000001", part / "checkpoints" / "step_000001")
     (part / "metrics.jsonl").write_text("".join((full / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]))
     run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *_overrides(synthetic_cache, part, 2), *layout)

@@ -12,7 +12,7 @@ import torch
 
 from algorithm_factory import NanAdvantagesOnChosenSteps
 from launcher import run_workers
-from state_trees import bit_identical
+from state_trees import bit_identical, saved_modules
 from megatron_armor.algorithms import register_algorithm, unregister_algorithm
 from megatron_armor.config import load_config
 from megatron_armor.trainer.run import run_training
@@ -40,11 +40,10 @@ def _config(cache: Path, run_dir: Path, *overrides: str):
     return load_config(CONFIG, _overrides(cache, run_dir, *overrides))
 
 
-def _checkpoint(run_dir: Path, step: int, rank: int = 0) -> tuple[dict, dict]:
-    """(rank `rank`'s modules, trainer_state.json's "extra") of checkpoint `step`."""
+def _checkpoint(run_dir: Path, step: int) -> tuple[dict, dict]:
+    """(the saved modules, every rank's shards together; trainer_state.json's "extra") of checkpoint `step`."""
     path = run_dir / "checkpoints" / f"step_{step:06d}"
-    modules = torch.load(path / f"rank_{rank:05d}.pt", weights_only=False)
-    return modules, json.loads((path / "trainer_state.json").read_text())["extra"]
+    return saved_modules(path), json.loads((path / "trainer_state.json").read_text())["extra"]
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -98,7 +97,9 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthe
     assert "train.max_consecutive_skips=2" in caplog.text and "step_000002" in caplog.text
     modules, state = _checkpoint(run_dir, 2)
     assert state["optimizer_steps"] == 0 and state["consecutive_skips"] == 2
-    assert modules["optimizer"]["state"] == {}  # no Adam step of a skipped mini-batch survived
+    moments = [value for key, value in modules["optimizer"].items() if key != "adam_step"]
+    assert modules["optimizer"]["adam_step"] == 0 and moments  # no Adam step of a skipped mini-batch survived
+    assert all(not moment.any() for moment in moments)
 
     nan_algorithm(())
     assert run_training(_config(synthetic_cache, run_dir, *overrides), resume=True) == 0
@@ -109,19 +110,29 @@ def test_consecutive_skips_stop_the_run_with_a_checkpoint_it_resumes_from(synthe
 
 def test_one_ranks_nonfinite_loss_skips_the_step_on_every_rank(synthetic_cache, tmp_path):
     """Data-parallel size 2, NaN advantages on rank 1 only: both ranks skip step 2 and keep step 1's state; the
-    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it)."""
+    warning names rank 1 for the loss and both ranks for the gradients (the data-parallel all-reduce spread it).
+    The same run audits its samples (reward.audit_fns) on both ranks: an audit equal to the training verifier
+    agrees with train/accuracy, one that calls everything wrong flags every sample the verifier calls correct,
+    which holds only when the two ranks' counts are summed."""
+    never = tmp_path / "never.py"
+    never.write_text("def wrong(response, row):\n    return 0.0, False\n")
     run_dir = tmp_path / "run"
     run_workers("train_run.py", 2, tmp_path / "out", CONFIG, *_overrides(
         synthetic_cache, run_dir, "algorithm.name=algorithm_factory:NanOnRankOneAtStepTwo",
         "parallel.data_parallel_size=2", "train.max_steps=2", "checkpoint.every=1",
+        f"reward.audit_fns=megatron_armor.rewards.arithmetic:verify,{never}:wrong",
     ))
     rows = _metrics(run_dir)
     assert rows[1]["train/update_skipped"] == 0 and rows[2]["train/nonfinite_skipped"] == 1
+    for row in rows.values():
+        assert 0 < row["train/accuracy"] < 1
+        assert row["audit/arithmetic_verify_accuracy"] == row["train/accuracy"]
+        assert row["audit/arithmetic_verify_hack_rate"] == 0 and row["audit/never_wrong_accuracy"] == 0
+        assert row["audit/never_wrong_hack_rate"] == row["train/accuracy"] == row["audit/hack_rate"]
     logs = (tmp_path / "out" / "stderr.txt").read_text()
     assert "RL step 2, mini-batch 1: non-finite loss on rank(s) [1], non-finite gradients (or gradient norm) on rank(s) [0, 1]" in logs
-    for rank in (0, 1):
-        (before, _), (after, _) = (_checkpoint(run_dir, step, rank) for step in (1, 2))
-        assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
+    (before, _), (after, _) = (_checkpoint(run_dir, step) for step in (1, 2))  # both ranks' shards
+    assert bit_identical(after["actor"], before["actor"]) and bit_identical(after["optimizer"], before["optimizer"])
 
 
 def test_finite_gradients_whose_norm_overflows_fp32_count_as_nonfinite():

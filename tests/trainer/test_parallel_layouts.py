@@ -115,6 +115,11 @@ def assert_same_step(ranks, baseline):
             assert result["metrics"][name] == pytest.approx(baseline["metrics"][name], rel=1e-5, abs=1e-7), name
         for name, weight in result["weights"].items():
             torch.testing.assert_close(weight, baseline["weights"][name], atol=WEIGHT_ATOL, rtol=0, msg=name)
+        assert result["geometry"].keys() == baseline["geometry"].keys() and baseline["geometry"]
+        for name, value in result["geometry"].items():  # whole-matrix norms and counts, reduced over the shards
+            close = (pytest.approx(baseline["geometry"][name], abs=2e-3) if name.endswith("changed_fraction")
+                     else pytest.approx(baseline["geometry"][name], rel=1e-3))
+            assert value == close, name
 
 
 def assert_head_gradient_path(ranks, head):

@@ -10,12 +10,19 @@ from pathlib import Path
 
 import torch
 
+from state_trees import full_weight, saved_modules
+
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
 
 def _checkpoint(run_dir: Path, step: int) -> dict:
-    # Our own file: its RNG states hold numpy arrays, which weights_only loading refuses.
-    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "rank_00000.pt", weights_only=False)
+    """The saved modules; "subspace": the constraint's state (one (PP, TP) position: TP=1)."""
+    modules = saved_modules(run_dir / "checkpoints" / f"step_{step:06d}")
+    return {**modules, "subspace": next(iter(modules["subspace"].values()))}
+
+
+def _weight(actor: dict, name: str, shape: torch.Size) -> torch.Tensor:
+    return full_weight(actor, name).reshape(shape)
 
 
 def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_path):
@@ -35,10 +42,11 @@ def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_pa
     assert final["subspace"]["captured_step"] == 1 and final["subspace"]["projected_steps"] == 4  # 2 steps x 2
     assert len(bases) == 8  # qkv, proj, fc1, fc2 of 2 layers
     for name, v in bases.items():
-        key = next(k for k in final["actor"] if k.endswith(name))
-        delta = (final["actor"][key] - after_capture["actor"][key]).double()
+        shape = final["subspace"]["initial"][name].shape
+        now, then = _weight(final["actor"], name, shape), _weight(after_capture["actor"], name, shape)
+        delta = (now - then).double()
         assert delta.norm() > 0, name  # the constrained steps still move the weights
         outside = delta - delta @ v.double() @ v.double().T
         assert outside.norm() <= 1e-5 * delta.norm(), name
-        free = (after_capture["actor"][key] - after_capture["subspace"]["initial"][name]).double()
+        free = (then - after_capture["subspace"]["initial"][name]).double()
         assert (free - free @ v.double() @ v.double().T).norm() > 1e-3 * free.norm()  # rank > 2 before capture

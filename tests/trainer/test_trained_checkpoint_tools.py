@@ -1,6 +1,6 @@
 """A training run's checkpoints (TP=2) through the tools: `armor convert megatron-to-hf` and
 `armor diagnose` (the CLI's `main`, in this process) read `checkpoints/step_N/model/`, checked against
-the per-rank TP shards."""
+the training state's own tensors (one Megatron distributed checkpoint, TP shards put together)."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_armor.cli import main
+from state_trees import full_weight, saved_modules
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -22,10 +23,9 @@ def armor(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, env=ENV)
 
 
-def shards(step_dir: Path, suffix: str) -> list[torch.Tensor]:
-    """The TP shards (rank order) of the Megatron parameter named `suffix` in a training checkpoint."""
-    files = sorted(step_dir.glob("rank_*.pt"))
-    return [torch.load(f, weights_only=False)["actor"][suffix] for f in files]  # our own files (numpy RNG)
+def weight(step_dir: Path, name: str) -> torch.Tensor:
+    """The whole Megatron parameter `name` of the actor in a training checkpoint."""
+    return full_weight(saved_modules(step_dir)["actor"], name)
 
 
 def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
@@ -40,9 +40,9 @@ def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
     assert main(["convert", "megatron-to-hf", "--megatron-path", str(steps / "step_000003" / "model"),
                  "--out", str(tmp_path / "hf3")]) == 0
     hf = load_file(tmp_path / "hf3" / "model.safetensors")
-    assert torch.equal(hf["model.norm.weight"], shards(steps / "step_000003", "decoder.final_layernorm.weight")[0])
-    assert torch.equal(hf["lm_head.weight"], torch.cat(shards(steps / "step_000003", "output_layer.weight")))
-    o_proj = torch.cat(shards(steps / "step_000003", "decoder.layers.1.self_attention.linear_proj.weight"), dim=1)
+    assert torch.equal(hf["model.norm.weight"], weight(steps / "step_000003", "decoder.final_layernorm.weight"))
+    assert torch.equal(hf["lm_head.weight"], weight(steps / "step_000003", "output_layer.weight"))
+    o_proj = weight(steps / "step_000003", "decoder.layers.1.self_attention.linear_proj.weight")
     assert torch.equal(hf["model.layers.1.self_attn.o_proj.weight"], o_proj)
 
     assert main(["diagnose", "--base", str(steps / "step_000001" / "model"), "--checkpoints",
@@ -51,8 +51,8 @@ def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
                  "--mask-rank", "4"]) == 0
     report = json.loads((tmp_path / "diag" / "report.json").read_text())
     assert [c["step"] for c in report["checkpoints"]] == [2, 3]
-    row_parallel = lambda step: torch.cat(  # noqa: E731
-        shards(steps / f"step_{step:06d}", "decoder.layers.1.self_attention.linear_proj.weight"), dim=1)
+    row_parallel = lambda step: weight(  # noqa: E731
+        steps / f"step_{step:06d}", "decoder.layers.1.self_attention.linear_proj.weight")
     expected = (row_parallel(3) - row_parallel(1)).double().norm().item()
     final = report["matrices"]["model.layers.1.self_attn.o_proj.weight"]["checkpoints"][-1]
     assert abs(final["update_norm"] - expected) <= 1e-6 * expected and expected > 0

@@ -9,7 +9,7 @@ a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard'
 (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
 gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
 the step's loss metrics, the full weights after the step (two optimizer steps, one per mini-batch), the bytes of
-its optimizer's state tensors, and (option distopt) whether a deep copy of the optimizer's `state_dict()` taken
+its optimizer's state tensors, the step's update geometry (diagnostics/step_geometry.py), and (option distopt) whether a deep copy of the optimizer's `state_dict()` taken
 after the step (as MIPU's snapshot and the checkpoints take it) puts the state back exactly once a third step changed it.
 """
 import copy
@@ -30,6 +30,7 @@ from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf
 from megatron_armor.data.types import Sample  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
+from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
@@ -134,8 +135,10 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
     zero_grads(ddp, optimizer)
 
+    geometry = StepGeometry.capture(ddp.module)
     update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batching=plan.micro_batching,
                            algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
+    step_geometry = geometry.metrics(ddp.module, handles.ref)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     state_bytes = optimizer_state_bytes(optimizer)
     round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(
@@ -143,7 +146,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         scoring=scoring, optim=optim, rl_step=1))
     (Path(out_dir) / name).mkdir(exist_ok=True)
     torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
-                "metrics": update.metrics, "weights": weights,
+                "metrics": update.metrics, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     parallel_state.destroy_model_parallel()  # the next job builds its own layout on the same process group

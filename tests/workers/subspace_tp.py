@@ -27,7 +27,9 @@ from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward  # noqa: E402
-from megatron_armor.trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_armor.trainer.checkpoint import load_checkpoint  # noqa: E402
+from megatron_armor.trainer.checkpoint_save import save_checkpoint  # noqa: E402
+from megatron_armor.trainer.sharded_state import sharded_modules  # noqa: E402
 from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.policy_update import PolicyLossCallback  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
@@ -71,9 +73,10 @@ result["twice"] = project_from(projected_local, constraint)
 result["orthogonal"] = project_from({n: raw_local[n] - projected_local[n] for n in grads}, constraint)
 
 run_dir = Path(out_dir) / "run"
-path = save_checkpoint(run_dir, 1, {"modules": {"subspace": constraint.state_dict()}})
+path = save_checkpoint(run_dir, 1, {"modules": sharded_modules({"actor": ddp, "subspace": constraint}, is_loading=False)})
 restored = subspace_constraint(ddp.module, k, "gradient")  # its W0 is W_t and nothing is captured ...
-_, state = load_checkpoint(path)  # ... until the checkpoint restores W0 and the bases
+request = sharded_modules({"actor": ddp, "subspace": restored}, is_loading=True)
+_, state = load_checkpoint(path, {"modules": request}, seed=0)  # ... until the checkpoint restores W0 and the bases
 restored.load_state_dict(state["modules"]["subspace"])
 result["resumed"] = project_from(raw_local, restored)
 result["sharding"] = {name: s.dim for name, s in constraint.sharding.items()}
