@@ -23,7 +23,7 @@ def tiny_model_factory(tmp_path_factory):
     made: dict[tuple, Path] = {}
 
     def make(arch: str = "qwen2", **options) -> Path:
-        key = (arch, *sorted(options.items()))
+        key = (arch, repr(sorted(options.items())))
         if key not in made:
             made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, **options)
         return made[key]

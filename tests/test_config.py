@@ -56,6 +56,13 @@ def test_demo_config_loads_with_typed_overrides():
         (["algorithm.advantage_baseline=median"], "algorithm.advantage_baseline: 'median' is not allowed"),
         (["algorithm.name=mipu", "rollout.sampling.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],
          "algorithm.dual_clip must be > 1, got 1.0"),
+        (["parallel.data_parallel_size=2", "parallel.expert_parallel_size=4"],
+         "parallel.expert_parallel_size \\(4\\) must divide parallel.data_parallel_size \\(2\\)"),
+        (["parallel.expert_parallel_size=0"], "parallel.expert_parallel_size must be >= 1"),
+        (["model.moe_aux_loss_coeff=-0.1"], "model.moe_aux_loss_coeff must be >= 0, got -0.1"),
+        (["model.moe_aux_loss_coeff=0.01", "model.moe_load_balancing=none"],
+         "model.moe_aux_loss_coeff > 0 needs model.moe_load_balancing aux_loss or seq_aux_loss"),
+        (["model.moe_load_balancing=sinkhorn"], "model.moe_load_balancing: 'sinkhorn' is not allowed"),
     ],
 )
 def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):

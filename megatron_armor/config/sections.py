@@ -19,9 +19,20 @@ class ModelConfig:
     )
     ref_path: str | None = doc(None, "reference/anchor policy, HF or Megatron checkpoint dir (default: path)")
     params_dtype: Literal["float32", "bfloat16"] = doc("float32", "parameter dtype of actor and reference")
+    moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "none"] = doc(
+        "aux_loss", "MoE models: the router's load-balancing auxiliary loss, over the micro-batch (aux_loss) or per "
+        "sequence (seq_aux_loss), when moe_aux_loss_coeff > 0; none: no auxiliary loss"
+    )
+    moe_aux_loss_coeff: float = doc(
+        0.0, "MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (0: off, as RL "
+        "recipes usually run it; the routing is the same either way)"
+    )
 
     def __post_init__(self) -> None:
         check_choices("model", self)
+        require(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        require(not (self.moe_aux_loss_coeff > 0 and self.moe_load_balancing == "none"),
+                "model.moe_aux_loss_coeff > 0 needs model.moe_load_balancing aux_loss or seq_aux_loss")
 
 
 @dataclass
@@ -29,6 +40,10 @@ class ParallelConfig:
     tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
     data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x dp processes")
+    expert_parallel_size: int = doc(
+        1, "MoE models: the routed experts split over this many ranks of each data-parallel group (each holds "
+        "num_experts / expert_parallel_size); must divide data_parallel_size and the expert count"
+    )
     sequence_parallel: bool | None = doc(
         None, "Megatron sequence parallelism: the activations outside attention and MLP (norms, residuals, dropout) "
         "split along the sequence over the tensor-parallel ranks; needs tensor_parallel_size > 1; unset: on when "
@@ -36,7 +51,11 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"), 1)
+        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                                            "expert_parallel_size"), 1)
+        require(self.data_parallel_size % self.expert_parallel_size == 0,
+                f"parallel.expert_parallel_size ({self.expert_parallel_size}) must divide parallel.data_parallel_size "
+                f"({self.data_parallel_size}): Megatron splits the experts over ranks of one data-parallel group")
         require(not (self.sequence_parallel and self.tensor_parallel_size == 1),
                 "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits activations over the "
                 "tensor-parallel ranks)")

@@ -133,15 +133,25 @@ class MegatronStageReader:
         (Megatron keeps norm weights in fp32); reads that one parameter's region."""
         entry = self.sharded[mapping.megatron_name]
         key, param_shape = entry.key, tuple(entry.data.shape)
-        layer = re.match(r"decoder\.layers\.(\d+)\.", mapping.megatron_name)
-        lead = () if layer is None else (self._first_layer + int(layer.group(1)),)
-        want = (() if layer is None else (self.shape.num_layers,)) + param_shape
+        lead, lead_sizes = self._leading_axes(mapping.megatron_name, key)
+        want = lead_sizes + param_shape
         if key not in self._stored or tuple(self._stored[key]) != want:
             found = "absent" if key not in self._stored else f"stored with shape {list(self._stored[key])}"
             raise CheckpointError(f"{self.megatron_dir}: tensor {key!r} is {found}; its config.json implies {list(want)}")
         region = self.reader.read(key, lead + (0,) * len(param_shape), (1,) * len(lead) + param_shape)
         hf = megatron_shards_to_hf(mapping, [region.view(param_shape)], self.shape)
         return [t.to(self.info.torch_dtype) for t in hf]
+
+    def _leading_axes(self, megatron_name: str, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(index, size) of the axes a stored tensor has before the parameter's own: the layer, where Megatron
+        stacks the layers under one key (not in a model mixing dense and MoE layers, whose keys name the layer),
+        then the expert (`mlp.experts.experts.*` holds all experts of a layer; built at EP=1, local = global)."""
+        layer = re.match(r"decoder\.layers\.(\d+)\.", megatron_name)
+        expert = re.search(r"\.local_experts\.(\d+)\.", megatron_name)
+        stacked = layer is not None and not re.match(r"decoder\.layers\.\d+\.", key)
+        lead = ((self._first_layer + int(layer.group(1)),) if stacked else ()) + ((int(expert.group(1)),) if expert else ())
+        sizes = ((self.shape.num_layers,) if stacked else ()) + ((self.shape.num_experts,) if expert else ())
+        return lead, sizes
 
 
 def check_tensor_keys(sharded: dict, reader: DistCheckpointReader, megatron_dir: str | Path) -> None:

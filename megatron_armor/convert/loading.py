@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_armor.convert.megatron_checkpoint import load_model_weights
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, transformer_config
+from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, MoERouting, transformer_config
 
 # model.params_dtype / serve-teacher --params-dtype -> torch dtype
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -20,18 +20,21 @@ PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def load_gpt_model(
     path: str | Path, shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, trainable: bool = False,
     recompute: ActivationRecompute = ActivationRecompute(), sequence_parallel: bool = False,
+    moe: MoERouting = MoERouting(),
 ) -> GPTModel:
     """This rank's shard of the model at `path` (HF directory or Megatron checkpoint), on `training_device()`.
 
     The layout is `parallel_state`'s (initialised first); a layout that does not divide the model's
     heads, FFN width, vocabulary or layers raises `ModelConfigError`. `recompute` and `sequence_parallel`: as
-    `transformer_config`'s.
+    `transformer_config`'s, as is `moe` (MoE models; the
+    expert-parallel size is `parallel_state`'s).
     """
     device = training_device()
     config = transformer_config(
         shape, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(), params_dtype=params_dtype, device=device,
         recompute=recompute, sequence_parallel=sequence_parallel,
+        ep_size=parallel_state.get_expert_model_parallel_world_size(), moe=moe,
     )
     # As Megatron-LM's `get_model`: build (on the GPU, per the config), then `.cuda()` what Megatron
     # leaves on the CPU and cast to params_dtype what it builds in fp32 (the local spec's torch RMSNorm

@@ -14,7 +14,8 @@ from safetensors import SafetensorError, safe_open
 
 from megatron_armor.convert.hf_shards import SAFETENSORS_DTYPES
 from megatron_armor.convert.mapping import (
-    ParamMapping, hf_shard_index, hf_tensor_shape, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings,
+    ParamMapping, for_expert_rank, hf_shard_index, hf_tensor_shape, hf_to_megatron_shard, megatron_shards_to_hf,
+    model_mappings,
 )
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import ModelShape
@@ -28,20 +29,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint that does not match the model it is loaded into."""
 
 
-def stage_mappings(model: GPTModel, shape: ModelShape) -> list[ParamMapping]:
-    """The mappings of the pipeline stage `model` is, with global layer numbering."""
+def stage_mappings(model: GPTModel, shape: ModelShape, *, every_expert: bool = False) -> list[ParamMapping]:
+    """The mappings of the pipeline stage `model` is, with global layer numbering: of this rank's parameters,
+    or with `every_expert` also of the experts the other expert-parallel ranks hold."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     num_local = len(model.decoder.layers)
     fused_norms = any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in model.named_parameters())
-    return model_mappings(
+    mappings = model_mappings(
         shape,
         first_layer=get_transformer_layer_offset(model.config),
         num_layers=num_local,
         pre_process=model.pre_process,
         post_process=model.post_process,
         fused_norms=fused_norms,
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
     )
+    return mappings if every_expert else for_expert_rank(mappings, parallel_state.get_expert_model_parallel_rank())
 
 
 class HFCheckpointReader:
@@ -133,11 +137,10 @@ def hf_parameter_source(model: GPTModel, model_dir: str | Path, shape: ModelShap
     mappings = {m.megatron_name: m for m in stage_mappings(model, shape)}
     if set(mappings) != set(params):
         raise CheckpointError(f"mapping table and model disagree: {sorted(set(params) ^ set(mappings))}")
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
 
     def value(name: str) -> torch.Tensor:
         mapping = mappings[name]
+        tp_rank, tp_size = _tensor_parallel_rank_and_size(mapping)
         index = hf_shard_index(mapping, shape, tp_rank, tp_size)
         shard = hf_to_megatron_shard(mapping, list(map(reader.get, mapping.hf_names, index)), shape, tp_size)
         if shard.shape != params[name].shape:
@@ -165,35 +168,74 @@ def gather_hf_weights(
     on the parameters' device (consumers such as the weight transports handle GPU tensors).
 
     With `use_grads`, yields the reduced gradients (`main_grad` of Megatron DDP, else `.grad`) instead.
-    Without TP, all but a split fused QKV are views of the live parameter (or gradient) storage: clone what
-    you keep.
-    A collective over the TP group: all TP ranks must iterate it together.
+    Without TP (and EP), all but a split fused QKV are views of the live parameter (or gradient) storage: clone
+    what you keep. MoE experts come from every expert-parallel rank (gathered over the EP group; an expert's
+    TP shards over the expert-TP group), so every rank yields every expert.
+    A collective over the TP (and EP) group: all its ranks must iterate it together.
     """
     params = dict(model.named_parameters())
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
+    expert_copies: tuple[str, list[list[torch.Tensor]]] | None = None  # one expert parameter, every EP rank's
     with torch.no_grad():
-        for mapping in stage_mappings(model, shape):
+        for mapping in stage_mappings(model, shape, every_expert=True):
             if not mapping.exported:
                 continue
             local = _value(params[mapping.megatron_name], use_grads)
-            if mapping.layout == "replicated" or tp_size == 1:
-                shards = [local] * tp_size
+            if mapping.expert_rank is None:
+                shards = _tensor_parallel_shards(mapping, local)
             else:
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=group)
+                if expert_copies is None or expert_copies[0] != mapping.megatron_name:
+                    ep_group = parallel_state.get_expert_model_parallel_group()
+                    copies = _all_gather(_tensor_parallel_shards(mapping, local), ep_group)
+                    expert_copies = (mapping.megatron_name, copies)
+                shards = expert_copies[1][mapping.expert_rank]
             yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))
+
+
+def _tensor_parallel_rank_and_size(mapping: ParamMapping) -> tuple[int, int]:
+    """This rank's position in the TP group that shards `mapping`'s parameter (experts: the expert-TP group)."""
+    if mapping.expert_rank is None:
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+
+
+def _tensor_parallel_shards(mapping: ParamMapping, local: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's shard of `mapping`'s parameter, `local` being this rank's (its own storage when not split)."""
+    _, tp_size = _tensor_parallel_rank_and_size(mapping)
+    if mapping.layout == "replicated" or tp_size == 1:
+        return [local] * tp_size
+    group = (parallel_state.get_tensor_model_parallel_group() if mapping.expert_rank is None
+             else parallel_state.get_expert_tensor_parallel_group())
+    return _gather_one(local, group, tp_size)
+
+
+def _gather_one(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """all_gather of one tensor over `group` (`size` ranks), in rank order."""
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
+def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:
+    """Every rank of `group`'s `tensors` (same shapes on every rank), in rank order; without peers, `tensors`."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tensors]
+    gathered = [_gather_one(t, group, size) for t in tensors]
+    return [[copies[rank] for copies in gathered] for rank in range(size)]
 
 
 def parameters_exported_as_views(model: GPTModel, shape: ModelShape) -> list[torch.nn.Parameter]:
     """The parameters of this rank whose `gather_hf_weights` tensors are views of them: without TP every one
-    but a fused QKV of several KV groups (split by copying), with TP only the replicated ones (norms)."""
+    but a fused QKV of several KV groups (split by copying), with TP only the replicated ones (norms); experts
+    only without EP (else they are gathered)."""
     params = dict(model.named_parameters())
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     split_by_copy = "qkv" if shape.num_kv_heads > 1 else None
     return [
         params[m.megatron_name] for m in stage_mappings(model, shape)
-        if m.exported and (m.layout == "replicated" or (tp_size == 1 and m.layout != split_by_copy))
+        if m.exported and (m.expert_rank is None or ep_size == 1)
+        and (m.layout == "replicated" or (tp_size == 1 and m.layout != split_by_copy))
     ]
 
 
@@ -235,7 +277,7 @@ def _stage_header(model: GPTModel, shape: ModelShape, use_grads: bool) -> list[t
     params = dict(model.named_parameters())
     return [
         (name, hf_tensor_shape(name, shape), _value(params[m.megatron_name], use_grads).dtype)
-        for m in stage_mappings(model, shape) if m.exported for name in m.hf_names
+        for m in stage_mappings(model, shape, every_expert=True) if m.exported for name in m.hf_names
     ]
 
 

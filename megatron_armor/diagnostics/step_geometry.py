@@ -6,7 +6,8 @@ For each type of 2-D decoder weight as Megatron holds it (`linear_qkv`: fused q/
 - changed fraction: entries that changed under the bf16-aware rule of `geometry.unchanged_mask` (opd.md §2.1);
 - reference drift  ||W - W_ref||_F / ||W_ref||_F  from the reference policy's weights (ARMOR's anchor).
 Norms are of the whole matrices: each rank sums squares over its shards and the sums are all-reduced over the
-model-parallel (TP x PP) group, so every rank logs the same values. It costs one copy of the decoder matrices
+model-parallel (TP x PP) group, a MoE model's experts' over the expert (expert-TP x EP x PP) group, so every rank
+logs the same values. It costs one copy of the decoder matrices
 (`StepGeometry.capture`, on their device) and a few elementwise passes over them.
 """
 
@@ -50,9 +51,9 @@ class StepGeometry:
         """{"geometry/<type>_rel_update", "..._changed_fraction", "..._ref_drift"} of the step since `capture`
         (collective over the model-parallel group)."""
         after, ref = decoder_matrices(actor), decoder_matrices(reference)
-        sums = torch.zeros(len(DECODER_MATRICES), len(SUMS), dtype=torch.float64)
+        sums = torch.zeros(2, len(DECODER_MATRICES), len(SUMS), dtype=torch.float64)  # [shared | experts, ...]
         for name, weight in after.items():
-            row = sums[DECODER_MATRICES.index(name.split(".")[-2])]
+            row = sums[int(".local_experts." in name), DECODER_MATRICES.index(name.split(".")[-2])]
             before, anchor = self.before[name], ref[name]
             row += torch.tensor([
                 _squared_norm(weight - before), _squared_norm(before),
@@ -60,10 +61,19 @@ class StepGeometry:
                 _squared_norm(weight - anchor), _squared_norm(anchor),
             ], dtype=torch.float64)
         if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-            device_sums = sums.to(_collective_device(after))
-            dist.all_reduce(device_sums, group=parallel_state.get_model_parallel_group())
-            sums = device_sums.cpu()
-        return _ratios(sums)
+            has_experts = bool(getattr(getattr(actor, "config", None), "num_moe_experts", None))
+            groups = [parallel_state.get_model_parallel_group()] + (
+                [parallel_state.get_expert_tensor_model_pipeline_parallel_group()] if has_experts else [])
+            device = _collective_device(after)
+            sums = torch.stack([_all_reduced(part, group, device) for part, group in zip(sums, groups)])
+        return _ratios(sums.sum(0))
+
+
+def _all_reduced(sums: torch.Tensor, group, device: torch.device) -> torch.Tensor:
+    """`sums` summed over `group`, through `device` (where the collective runs), back on the CPU."""
+    on_device = sums.to(device)
+    dist.all_reduce(on_device, group=group)
+    return on_device.cpu()
 
 
 def _squared_norm(tensor: torch.Tensor) -> float:

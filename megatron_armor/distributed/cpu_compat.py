@@ -40,6 +40,13 @@ Adaptations (megatron-core 0.19):
    step back from the param groups, then copies every tensor of the parameter's state from the loaded
    one, which never holds "step" (`_set_main_param_and_optimizer_states` raises KeyError). The copy gets
    the parameter's own step tensor for "step" (`_set_states_keeping_step`), i.e. the step stays Megatron's.
+10. The MoE all-to-all token dispatcher (`MoEAlltoAllTokenDispatcher`) creates a class-wide `torch.cuda.Stream()`
+    on which it copies its routing counts to the host, records an event on it and synchronises on that event.
+    The class's stream is set to the `_NullStream` stand-in up front (its `record_event()` gives an event whose
+    `synchronize()` does nothing) and `torch.cuda.stream(...)` becomes a null context. Its host copies
+    (`maybe_move_tensor_to_cpu`, which turns the all-to-all split sizes into numpy arrays only when it copies
+    them from a GPU) give the CPU tensors' numpy views where it asks for numpy. Its all-to-all over the expert-parallel
+    group is `all_to_all_single` with uneven splits, which gloo has in torch 2.14 (the EP=2 tests run it).
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -94,6 +101,11 @@ class _NullStream:
 
     def synchronize(self) -> None:
         pass
+
+    def record_event(self, event: object = None) -> _NullStream:
+        """Adaptation 10: the event recorded on the stand-in stream; it is itself (its `synchronize` does nothing)."""
+        del event
+        return self
 
 
 def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
@@ -162,8 +174,25 @@ def enable_cpu_compat() -> bool:
             global _original_set_states
             _original_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
             DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_keeping_step  # adaptation 9
+            _adapt_moe_dispatcher()  # adaptation 10
             _installed = True
     return True
+
+
+def _adapt_moe_dispatcher() -> None:
+    """Adaptation 10: the MoE all-to-all token dispatcher's device-to-host side stream, its events and copies."""
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _host_copy(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
+    """Adaptation 10: `maybe_move_tensor_to_cpu` for CPU tensors: the tensor itself, or with `as_numpy` its
+    numpy view (the all-to-all split sizes, which `all_to_all_single` takes as a sequence, not a tensor)."""
+    del record_stream
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def cpu_compat_active() -> bool:

@@ -17,7 +17,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
@@ -36,18 +39,23 @@ PADDED_VOCAB_LOGIT = -1e30
 
 
 def layer_spec(
-    *, qk_layernorm: bool = False, use_transformer_engine: bool | None = None, sequence_parallel: bool = False
+    *, qk_layernorm: bool = False, use_transformer_engine: bool | None = None, sequence_parallel: bool = False,
+    num_experts: int | None = None,
 ) -> ModuleSpec:
     """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
     local layers with SDPA core attention (runs on CPU and GPU); with `sequence_parallel` their norms are
-    `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism)."""
+    `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism). With `num_experts` the MLP
+    is Megatron's `MoELayer`: a `TopKRouter` and a `SequentialMLP` of this rank's experts (one SwiGLU MLP each,
+    `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels)."""
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_usable()
     if use_transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
     layer_norms = {}
@@ -64,13 +72,21 @@ def layer_spec(
 
 
 def decoder_spec(shape: ModelShape, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
-    """The decoder of this pipeline stage: the layer spec, or under sequence parallelism on the local spec its
-    layers plus a `SequenceParallelRMSNorm` final norm (as Megatron builds the block from a layer spec)."""
+    """The decoder of this pipeline stage: the layer spec, or its layers and final norm (as Megatron builds the
+    block from a layer spec) where they differ: a `SequenceParallelRMSNorm` final norm under sequence parallelism
+    on the local spec, and in a MoE model each layer's spec (MoE, or dense for `shape.dense_layers`)."""
     spec = layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=config.sequence_parallel)
-    if not config.sequence_parallel or transformer_engine_usable():
+    sequence_parallel_norm = config.sequence_parallel and not transformer_engine_usable()
+    if not sequence_parallel_norm and not shape.num_experts:
         return spec
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelRMSNorm)
+    specs = [spec] * get_num_layers_to_build(config)
+    if shape.num_experts:
+        moe = layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=config.sequence_parallel,
+                         num_experts=shape.num_experts)
+        first = get_transformer_layer_offset(config)
+        specs = [moe if shape.is_moe_layer(first + local) else spec for local in range(len(specs))]
+    return TransformerBlockSubmodules(layer_specs=specs,
+                                      layer_norm=SequenceParallelRMSNorm if sequence_parallel_norm else LayerNormImpl)
 
 
 def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: bool = True) -> GPTModel:

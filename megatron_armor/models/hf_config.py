@@ -12,7 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.config import TrainConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
 # a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
 # Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
@@ -42,10 +42,23 @@ class ModelShape:
     tie_word_embeddings: bool
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
     rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (None: unscaled)
+    # Mixture of experts (Qwen3-MoE): 0 experts is a dense model. A MoE layer routes each token to the
+    # `moe_top_k` of `num_experts` SwiGLU experts of width `moe_ffn_hidden_size` with a softmax router (its top-k
+    # probabilities renormalised to sum 1 when `norm_topk_prob`); `dense_layers` (global indices) keep a dense MLP
+    # of width `ffn_hidden_size` (HF's `mlp_only_layers` and the layers `decoder_sparse_step` skips).
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global decoder layer `layer` has routed experts (else a dense SwiGLU MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def padded_vocab_size(self) -> int:
@@ -88,9 +101,24 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         qkv_bias=arch == "qwen2",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         rope_scaling_factor=_rope_scaling_factor(rope, source),
+        **(_moe_fields(hf, source) if arch == "qwen3_moe" else {}),
     )
+
+
+def _moe_fields(hf: dict, source: str) -> dict:
+    """ModelShape's expert fields from a Qwen3-MoE config.json (transformers 5 writes the expert count as
+    `num_local_experts`, 4.x as `num_experts`)."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    top_k, step = hf.get("num_experts_per_tok", 0), hf.get("decoder_sparse_step", 1)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelConfigError(f"{source}: a qwen3_moe model needs num_experts >= 1 and 1 <= num_experts_per_tok <= "
+                               f"num_experts; got {experts} experts, top-{top_k}")
+    dense = sorted(set(hf.get("mlp_only_layers") or []) | {
+        layer for layer in range(hf["num_hidden_layers"]) if (layer + 1) % step})
+    return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense)}
 
 
 def _refuse_unsupported_attention_and_activation(hf: dict, source: str) -> None:
@@ -116,14 +144,46 @@ def _rope_scaling_factor(rope: dict, source: str) -> float | None:
     )
 
 
-def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int) -> None:
-    """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks."""
+def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+    """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks (experts over `ep_size`)."""
     for name, value in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads", shape.num_kv_heads),
-                        ("intermediate_size", shape.ffn_hidden_size), ("padded vocab_size", shape.padded_vocab_size)):
+                        ("intermediate_size", shape.ffn_hidden_size), ("padded vocab_size", shape.padded_vocab_size),
+                        ("moe_intermediate_size", shape.moe_ffn_hidden_size)):
         if value % tp_size:
             raise ModelConfigError(f"{name}={value} is not divisible by tensor_parallel_size={tp_size}")
     if shape.num_layers % pp_size:
         raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
+    if ep_size > 1 and shape.num_experts % ep_size:
+        raise ModelConfigError(f"num_experts={shape.num_experts} is not divisible by expert_parallel_size={ep_size}")
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """The router's load balancing: `load_balancing` none | aux_loss (Switch/GShard auxiliary loss over the
+    micro-batch) | seq_aux_loss (per sequence), scaled by `aux_loss_coeff` (0: no auxiliary loss, as RL recipes
+    usually run; the routing itself is the same either way)."""
+
+    load_balancing: str = "aux_loss"
+    aux_loss_coeff: float = 0.0
+
+    def megatron_fields(self, shape: ModelShape, ep_size: int) -> dict:
+        """TransformerConfig's MoE fields for `shape` (none for a dense model). HF's router takes the softmax
+        over all experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over the
+        top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k.
+        Tokens reach experts on other EP ranks by Megatron's all-to-all dispatcher (`transformer_config` sets it:
+        gloo has the uneven all-to-all on CPU, and the allgather dispatcher refuses the variable sequence lengths
+        set under pipeline parallelism)."""
+        if not shape.num_experts:
+            return {}
+        return {
+            "num_moe_experts": shape.num_experts, "moe_router_topk": shape.moe_top_k,
+            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": not shape.norm_topk_prob, "moe_router_dtype": "fp32",
+            "moe_router_load_balancing_type": self.load_balancing if self.aux_loss_coeff > 0 else "none",
+            "moe_aux_loss_coeff": self.aux_loss_coeff, "moe_grouped_gemm": False,
+            "moe_layer_freq": [int(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)],
+            "expert_model_parallel_size": ep_size,
+        }
 
 
 @dataclass(frozen=True)
@@ -154,7 +214,7 @@ class ActivationRecompute:
 def transformer_config(
     shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None, recompute: ActivationRecompute = ActivationRecompute(),
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, ep_size: int = 1, moe: MoERouting = MoERouting(),
 ) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
 
@@ -165,8 +225,9 @@ def transformer_config(
     weights directly on the current GPU, as Megatron-LM trains (its default `use_cpu_initialization=False`;
     CPU initialisation plus a copy is slow for large models); otherwise (the default, and what
     building on the meta device in `convert` needs) on the CPU.
+    `ep_size`, `moe` (MoE models): experts split over `ep_size` ranks; load balancing (`MoERouting`).
     """
-    check_parallel_layout(shape, tp_size, pp_size)
+    check_parallel_layout(shape, tp_size, pp_size, ep_size)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -206,4 +267,5 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",  # Megatron refuses variable lengths with its default (allgather)
                                                # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
+        **moe.megatron_fields(shape, ep_size),
     )

@@ -1,4 +1,4 @@
-"""Tiny Llama/Qwen2/Qwen3-architecture HF checkpoints with a character-level tokenizer, made locally.
+"""Tiny Llama/Qwen2/Qwen3/Qwen3-MoE-architecture HF checkpoints with a character-level tokenizer, made locally.
 
 The tokenizer has one token per printable ASCII character, newline and tab, plus `<|endoftext|>`
 (EOS and padding): 98 tokens. Any other character (e.g. carriage return) encodes as EOS. The
@@ -13,11 +13,21 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+)
 
 EOS_TOKEN = "<|endoftext|>"
 # The 95 printable ASCII characters (ids 1..95), then newline and tab (96, 97): earlier ids unchanged.
 _CHARACTERS = [c for c in string.printable if c.isprintable()] + ["\n", "\t"]
+_CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
+# Qwen3-MoE defaults of a tiny model (override with `moe=`): 4 experts of width 32, top-2, renormalised, every
+# layer MoE, no auxiliary loss.
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
+# Router weights of tiny MoE models are drawn with this std (HF's 0.02 makes near-ties among the experts'
+# scores common; a rounding difference between two implementations would then route a token differently).
+TINY_ROUTER_STD = 0.5
 
 
 def make_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -46,19 +56,19 @@ def make_tiny_checkpoint(
     head_dim: int | None = None,
     rope_scaling_factor: float | None = None,
     seed: int = 0,
+    moe: dict | None = None,
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation config to `out_dir`.
 
     `rope_scaling_factor` adds Llama 3 RoPE scaling (llama only); `head_dim` defaults to
-    hidden_size / num_attention_heads.
+    hidden_size / num_attention_heads. `moe` (qwen3_moe only): Qwen3MoeConfig fields over `TINY_MOE`.
     """
-    configs = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
-    if arch not in configs:
-        raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
     tokenizer = make_char_tokenizer()
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = configs[arch](
+    config = _CONFIGS[arch](
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
@@ -66,14 +76,24 @@ def make_tiny_checkpoint(
         head_dim=head_dim or hidden_size // num_attention_heads,
         tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        **({**TINY_MOE, **(moe or {})} if arch == "qwen3_moe" else {}),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _widen_routers(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _widen_routers(model: torch.nn.Module) -> None:
+    """Redraw every MoE router weight `[experts, hidden]` with std `TINY_ROUTER_STD` (no-op for dense models)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, TINY_ROUTER_STD)
 
 
 def _rope_parameters(theta: float, scaling_factor: float | None) -> dict:

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 from megatron_armor.config import RolloutConfig
 from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.rollout.expert_views import checkpoint_named_views
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 
 
@@ -161,7 +162,7 @@ class LocalEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.weight_precision = weight_precision
         if weight_precision != "fp32":  # round the loaded weights too
-            self.update_weights(list(self.model.named_parameters()))
+            self.update_weights(list(self.named_parameters_hf().items()))
 
 
     @classmethod
@@ -233,8 +234,8 @@ class LocalEngine(RolloutEngine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Validate every name and shape first, then copy (rounded to `weight_precision`), so a bad
-        update changes nothing."""
-        params = dict(self.model.named_parameters())
+        update changes nothing. Names are checkpoint names (a fused MoE model's experts one by one)."""
+        params = self.named_parameters_hf()
         updates = list(named_tensors)
         for name, tensor in updates:
             if name not in params:
@@ -251,8 +252,8 @@ class LocalEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def named_parameters_hf(self) -> dict[str, torch.Tensor]:
-        """The engine's current weights by HF name (detached views)."""
-        return {name: p.detach() for name, p in self.model.named_parameters()}
+        """The engine's current weights by HF checkpoint name (detached views; `expert_views`)."""
+        return checkpoint_named_views({name: p.detach() for name, p in self.model.named_parameters()})
 
     def health(self) -> bool:
         return True

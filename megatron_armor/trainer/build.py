@@ -21,7 +21,9 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokeniz
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout, load_model_shape
+from megatron_armor.models.hf_config import (
+    ActivationRecompute, ModelShape, MoERouting, check_parallel_layout, load_model_shape,
+)
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -159,8 +161,9 @@ def _build_models(
     with handoff.training_phase() if handoff else contextlib.nullcontext():
         sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda")
         recompute = ActivationRecompute.from_config(cfg.train)
+        moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, moe=moe)
         ddp, optimizer = wrap_for_training(actor, optim)
         ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None

@@ -17,6 +17,7 @@ from megatron_armor.scoring.logprobs import (
 )
 from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
+from megatron_armor.trainer.moe_metrics import moe_aux_loss_metrics
 from megatron_armor.trainer.faults import NonFiniteUpdate, find_nonfinite
 from megatron_armor.trainer.optimizer import AdamConfig, learning_rate, optimizer_step, zero_grads
 
@@ -89,9 +90,10 @@ def update_policy(
     loss_fn = PolicyLossCallback(algorithm)
     lr = learning_rate(rl_step, optim)
     totals: dict[str, float] = {}
-    grad_norms, old_scores = [], None
+    grad_norms, old_scores, micro_batch_count = [], None, 0
     for index, mini_batch in enumerate(mini_batches):
         micro_batches = micro_batching.split(mini_batch)
+        micro_batch_count += len(micro_batches)
         pass_scoring = dataclasses.replace(scoring, with_entropy=True) if on_policy[index] else scoring
         outputs = forward_backward(ddp, micro_batches, loss_fn, scoring=pass_scoring, forward_only=False)
         scores = [{k: out.pop(k) for k in list(out) if k.startswith("scores/")} for out in outputs]
@@ -116,4 +118,5 @@ def update_policy(
     metrics = {name: value / (units if name in loss_fn.per_unit_metrics else tokens) for name, value in totals.items()}
     metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["optim/lr"] = lr
+    metrics.update(moe_aux_loss_metrics(ddp.module.config, micro_batch_count))
     return UpdateResult(metrics=metrics, optimizer_steps=len(mini_batches), old_scores=old_scores)

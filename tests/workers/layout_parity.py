@@ -2,7 +2,8 @@
 
 argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (head "torch" | "fused"; option
 "distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism; "budget=N":
-micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD); the process
+micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD; "ep=N": a MoE model's
+experts over N expert-parallel ranks; "aux=C": its load-balancing auxiliary loss at coefficient C); the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
 (keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
@@ -32,7 +33,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
-from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.plan import StepPlan  # noqa: E402
@@ -88,11 +89,15 @@ def gather_sharded_grads(ddp) -> None:
 
 
 def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
-    ctx = initialize_distributed(tp, pp, seed=0)
+    ep = next((int(option.removeprefix("ep=")) for option in options if option.startswith("ep=")), 1)
+    ctx = initialize_distributed(tp, pp, seed=0, expert_parallel_size=ep)
     shape = load_model_shape(actor_dir)
 
+    aux = next((float(option.removeprefix("aux=")) for option in options if option.startswith("aux=")), 0.0)
+
     def model(path, trainable):
-        config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options)
+        config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options, ep_size=ep,
+                                    moe=MoERouting(aux_loss_coeff=aux))
         m = build_gpt_model(shape, config, trainable=trainable)
         load_hf_weights(m, path, shape)
         return m
