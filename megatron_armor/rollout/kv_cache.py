@@ -73,7 +73,7 @@ class PreallocatedCache(Cache):
     `keep_decode_mask`: HF drops the attention mask of a one-token step whose rows have no padding and lets
     SDPA run unmasked, which rounds differently from the masked kernel. A batch that had padding keeps
     its mask when the rows left after dropping finished ones have none, so their logits stay bit-identical
-    to the whole batch's. (transformers keeps the mask of a one-token step for caches that report
+    to the whole batch's (with one BLAS thread; several may round the last bit differently). (transformers keeps the mask of a one-token step for caches that report
     `is_compileable`, a flag nothing else on this path reads.)
     """
 

@@ -78,9 +78,10 @@ class _DecodeBatch:
     compactable: bool  # B is even: stopped rows may leave
 
     COMPACT_FRACTION: ClassVar[float] = 1 / 8  # drop stopped rows once they are this share of the batch
-    # CPU matmuls (MKL) of one token per row round a row the same in every batch of an even number >= 4 of
-    # rows; batches of 1-3 rows or an odd number take other kernels (measured: tests/rollout/
-    # test_engine_equivalence.py). So only an even batch shrinks, and only to an even size >= MIN_ROWS.
+    # CPU matmuls (MKL, one thread) of one token per row round a row the same in every batch of an even number
+    # >= 4 of rows; batches of 1-3 rows or an odd number take other kernels (measured: tests/rollout/
+    # test_engine_equivalence.py). So only an even batch shrinks, and only to an even size >= MIN_ROWS. With
+    # several threads the last bit may differ anyway (1 ulp; the test allows it).
     MIN_ROWS: ClassVar[int] = 4
 
     @classmethod

@@ -1,6 +1,8 @@
 """The optimized `LocalEngine` (last-position logits at the prefill, a preallocated KV cache, finished rows
-dropped from the decode batch) generates exactly what the plain decode loop it replaced generates: the
-same tokens and bit-identical logprobs, greedy and sampled with a seed (whose draws it preserves)."""
+dropped from the decode batch) generates what the plain decode loop it replaced generates: the same tokens,
+greedy and sampled with a seed (whose draws it preserves), and the same logprobs: bit-identical with one BLAS
+thread; with several, the smaller batches and the attention over the preallocated cache's masked slots may round
+the last bit differently (1 ulp, ~5e-7 at |logprob| ~ 4.5), which `LOGPROB_ATOL` allows."""
 
 import pytest
 import torch
@@ -48,6 +50,8 @@ def reference_generate(model, prompts, sampling: SamplingParams, pad_token_id: i
     return out
 
 
+LOGPROB_ATOL = 2e-6  # a few fp32 ulps at the magnitudes here; a real change of the computation moves them by far more
+
 PROMPTS = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12, 13], [99], [3, 3, 3, 60, 61], [20, 30, 40],
            [11, 12], [50, 51, 52, 53, 54, 55, 56, 57, 58], [70], [80, 81, 82], [90, 91, 92, 93], [33, 34]]
 
@@ -75,7 +79,7 @@ def test_engine_equals_the_plain_decode_loop_with_rows_that_stop_early(tiny_mode
     assert min(lengths) < 8 and max(lengths) == 24, lengths  # the batch shrinks while some rows run on
     for generation, (ids, logprobs) in zip(got, want):
         assert generation.response_ids == ids
-        assert generation.logprobs == logprobs  # bit-identical
+        torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(logprobs), atol=LOGPROB_ATOL, rtol=0)
         assert generation.finish_reason == ("stop" if ids[-1] in stops else "length")
 
 
@@ -86,4 +90,7 @@ def test_sampled_generation_is_reproducible_and_equals_the_plain_loop_without_st
     first, second = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)
     assert [g.response_ids for g in first] == [g.response_ids for g in second]
     assert [g.logprobs for g in first] == [g.logprobs for g in second]
-    assert [(g.response_ids, g.logprobs) for g in first] == [tuple(r) for r in reference_generate(model, PROMPTS, sampling)]
+    want = reference_generate(model, PROMPTS, sampling)
+    assert [g.response_ids for g in first] == [ids for ids, _ in want]
+    for generation, (_, logprobs) in zip(first, want):
+        torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(logprobs), atol=LOGPROB_ATOL, rtol=0)
