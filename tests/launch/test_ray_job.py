@@ -18,7 +18,7 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
     cfg = load_config(CONFIG, [
         "train.max_steps=1", f"logging.run_dir={run_dir}", f"task.cache_dir={synthetic_cache}",
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.max_prompts=8", "logging.tensorboard=false",
-        "logging.progress_bar=false", "logging.plot=false",
+        "logging.progress_bar=false", "logging.plot=false", "eval.before_train=false", "checkpoint.save_model=false",
         "rollout.sglang.router=sglang",  # a router even for one server
     ])
     job = RayJobConfig(server_kind="local", server_host="127.0.0.1", cpus_per_actor=0.4, monitor_interval_s=5.0,

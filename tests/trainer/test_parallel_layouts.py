@@ -22,43 +22,42 @@ def _actor_and_ref(root, **options):
     return make_tiny_checkpoint(root / "actor", seed=0, **options), make_tiny_checkpoint(root / "ref", seed=1, **options)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return _actor_and_ref(tmp_path_factory.mktemp("layouts"))
+# checkpoint kind -> make_tiny_checkpoint options of its actor and reference
+MODELS = {
+    "dense": {},
+    # Qwen3 with tied embeddings (the last stage keeps an output-layer copy whose grads Megatron all-reduces with
+    # the embedding's), q/k norms and a vocabulary padded from 100 to 128.
+    "tied": {"arch": "qwen3", "tie_word_embeddings": True, "vocab_size": 100, "head_dim": 32},
+    "moe": {"arch": "qwen3_moe"},  # 4 experts, top-2 (tests/trainer/test_moe_layouts.py)
+}
 
-
-@pytest.fixture(scope="module")
-def tied_checkpoints(tmp_path_factory):
-    """Qwen3 with tied embeddings (the last stage keeps an output-layer copy whose grads Megatron
-    all-reduces with the embedding's), q/k norms and a vocabulary padded from 100 to 128."""
-    return _actor_and_ref(tmp_path_factory.mktemp("tied"), arch="qwen3", tie_word_embeddings=True, vocab_size=100,
-                          head_dim=32)
-
-
-# job name -> (tied checkpoints?, tp, pp, head, worker options...); the jobs of one process count share one launch.
+# job name -> (checkpoint kind, tp, pp, head, worker options...); the jobs of one process count share one launch.
 JOBS = {
-    1: {"base": (False, 1, 1, "torch"), "tied-base": (True, 1, 1, "torch"),
-        "budget-packed": (False, 1, 1, "torch", "budget=40", "packed")},
-    2: {"tp2": (False, 2, 1, "torch"), "pp2": (False, 1, 2, "torch"), "dp2": (False, 1, 1, "torch"),
-        "dp2-distopt": (False, 1, 1, "torch", "distopt"),
-        "tp2-fused-head": (False, 2, 1, "fused"),
-        "tp2-sp": (False, 2, 1, "torch", "sp"), "tp2-sp-fused-head": (False, 2, 1, "fused", "sp"),
-        "pp2-budget": (False, 1, 2, "torch", "budget=40"), "pp2-budget-packed": (False, 1, 2, "torch", "budget=40", "packed"),
-        "tp2-sp-packed-fused-head": (False, 2, 1, "fused", "sp", "packed"),
-        "tied-pp2": (True, 1, 2, "torch"),
-        "tied-tp2-fused-head": (True, 2, 1, "fused")},
-    4: {"tp2xpp2": (False, 2, 2, "torch")},
+    1: {"base": ("dense", 1, 1, "torch"), "tied-base": ("tied", 1, 1, "torch"),
+        "budget-packed": ("dense", 1, 1, "torch", "budget=40", "packed"),
+        "moe-base": ("moe", 1, 1, "torch"), "moe-aux": ("moe", 1, 1, "torch", "aux=0.1")},
+    2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
+        "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
+        "tp2-fused-head": ("dense", 2, 1, "fused"),
+        "tp2-sp": ("dense", 2, 1, "torch", "sp"), "tp2-sp-fused-head": ("dense", 2, 1, "fused", "sp"),
+        "pp2-budget": ("dense", 1, 2, "torch", "budget=40"),
+        "pp2-budget-packed": ("dense", 1, 2, "torch", "budget=40", "packed"),
+        "tp2-sp-packed-fused-head": ("dense", 2, 1, "fused", "sp", "packed"),
+        "tied-pp2": ("tied", 1, 2, "torch"),
+        "tied-tp2-fused-head": ("tied", 2, 1, "fused"),
+        "moe-ep2": ("moe", 1, 1, "torch", "ep=2"), "moe-pp2": ("moe", 1, 2, "torch")},
+    4: {"tp2xpp2": ("dense", 2, 2, "torch")},
 }
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, tied_checkpoints, tmp_path_factory):
+def runs(tmp_path_factory):
     """job name -> every rank's result, from one launch per process count."""
+    checkpoints = {kind: _actor_and_ref(tmp_path_factory.mktemp(kind), **options) for kind, options in MODELS.items()}
     results = {}
     for nproc, jobs in JOBS.items():
         out = tmp_path_factory.mktemp(f"n{nproc}")
-        specs = [",".join(map(str, (name, *(tied_checkpoints if tied else checkpoints), *layout)))
-                 for name, (tied, *layout) in jobs.items()]
+        specs = [",".join(map(str, (name, *checkpoints[kind], *layout))) for name, (kind, *layout) in jobs.items()]
         run_workers("layout_parity.py", nproc, out, *specs)
         results.update({name: [torch.load(out / name / f"rank{r}.pt") for r in range(nproc)] for name in jobs})
     return results
@@ -136,3 +135,17 @@ def test_baseline_step_is_not_trivial(runs):
     assert any(g.abs().max() > 0 for g in baseline["grads"].values())
     # The second mini-batch is scored after the first optimizer step, so the mean ratio leaves 1.
     assert abs(baseline["metrics"]["loss/mixed_ratio_mean"] - 1.0) > 1e-5
+
+
+def test_moe_ep2_and_pp2_steps_match_single_rank(runs):
+    """A Qwen3-MoE ARMOR step with its experts over EP=2 (DP=2, Megatron DDP and optimizer), or its layers over
+    PP=2, equals the one-process step (experts' gradients gathered over the EP group); with a load-balancing
+    coefficient the auxiliary loss is logged (`moe/aux_loss`) and moves the routers and the layers below them."""
+    base, aux = runs["moe-base"][0], runs["moe-aux"][0]
+    assert any(".mlp.experts.3.down_proj" in name for name in base["grads"])
+    assert runs["moe-ep2"][0]["layout"] == (1, 1, 2)
+    assert_same_step(runs["moe-ep2"], base)
+    assert_same_step(runs["moe-pp2"], base)
+    assert "moe/aux_loss" not in base["metrics"] and 0.5 < aux["metrics"]["moe/aux_loss"] < 2.5, aux["metrics"]
+    for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.o_proj.weight"):
+        assert not torch.equal(aux["grads"][name], base["grads"][name]), name
