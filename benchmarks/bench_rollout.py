@@ -14,7 +14,9 @@ HTTP server (`--http`), to show the protocol overhead. Ratios are against (b), m
 sampling (T = 1, seeded) and threads, alternating the two `--repeats` times, for three cases: (a) a tiny
 model with short EOS-terminated responses, (b) 8 layers x 512 hidden x 32k vocabulary, 128-token
 prompts, 64 new tokens, (c) the model of (b) with long-tailed lengths (most rows stop after a few
-tokens, an eighth run to the limit). Tokens/s counts the response tokens each side produced.
+tokens, an eighth run to the limit). Tokens/s counts the response tokens each side produced. For (b) it also times
+the model's matrix products alone on the same shapes (`gemm_floor_seconds`): HF's time over that is the largest
+ratio any fp32 engine using torch's kernels could reach.
 """
 
 from __future__ import annotations
@@ -88,10 +90,12 @@ def _hf_generate(model, prompts: list[list[int]], sampling: SamplingParams) -> i
     return int((~after_stop).sum())
 
 
-def _vs_hf_case(name: str, model, prompts, sampling: SamplingParams, repeats: int) -> None:
-    """Alternate HF generate and the engine `repeats` times; print the best tokens/s of each and the ratio."""
+def _vs_hf_case(name: str, model, prompts, sampling: SamplingParams, repeats: int, floor: bool = False) -> None:
+    """Alternate HF generate and the engine `repeats` times; print the best tokens/s of each and the ratio. With
+    `floor` (every row runs to max_new_tokens, prompts of one length) also `gemm_floor_seconds` of the same work,
+    alternated with them: the best possible ratio, min HF seconds / min floor seconds."""
     engine = LocalEngine(model)
-    seconds = {"hf": [], "engine": []}
+    seconds = {"hf": [], "engine": [], "floor": []}
     tokens = {}
     for _ in range(repeats):
         t, tokens["hf"] = timed(lambda: _hf_generate(model, prompts, sampling))
@@ -99,9 +103,34 @@ def _vs_hf_case(name: str, model, prompts, sampling: SamplingParams, repeats: in
         t, generations = timed(lambda: engine.generate(prompts, sampling))
         seconds["engine"].append(t)
         tokens["engine"] = sum(len(g.response_ids) for g in generations)
-    rate = {k: tokens[k] / min(seconds[k]) for k in seconds}
+        if floor:
+            seconds["floor"].append(gemm_floor_seconds(model, len(prompts), len(prompts[0]), sampling.max_new_tokens))
+    rate = {k: tokens[k] / min(seconds[k]) for k in ("hf", "engine")}
+    bound = f"{min(seconds['hf']) / min(seconds['floor']):>9.2f}x" if floor else f"{'-':>10}"
     print(f"{name:>34} {tokens['hf']:>7} {rate['hf']:>9.1f} {tokens['engine']:>7} {rate['engine']:>9.1f} "
-          f"{rate['engine'] / rate['hf']:>6.2f}x")
+          f"{rate['engine'] / rate['hf']:>6.2f}x {bound}")
+
+
+@torch.no_grad()
+def gemm_floor_seconds(model, rows: int, prompt_len: int, new_tokens: int) -> float:
+    """Seconds the model's own matrix products take for a generation of `rows` prompts of `prompt_len` tokens and
+    `new_tokens` new ones (prefill: every linear layer on rows x prompt_len tokens, the LM head on the last position
+    only; then new_tokens - 1 decode steps of one token per row), each `F.linear` on random inputs of the right
+    shape: no attention, norms, sampling or bookkeeping. No fp32 engine that runs these products with torch's
+    kernels can take less, so hf_seconds / this bounds any engine's speed-up over HF `generate`."""
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings().weight
+    body = [w for w in linears if w is not head]
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1]) for w in [*body, head] for n in (rows, rows * prompt_len)}
+    start = time.perf_counter()
+    for weight in body:
+        torch.nn.functional.linear(inputs[rows * prompt_len, weight.shape[1]], weight)
+    for _ in range(new_tokens - 1):
+        for weight in body:
+            torch.nn.functional.linear(inputs[rows, weight.shape[1]], weight)
+    for _ in range(new_tokens):
+        torch.nn.functional.linear(inputs[rows, head.shape[1]], head)
+    return time.perf_counter() - start
 
 
 def _model(tmp: str, name: str, **options):
@@ -113,7 +142,8 @@ def vs_hf(repeats: int) -> None:
     """Cases (a)-(c) of issue 18 (see the module docstring)."""
     g = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads; best of {repeats} alternating runs; T = 1, top-p 1")
-    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'eng tok':>7} {'eng tok/s':>9} {'ratio':>7}")
+    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'eng tok':>7} {'eng tok/s':>9} {'ratio':>7} {'max ratio':>10}")
+    print("(max ratio: HF's time over the model's matrix products alone, gemm_floor_seconds: no fp32 engine beats it)")
     with tempfile.TemporaryDirectory() as tmp:
         tiny = _model(tmp, "tiny")  # 2 layers x 64 hidden, 128-token vocabulary
         prompts = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 17, (32,), generator=g)]
@@ -123,7 +153,7 @@ def vs_hf(repeats: int) -> None:
                      intermediate_size=1536, vocab_size=32000, max_position_embeddings=512)
         prompts = [torch.randint(1, 96, (128,), generator=g).tolist() for _ in range(16)]
         _vs_hf_case("(b) 8x512, 32k vocab, 16x128 -> 64", big, prompts,
-                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats, floor=True)
         # (c), greedy so both sides decode the same rows: stop tokens are tokens that rows 2.. draw within
         # their first 6 and rows 0-1 never draw, so 14 rows stop within 6 tokens and 2 run to the limit.
         greedy = SamplingParams(temperature=0.0, max_new_tokens=64)

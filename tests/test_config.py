@@ -222,6 +222,10 @@ def test_scaling_knobs_defaults_and_resolution():
     assert not ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=False)
     assert ParallelConfig(tensor_parallel_size=2, sequence_parallel=True).resolve_sequence_parallel(on_gpu=False)
     assert not ParallelConfig(tensor_parallel_size=1).resolve_sequence_parallel(on_gpu=True)
+    assert ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=False, moe=True)
+    assert not ParallelConfig(tensor_parallel_size=1).resolve_sequence_parallel(on_gpu=False, moe=True)
+    with pytest.raises(ConfigError, match="MoE model at parallel.tensor_parallel_size 2 needs sequence parallelism"):
+        ParallelConfig(tensor_parallel_size=2, sequence_parallel=False).resolve_sequence_parallel(on_gpu=True, moe=True)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -269,11 +273,12 @@ def test_monitor_section_loads_and_documents_its_actions():
                              "monitor.val_drop=null"])
     assert cfg.monitor.enabled and cfg.monitor.hack_rate == 0.3 and cfg.monitor.action_of()["hack_rate"] == "stop"
     assert cfg.monitor.val_drop is None and cfg.monitor.action_of()["reward_gap"] == "warn"
-    with pytest.raises(ConfigError, match="action 'anchor' is not allowed"):
-        load_config(DEMO, ["monitor.actions=[hack_rate=anchor]"])
+    with pytest.raises(ConfigError, match="action 'rollback' is not allowed; choose one of \\['warn', 'stop', 'anchor'\\]"):
+        load_config(DEMO, ["monitor.actions=[hack_rate=rollback]"])
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "--monitor.actions VALUE per-alarm actions as <kind>=<action>" in help_text
-    assert "anchor, switching to ARMOR from the best checkpoint, is not built yet" in help_text
+    assert "anchor: ARMOR's restart (armor.md §4), automatic: actor and reference go back to the best checkpoint" \
+        in help_text
     assert "--reward.audit_fns VALUE audit verifiers" in help_text and "(default: [])" in help_text
 
 

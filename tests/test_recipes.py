@@ -115,3 +115,16 @@ def test_a_context_longer_than_the_models_positions_is_named_at_start_up():
     warning = context_length_warning(cfg, model_shape_from_dict({**hf, "max_position_embeddings": 4096}))
     assert warning is not None and "10240 positions" in warning and "max_position_embeddings 4096" in warning
     assert context_length_warning(cfg, model_shape_from_dict({**hf, "max_position_embeddings": 10240})) is None
+
+
+def test_moe_recipe_replays_the_servers_routing_and_states_its_hardware():
+    """examples/qwen3-30b-a3b: ARMOR's 8B hyperparameters on Qwen3-30B-A3B with experts over EP 8 and rollout routing
+    replay; its launcher starts the servers that must return their routed experts (`armor plan`: test_recipes_plan)."""
+    cfg = load_config(EXAMPLES / "qwen3-30b-a3b" / "armor.yaml")
+    for dotted, expected in {**COMMON, "armor.alpha": 0.875, "train.routing_replay": "rollout",
+                             "parallel.expert_parallel_size": 8, "model.moe_aux_loss_coeff": 0.0}.items():
+        assert value_at(cfg, dotted) == expected, dotted
+    assert cfg.parallel.world_size == 64 and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
+    script = EXAMPLES / "qwen3-30b-a3b" / "run_torchrun.sh"
+    assert "Hardware: 16 nodes x 8 H100" in script.read_text() and "--enable-return-routed-experts" in script.read_text()
+    subprocess.run(["bash", "-n", str(script)], check=True)

@@ -11,11 +11,13 @@ Each built-in lives in its own module and registers itself (`algorithms/registry
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from megatron_armor.algorithms.importance import ISCorrection, corrected_weights
 from megatron_armor.algorithms.kl import kl_penalty
 from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, check_aggregation
 from megatron_armor.config.base import require
@@ -30,7 +32,8 @@ class LossInputs:
 
     logprobs carries the gradient (log pi_theta of the sampled tokens); old_logprobs are the trainer's at
     rollout time, engine_logprobs the sampler's, ref_logprobs the reference's (None when not needed);
-    advantages are per token (sequence advantages broadcast, or OPD's token advantages).
+    advantages are per token (sequence advantages broadcast, or OPD's token advantages). token_weights (detached;
+    None: 1) multiply each token's policy term: the behaviour correction `Algorithm.policy_loss` sets.
     """
 
     logprobs: torch.Tensor
@@ -39,6 +42,7 @@ class LossInputs:
     engine_logprobs: torch.Tensor
     advantages: torch.Tensor
     response_mask: torch.Tensor
+    token_weights: torch.Tensor | None = None
 
 
 @dataclass
@@ -46,7 +50,8 @@ class PolicyLossTerms:
     """A micro-batch's loss as partial sums over its aggregation units (normalizer 1).
 
     loss: the 0-dim value to differentiate (the policy term plus any penalty); policy_loss: the policy
-    term alone (detached); token_means: detached 0-dim masked token means (e.g. clip_fraction);
+    term alone (detached); token_means: detached 0-dim masked token means (e.g. clip_fraction; logged as
+    loss/<name>, or as <name> when it names its own section, e.g. async/importance_weight_mean);
     per_unit: detached 0-dim partial sums reported per aggregation unit, as policy_loss (e.g. kl_to_ref).
     """
 
@@ -92,9 +97,14 @@ class Algorithm:
     needs_teacher: ClassVar[bool] = False
     default_loss_aggregation: ClassVar[LossAggregation] = "token_mean"
     uses_kl_penalty: ClassVar[bool] = False  # adds kl.coef * KL(pi_theta || pi_ref) to the loss
+    # its own loss weights each token by pi_old / mu (MIPU), so algorithm.behaviour_correction does not apply
+    corrects_sampler: ClassVar[bool] = False
     # something before the update reads the actor's old-policy logprobs (e.g. `token_advantages`), so an exactly
     # on-policy step cannot take them from the update's own forward
     reads_old_logprobs_before_update: ClassVar[bool] = False
+    # the collapse monitor's anchor action may switch a run of it to ARMOR (monitor.actions, registry.py): its groups
+    # and loss are GRPO's, so ARMOR's anchors and mixed ratio continue it
+    can_anchor: ClassVar[bool] = False
 
     def __init__(self, cfg: ArmorConfig) -> None:
         section = cfg.algorithm
@@ -104,6 +114,8 @@ class Algorithm:
         self.kl_coef = cfg.kl.coef if self.uses_kl_penalty else 0.0
         self.kl_estimator = cfg.kl.estimator
         self.filters_groups = section.filter_groups
+        self.behaviour_correction: ISCorrection = self.resolve_behaviour_correction(cfg)
+        self.behaviour_w_max = section.behaviour_w_max
 
     # ----- what a step needs ------------------------------------------------------------------
     @property
@@ -139,8 +151,20 @@ class Algorithm:
         return ClipConfig(low=section.clip_low, high=high, dual=dual)
 
     @classmethod
+    def resolve_behaviour_correction(cls, cfg: ArmorConfig) -> ISCorrection:
+        """algorithm.behaviour_correction, by default tis when samples may come from older weights than the
+        trainer's (rollout.mode other than sync), else none; none for an algorithm that corrects itself (MIPU)."""
+        if cls.corrects_sampler:
+            return "none"
+        chosen = cfg.algorithm.behaviour_correction
+        return chosen if chosen is not None else ("none" if cfg.rollout.mode == "sync" else "tis")
+
+    @classmethod
     def check_config(cls, cfg: ArmorConfig) -> None:
         """ConfigError for settings this algorithm cannot run with (cross-section rules that depend on it)."""
+        require(not (cls.corrects_sampler and cfg.algorithm.behaviour_correction is not None),
+                f"{cls.name} weights tokens by pi_old / mu itself (mipu.is_correction): leave "
+                f"algorithm.behaviour_correction unset")
         clip = cls.resolve_clip(cfg)  # the section checked the values it was given; these are with the defaults
         require(clip.high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {clip.low}/{clip.high}")
         require(clip.dual > 1, f"algorithm.dual_clip must be > 1, got {clip.dual}")
@@ -176,9 +200,19 @@ class Algorithm:
     # ----- the loss -------------------------------------------------------------------------
     def policy_loss(self, inputs: LossInputs) -> PolicyLossTerms:
         """The micro-batch's loss as partial sums (`PolicyLossTerms`): `ppo_loss`, plus kl.coef times the
-        aggregated KL estimate to the reference when the algorithm uses the KL penalty."""
+        aggregated KL estimate to the reference when the algorithm uses the KL penalty. With a behaviour
+        correction each token's policy term is weighted by its importance weight (`LossInputs.token_weights`), whose
+        statistics join the token means as async/importance_weight_mean and async/clipped_fraction."""
+        weight_stats = {}
+        if self.behaviour_correction != "none":
+            weights = corrected_weights(inputs.old_logprobs, inputs.engine_logprobs, inputs.response_mask,
+                                        self.behaviour_correction, self.behaviour_w_max)
+            inputs = dataclasses.replace(inputs, token_weights=weights.weights)
+            weight_stats = {"async/importance_weight_mean": weights.mean,
+                            "async/clipped_fraction": weights.truncated_fraction}
         loss, stats = self.ppo_loss(inputs)
         stats.pop("num_tokens", None)
+        stats.update(weight_stats)
         terms = PolicyLossTerms(loss=loss, policy_loss=loss.detach(), token_means=stats)
         if self.kl_coef > 0:
             kl = self.aggregate(kl_penalty(inputs.logprobs, inputs.ref_logprobs, self.kl_estimator), inputs)

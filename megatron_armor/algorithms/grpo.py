@@ -16,10 +16,12 @@ class Grpo(Algorithm):
     (ARMOR) set `alpha` < 1."""
 
     name = "grpo"
+    can_anchor = True  # grpo_kl and armor inherit it
     alpha: float = 1.0  # actor weight of the mixed ratio; 1 is the plain ratio pi_theta / pi_old
 
     def ppo_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return armor_policy_loss(
             inputs.logprobs, inputs.old_logprobs, inputs.ref_logprobs, inputs.advantages, inputs.response_mask,
-            alpha=self.alpha, aggregation=self.loss_aggregation, normalizer=1.0, **self.clip.as_kwargs(),
+            alpha=self.alpha, aggregation=self.loss_aggregation, normalizer=1.0, token_weights=inputs.token_weights,
+            **self.clip.as_kwargs(),
         )

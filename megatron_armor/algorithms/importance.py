@@ -9,6 +9,7 @@ The spec's dual-clip bound (1 + 2 eps) * A is the `dual_clip` argument (1.4 for 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -38,6 +39,26 @@ def sampler_weights(
     return torch.ones_like(w)
 
 
+@dataclass(frozen=True)
+class SamplerWeights:
+    """Per-token importance weights of the trainer's old policy against the sampler, and their statistics."""
+
+    weights: torch.Tensor  # [B, T] float32, `sampler_weights`
+    mean: torch.Tensor  # 0-dim: masked token mean of the weights
+    truncated_fraction: torch.Tensor  # 0-dim: masked fraction of tokens whose raw weight exceeds w_max
+
+
+@torch.no_grad()
+def corrected_weights(
+    old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, correction: ISCorrection, w_max: float
+) -> SamplerWeights:
+    """`sampler_weights` of [B, T] logprobs with their masked statistics (mask: [B, T], 1 on response tokens)."""
+    weights = sampler_weights(old_logp, engine_logp, correction, w_max)
+    m = mask.to(old_logp.dtype)
+    truncated = (old_logp - engine_logp) > torch.log(torch.tensor(w_max, dtype=old_logp.dtype))
+    return SamplerWeights(weights, masked_mean(weights, m), masked_mean(truncated.to(old_logp.dtype), m))
+
+
 def sampler_corrected_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -62,16 +83,12 @@ def sampler_corrected_loss(
     stats (detached 0-dim, masked token means): clip_fraction, clip_fraction_lower, is_weight_mean,
     is_truncated_fraction (tokens with w > w_max), ppo_kl, num_tokens (count).
     """
-    weights = sampler_weights(old_logp, engine_logp, correction, w_max)
+    weights = corrected_weights(old_logp, engine_logp, mask, correction, w_max)
     log_ratio = logp - old_logp
     terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    result = aggregate_loss(weights * terms.loss, mask, aggregation, normalizer)
+    result = aggregate_loss(weights.weights * terms.loss, mask, aggregation, normalizer)
     stats = terms.stats(mask)
-    with torch.no_grad():
-        m = mask.to(logp.dtype)
-        truncated = (old_logp - engine_logp) > torch.log(torch.tensor(w_max, dtype=logp.dtype))
-        stats["is_weight_mean"] = masked_mean(weights, m)
-        stats["is_truncated_fraction"] = masked_mean(truncated.to(logp.dtype), m)
+    stats["is_weight_mean"], stats["is_truncated_fraction"] = weights.mean, weights.truncated_fraction
     return result, stats
 
 

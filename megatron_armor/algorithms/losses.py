@@ -78,6 +78,7 @@ def armor_policy_loss(
     dual_clip: float = 10.0,
     aggregation: LossAggregation = "token_mean",
     normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ARMOR policy loss and its statistics.
 
@@ -86,7 +87,8 @@ def armor_policy_loss(
     l_mix(x) = log(alpha * pi_x + (1 - alpha) * pi_ref); mixing is off for alpha >= 1 - 1e-6, where
     `ref_logp` may be None. Loss per token: `dual_clip_ppo`. Reduced by `aggregate_loss` with
     `aggregation` (default the token mean sum(L * mask) / sum(mask)); `normalizer` replaces the
-    divisor (1 gives a micro-batch's partial sum for gradient accumulation).
+    divisor (1 gives a micro-batch's partial sum for gradient accumulation). `token_weights` [B, T] (detached;
+    None: 1) multiply each token's loss before the reduction (the behaviour correction of decoupled PPO).
 
     stats (detached 0-dim float32, masked token means): clip_fraction, clip_fraction_lower
     (dual clip active), mixed_ratio_mean, ppo_kl (k1 on mixed logprobs), num_tokens (count).
@@ -100,7 +102,8 @@ def armor_policy_loss(
             raise ValueError(f"ref_logp is required when alpha < 1 (got alpha={alpha})")
         log_ratio = mixed_logprob(logp, ref_logp, alpha) - mixed_logprob(old_logp, ref_logp, alpha)
     terms = dual_clip_ppo(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
-    result = aggregate_loss(terms.loss, mask, aggregation, normalizer)
+    loss = terms.loss if token_weights is None else token_weights * terms.loss
+    result = aggregate_loss(loss, mask, aggregation, normalizer)
     stats = terms.stats(mask)
     stats["mixed_ratio_mean"] = masked_mean(terms.ratio.detach(), mask.to(terms.ratio.dtype))
     return result, stats

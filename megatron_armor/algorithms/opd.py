@@ -106,6 +106,7 @@ class Opd(Grpo):
     name = "opd"
     needs_teacher = True
     reads_old_logprobs_before_update = True  # the token advantages are computed from them
+    can_anchor = False  # its teacher, not an anchor, is what keeps it close
 
     def __init__(self, cfg: ArmorConfig) -> None:
         super().__init__(cfg)

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import TYPE_CHECKING
 
 from megatron_armor.algorithms.base import Algorithm
 from megatron_armor.config import ConfigError
+from megatron_armor.config.base import require
 from megatron_armor.utils.imports import import_attribute
 
 if TYPE_CHECKING:
     from megatron_armor.config import ArmorConfig
 
 _ALGORITHMS: dict[str, type[Algorithm]] = {}
+ANCHORED_ALGORITHM = "armor"  # what the collapse monitor's anchor action switches a run to
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
@@ -67,10 +70,33 @@ def _import_plugin(path: str) -> type[Algorithm]:
 
 
 def check_algorithm_config(cfg: ArmorConfig) -> type[Algorithm]:
-    """The run's algorithm class, after its config rules passed (ConfigError otherwise)."""
+    """The run's algorithm class, after its config rules passed (ConfigError otherwise), and, when an alarm's
+    action is anchor, those of the run it may switch to."""
     cls = algorithm_class(cfg.algorithm.name)
     cls.check_config(cfg)
+    if cfg.monitor.anchors:
+        require(cls.can_anchor, f"monitor.actions: anchor switches a run to {ANCHORED_ALGORITHM}, which continues "
+                                f"grpo-style runs only; {cls.name} cannot switch (use warn or stop)")
+        algorithm_class(ANCHORED_ALGORITHM).check_config(anchored_config(cfg))
     return cls
+
+
+def anchored_config(cfg: ArmorConfig) -> ArmorConfig:
+    """The config a run continues with once the monitor's anchor action switched it (`build_anchored_algorithm`):
+    algorithm.name ARMOR, groups of rollout.sampling.actor_n on-policy samples + 1 anchor (n_samples = actor_n + 1),
+    every other setting the run's own (ARMOR's from the armor section and rollout.anchors)."""
+    rollout = cfg.rollout
+    sampling = dataclasses.replace(rollout.sampling, n_samples=rollout.sampling.actor_n + 1)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, name=ANCHORED_ALGORITHM),
+                               rollout=dataclasses.replace(rollout, sampling=sampling))
+
+
+def build_anchored_algorithm(cfg: ArmorConfig) -> Algorithm:
+    """The algorithm object the anchor action switches the run of `cfg` to (registered as ANCHORED_ALGORITHM)."""
+    anchored = anchored_config(cfg)
+    cls = algorithm_class(ANCHORED_ALGORITHM)
+    cls.check_config(anchored)
+    return cls(anchored)
 
 
 def build_algorithm(cfg: ArmorConfig) -> Algorithm:

@@ -34,6 +34,13 @@ class AlgorithmConfig:
         None, "policy-loss reduction: token_mean (over all response tokens) | seq_mean_token_mean (token mean per "
         "response, then mean over responses); default: seq_mean_token_mean for mipu (J_S1), token_mean otherwise"
     )
+    behaviour_correction: Literal["none", "tis", "mis"] | None = doc(
+        None, "decoupled PPO (AReaL; mipu.md Step 1): each token's policy term times an importance weight "
+        "w = pi_old / mu of the trainer's old (proximal) policy against the behaviour policy mu that sampled it (the "
+        "engine's logprobs): tis (min(w, behaviour_w_max)) | mis (1[w <= behaviour_w_max]) | none (w = 1); default: "
+        "tis with rollout.mode one_step_off or async, none in sync mode. mipu has its own (mipu.is_correction)"
+    )
+    behaviour_w_max: float = doc(2.0, "cap of the behaviour importance weight (algorithm.behaviour_correction)")
     filter_groups: bool = doc(True, "drop prompts whose on-policy samples are all correct or all wrong")
     max_num_gen_batches: int = doc(10, "generation batches per step before giving up on filling the batch")
     allow_partial_batch: bool = doc(
@@ -59,6 +66,7 @@ class AlgorithmConfig:
         require(self.clip_low >= 0 and (self.clip_high is None or self.clip_high >= 0),
                 f"algorithm.clip_low/clip_high must be >= 0, got {self.clip_low}/{self.clip_high}")
         require(self.dual_clip is None or self.dual_clip > 1, f"algorithm.dual_clip must be > 1, got {self.dual_clip}")
+        require(self.behaviour_w_max >= 1, f"algorithm.behaviour_w_max must be >= 1, got {self.behaviour_w_max}")
         require(0.0 <= self.baseline_quantile <= 1.0,
                 f"algorithm.baseline_quantile must be in [0, 1], got {self.baseline_quantile}")
 

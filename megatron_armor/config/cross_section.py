@@ -29,6 +29,8 @@ def check_cross_section(cfg: ArmorConfig) -> None:
     require(keep_best is None or (eval_every > 0 and every % eval_every == 0),
             f"checkpoint.keep_best {keep_best} needs a validation at every checkpoint: checkpoint.every ({every}) must "
             f"be a multiple of eval.every ({eval_every}), and eval.every > 0")
+    require(not cfg.monitor.anchors or keep_best is not None,
+            "monitor.actions: anchor restarts from the best checkpoint: set checkpoint.keep_best (e.g. val/accuracy)")
     require(t.mini_batch_size % dp == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
             f"every data-parallel rank trains on the same number of prompts")

@@ -29,6 +29,8 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
+        if isinstance(value, str) and any(typing.get_origin(a) is Literal and value in typing.get_args(a) for a in options):
+            return value  # a choice named like null (e.g. "none") is the choice
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
             if type(None) in options:
                 return None

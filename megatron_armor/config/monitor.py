@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
 
-ACTIONS = ("warn", "stop")  # "anchor" (switch to ARMOR from the best checkpoint) is not built yet
+ACTIONS = ("warn", "stop", "anchor")  # anchor: ARMOR from the best checkpoint (trainer/anchor_switch.py)
 SETTINGS = ("enabled", "window", "actions")  # every other field is an alarm's threshold
 
 
@@ -23,8 +23,11 @@ class MonitorConfig:
     )
     actions: list[str] = doc(
         [], "per-alarm actions as <kind>=<action>, e.g. [hack_rate=stop, val_drop=stop]; an alarm not listed warns. "
-        "warn: log the alarm's reason and go on; stop: checkpoint, then exit with an error naming the alarm (anchor, "
-        "switching to ARMOR from the best checkpoint, is not built yet)"
+        "warn: log the alarm's reason and go on; stop: checkpoint, then exit with an error naming the alarm; anchor: "
+        "ARMOR's restart (armor.md §4), automatic: actor and reference go back to the best checkpoint "
+        "(checkpoint.keep_best), the optimizer and lr warmup start afresh, and training goes on as ARMOR (armor.alpha, "
+        "rollout.anchors.ref_n, groups of rollout.sampling.actor_n + 1); from grpo / grpo_kl it switches, under armor "
+        "(and after a switch) it resets policy and reference to the best checkpoint again"
     )
     reward_gap: float | None = doc(
         0.2, "alarm reward_gap: train/accuracy (mean over the window's steps) minus val/accuracy above this while the "
@@ -65,6 +68,11 @@ class MonitorConfig:
             require(bool(sep) and kind in actions, f"monitor.actions: {entry!r} must look like <kind>=<action> with a "
                                                    f"kind of {list(actions)}")
             require(action in ACTIONS, f"monitor.actions: {entry!r}: action {action!r} is not allowed; choose one of "
-                                       f"{list(ACTIONS)} (anchor is not built yet)")
+                                       f"{list(ACTIONS)}")
             actions[kind] = action
         return actions
+
+    @property
+    def anchors(self) -> bool:
+        """Whether an alarm's action is anchor (and the monitor is on): the run may switch to ARMOR."""
+        return self.enabled and "anchor" in self.action_of().values()

@@ -139,6 +139,24 @@ class MemoryHandoffConfig:
 @dataclass
 class RolloutConfig:
     backend: Literal["local", "sglang"] = doc("local", "rollout engine: local (in-process HF model) or sglang (HTTP servers)")
+    mode: Literal["sync", "one_step_off", "async"] = doc(
+        "sync", "when rollouts run: sync (each step generates its own samples, then trains on them) | one_step_off "
+        "(the samples of step t+1 are generated, from the weights before step t's update, while step t trains; the "
+        "new weights are pushed once both are done: samples one weight version old, corrected by "
+        "algorithm.behaviour_correction) | async (a background generator keeps rollout.async_buffer_batches "
+        "generation batches ahead of the trainer; a weight push waits for the batch in flight only, and a step trains "
+        "on batches at most rollout.max_staleness weight versions old, dropping older ones). The overlapped modes "
+        "gain only where the engine has compute of its own (SGLang servers on other GPUs, or spare CPU cores): "
+        "colocated placement (rollout.memory) refuses them"
+    )
+    max_staleness: int = doc(
+        1, "rollout.mode async: the most weight versions (kept updates) a trained sample may lag the trainer's "
+        "weights; older buffered batches are dropped (async/dropped_stale_groups)"
+    )
+    async_buffer_batches: int = doc(
+        2, "rollout.mode async: generation batches the generator may be ahead of the trainer (the one generating "
+        "included); more hides longer rollouts and holds more samples, which grow staler"
+    )
     engine_precision: Literal["fp32", "bf16", "fp8"] = doc(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
         "training/inference mismatch of production engines (backend local)"
@@ -150,9 +168,21 @@ class RolloutConfig:
     memory: MemoryHandoffConfig = section(MemoryHandoffConfig)
 
     def __post_init__(self) -> None:
+        """Rules between the backend, the mode and the sub-sections."""
         check_choices("rollout", self)
-        """Rules between the backend and the sub-sections."""
         s = self.sglang
+        colocated = next((f"rollout.memory.{name}" for name in ("release_servers", "offload_trainer")
+                          if getattr(self.memory, name)), None)
+        require(self.mode == "sync" or colocated is None,
+                f"rollout.mode {self.mode} overlaps generation with training, but {colocated} gives the GPU to one of "
+                f"them at a time (colocated placement): use rollout.mode sync, or servers on GPUs of their own")
+        require(self.mode == "sync" or self.anchors.engine == "separate",
+                f"rollout.mode {self.mode} generates in a background thread, but rollout.anchors.engine shared "
+                f"swaps the actor's and the reference's weights in the engine during a rollout, through collectives "
+                f"of the trainer's process groups that the update uses at the same time: use rollout.anchors.engine "
+                f"separate, or rollout.mode sync")
+        require_at_least("rollout", self, ("max_staleness",), 0)
+        require_at_least("rollout", self, ("async_buffer_batches",), 1)
         require(not self.memory.release_servers or self.backend == "sglang",
                 "rollout.memory.release_servers hands GPU memory between SGLang servers and the trainer: it needs "
                 "rollout.backend sglang")

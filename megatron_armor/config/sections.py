@@ -47,7 +47,7 @@ class ParallelConfig:
     sequence_parallel: bool | None = doc(
         None, "Megatron sequence parallelism: the activations outside attention and MLP (norms, residuals, dropout) "
         "split along the sequence over the tensor-parallel ranks; needs tensor_parallel_size > 1; unset: on when "
-        "tensor_parallel_size > 1 on GPUs, off on CPU"
+        "tensor_parallel_size > 1 on GPUs or for a MoE model (which needs it under TP), off otherwise on CPU"
     )
 
     def __post_init__(self) -> None:
@@ -60,11 +60,16 @@ class ParallelConfig:
                 "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits activations over the "
                 "tensor-parallel ranks)")
 
-    def resolve_sequence_parallel(self, on_gpu: bool) -> bool:
-        """sequence_parallel as the run uses it: the value if set, else TP > 1 on GPUs (off on CPU)."""
+    def resolve_sequence_parallel(self, on_gpu: bool, moe: bool = False) -> bool:
+        """sequence_parallel as the run uses it: the value if set, else TP > 1 on GPUs or for a MoE model (`moe`;
+        Megatron's MoE layers refuse to train under TP without it), off otherwise on CPU."""
+        require(not (moe and self.tensor_parallel_size > 1 and self.sequence_parallel is False),
+                f"a MoE model at parallel.tensor_parallel_size {self.tensor_parallel_size} needs sequence parallelism "
+                "(Megatron's MoE layers refuse to train under TP without it): set parallel.sequence_parallel true or "
+                "leave it unset")
         if self.sequence_parallel is not None:
             return self.sequence_parallel
-        return on_gpu and self.tensor_parallel_size > 1
+        return (on_gpu or moe) and self.tensor_parallel_size > 1
 
     @property
     def world_size(self) -> int:
@@ -176,10 +181,20 @@ class TrainConfig:
         "memory before every update of more than one mini-batch (one device-to-host copy of them per RL step, "
         "and that much host memory); false keeps those mini-batches applied and takes no copy"
     )
+    routing_replay: Literal["none", "rollout", "recompute"] = doc(
+        "none", "MoE routing replay in the actor's forwards: none (the trainer's routers choose), rollout (R3: the old-"
+        "logprob pass and the update route every token to the experts the rollout engine routed it to; the engines "
+        "record them, SGLang servers need --enable-return-routed-experts) or recompute (R2: the update replays the "
+        "routing of the old-logprob pass, so the update's ratios see only weight changes, not routing changes); "
+        "gradients still reach the routers through the replayed experts' probabilities"
+    )
     seed: int = doc(1234, "seed of data order, sampling and initialisation")
 
     def __post_init__(self) -> None:
         check_choices("train", self)
+        require(self.routing_replay == "none" or self.recompute != "full",
+                f"train.routing_replay {self.routing_replay} cannot run with train.recompute full: a recomputed layer's "
+                f"router would route again in the backward, without the replayed experts; use selective or none")
         require_at_least(
             "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps",
                      "recompute_num_layers"), 1
@@ -193,7 +208,7 @@ class TrainConfig:
         require(self.subspace_capture_step >= 0,
                 f"train.subspace_capture_step must be >= 0, got {self.subspace_capture_step}")
         require(self.subspace_k >= 1, f"train.subspace_k must be >= 1, got {self.subspace_k}")
-        require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        require(self.lr >= 0, f"train.lr must be >= 0 (0: the weights never change), got {self.lr}")
         require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         require(0 <= self.weight_decay, f"train.weight_decay must be >= 0, got {self.weight_decay}")
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
 
 FinishReason = Literal["stop", "length"]  # why an engine stopped a generation (SGLang's "abort" is retried)
 
@@ -16,6 +18,8 @@ class Sample:
     response_ids: [R] token ids; engine_logprobs: [R] float, the rollout engine's sampling logprobs.
     reward is the training reward including any overlong penalty; correct is the verifier's flag,
     which (not the reward) drives prompt filtering.
+    routed_experts: [P + R - 1, L, k] int32, the experts the engine routed each token it fed to (the prompt, then
+    every response token but the last) in each of the L decoder layers (SGLang's `routed_experts`), or None.
     """
 
     prompt_index: int
@@ -26,3 +30,4 @@ class Sample:
     is_anchor: bool
     reward: float = 0.0
     correct: bool = False
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)

@@ -47,6 +47,13 @@ Adaptations (megatron-core 0.19):
     (`maybe_move_tensor_to_cpu`, which turns the all-to-all split sizes into numpy arrays only when it copies
     them from a GPU) give the CPU tensors' numpy views where it asks for numpy. Its all-to-all over the expert-parallel
     group is `all_to_all_single` with uneven splits, which gloo has in torch 2.14 (the EP=2 tests run it).
+11. With expert tensor parallelism (TP > 1 and EP > 1) the same dispatcher all-gathers the tokens it received over
+    the expert-TP group, and reduce-scatters the experts' outputs back, with uneven splits (each TP rank received
+    its own token count): `tensor_parallel.mappings._gather_along_first_dim` / `_reduce_scatter_along_first_dim`
+    with split sizes, i.e. `all_gather` / `reduce_scatter` over tensor lists of different shapes, which gloo
+    refuses ("invalid tensor size"). Those two calls become `all_to_all_single` with uneven splits (every rank
+    sends its rows to each peer, or chunk r of its rows to rank r and sums what it gets); even splits, and every
+    call on NCCL, go to Megatron's functions unchanged.
 
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
@@ -175,6 +182,7 @@ def enable_cpu_compat() -> bool:
             _original_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
             DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_keeping_step  # adaptation 9
             _adapt_moe_dispatcher()  # adaptation 10
+            _adapt_uneven_sequence_collectives()  # adaptation 11
             _installed = True
     return True
 
@@ -193,6 +201,35 @@ def _host_copy(tensor: object, as_numpy: bool = False, record_stream: bool = Fal
     numpy view (the all-to-all split sizes, which `all_to_all_single` takes as a sequence, not a tensor)."""
     del record_stream
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _adapt_uneven_sequence_collectives() -> None:
+    """Adaptation 11: uneven-split gather / reduce-scatter along the first dimension as gloo all-to-alls."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        """[n_r, ...] on rank r -> [sum(output_split_sizes), ...], every rank's rows in rank order."""
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+        torch.distributed.all_to_all_single(output, input_.repeat(group.size(), *[1] * (input_.dim() - 1)),
+                                            output_split_sizes, [input_.shape[0]] * group.size(), group=group)
+        return output
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        """[sum(input_split_sizes), ...] on every rank -> rank r's chunk [input_split_sizes[r], ...], summed over ranks."""
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        mine = input_split_sizes[group.rank()]
+        received = input_.new_empty((group.size() * mine, *input_.shape[1:]))
+        torch.distributed.all_to_all_single(received, input_.contiguous(), [mine] * group.size(), list(input_split_sizes),
+                                            group=group)
+        return received.view(group.size(), mine, *input_.shape[1:]).sum(0)
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
 
 
 def cpu_compat_active() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def training_device() -> torch.device:
@@ -14,3 +15,9 @@ def training_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of a collective over `group` (default: the default group) must live: the training GPU under
+    NCCL, else (gloo) the CPU."""
+    return training_device() if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_armor.distributed.device import training_device
+from megatron_armor.distributed.device import collective_device, training_device
 
 
 def sum_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
@@ -24,12 +24,23 @@ def sum_over_data_parallel(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, packed.tolist()))
 
 
-def sum_over_ranks(counts: list[int]) -> list[int]:
-    """Each count summed over every rank of the job (the default group; every rank passes as many counts)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return counts
-    packed = torch.tensor(counts, dtype=torch.int64, device=training_device())  # NCCL: on the GPU
-    dist.all_reduce(packed)
+def sum_over_ranks(counts: list[int], group: dist.ProcessGroup | None = None) -> list[int]:
+    """Each count summed over every rank of `group` (default: the job's default group; every rank passes as many
+    counts)."""
+    return _all_reduce_ints(counts, dist.ReduceOp.SUM, group)
+
+
+def max_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest of every rank's `value` over `group` (default: the job's default group)."""
+    return _all_reduce_ints([value], dist.ReduceOp.MAX, group)[0]
+
+
+def _all_reduce_ints(values: list[int], op: dist.ReduceOp, group: dist.ProcessGroup | None) -> list[int]:
+    """`values` reduced elementwise with `op` over `group` (unchanged without torch.distributed or with one rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    packed = torch.tensor(values, dtype=torch.int64, device=collective_device(group))  # NCCL: on the GPU
+    dist.all_reduce(packed, op=op, group=group)
     return packed.tolist()
 
 

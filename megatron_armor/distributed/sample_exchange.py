@@ -2,7 +2,7 @@
 
 `pack_samples` turns a list of `Sample`s into a few flat tensors, `unpack_samples` turns them back
 (every field exactly: token ids as int64, logprobs and rewards as float64, the same bits as the Python
-floats). `all_gather_samples` is the drop-in replacement of `dist.all_gather_object` for a list of
+floats, routed experts as int32). `all_gather_samples` is the drop-in replacement of `dist.all_gather_object` for a list of
 samples: two collectives per call whatever the number of samples (the per-rank buffer sizes, then one
 buffer per rank, padded to the largest), on CPU tensors under gloo and CUDA ones under NCCL.
 """
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.data.types import FinishReason, Sample
-from megatron_armor.distributed.device import training_device
+from megatron_armor.distributed.device import collective_device
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)  # finish reason i travels as the code i
-SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code")
+SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code", "routed")
 
 
 @dataclass
@@ -30,8 +30,11 @@ class PackedSamples:
     token_ids:       [T] int64, each sample's prompt ids then its response ids, samples in order
     engine_logprobs: [L] float64, each sample's response logprobs, samples in order
     lengths:         [n, 2] int64, (P_i, R_i)
-    scalars:         [n, 4] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS)
+    scalars:         [n, 5] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS; routed: 1 when the
+                     sample carries routed experts)
     rewards:         [n] float64
+    routes:          [sum over routed samples of (P_i + R_i - 1) * L * k] int32, their `routed_experts` in order
+    route_shape:     (L, k) of every routed sample's experts, (0, 0) when none is routed
     """
 
     token_ids: torch.Tensor
@@ -39,24 +42,31 @@ class PackedSamples:
     lengths: torch.Tensor
     scalars: torch.Tensor
     rewards: torch.Tensor
+    routes: torch.Tensor
+    route_shape: tuple[int, int]
 
     def to_words(self) -> torch.Tensor:
-        """One [1 + 7n + T + L] int64 buffer: n, lengths, scalars, rewards, token ids, logprobs (floats as their
-        bits), so that a single collective moves it."""
-        n = torch.tensor([self.lengths.shape[0]], dtype=torch.int64)
-        return torch.cat([n, self.lengths.reshape(-1), self.scalars.reshape(-1), self.rewards.view(torch.int64),
-                          self.token_ids, self.engine_logprobs.view(torch.int64)])
+        """One [3 + 8n + T + L + ceil(|routes| / 2)] int64 buffer: n, route_shape, lengths, scalars, rewards, token
+        ids, logprobs (floats as their bits), routes (int32 pairs as their bits), so that a single collective moves
+        it."""
+        header = torch.tensor([self.lengths.shape[0], *self.route_shape], dtype=torch.int64)
+        routes = torch.nn.functional.pad(self.routes, (0, self.routes.numel() % 2))
+        return torch.cat([header, self.lengths.reshape(-1), self.scalars.reshape(-1), self.rewards.view(torch.int64),
+                          self.token_ids, self.engine_logprobs.view(torch.int64), routes.view(torch.int64)])
 
     @classmethod
     def from_words(cls, words: torch.Tensor) -> PackedSamples:
         """The inverse of `to_words`; `words` may carry padding after its end (ignored)."""
-        n = int(words[0])
-        lengths = words[1 : 1 + 2 * n].reshape(n, 2)
+        n, layers, top_k = words[:3].tolist()
+        lengths = words[3 : 3 + 2 * n].reshape(n, 2)
         total_tokens, total_logprobs = int(lengths.sum()), int(lengths[:, 1].sum())
-        offsets = torch.tensor([1 + 2 * n, 4 * n, n, total_tokens, total_logprobs]).cumsum(0).tolist()
+        offsets = torch.tensor([3 + 2 * n, 5 * n, n, total_tokens, total_logprobs]).cumsum(0).tolist()
         scalars, rewards, token_ids, logprobs = (words[a:b] for a, b in zip(offsets, offsets[1:]))
+        scalars = scalars.reshape(n, 5)
+        total_routes = int(((lengths.sum(1) - 1) * scalars[:, 4]).sum()) * layers * top_k
+        routes = words[offsets[-1] : offsets[-1] + -(-total_routes // 2)].view(torch.int32)[:total_routes]
         return cls(token_ids=token_ids, engine_logprobs=logprobs.view(torch.float64), lengths=lengths,
-                   scalars=scalars.reshape(n, 4), rewards=rewards.view(torch.float64))
+                   scalars=scalars, rewards=rewards.view(torch.float64), routes=routes, route_shape=(layers, top_k))
 
 
 def finish_code(reason: str) -> int:
@@ -86,13 +96,28 @@ def pack_samples(samples: list[Sample]) -> PackedSamples:
                 f"sample {i}: {len(s.engine_logprobs)} engine logprobs for {len(s.response_ids)} response tokens")
         ids.append(struct.pack(f"{len(s.prompt_ids) + len(s.response_ids)}q", *s.prompt_ids, *s.response_ids))
         logprobs.append(struct.pack(f"{len(s.engine_logprobs)}d", *s.engine_logprobs))
-        ints.append(struct.pack("6q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
-                                finish_code(s.finish_reason)))
+        ints.append(struct.pack("7q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
+                                finish_code(s.finish_reason), s.routed_experts is not None))
         rewards.append(struct.pack("d", s.reward))
-    table = _tensor(ints, torch.int64).reshape(len(samples), 6)
+    table = _tensor(ints, torch.int64).reshape(len(samples), 7)
+    routes, route_shape = _packed_routes(samples)
     return PackedSamples(token_ids=_tensor(ids, torch.int64), engine_logprobs=_tensor(logprobs, torch.float64),
                          lengths=table[:, :2].contiguous(), scalars=table[:, 2:].contiguous(),
-                         rewards=_tensor(rewards, torch.float64))
+                         rewards=_tensor(rewards, torch.float64), routes=routes, route_shape=route_shape)
+
+
+def _packed_routes(samples: list[Sample]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The routed samples' `routed_experts` flattened into one int32 tensor, and their (L, k); ValueError when one
+    does not cover its prompt and response but the last token or their (L, k) differ."""
+    routed = [(i, s) for i, s in enumerate(samples) if s.routed_experts is not None]
+    if not routed:
+        return torch.empty(0, dtype=torch.int32), (0, 0)
+    shape = tuple(routed[0][1].routed_experts.shape[1:])
+    for i, s in routed:
+        expected = (len(s.prompt_ids) + len(s.response_ids) - 1, *shape)
+        if tuple(s.routed_experts.shape) != expected:
+            raise ValueError(f"sample {i}: routed_experts of shape {tuple(s.routed_experts.shape)}, expected {expected}")
+    return torch.cat([s.routed_experts.reshape(-1).to(torch.int32) for _, s in routed]), shape
 
 
 def unpack_samples(packed: PackedSamples) -> list[Sample]:
@@ -100,21 +125,18 @@ def unpack_samples(packed: PackedSamples) -> list[Sample]:
 
     Each sample's ids and logprobs become lists by their own `tolist` (quicker than one list of everything, sliced).
     """
-    lengths = packed.lengths.tolist()
+    lengths, scalars = packed.lengths.tolist(), packed.scalars.tolist()
     ids = packed.token_ids.split([length for pair in lengths for length in pair])  # prompt 0, response 0, prompt 1, ...
     logprobs = packed.engine_logprobs.split([response for _, response in lengths])
+    per_route = packed.route_shape[0] * packed.route_shape[1]
+    routes = iter(packed.routes.split([(p + r - 1) * per_route for (p, r), row in zip(lengths, scalars) if row[4]]))
     return [
         Sample(prompt_index=index, prompt_ids=ids[2 * i].tolist(), response_ids=ids[2 * i + 1].tolist(),
                engine_logprobs=logprobs[i].tolist(), finish_reason=FINISH_REASONS[code], is_anchor=bool(anchor),
-               reward=reward, correct=bool(correct))
-        for i, ((index, anchor, correct, code), reward) in enumerate(
-            zip(packed.scalars.tolist(), packed.rewards.tolist()))
+               reward=reward, correct=bool(correct),
+               routed_experts=next(routes).view(-1, *packed.route_shape).clone() if routed else None)
+        for i, ((index, anchor, correct, code, routed), reward) in enumerate(zip(scalars, packed.rewards.tolist()))
     ]
-
-
-def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a collective's tensors must live: the training GPU under NCCL, else (gloo) the CPU."""
-    return training_device() if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
 
 
 def all_gather_samples(samples: list[Sample], group: dist.ProcessGroup | None = None) -> list[Sample]:

@@ -31,6 +31,7 @@ from megatron_armor.launch.server_process import ServerConfig
 from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundles
 from megatron_armor.launch.trainer_ranks import TrainerRanks
 from megatron_armor.rollout.router import RouterConfig, SGLangRouter, use_sglang_router
+from megatron_armor.scoring.routes import REPLAY_MODES
 from megatron_armor.trainer.task_setup import prepare_task
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,7 @@ def _server_group(
     (on the trainer's bundles) one after the other, since an SGLang server sizes its KV cache from the memory
     it finds free on the shared GPU."""
     colocated = job.placement == "colocated"
-    spec = ServerConfig(
-        model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
-        mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + seed_offset * job.server_tp_size,
-        enable_memory_saver=colocated, extra_args=job.server_args,
-        # The reference's weights are pushed once, not after every hand-off: they must survive releases.
-        enable_weights_cpu_backup=colocated and role == "reference",
-    )
+    spec = _server_spec(cfg, job, role, model_path, seed_offset=seed_offset)
     world = cfg.parallel.world_size
     placement = (Placement(trainer_pg, tuple(range(world)), job.cpus_per_actor, COLOCATED_GPU_FRACTION / 2)
                  if colocated else Placement(cpus_per_actor=job.cpus_per_actor, timeout_s=job.placement_timeout_s))
@@ -138,6 +133,21 @@ def _server_group(
         if router is not None:
             router.stop()
         raise
+
+
+def _server_spec(cfg: ArmorConfig, job: RayJobConfig, role: str, model_path: str, *, seed_offset: int) -> ServerConfig:
+    """What each server of `role` ("actor" | "reference") runs: `job`'s server settings, colocated ones saving GPU
+    memory across hand-offs, and the actor's recording routed experts when train.routing_replay replays them."""
+    colocated = job.placement == "colocated"
+    return ServerConfig(
+        model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
+        mem_fraction_static=job.mem_fraction_static, seed=cfg.train.seed + seed_offset * job.server_tp_size,
+        enable_memory_saver=colocated, extra_args=job.server_args,
+        # The reference's weights are pushed once, not after every hand-off: they must survive releases.
+        enable_weights_cpu_backup=colocated and role == "reference",
+        # R3 replays the routes the actor's servers record (anchors, the reference's, carry none).
+        return_routed_experts=role == "actor" and REPLAY_MODES[cfg.train.routing_replay].engines_record,
+    )
 
 
 def _pointed_at(cfg: ArmorConfig, groups: list[ServerGroup], *, colocated: bool) -> ArmorConfig:

@@ -38,6 +38,8 @@ class ServerConfig:
     enable_memory_saver: bool = False  # needed for release/resume_memory_occupation (colocated)
     # Weights keep their values across a release (colocated servers whose weights are not pushed after each one)
     enable_weights_cpu_backup: bool = False
+    # Each generation returns the experts its tokens were routed to (train.routing_replay rollout, MoE models)
+    return_routed_experts: bool = False
     extra_args: tuple[str, ...] = ()  # passed through verbatim, e.g. ("--dtype", "bfloat16")
     startup_timeout_s: float = 900.0
     poll_interval_s: float = 2.0  # slime polls /health_generate every 2 s
@@ -60,7 +62,8 @@ def server_command(spec: ServerConfig, *, host: str, port: int, seed: int) -> li
     if spec.kind == "local":
         backup = ["--enable-weights-cpu-backup"] if spec.enable_weights_cpu_backup else []
         return [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", spec.model_path,
-                "--host", host, "--port", str(port), "--random-seed", str(seed), *backup, *spec.extra_args]
+                "--host", host, "--port", str(port), "--random-seed", str(seed), *backup, *_routes_flag(spec),
+                *spec.extra_args]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
            "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(seed), "--skip-tokenizer-init"]
     if spec.mem_fraction_static is not None:
@@ -69,7 +72,12 @@ def server_command(spec: ServerConfig, *, host: str, port: int, seed: int) -> li
         cmd.append("--enable-memory-saver")
     if spec.enable_weights_cpu_backup:
         cmd.append("--enable-weights-cpu-backup")
-    return cmd + list(spec.extra_args)
+    return cmd + _routes_flag(spec) + list(spec.extra_args)
+
+
+def _routes_flag(spec: ServerConfig) -> list[str]:
+    """SGLang's flag (which `armor serve-local` shares) for returning routed experts, when `spec` asks for them."""
+    return ["--enable-return-routed-experts"] if spec.return_routed_experts else []
 
 
 class RolloutServer:

@@ -225,7 +225,9 @@ def transformer_config(
     weights directly on the current GPU, as Megatron-LM trains (its default `use_cpu_initialization=False`;
     CPU initialisation plus a copy is slow for large models); otherwise (the default, and what
     building on the meta device in `convert` needs) on the CPU.
-    `ep_size`, `moe` (MoE models): experts split over `ep_size` ranks; load balancing (`MoERouting`).
+    `ep_size`, `moe` (MoE models): experts over `ep_size` ranks, each split over TP (expert TP = TP, Megatron's default
+    here and in `initialize_model_parallel`, which must agree); load balancing (`MoERouting`). Training under TP
+    needs `sequence_parallel` (Megatron's MoE layer refuses otherwise).
     """
     check_parallel_layout(shape, tp_size, pp_size, ep_size)
     return TransformerConfig(

@@ -14,7 +14,7 @@ from megatron_armor.monitor.rules import ALARM_RULES, AlarmRule
 
 @dataclass(frozen=True)
 class Alarm:
-    """An alarm that fired: its kind, the one-line reason and the configured action ("warn" | "stop")."""
+    """An alarm that fired: its kind, the one-line reason and the configured action ("warn" | "stop" | "anchor")."""
 
     kind: str
     reason: str
@@ -34,7 +34,11 @@ class MonitorReport:
     @property
     def stopping(self) -> tuple[Alarm, ...]:
         """The fired alarms whose action is stop."""
-        return tuple(alarm for alarm in self.alarms if alarm.action == "stop")
+        return self.acting("stop")
+
+    def acting(self, action: str) -> tuple[Alarm, ...]:
+        """The fired alarms whose action is `action`."""
+        return tuple(alarm for alarm in self.alarms if alarm.action == action)
 
 
 class CollapseAlarmError(RuntimeError):
@@ -79,6 +83,14 @@ class CollapseMonitor:
                 (self.active.add if observation.breached else self.active.discard)(kind)
             out[f"monitor/alarm_{kind}"] = float(fired)
         return MonitorReport(out, tuple(alarms))
+
+    def rearm(self) -> None:
+        """After the anchor action's restart (another policy): every alarm may fire again at its next breach, even
+        one whose condition has held since it fired, on evidence of the new policy only (`AlarmRule.rearm`: the
+        per-step windows start empty; the best validation so far stays)."""
+        self.active.clear()
+        for rule in self.rules.values():
+            rule.rearm()
 
     def state_dict(self) -> dict[str, Any]:
         return {"rules": {kind: rule.state_dict() for kind, rule in self.rules.items()}, "active": sorted(self.active)}

@@ -38,10 +38,19 @@ class AlarmRule:
     values (`state_dict`)."""
 
     kind: ClassVar[str]
+    # windows that hold facts of the task rather than of the policy, kept when the policy is restarted (`rearm`)
+    kept_on_rearm: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, threshold: float, window: int) -> None:
         self.threshold, self.size = threshold, window
         self.windows: dict[str, Window] = {}
+
+    def rearm(self) -> None:
+        """Forget what was seen of the policy before a restart (the anchor action's): every window but the
+        `kept_on_rearm` ones empties, so a windowed alarm needs a full window of the new policy to fire."""
+        for name, window in self.windows.items():
+            if name not in self.kept_on_rearm:
+                window.values = []
 
     def observe(self, metrics: Mapping[str, float]) -> Observation | None:
         """The observation of a step's `metrics`, or None when the rule's metrics are absent."""
@@ -88,6 +97,7 @@ class ValDrop(AlarmRule):
     """Validation accuracy falls from its best: fires while best - val/accuracy > threshold."""
 
     kind = "val_drop"
+    kept_on_rearm = ("best",)  # the best validation so far is the bar a restarted policy is held to
 
     def __init__(self, threshold: float, window: int) -> None:
         super().__init__(threshold, window)

@@ -10,6 +10,9 @@ h = hidden, divided by tp under sequence parallelism):
                                           and the log-sum-exp; selective recomputation keeps q + 2 k instead
   attention output      q                 the output projection's input
   SwiGLU MLP            5 f               fc1's output (2 f), silu's output, the product, a gate copy
+  MoE MLP               2 E + k (2 h' + 5 f')  router scores and probabilities, and for each of the k experts a
+                                          token goes to: its permuted input and output (h' = the full hidden) and
+                                          the expert's SwiGLU (f' = moe_ffn / tp)
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 """
 
@@ -21,8 +24,8 @@ from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.planning.memory import FP32, Layout
 
 
-def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bool = False) -> int:
-    """Elements one decoder layer saves for backward per token without full recomputation (see the module doc)."""
+def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bool = False, layer: int = 0) -> int:
+    """Elements decoder layer `layer` saves for backward per token without full recomputation (module doc)."""
     tp = layout.tp
     a, g, d = shape.num_attention_heads // tp, shape.num_kv_heads // tp, shape.head_dim
     q, k, f = a * d, g * d, shape.ffn_hidden_size // tp
@@ -30,7 +33,10 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     norms = 2 * (3 * h + 1)
     qk_norms = 2 * q + a + k + g if shape.qk_norm else 0
     core = q + 2 * k if selective else q + 2 * (q if layout.local_attention else k) + a
-    return norms + (q + 2 * k) + qk_norms + core + q + 5 * f
+    mlp = 5 * f
+    if shape.is_moe_layer(layer):
+        mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * shape.hidden_size + 5 * shape.moe_ffn_hidden_size // tp)
+    return norms + (q + 2 * k) + qk_norms + core + q + mlp
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class ActivationBytes:
 def layer_activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> ActivationBytes:
     """Saved and recompute bytes of one pipeline stage's decoder layers for one micro-batch of `tokens` tokens."""
     recompute, layers = layout.recompute, shape.num_layers // layout.pp
-    full = layer_elements_per_token(shape, layout, selective=recompute.granularity == "selective")
+    full = max(layer_elements_per_token(shape, layout, selective=recompute.granularity == "selective", layer=layer)
+               for layer in range(shape.num_layers))  # the largest layer's (a MoE model's may differ)
     h = shape.hidden_size // layout.tp if layout.sequence_parallel else shape.hidden_size
     if recompute.granularity != "full":
         return ActivationBytes(saved=tokens * full * layers * layout.dtype_bytes, recompute=0)

@@ -1,10 +1,11 @@
-"""Training FLOPs of a dense decoder (Megatron-LM's `num_floating_point_operations`, `transformer_flops` for a
-model without MoE, MTP, MLA or linear attention), and of one RL step. One place, used by the planner and by the
+"""Training FLOPs of a decoder (Megatron-LM's `num_floating_point_operations`, `transformer_flops` for a model
+without MTP, MLA or linear attention), and of one RL step. One place, used by the planner and by the
 trainer's `perf/tflops_per_gpu`.
 
 Per real token, forward + backward (3x the forward; 2 FLOPs per multiply-add), L layers, hidden h, SwiGLU:
     6 h (3 ffn L + L (q + 2 kv + q) + V_pad)  + per sequence of length s: 6 q L s^2 / 2 * 2
-with q = heads * head_dim, kv = kv_heads * head_dim; the causal core attention counts half the s x s scores.
+with q = heads * head_dim, kv = kv_heads * head_dim; the causal core attention counts half the s x s scores. In a
+MoE layer the MLP term 3 ffn is each token's k experts' 3 k moe_ffn plus the router's E (as Megatron-LM counts).
 Model FLOPs: recomputation and padding tokens are not counted.
 """
 
@@ -27,12 +28,19 @@ def forward_backward_flops(shape: ModelShape, total_tokens: int, seqlen_squared_
     kv = shape.head_dim * shape.num_kv_heads
     layers, hidden = shape.num_layers, shape.hidden_size
     per_token = FORWARD_BACKWARD * FMA * (
-        hidden * shape.ffn_hidden_size * 3 * layers  # SwiGLU: gate, up, down
+        hidden * mlp_width(shape)  # SwiGLU: gate, up, down (of the experts a token is routed to) and routers
         + layers * (hidden * (q + 2 * kv) + q * hidden)  # QKV and output projections
         + hidden * shape.padded_vocab_size  # LM head
     )
     core_attention = FORWARD_BACKWARD * FMA * q / 2 * 2 * layers  # causal half of QK^T and of (QK^T)V
     return total_tokens * per_token + seqlen_squared_sum * core_attention
+
+
+def mlp_width(shape: ModelShape) -> int:
+    """Sum over the decoder layers of the multiply-adds per token and hidden unit of its MLP: 3 ffn in a dense
+    layer, 3 k moe_ffn + E (the router) in a MoE layer."""
+    moe = 3 * shape.moe_top_k * shape.moe_ffn_hidden_size + shape.num_experts
+    return sum(moe if shape.is_moe_layer(layer) else 3 * shape.ffn_hidden_size for layer in range(shape.num_layers))
 
 
 def forward_flops(shape: ModelShape, total_tokens: int, seqlen_squared_sum: int) -> float:

@@ -21,7 +21,8 @@ BUCKET_ALIGN = 128  # ... and pads each bucket to a multiple of lcm(DP, 128) ele
 
 @dataclass(frozen=True)
 class Layout:
-    """How a model is split and trained: TP x PP x DP sizes, sequence parallelism, the distributed optimizer,
+    """How a model is split and trained: TP x PP x DP sizes (a MoE model's experts over `ep` of the DP ranks, each
+    expert's matrices over TP as Megatron's default expert TP), sequence parallelism, the distributed optimizer,
     the weights' bytes per element (2 for bf16, 4 for fp32), activation recomputation, the LM head ("torch":
     [tokens, V/tp] logits; "fused": no logits) and the attention kernel (`local_attention`: the local layer spec's
     SDPAttention, which repeats K/V to every query head, as on CPU; else Transformer Engine's flash attention)."""
@@ -29,6 +30,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     dtype_bytes: int = 2
@@ -40,23 +42,42 @@ class Layout:
         return replace(self, **changes)
 
 
-def layer_parameter_numels(shape: ModelShape, tp: int) -> list[int]:
-    """Elements of each parameter tensor of one decoder layer on one TP rank, in Megatron's order."""
+def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[int]:
+    """Elements of each parameter tensor of decoder layer `layer` on one TP rank, in Megatron's order, its experts
+    left out (`layer_expert_numels`)."""
     q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     h = shape.hidden_size
     numels = [h, h * (q + 2 * kv) // tp]  # input norm, fused QKV (column-parallel)
     numels += [(q + 2 * kv) // tp] if shape.qkv_bias else []
     numels += [shape.head_dim, shape.head_dim] if shape.qk_norm else []  # q / k norms, replicated
-    numels += [q * h // tp, h, 2 * shape.ffn_hidden_size * h // tp, shape.ffn_hidden_size * h // tp]
-    return numels  # ... output projection (row-parallel), pre-MLP norm, fc1 (gate + up), fc2
+    numels += [q * h // tp, h]  # output projection (row-parallel), pre-MLP norm
+    if shape.is_moe_layer(layer):
+        return numels + [shape.num_experts * h]  # the router, replicated
+    return numels + [2 * shape.ffn_hidden_size * h // tp, shape.ffn_hidden_size * h // tp]  # fc1 (gate + up), fc2
 
 
-def stage_parameter_numels(shape: ModelShape, tp: int, pp: int, stage: int) -> list[int]:
+def layer_expert_numels(shape: ModelShape, tp: int, ep: int, layer: int) -> list[int]:
+    """Elements of each expert parameter of decoder layer `layer` on one rank: its num_experts / ep experts'
+    fc1 (gate + up) and fc2, each over TP (none in a dense layer)."""
+    if not shape.is_moe_layer(layer):
+        return []
+    f, h = shape.moe_ffn_hidden_size, shape.hidden_size
+    return [2 * f * h // tp, f * h // tp] * (shape.num_experts // ep)
+
+
+def stage_parameter_numels(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
     """Elements of each parameter tensor on a rank of pipeline stage `stage` (embedding on the first, final norm
-    and output layer on the last; a tied output layer is the embedding itself when one stage holds both)."""
+    and output layer on the last; a tied output layer is the embedding itself when one stage holds both), the
+    rank's experts (of `ep`) included."""
+    return stage_dense_numels(shape, tp, pp, stage) + stage_expert_numels(shape, tp, pp, stage, ep)
+
+
+def stage_dense_numels(shape: ModelShape, tp: int, pp: int, stage: int) -> list[int]:
+    """`stage_parameter_numels` without the experts (the parameters replicated over all data-parallel ranks)."""
     embedding = shape.padded_vocab_size * shape.hidden_size // tp
     numels = [embedding] if stage == 0 else []
-    numels += layer_parameter_numels(shape, tp) * (shape.num_layers // pp)
+    for layer in _stage_layers(shape, pp, stage):
+        numels += layer_parameter_numels(shape, tp, layer)
     if stage == pp - 1:
         numels.append(shape.hidden_size)  # final norm
         if not (shape.tie_word_embeddings and pp == 1):
@@ -64,9 +85,19 @@ def stage_parameter_numels(shape: ModelShape, tp: int, pp: int, stage: int) -> l
     return numels
 
 
-def parameter_count(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
+def stage_expert_numels(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
+    """The expert parameters of a rank of pipeline stage `stage` (replicated over dp / ep ranks only)."""
+    return [numel for layer in _stage_layers(shape, pp, stage) for numel in layer_expert_numels(shape, tp, ep, layer)]
+
+
+def _stage_layers(shape: ModelShape, pp: int, stage: int) -> range:
+    per_stage = shape.num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def parameter_count(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
     """Parameters on one GPU of the largest pipeline stage."""
-    return max(sum(stage_parameter_numels(shape, tp, pp, stage)) for stage in range(pp))
+    return max(sum(stage_parameter_numels(shape, tp, pp, stage, ep)) for stage in range(pp))
 
 
 def grad_buffer_numel(numels: list[int], dp: int, distributed_optimizer: bool) -> int:
@@ -97,15 +128,21 @@ class StateBytes:
 
 
 def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
-    """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out)."""
-    stage = max(range(layout.pp), key=lambda s: sum(stage_parameter_numels(shape, layout.tp, layout.pp, s)))
-    numels = stage_parameter_numels(shape, layout.tp, layout.pp, stage)
-    params = sum(numels)
+    """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out). A MoE
+    model's experts have their own grad buffer and their distributed optimizer state is sharded over the dp / ep
+    ranks that hold the same experts (Megatron's expert data-parallel group)."""
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
+    stage = max(range(pp), key=lambda s: sum(stage_parameter_numels(shape, tp, pp, s, ep)))
+    dense, experts = stage_dense_numels(shape, tp, pp, stage), stage_expert_numels(shape, tp, pp, stage, ep)
+    params, expert_dp = sum(dense) + sum(experts), layout.dp // ep
     per_param = 2 * FP32 + (FP32 if layout.dtype_bytes != FP32 else 0)  # exp_avg, exp_avg_sq (+ fp32 master)
-    replicated, distributed = params * per_param, math.ceil(params * per_param / layout.dp)
+    replicated = params * per_param
+    distributed = math.ceil(sum(dense) * per_param / layout.dp) + math.ceil(sum(experts) * per_param / expert_dp)
+    gradients = grad_buffer_numel(dense, layout.dp, layout.distributed_optimizer) + (
+        grad_buffer_numel(experts, expert_dp, layout.distributed_optimizer) if experts else 0)
     return StateBytes(
         params=params, weights=params * layout.dtype_bytes,
-        gradients=grad_buffer_numel(numels, layout.dp, layout.distributed_optimizer) * FP32,
+        gradients=gradients * FP32,
         optimizer=distributed if layout.distributed_optimizer else replicated,
         optimizer_replicated=replicated, optimizer_distributed=distributed,
     )

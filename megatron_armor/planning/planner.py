@@ -73,7 +73,8 @@ def memory_plan(inputs: PlanInputs) -> MemoryPlan:
     """The per-GPU bytes of `inputs` (see `MemoryPlan`)."""
     shape, layout, tokens = inputs.shape, inputs.layout, inputs.micro_batch_tokens
     state = state_bytes(shape, layout)
-    frozen = {name: parameter_count(model, layout.tp, layout.pp) * layout.dtype_bytes for name, model in inputs.frozen}
+    frozen = {name: parameter_count(model, layout.tp, layout.pp, layout.ep) * layout.dtype_bytes
+              for name, model in inputs.frozen}
     server_weights = parameter_count(shape, inputs.server_tp, 1) * 2  # SGLang serves bf16
     resident = 0 if inputs.offload_trainer or not inputs.colocated else (
         state.weights + state.gradients + state.optimizer + sum(frozen.values()))
@@ -173,10 +174,11 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
     (sequence parallelism's default on, logprob_head auto = fused); `algorithm`: `build_algorithm(cfg)`."""
     shape, _ = resolve_model_shape(cfg.model.path)
     train, par = cfg.train, cfg.parallel
-    check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size)
+    check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size)
     layout = Layout(
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
-        sequence_parallel=par.resolve_sequence_parallel(on_gpu=True),
+        ep=par.expert_parallel_size,
+        sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
         distributed_optimizer=resolve_distributed_optimizer(cfg), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
         recompute=ActivationRecompute.from_config(train),
         head="torch" if train.logprob_head == "torch" else "fused",

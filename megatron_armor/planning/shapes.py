@@ -21,6 +21,13 @@ KNOWN_SHAPES: dict[str, dict] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 routed per token, every layer MoE
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
     "qwen3-1.7b": {  # Qwen/Qwen3-1.7B
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 28,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 6144,

@@ -52,12 +52,17 @@ class Generation:
     response_ids: [R] generated token ids, including the stop token when one was emitted.
     logprobs:     [R] float, log_softmax(logits / T) of each generated token, taken before top-p
                   (SGLang's `output_token_logprobs`); for greedy (T=0) the unscaled log_softmax.
+    routed_experts: [P + R - 1, L, k] int32 or None (engines asked to record routes, MoE models): the experts
+                  each token the engine fed through the model (the prompt, then every response token but the last,
+                  which is sampled and never fed) was routed to in each of the L decoder layers (0 in dense layers);
+                  SGLang's `meta_info.routed_experts` (`sglang_protocol.decode_routed_experts`).
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):

@@ -174,11 +174,12 @@ class LocalSGLangServer(ThreadingHTTPServer):
 
 def serve_local(
     model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, *, random_seed: int = 0,
-    weights_cpu_backup: bool = False, device: str = "cpu",
+    weights_cpu_backup: bool = False, device: str = "cpu", return_routed_experts: bool = False,
 ) -> None:
     """Serve `model_dir` on `device` until interrupted: bind, answer 503 while loading, then serve."""
     server = LocalSGLangServer(LocalServerState(model_dir, host=host, port=port, random_seed=random_seed,
-                                                weights_cpu_backup=weights_cpu_backup, device=device))
+                                                weights_cpu_backup=weights_cpu_backup, device=device,
+                                                return_routed_experts=return_routed_experts))
     failure: list[BaseException] = []
 
     def load() -> None:
@@ -203,7 +204,8 @@ def serve_local(
 def run_serve_local(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     serve_local(args.model, host=args.host, port=args.port, random_seed=args.random_seed,
-                weights_cpu_backup=args.enable_weights_cpu_backup, device=args.device)
+                weights_cpu_backup=args.enable_weights_cpu_backup, device=args.device,
+                return_routed_experts=args.enable_return_routed_experts)
     return 0
 
 

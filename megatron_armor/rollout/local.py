@@ -6,6 +6,8 @@ token) and decoded incrementally with HF's `DynamicCache`, on the device the mod
 
 `weight_precision` ("fp32" | "bf16" | "fp8", see `rollout/precision.py`) rounds the weights the
 engine loads and receives, so its logprobs differ from the trainer's the way production engines do.
+`record_routes` (MoE models) makes every `Generation` carry the experts its tokens were routed to
+(`Generation.routed_experts`, SGLang's layout; `rollout/route_capture.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.expert_views import checkpoint_named_views
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
+from megatron_armor.rollout.route_capture import RouteCapture
 
 
 def sample_next_tokens(
@@ -34,10 +37,13 @@ def sample_next_tokens(
     """Draw one token per row. logits: [A, V] -> (tokens [A] int64, logprobs [A] float32).
 
     logprobs are log_softmax(logits / T) in float32 of the drawn token before top-p filtering (SGLang
-    semantics); T = 0 is greedy with the unscaled log_softmax. The draw is `torch.multinomial`'s for one
-    sample, argmax(probs / q) with q ~ Exp(1) [batch_size, V]: logits' row i takes q's row rows[i]
-    (default: q has A rows, one per logits row), so a decode batch that dropped its finished rows draws
-    what the full batch would have drawn for the rows it kept.
+    semantics); T = 0 is greedy with the unscaled log_softmax. The draw inverts each row's CDF (float64
+    cumulative sum of the kept probabilities) at one uniform u ~ U[0, 1) per row: the first token whose cumulative
+    probability exceeds u times the row's total. The uniforms are drawn for the whole batch, [batch_size], and
+    logits' row i takes u[rows[i]] (default: one per logits row), so a decode batch that dropped its finished rows
+    draws what the full batch would have drawn for the rows it kept. One random number per row and a cumulative
+    sum cost far less than `torch.multinomial`'s one exponential variate per vocabulary entry (19% of a decode
+    step at a 32k vocabulary, benchmarks/bench_rollout.py --vs-hf).
     """
     if sampling.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -51,10 +57,12 @@ def sample_next_tokens(
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    noise = probs.new_empty(batch_size or probs.shape[0], probs.shape[1]).exponential_(1, generator=generator)
+    uniform = torch.rand(batch_size or probs.shape[0], generator=generator, dtype=torch.float64, device=probs.device)
     if rows is not None:
-        noise = noise.index_select(0, rows)
-    tokens = (probs / noise).argmax(dim=-1)
+        uniform = uniform.index_select(0, rows)
+    cdf = probs.double().cumsum(dim=-1)  # [A, V]
+    tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    tokens = tokens.clamp_(max=probs.shape[-1] - 1)  # u * total rounding onto the last boundary
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -147,7 +155,7 @@ class LocalEngine(RolloutEngine):
 
     def __init__(
         self, model: str | Path | PreTrainedModel, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 256,
-        pad_token_id: int = 0, weight_precision: EnginePrecision = "fp32",
+        pad_token_id: int = 0, weight_precision: EnginePrecision = "fp32", record_routes: bool = False,
     ) -> None:
         if weight_precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown weight_precision {weight_precision!r}; choose one of {ENGINE_PRECISIONS}")
@@ -162,21 +170,23 @@ class LocalEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
         self.weight_precision = weight_precision
+        self.routes = RouteCapture(model) if record_routes else None
         if weight_precision != "fp32":  # round the loaded weights too
             self.update_weights(list(self.named_parameters_hf().items()))
-
 
     @classmethod
     def from_config(
         cls, model: str | Path | PreTrainedModel, rollout: RolloutConfig, *, pad_token_id: int,
-        device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None, dtype: torch.dtype = torch.float32, record_routes: bool = False,
     ) -> LocalEngine:
         """An in-process engine of a training run: `model` (a checkpoint directory or a model) with the rollout
         section's weight precision (rollout.engine_precision), padding with the tokenizer's `pad_token_id`,
-        its weights in `dtype` on `device` (default: where they are; the trainer passes its GPU and dtype)."""
+        its weights in `dtype` on `device` (default: where they are; the trainer passes its GPU and dtype),
+        recording routes when `record_routes`."""
         if isinstance(model, torch.nn.Module):
             model = model.to(dtype=dtype)
-        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=rollout.engine_precision)
+        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=rollout.engine_precision,
+                     record_routes=record_routes)
         if device is not None:
             engine.model.to(device)
         return engine
@@ -203,8 +213,15 @@ class LocalEngine(RolloutEngine):
         logprobs_out = torch.zeros(tokens_out.shape, dtype=torch.float32, device=stop.device)
         lengths = [sampling.max_new_tokens] * len(prompts)
         step_ids = batch.prefill_ids
+        width = step_ids.shape[1]
+        routes = None if self.routes is None else torch.zeros(  # [B, W + max_new_tokens, L, k]: left-padded positions
+            len(prompts), width + sampling.max_new_tokens, self.routes.num_layers, self.routes.top_k, dtype=torch.int32,
+            device=stop.device)
         for step in range(sampling.max_new_tokens):
             logits = self._last_logits(step_ids, batch, prefill=step == 0)
+            if routes is not None:  # the prefill's W positions, then the token drawn at step - 1, at W + step - 1
+                start = 0 if step == 0 else width + step - 1
+                routes[batch.rows, start : start + step_ids.shape[1]] = self.routes.take(*step_ids.shape)
             tokens, token_logprobs = sample_next_tokens(logits, sampling, generator, batch.rows, len(prompts))
             tokens_out[batch.rows, step], logprobs_out[batch.rows, step] = tokens, token_logprobs
             for row in torch.isin(tokens, stop).nonzero().flatten().tolist():  # the step's one device sync
@@ -215,12 +232,14 @@ class LocalEngine(RolloutEngine):
                 break
             step_ids = batch.advance(tokens)
         token_rows, logprob_rows = tokens_out.tolist(), logprobs_out.tolist()
+        routes = None if routes is None else routes.cpu()
         return [
             Generation(
                 prompt_ids=list(prompt), response_ids=ids[:n], logprobs=lps[:n],
                 finish_reason="stop" if n and ids[n - 1] in sampling.stop_token_ids else "length",
+                routed_experts=None if routes is None else routes[row, width - len(prompt) : width + n - 1].clone(),
             )
-            for prompt, ids, lps, n in zip(prompts, token_rows, logprob_rows, lengths)
+            for row, (prompt, ids, lps, n) in enumerate(zip(prompts, token_rows, logprob_rows, lengths))
         ]
 
     def _last_logits(self, step_ids: torch.Tensor, batch: _DecodeBatch, *, prefill: bool) -> torch.Tensor:

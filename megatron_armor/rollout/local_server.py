@@ -69,6 +69,7 @@ class _Item:
     sampling: SamplingParams
     rid: str
     no_stop_trim: bool
+    return_routed_experts: bool = False
 
 
 class LocalServerState:
@@ -76,10 +77,11 @@ class LocalServerState:
 
     def __init__(
         self, model_dir: str | Path, *, host: str, port: int, random_seed: int = 0, weights_cpu_backup: bool = False,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", return_routed_experts: bool = False,
     ) -> None:
         self.model_path = str(model_dir)
         self.weights_cpu_backup = weights_cpu_backup  # SGLang --enable-weights-cpu-backup
+        self.return_routed_experts = return_routed_experts  # SGLang --enable-return-routed-experts
         self.device = _engine_device(device)
         self.host, self.port, self.random_seed = host, port, random_seed
         self.engine: LocalEngine | None = None
@@ -113,7 +115,7 @@ class LocalServerState:
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         pad = model.config.pad_token_id
         self._weights = StoragePark(model.parameters, self.device)
-        self.engine = LocalEngine(model, pad_token_id=0 if pad is None else pad)
+        self.engine = LocalEngine(model, pad_token_id=0 if pad is None else pad, record_routes=self.return_routed_experts)
 
     @property
     def ready(self) -> bool:
@@ -163,6 +165,10 @@ class LocalServerState:
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
         if len(params) != len(prompts) or len(rids) != len(prompts):
             raise RequestError(f"/generate: sampling_params and rid lists need one entry per prompt ({len(prompts)})")
+        routes = bool(body.get("return_routed_experts"))
+        if routes and not self.return_routed_experts:
+            raise RequestError("/generate: return_routed_experts needs a server started with "
+                               "--enable-return-routed-experts")
         items = []
         for prompt, p, rid in zip(prompts, params, rids):
             self._check_prompt(prompt)
@@ -175,7 +181,7 @@ class LocalServerState:
                 sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, self.eos_token_id))
             base = rid or uuid.uuid4().hex
             items += [
-                _Item(list(prompt), sampling, base if options.n == 1 else f"{base}-{j}", options.no_stop_trim)
+                _Item(list(prompt), sampling, base if options.n == 1 else f"{base}-{j}", options.no_stop_trim, routes)
                 for j in range(options.n)
             ]
         return items
@@ -209,7 +215,8 @@ class LocalServerState:
             finish = proto.finish_reason_body("stop", stop_token=ids[-1])
         else:
             finish = proto.finish_reason_body("length", length=len(ids))
-        body = proto.generate_item_body(item.rid, len(item.prompt), ids, logprobs, finish, self.weight_version)
+        routes = generation.routed_experts if generation and item.return_routed_experts else None
+        body = proto.generate_item_body(item.rid, len(item.prompt), ids, logprobs, finish, self.weight_version, routes)
         if finish["type"] == "stop" and not item.no_stop_trim:
             body["output_ids"] = ids[:-1]
         return body

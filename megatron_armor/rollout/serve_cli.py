@@ -13,6 +13,10 @@ def add_serve_local_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
                         help="weights keep their values across /release_memory_occupation (as SGLang's flag); "
                              "without it they must be loaded again before the next generation")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="a MoE model's engine records the experts it routes every token to, and /generate requests "
+                             "with return_routed_experts get them in meta_info.routed_experts (as SGLang's flag: "
+                             "base64 int32 [prompt + completion - 1, layers, top-k])")
     parser.add_argument("--device", default="cpu",
                         help="where the engine runs: cpu, or cuda[:N] (tensor updates then arrive as CUDA-IPC handles, "
                              "weight-update groups may use NCCL, and a memory release frees GPU memory)")

@@ -57,6 +57,8 @@ class SGLangEngineConfig:
     weight_sync_dir: str | None = None  # weight_sync disk: a directory the servers can read
     flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
     flush_interval_s: float = 1.0
+    routed_experts_shape: tuple[int, int] | None = None  # (L, k): ask for every item's routed experts (servers need
+    # --enable-return-routed-experts) and read them as [N, L, k] (`Generation.routed_experts`)
 
     @classmethod
     def from_config(cls, weight_sync: WeightSyncConfig) -> SGLangEngineConfig:
@@ -338,8 +340,11 @@ class SGLangEngine(RolloutEngine):
         """One /generate request (released to the dispatcher after). _ServerFailed when a retry may help."""
         rid = uuid.uuid4().hex
         routed = server is self._router  # one prompt, unbatched (see generate)
-        body = (proto.single_generate_request(prompts[0], sampling, index=indices[0], rid=rid) if routed
-                else proto.generate_request(prompts, sampling, indices=indices, rid=rid))
+        routes = self.config.routed_experts_shape
+        body = (proto.single_generate_request(prompts[0], sampling, index=indices[0], rid=rid,
+                                              return_routed_experts=routes is not None) if routed
+                else proto.generate_request(prompts, sampling, indices=indices, rid=rid,
+                                            return_routed_experts=routes is not None))
         item_rids = [body["rid"]] if routed else body["rid"]
         abort_urls = self.urls if routed else [server.url]  # the router has no /abort_request
         self.stats.add(requests=1)
@@ -347,7 +352,7 @@ class SGLangEngine(RolloutEngine):
         try:
             with calls.sending(rid, abort_urls, item_rids):
                 reply = http_call(server.url, "/generate", body, timeout=self.config.request_timeout_s)
-            return proto.parse_generate_response(prompts, [reply] if routed else reply)
+            return proto.parse_generate_response(prompts, [reply] if routed else reply, routes)
         except ServerError as error:
             if error.status < 500:
                 raise RolloutError(f"SGLang server {server.url} rejected /generate: {error}") from error

@@ -8,10 +8,12 @@ are SGLang's own (ForkingPickler, allowlisted unpickling): `tensor_serialization
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from megatron_armor.rollout import tensor_serialization
@@ -43,9 +45,10 @@ def sampling_params_body(sampling: SamplingParams, seed: int | None) -> dict[str
 
 def generate_request(
     prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, indices: Sequence[int] | None = None,
-    rid: str | None = None,
+    rid: str | None = None, return_routed_experts: bool = False,
 ) -> dict[str, Any]:
-    """A batched /generate body: one item per prompt, output logprobs only.
+    """A batched /generate body: one item per prompt, output logprobs only (and with `return_routed_experts` each
+    item's `meta_info.routed_experts`, `encode_routed_experts`).
 
     `indices` are the prompts' positions in the whole `generate` call (default 0..len-1). With
     `sampling.seed` set, prompt i gets `sampling_seed = seed + i`: samples are reproducible however
@@ -61,17 +64,21 @@ def generate_request(
         "sampling_params": [sampling_params_body(sampling, s) for s in seeds],
         "return_logprob": True, "logprob_start_len": -1, "return_text_in_logprobs": False, "stream": False,
     }
+    if return_routed_experts:
+        body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = [f"{rid}-{j}" for j in range(len(prompts))]
     return body
 
 
-def single_generate_request(prompt: Sequence[int], sampling: SamplingParams, *, index: int, rid: str) -> dict[str, Any]:
+def single_generate_request(
+    prompt: Sequence[int], sampling: SamplingParams, *, index: int, rid: str, return_routed_experts: bool = False,
+) -> dict[str, Any]:
     """`generate_request` for one prompt in SGLang's unbatched form: `input_ids` a flat list, one
     `sampling_params` dict, `rid` a string; the reply is one item, not a list. SGLang's router
     (sglang-router 0.3.2) accepts only this form: it rejects per-item sampling_params and rid lists.
     """
-    body = generate_request([prompt], sampling, indices=[index])
+    body = generate_request([prompt], sampling, indices=[index], return_routed_experts=return_routed_experts)
     return {**body, "input_ids": body["input_ids"][0], "sampling_params": body["sampling_params"][0], "rid": rid}
 
 
@@ -92,27 +99,49 @@ def finish_reason_body(finish: FinishType, *, stop_token: int | None = None, len
 
 
 def generate_item_body(
-    rid: str, prompt_len: int, output_ids: list[int], logprobs: list[float], finish_reason: dict, weight_version: str
+    rid: str, prompt_len: int, output_ids: list[int], logprobs: list[float], finish_reason: dict, weight_version: str,
+    routed_experts: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """One /generate output item (no `text`: the server runs with --skip-tokenizer-init semantics).
 
-    output_token_logprobs: [R] triples [logprob, token_id, null] for every generated token.
+    output_token_logprobs: [R] triples [logprob, token_id, null] for every generated token;
+    routed_experts (when given): `encode_routed_experts` of [P + R - 1, L, k].
     """
-    return {
-        "output_ids": output_ids,
-        "meta_info": {
-            "id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_len,
-            "completion_tokens": len(logprobs), "cached_tokens": 0, "weight_version": weight_version,
-            "num_retractions": 0, "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output_ids)],
-        },
+    meta = {
+        "id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_len,
+        "completion_tokens": len(logprobs), "cached_tokens": 0, "weight_version": weight_version,
+        "num_retractions": 0, "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, output_ids)],
     }
+    if routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(routed_experts)
+    return {"output_ids": output_ids, "meta_info": meta}
 
 
-def parse_generate_item(prompt: Sequence[int], item: dict[str, Any]) -> Generation | Aborted:
+# SGLang's routed experts (srt/layers/moe/routed_experts_capturer.py, read from sgl-project/sglang's newest stored
+# snapshot): with --enable-return-routed-experts and a request's `return_routed_experts: true`, each item's
+# meta_info["routed_experts"] is the base64 of an int32 array [prompt_tokens + completion_tokens - 1,
+# num_hidden_layers, num_experts_per_tok] (`get_routed_experts` slices a request's KV slots [: seqlen - 1]: every
+# token the model was fed, the last sampled one never is; layers are the decoder's layer ids, a layer without a
+# router keeps its buffer's zeros). The shape is not sent: the client reshapes (-1, L, k) (slime does the same).
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """routes [N, L, k] -> base64 of its little-endian int32 bytes (SGLang's meta_info.routed_experts)."""
+    return base64.b64encode(routes.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(text: str, layers: int, top_k: int) -> torch.Tensor:
+    """The inverse of `encode_routed_experts`: [N, layers, top_k] int32."""
+    flat = np.frombuffer(base64.b64decode(text), dtype="<i4").astype(np.int32)
+    return torch.from_numpy(flat.copy()).view(-1, layers, top_k)
+
+
+def parse_generate_item(
+    prompt: Sequence[int], item: dict[str, Any], route_shape: tuple[int, int] | None = None,
+) -> Generation | Aborted:
     """One /generate output item -> a Generation (or Aborted).
 
     Tokens and logprobs come from `meta_info.output_token_logprobs` ([logprob, token_id, text|null]
-    triples), as slime reads them; `output_ids` may be stop-trimmed, the triples never are.
+    triples), as slime reads them; `output_ids` may be stop-trimmed, the triples never are. With `route_shape`
+    (L, k) the item must carry `meta_info.routed_experts`.
     """
     meta = item["meta_info"]
     finish = meta.get("finish_reason") or {}
@@ -124,18 +153,26 @@ def parse_generate_item(prompt: Sequence[int], item: dict[str, Any]) -> Generati
     triples = meta.get("output_token_logprobs")
     if triples is None:
         raise ValueError("SGLang /generate item has no meta_info.output_token_logprobs; send return_logprob=true")
+    routes = None
+    if route_shape is not None:
+        if meta.get("routed_experts") is None:
+            raise ValueError("SGLang /generate item has no meta_info.routed_experts; send return_routed_experts=true "
+                             "to a server started with --enable-return-routed-experts")
+        routes = decode_routed_experts(meta["routed_experts"], *route_shape)
     return Generation(
         prompt_ids=list(prompt), response_ids=[int(t[1]) for t in triples],
-        logprobs=[float(t[0]) for t in triples], finish_reason=kind,
+        logprobs=[float(t[0]) for t in triples], finish_reason=kind, routed_experts=routes,
     )
 
 
-def parse_generate_response(prompts: Sequence[Sequence[int]], body: Any) -> list[Generation | Aborted]:
-    """A batched /generate response (a list, one item per prompt, in order)."""
+def parse_generate_response(
+    prompts: Sequence[Sequence[int]], body: Any, route_shape: tuple[int, int] | None = None,
+) -> list[Generation | Aborted]:
+    """A batched /generate response (a list, one item per prompt, in order); `route_shape` as `parse_generate_item`'s."""
     if not isinstance(body, list) or len(body) != len(prompts):
         got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
         raise ValueError(f"SGLang /generate returned {got} items for a batch of {len(prompts)} prompts")
-    return [parse_generate_item(p, item) for p, item in zip(prompts, body)]
+    return [parse_generate_item(p, item, route_shape) for p, item in zip(prompts, body)]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ class SequenceBatch:
       token_advantages: [B, S] float32 per-token advantages (OPD), preferred by the loss over
                      `advantages` when set; 0 off-response.
       seq_lengths:   [B] int64 prompt + response tokens of each row (None: every row counts as S long).
+      routed_experts: [B, S, L, k] int16 (MoE) the experts token input_ids[:, t] is routed to in each of the L
+                     decoder layers, to replay in the actor's forwards (`scoring/routes.py`); -1 where none is
+                     recorded (the router chooses); None: no replay. Position-aligned, not label-aligned.
     Right padding with a causal mask leaves real tokens unaffected, so no attention mask is needed
     and position ids are simply 0..S-1. Batches are built on the CPU; `scoring.logprobs.forward_backward`
     moves each micro-batch to the training device.
@@ -43,6 +46,7 @@ class SequenceBatch:
     teacher_logprobs: torch.Tensor | None = None
     token_advantages: torch.Tensor | None = None
     seq_lengths: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -70,8 +74,8 @@ class SequenceBatch:
         return self._map(lambda tensor: tensor[index])
 
     def trim(self, width: int) -> SequenceBatch:
-        """The first `width` columns of every per-token [B, S] field (per-row fields unchanged)."""
-        return self._map(lambda tensor: tensor[:, :width] if tensor.dim() == 2 else tensor)
+        """The first `width` columns of every per-token [B, S, ...] field (per-row fields unchanged)."""
+        return self._map(lambda tensor: tensor[:, :width] if tensor.dim() >= 2 else tensor)
 
     def to(self, device: torch.device, *, non_blocking: bool = False) -> SequenceBatch:
         """This batch with every tensor on `device` (tensors already there are shared, not copied).
@@ -89,7 +93,9 @@ class SequenceBatch:
 def build_sequence_batch(
     samples: Sequence[Sample], advantages: Sequence[float], *, pad_token_id: int, pad_to_multiple_of: int = 8
 ) -> SequenceBatch:
-    """Pack `samples` (with per-sample `advantages`) into one `SequenceBatch`."""
+    """Pack `samples` (with per-sample `advantages`) into one `SequenceBatch`; `routed_experts` when some sample
+    carries the engine's routes (the positions they cover: the prompt and every response token but the last; -1 in
+    the rows of samples without)."""
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -105,6 +111,7 @@ def build_sequence_batch(
         response_mask[row, start : start + len(sample.response_ids)] = 1.0
         engine_logprobs[row, start : start + len(sample.response_ids)] = torch.tensor(sample.engine_logprobs)
     labels = torch.cat([input_ids[:, 1:], torch.full((len(samples), 1), pad_token_id)], dim=1)
+    routes = [s.routed_experts for s in samples]
     return SequenceBatch(
         input_ids=input_ids,
         labels=labels,
@@ -113,5 +120,16 @@ def build_sequence_batch(
         advantages=torch.tensor(advantages, dtype=torch.float32),
         is_anchor=torch.tensor([s.is_anchor for s in samples], dtype=torch.bool),
         seq_lengths=torch.tensor(lengths, dtype=torch.long),
+        routed_experts=None if all(r is None for r in routes) else _route_table(routes, seq_len),
     )
+
+
+def _route_table(routes: Sequence[torch.Tensor | None], width: int) -> torch.Tensor:
+    """Per-sample routes [N_i, L, k] (or None) as one [B, width, L, k] int16 table, -1 past each sample's N_i."""
+    shape = next(route.shape[1:] for route in routes if route is not None)
+    table = torch.full((len(routes), width, *shape), -1, dtype=torch.int16)
+    for row, route in enumerate(routes):
+        if route is not None:
+            table[row, : route.shape[0]] = route
+    return table
 

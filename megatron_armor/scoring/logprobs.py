@@ -25,6 +25,7 @@ from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
 from megatron_armor.scoring.micro_batches import MicroBatch, MicroBatching
+from megatron_armor.scoring.routes import RoutingPass
 
 LOGPROB_HEADS = ("torch", "fused")
 
@@ -92,7 +93,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 def forward_backward(
     model: torch.nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, scoring: ScoringConfig,
-    forward_only: bool,
+    forward_only: bool, routing: RoutingPass | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Megatron's schedule (no pipelining or 1F1B, per parallel_state) over `micro_batches`.
 
@@ -102,7 +103,9 @@ def forward_backward(
     each activation's shape: `variable_seq_lengths`). Returns the stats dict of every micro-batch on the last
     pipeline stage (empty list elsewhere), on that device. Gradients (when not forward_only) accumulate into
     the model; with `calculate_per_token_loss` Megatron's `finalize_model_grads` divides them by the
-    total token count.
+    total token count. With `routing` (a MoE model) each micro-batch's forward replays its routes and its routers'
+    choices are recorded there (`scoring/routes.py`); the stage's forward is done when `chunk` returns, so under PP
+    each stage handles its own layers.
     """
     batches = list(micro_batches)
     mb_size, seq_len = batches[0].model_tokens[0].shape
@@ -111,12 +114,18 @@ def forward_backward(
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)  # host-to-GPU (or no-op): safe to overlap
         input_ids, position_ids, labels, packing = mb.model_tokens
+        if routing is not None:
+            routing.before(mb)
         if scoring.head == "fused":
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
                            output_processor=_fused_head(scoring), output_processor_context=labels)
-            return output, lambda scores: loss_fn(_unpack(scores, mb), mb.rows)
-        output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
-        return output, lambda logits: loss_fn(_unpack(_torch_head(logits, labels, scoring), mb), mb.rows)
+            head = lambda scores: loss_fn(_unpack(scores, mb), mb.rows)  # noqa: E731
+        else:
+            output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
+            head = lambda logits: loss_fn(_unpack(_torch_head(logits, labels, scoring), mb), mb.rows)  # noqa: E731
+        if routing is not None:
+            routing.after(mb)
+        return output, head
 
     with megatron_device_scope():
         return get_forward_backward_func()(
@@ -179,11 +188,12 @@ class LogprobResult:
 
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module, batch: SequenceBatch, *, micro_batching: MicroBatching, scoring: ScoringConfig
+    model: torch.nn.Module, batch: SequenceBatch, *, micro_batching: MicroBatching, scoring: ScoringConfig,
+    routing: RoutingPass | None = None,
 ) -> LogprobResult:
     """Logprobs (and entropy if `scoring.with_entropy`) of `batch.labels` under `model`, forward
     only, identical on every rank; scored on the training device in `micro_batching`'s micro-batches, returned
-    on `batch`'s device as [B, S] rows of `batch`."""
+    on `batch`'s device as [B, S] rows of `batch`; routed as `routing` says (`forward_backward`)."""
 
     def collect(scores: TokenScores, mb: SequenceBatch):
         return scores.logprobs.new_zeros(()), scores.logprobs.new_zeros((), dtype=torch.int), masked_scores(scores, mb)
@@ -191,7 +201,7 @@ def compute_logprobs(
     was_training = model.training
     model.eval()
     micro_batches = micro_batching.split(batch)
-    outputs = forward_backward(model, micro_batches, collect, scoring=scoring, forward_only=True)
+    outputs = forward_backward(model, micro_batches, collect, scoring=scoring, forward_only=True, routing=routing)
     model.train(was_training)
     return gather_scores(outputs, micro_batches, batch, with_entropy=scoring.with_entropy)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
+from megatron_armor.scoring.routes import REPLAY_MODES
 from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
@@ -159,7 +160,8 @@ def _build_models(
     for the push alone)."""
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
-        sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda")
+        sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda",
+                                                                   moe=bool(shape.num_experts))
         recompute = ActivationRecompute.from_config(cfg.train)
         moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
@@ -231,12 +233,14 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
 
     The two are one object with rollout.anchors.engine shared (and for algorithms without anchors on
     SGLang). An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's
-    (and, for ARMOR, the reference's) weights before the first rollout.
+    (and, for ARMOR, the reference's) weights before the first rollout. Under train.routing_replay rollout the
+    actor's engine records the experts it routes to.
     """
     rollout = cfg.rollout
     if rollout.backend == "local":
         placement = _engine_placement(cfg)
-        actor = _local_engine(paths.model_path, rollout, pad_token_id, placement)
+        actor = _local_engine(paths.model_path, rollout, pad_token_id, placement,
+                              record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record)
         if rollout.anchors.engine == "shared":
             return actor, actor
         return actor, _local_engine(paths.ref_path, rollout, pad_token_id, placement)
@@ -246,12 +250,15 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
     client = SGLangEngineConfig.from_config(rollout.weight_sync)
     log_dir = cfg.logging.run_dir  # routers' logs
 
-    def engine(urls: str, router_url: str | None):
+    def engine(urls: str, router_url: str | None, client: SGLangEngineConfig = client):
         push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
         return make_sglang_engine(urls, router_url, rollout.sglang, client, log_dir=log_dir, push_urls=push_urls)
 
-    sglang = rollout.sglang
-    actor = engine(sglang.urls, sglang.router_url)
+    sglang, actor_client = rollout.sglang, client
+    if REPLAY_MODES[cfg.train.routing_replay].engines_record:
+        shape = load_model_shape(paths.model_path)
+        actor_client = replace(client, routed_experts_shape=(shape.num_layers, shape.moe_top_k))
+    actor = engine(sglang.urls, sglang.router_url, actor_client)
     ref = engine(sglang.ref_urls, sglang.ref_router_url) if sglang.ref_urls else actor
     return actor, ref
 
@@ -278,12 +285,14 @@ def _engine_placement(cfg: ArmorConfig) -> dict:
     return {"device": device, "dtype": PARAMS_DTYPES[cfg.model.params_dtype]}
 
 
-def _local_engine(path: str, rollout: RolloutConfig, pad_token_id: int, placement: dict) -> LocalEngine:
+def _local_engine(
+    path: str, rollout: RolloutConfig, pad_token_id: int, placement: dict, *, record_routes: bool = False,
+) -> LocalEngine:
     """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
     its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
     model = path
     if is_megatron_checkpoint(path):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    return LocalEngine.from_config(model, rollout, pad_token_id=pad_token_id, **placement)
+    return LocalEngine.from_config(model, rollout, pad_token_id=pad_token_id, record_routes=record_routes, **placement)
 
 

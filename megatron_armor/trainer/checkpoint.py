@@ -169,6 +169,16 @@ def load_checkpoint(path: Path, request: dict[str, Any], *, seed: int) -> tuple[
     return record["step"], {**top, **record["extra"], "modules": loaded["modules"]}
 
 
+def load_modules(path: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """Some of the modules saved at `path`, at this run's layout (collective), and nothing else: no RNG state, no
+    data position. `request`: the loading trainer's `sharded_state_dict(is_loading=True, names=...)["modules"]` for
+    modules the checkpoint holds (e.g. the actor alone); returns them loaded, for `restore_module`."""
+    record = read_record(path)
+    if record["layout"] != layout():
+        check_layout_change(list(request), record["layout"], layout())
+    return load_tree({"modules": request}, path / STATE_DIR)["modules"]
+
+
 def process_rank() -> int:
     """This process's global rank (0 without a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0

@@ -4,6 +4,7 @@ reference reset), and the trainer state a resumed run needs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_armor.algorithms import Algorithm
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.step_geometry import StepGeometry
@@ -19,15 +21,17 @@ from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.planning.flops import rl_step_flops
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.logprobs import ScoringConfig
+from megatron_armor.trainer import async_rollouts  # noqa: F401 - registers rollout.mode async
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.colocation import Colocation
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.faults import NonFiniteUpdate
-from megatron_armor.trainer.optimizer import AdamConfig
+from megatron_armor.trainer.optimizer import AdamConfig, reset_optimizer
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.policy_update import update_policy
 from megatron_armor.trainer.rollout_phase import RolloutPhase, RolloutSources, mean
+from megatron_armor.trainer.rollout_schedule import RolloutSchedule
 from megatron_armor.trainer.samples import SampleScorer, generate_samples
 from megatron_armor.trainer.sharded_state import restore_module, restore_order, sharded_modules
 from megatron_armor.trainer.snapshot import TrainingSnapshot
@@ -76,10 +80,15 @@ class RLTrainer:
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
         self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
-        self.rollout = RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache, dp_size=ctx.dp_size)
+        self.rollouts = RolloutSchedule.build(
+            plan.rollout_mode, lambda group: RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache,
+                                                          dp_size=ctx.dp_size, group=group),
+            sources.sampler, plan.max_steps,
+        )
         self.optimizer_steps = 0
         self.consecutive_skips = 0  # RL steps in a row whose update was skipped for a non-finite loss or gradient
         self.checkpoints_reference = bool(plan.ref_reset_period)  # the reference leaves model.ref_path's weights
+        self.warmup_from = 0  # the RL step the lr warmup counts from (the anchor action restarts it)
 
     # ----- one RL step ---------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
@@ -91,12 +100,14 @@ class RLTrainer:
         """
         start = time.perf_counter()
         self.colocation.park_for_rollouts()                                # the GPU is the servers'
-        rollout = self.rollout.collect(step)                               # generate, score, group
+        rollout = self.rollouts.take(step)                                 # generate, score, group (or take ahead)
         metrics = {**rollout.metrics, "perf/rollout_seconds": time.perf_counter() - start}
         num_tokens = 0
         if rollout.groups:                                                 # advantages ... sync, MIPU gate
             update_metrics, num_tokens = self.train_on(step, rollout.groups)
             metrics.update(update_metrics)
+        self.rollouts.settle()                                             # nothing generates past the step
+        metrics.update(self.rollouts.step_metrics())
         metrics["train/update_skipped"] = float(not rollout.groups or "train/nonfinite_skipped" in metrics)
         metrics.update(self.capture_subspace(step))
         if self.plan.resets_reference_after(step):
@@ -123,8 +134,10 @@ class RLTrainer:
 
     def train_on(self, step: int, groups: list[list[Sample]]) -> tuple[dict[str, float], int]:
         """Update the actor on `groups` at RL step `step`'s learning rate, push it to the engine and (MIPU)
-        gate it; returns the metrics and the step's prompt + response token count."""
+        gate it; returns the metrics and the step's prompt + response token count. Only an update that stays
+        applied (not skipped, not rolled back) advances the rollouts' weight version."""
         start = time.perf_counter()
+        optimizer_steps_before = self.optimizer_steps
         ctx, models, plan = self.ctx, self.models, self.plan
         with self.colocation.trainer_phase(resume_serving=False):         # the servers release the GPU
             advantaged = advantage_batch(groups, plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank,
@@ -140,12 +153,15 @@ class RLTrainer:
             if geometry is not None and fault is None:
                 metrics.update(self.update_geometry(geometry))
         metrics["perf/train_seconds"] = time.perf_counter() - start
+        self.rollouts.settle()  # the next step's rollout, generated ahead, is done with the weights to replace
         gated = self.gate is not None and fault is None
         sync = self.colocation.push_actor_and_serve(self.engine_weights.push_actor, keep_weights=gated)
         metrics.update({**sync.metrics(), **self.colocation.handoff_metrics()})
         if gated:                                                          # MIPU Step 2
             metrics.update(self.gate_update(step, snapshot))
             self.colocation.park_for_rollouts()                            # decided: the weights leave the GPU
+        if self.optimizer_steps != optimizer_steps_before:  # a rollback or a skip restores the step count too
+            self.rollouts.weights_changed()
         return metrics, prepared.num_tokens
 
     def update(
@@ -157,7 +173,7 @@ class RLTrainer:
         update = update_policy(
             self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batching=self.plan.micro_batching,
             algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
-            constraint=self.constraint,
+            constraint=self.constraint, warmup_from=self.warmup_from,
         )
         if update.old_scores is not None:  # an on-policy update scored the batch's old policy itself
             prepared.record_old_scores(update.old_scores)
@@ -238,8 +254,10 @@ class RLTrainer:
     def reset_reference(self) -> dict[str, float]:
         """Reference reset (ARMOR §4): the reference model and anchor engine become the current actor.
 
-        Cached anchors are dropped; a shared engine holding the actor needs no push (it holds both now).
+        Cached anchors are dropped, and so is a rollout generated ahead (its anchors are the old reference's); a
+        shared engine holding the actor needs no push (it holds both now).
         """
+        self.rollouts.discard_queued()
         with torch.no_grad(), self.colocation.weights_resident("actor", "ref"):
             for ref_param, actor_param in zip(self.models.ref.parameters(), self.models.actor.module.parameters(),
                                               strict=True):
@@ -248,6 +266,28 @@ class RLTrainer:
             self.anchor_cache.clear()
         self.engine_weights.reference_became_actor()
         return {"armor/ref_reset": 1.0}
+
+    # ----- the monitor's anchor action (trainer/anchor_switch.py) -----------------------------
+    def use_algorithm(self, algorithm: Algorithm) -> None:
+        """Train `algorithm` from the next step on (what it samples, scores and its loss); the batch geometry stays."""
+        self.plan = dataclasses.replace(self.plan, algorithm=algorithm)
+        self.rollouts.phase.plan = self.plan
+
+    def restart_from(self, actor_state: dict[str, Any], step: int) -> dict[str, float]:
+        """ARMOR's restart (armor.md §4) after RL step `step` (1-based count of steps done; collective): the actor
+        gets the weights `actor_state` (a loaded "actor" entry of `sharded_state_dict`, e.g. the best checkpoint's),
+        a fresh optimizer and an lr warmup counted from here; the reference becomes that actor (and is
+        checkpointed from now on); both engines get the new weights, and a rollout generated ahead is dropped.
+        Its metrics."""
+        self.rollouts.discard_queued()
+        with self.colocation.state_writable():
+            restore_module("actor", self.models.actor, actor_state)
+            reset_optimizer(self.models.optimizer)
+        self.warmup_from = step
+        self.checkpoints_reference = True
+        self.colocation.park_for_rollouts()
+        self.engine_weights.push_actor()
+        return self.reset_reference()
 
     # ----- run start-up and checkpoints ------------------------------------------------------
     def push_initial_weights(self, *, actor: bool, ref: bool) -> None:
@@ -296,7 +336,7 @@ class RLTrainer:
     def _shared_state(self) -> dict[str, Any]:
         """The JSON-able entries of `state_dict()`, the same on every rank."""
         state: dict[str, Any] = {"optimizer_steps": self.optimizer_steps, "consecutive_skips": self.consecutive_skips,
-                                 "sampler": self.sampler.state_dict()}
+                                 "sampler": self.rollouts.sampler_state()}  # before a rollout generated ahead
         if self.gate is not None:
             state["mipu_gate"] = self.gate.state_dict()
         if self.anchor_cache is not None:
@@ -322,6 +362,7 @@ class RLTrainer:
             for name in restore_order(list(expected)):
                 if name in modules:
                     restore_module(name, expected[name], modules[name])
+        self.rollouts.discard_queued()
         self.sampler.load_state_dict(state["sampler"])
         self.optimizer_steps = state["optimizer_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)  # 0 in checkpoints from before skips were counted

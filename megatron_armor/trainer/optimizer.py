@@ -178,6 +178,26 @@ def zero_grads(ddp: DistributedDataParallel, optimizer: MegatronOptimizer) -> No
     optimizer.zero_grad()
 
 
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (chained or not) that hold parameters of this rank."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
+
+
+@torch.no_grad()
+def reset_optimizer(optimizer) -> None:
+    """Make `optimizer` (Megatron's, or a `ShardedStateOptimizer`) as it was built, for the model's current weights
+    (loaded in place beforehand): the Adam moments and step counts dropped (torch creates them afresh, zero, at the
+    next step) and the fp32 master weights of a bf16 model copied from the weights again."""
+    megatron = getattr(optimizer, "megatron_optimizer", optimizer)
+    for inner in torch_optimizers(megatron):
+        inner.state.clear()
+        for group in inner.param_groups:
+            group.update({"step": 0} if "step" in group else {})  # fused Adams keep the step per group
+    with megatron_device_scope():
+        megatron.reload_model_params()
+
+
 def subspace_constraint(model: GPTModel, k: int, mode: str) -> SubspaceConstraint:
     """A `SubspaceConstraint` over the model's 2-D decoder weights (fused qkv / fc1 as Megatron holds
     them; embeddings and the output layer are left free), starting from their current values as W0.

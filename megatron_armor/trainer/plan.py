@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_armor.algorithms import Algorithm
 from megatron_armor.config import ArmorConfig
 from megatron_armor.scoring.micro_batches import MicroBatching
+from megatron_armor.scoring.routes import REPLAY_MODES, ReplayMode
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class StepPlan:
     advantage_baseline: str = "mean"  # "mean" (GRPO) | "quantile" (QAE): b of A = (R - b) / (std + eps)
     baseline_quantile: float = 0.45
     nonfinite_rollback: bool = True  # undo a non-finite step's earlier mini-batches (train.nonfinite_rollback)
+    routing_replay: ReplayMode = REPLAY_MODES["none"]  # MoE: whose routing the actor's forwards replay
+    rollout_mode: str = "sync"  # when rollouts run (rollout.mode; trainer/rollout_schedule.py)
+    max_steps: int | None = None  # RL steps of the run (train.max_steps): no rollout is generated ahead past them
+    max_staleness: int = 1  # rollout.mode async: weight versions a trained sample may lag (rollout.max_staleness)
+    async_buffer_batches: int = 2  # rollout.mode async: generation batches generated ahead (rollout.async_buffer_*)
 
     @classmethod
     def from_config(cls, cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
@@ -39,6 +45,8 @@ class StepPlan:
             allow_partial_batch=section.allow_partial_batch, adv_eps=section.adv_eps,
             ref_reset_period=section.ref_reset_period, seed=train.seed, advantage_baseline=section.advantage_baseline,
             baseline_quantile=section.baseline_quantile, nonfinite_rollback=train.nonfinite_rollback,
+            routing_replay=REPLAY_MODES[train.routing_replay], rollout_mode=cfg.rollout.mode, max_steps=train.max_steps,
+            max_staleness=cfg.rollout.max_staleness, async_buffer_batches=cfg.rollout.async_buffer_batches,
         )
 
     @property

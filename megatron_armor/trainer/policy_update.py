@@ -16,6 +16,7 @@ from megatron_armor.scoring.logprobs import (
     LogprobResult, ScoringConfig, TokenScores, forward_backward, gather_scores, masked_scores,
 )
 from megatron_armor.scoring.micro_batches import MicroBatching
+from megatron_armor.scoring.routes import routing_pass
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.moe_metrics import moe_aux_loss_metrics
 from megatron_armor.trainer.faults import NonFiniteUpdate, find_nonfinite
@@ -48,7 +49,7 @@ class PolicyLossCallback:
         ))
         num_tokens = mask.sum()
         units = aggregation_units(mask, self.algorithm.loss_aggregation)
-        sums = {f"loss/{name}": value * num_tokens for name, value in terms.token_means.items()}
+        sums = {(name if "/" in name else f"loss/{name}"): value * num_tokens for name, value in terms.token_means.items()}
         sums["loss/policy_loss"] = terms.policy_loss
         sums.update({f"loss/{name}": value for name, value in terms.per_unit.items()})
         sums["num_tokens"] = num_tokens.detach()
@@ -74,31 +75,37 @@ class UpdateResult:
 def update_policy(
     ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batching: MicroBatching, algorithm: Algorithm,
     scoring: ScoringConfig, optim: AdamConfig, rl_step: int, constraint: SubspaceConstraint | None = None,
+    warmup_from: int = 0,
 ) -> UpdateResult:
-    """One optimizer step per mini-batch (ppo_epochs = 1), all at RL step `rl_step`'s learning rate.
+    """One optimizer step per mini-batch (ppo_epochs = 1), all at RL step `rl_step`'s learning rate, its warmup
+    counted from RL step `warmup_from` (the monitor's anchor action restarts it).
 
     Returns loss statistics averaged over the whole step (all data-parallel ranks), on every rank. A
     mini-batch whose loss or gradients are not finite on any rank is never stepped: its gradients are
     discarded and the update stops there on every rank (`UpdateResult.fault`).
     A single mini-batch without old_logprobs is exactly on-policy (`StepPlan.old_logprobs_from_update`): its
-    forward's detached logprobs are the old policy's, and they come back with its entropy in `old_scores`.
+    forward's detached logprobs are the old policy's, and they come back with its entropy in `old_scores` (and a
+    MoE actor's routing metrics in `metrics`). A mini-batch with `routed_experts` replays them (R3, R2).
     """
     on_policy = [mini_batch.old_logprobs is None for mini_batch in mini_batches]
     if any(on_policy) and len(mini_batches) > 1:
         raise ValueError("old-policy logprobs come from the update's forward only with one mini-batch per RL step; "
                          f"got {len(mini_batches)} mini-batches, {sum(on_policy)} of them without old_logprobs")
     loss_fn = PolicyLossCallback(algorithm)
-    lr = learning_rate(rl_step, optim)
+    lr = learning_rate(rl_step - warmup_from, optim)
     totals: dict[str, float] = {}
-    grad_norms, old_scores, micro_batch_count = [], None, 0
+    grad_norms, old_scores, routing_metrics, micro_batch_count = [], None, {}, 0
     for index, mini_batch in enumerate(mini_batches):
         micro_batches = micro_batching.split(mini_batch)
         micro_batch_count += len(micro_batches)
         pass_scoring = dataclasses.replace(scoring, with_entropy=True) if on_policy[index] else scoring
-        outputs = forward_backward(ddp, micro_batches, loss_fn, scoring=pass_scoring, forward_only=False)
+        routing = routing_pass(ddp, mini_batch)
+        outputs = forward_backward(ddp, micro_batches, loss_fn, scoring=pass_scoring, forward_only=False,
+                                   routing=routing)
         scores = [{k: out.pop(k) for k in list(out) if k.startswith("scores/")} for out in outputs]
         if on_policy[index]:
             old_scores = gather_scores(scores, micro_batches, mini_batch, with_entropy=True)
+            routing_metrics = {} if routing is None else routing.metrics()
         fault = find_nonfinite(ddp, outputs, rl_step=rl_step, mini_batch=index)
         if fault is not None:
             zero_grads(ddp, optimizer)
@@ -119,4 +126,5 @@ def update_policy(
     metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["optim/lr"] = lr
     metrics.update(moe_aux_loss_metrics(ddp.module.config, micro_batch_count))
+    metrics.update(routing_metrics)
     return UpdateResult(metrics=metrics, optimizer_steps=len(mini_batches), old_scores=old_scores)

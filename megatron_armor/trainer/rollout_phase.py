@@ -1,8 +1,9 @@
 """The rollout phase of an RL step: generate and score samples, group them, until the batch is full.
 
 Generation batches of prompts are sampled from the actor (and, for ARMOR, anchors from the reference or
-the anchor cache), scored (`samples.generate_samples`) and grouped (`algorithms.build_groups`)
-until `train_batch_size` prompts survive filtering (ARMOR §1).
+the anchor cache), scored (`samples.generate_samples`) and grouped (`algorithms.build_groups`), one
+`GenerationBatch` at a time, until `train_batch_size` prompts survive filtering (ARMOR §1); `assemble` turns the
+batches into the step's `Rollout`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from megatron_armor.algorithms import GroupCollector, build_groups
+import torch.distributed as dist
+
+from megatron_armor.algorithms import GroupCollector, GroupStats, build_groups
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
@@ -35,58 +38,94 @@ class RolloutSources:
 @dataclass
 class Rollout:
     """What the rollout phase hands on: the kept groups (every rank holds the same ones, each group a
-    prompt's on-policy samples and, for ARMOR, its anchor) and the rollout's metrics."""
+    prompt's on-policy samples and, for ARMOR, its anchor), the rollout's metrics, and per group the weight version
+    that sampled its samples: the actor engine's `RolloutSchedule.version` (updates kept so far) while it generated
+    (`versions[i]` is `groups[i]`'s; the schedule that hands the rollout on sets them)."""
 
     groups: list[list[Sample]]
     metrics: dict[str, float]
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def version(self) -> int | None:
+        """The oldest weight version among the groups (None without groups)."""
+        return min(self.versions, default=None)
+
+    def sampled_by(self, version: int) -> Rollout:
+        """This rollout with every group sampled by weight version `version`."""
+        return dataclasses.replace(self, versions=[version] * len(self.groups))
+
+
+@dataclass
+class GenerationBatch:
+    """One generation batch of prompts, sampled, scored and grouped (the same on every rank): the groups that
+    survived filtering, the filter's counts, every on-policy sample and anchor (for the metrics) and what the batch
+    spent on anchors and weight swaps."""
+
+    groups: list[list[Sample]]
+    stats: GroupStats
+    on_policy: list[Sample]
+    anchors: list[Sample]
+    counters: RolloutCounters
 
 
 class RolloutPhase:
     """Generates, scores and groups a step's samples (collective: every rank makes the same calls).
 
     Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s
-    and a shared engine's weights `engine_weights`'.
+    and a shared engine's weights `engine_weights`'. Its collectives run over `group` (default: the default
+    group; background rollouts, trainer/rollout_schedule.py, have one of their own).
     """
 
     def __init__(
         self, plan: StepPlan, models: PolicyHandles, sources: RolloutSources, engine_weights: EngineWeights,
-        anchor_cache: AnchorCache | None, dp_size: int,
+        anchor_cache: AnchorCache | None, dp_size: int, group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan, self.models = plan, models
         self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
         self.engine_weights, self.anchor_cache, self.dp_size = engine_weights, anchor_cache, dp_size
+        self.group = group
 
     def collect(self, step: int) -> Rollout:
-        """Generate until `train_batch_size` prompts survive filtering (ARMOR §1).
+        """Generate until `train_batch_size` prompts survive filtering (ARMOR §1); the rollout's metrics are summed
+        over ranks on this phase's group."""
+        collector = self.new_collector()
+        batches = []
+        while not collector.done:
+            batches.append(self.generation_batch((step, collector.num_gen_batches)))
+            collector.add(batches[-1].groups, batches[-1].stats)
+        return self.assemble(collector, batches, self.group)
 
-        A partial batch (allow_partial_batch) is cut to a multiple of the data-parallel size
-        (`trim_to_data_parallel`); it may then be empty.
-        """
+    def new_collector(self) -> GroupCollector:
+        """An empty collector of one step's groups (train_batch_size prompts, within max_num_gen_batches)."""
         plan = self.plan
-        collector = GroupCollector(
-            target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
-            allow_partial=plan.allow_partial_batch,
-        )
-        on_policy_all: list[Sample] = []
-        anchors_all: list[Sample] = []
+        return GroupCollector(target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
+                              allow_partial=plan.allow_partial_batch)
+
+    def generation_batch(self, key: tuple) -> GenerationBatch:
+        """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
+        group); the sampling seeds derive from train.seed, `key` and the policy."""
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
         phases = {"actor": self.sample_on_policy, "ref": self.sample_anchors}
-        while not collector.done:
-            batch_index = collector.num_gen_batches
-            prompts = [dataclasses.replace(p, index=i) for i, p in enumerate(self.sampler.next_batch())]
-            samples = {
-                policy: phases[policy](prompts, (plan.seed, step, batch_index, policy), counters)
-                for policy in self.engine_weights.phase_order(uses_anchors=plan.uses_anchors)
-            }
-            on_policy, anchors = samples["actor"], samples.get("ref", [])
-            groups, stats = build_groups(
-                on_policy + anchors, require_anchor=plan.uses_anchors, filter_groups=plan.algorithm.filters_groups
-            )
-            collector.add(groups, stats)
-            on_policy_all += on_policy
-            anchors_all += anchors
+        prompts = [dataclasses.replace(p, index=i) for i, p in enumerate(self.sampler.next_batch())]
+        samples = {policy: phases[policy](prompts, (self.plan.seed, *key, policy), counters)
+                   for policy in self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)}
+        on_policy, anchors = samples["actor"], samples.get("ref", [])
+        groups, stats = build_groups(on_policy + anchors, require_anchor=self.plan.uses_anchors,
+                                     filter_groups=self.plan.algorithm.filters_groups)
+        return GenerationBatch(groups, stats, on_policy, anchors, counters)
+
+    def assemble(
+        self, collector: GroupCollector, batches: list[GenerationBatch], group: dist.ProcessGroup | None,
+    ) -> Rollout:
+        """The rollout of the groups `collector` gathered from `batches` (its versions unset), with their metrics
+        (audit counts summed over `group`: collective). A partial batch (allow_partial_batch) is cut to a multiple of
+        the data-parallel size (`trim_to_data_parallel`); it may then be empty."""
         groups = trim_to_data_parallel(collector.result(), self.dp_size)
-        return Rollout(groups, self.metrics(groups, on_policy_all, anchors_all, collector, counters))
+        counters = RolloutCounters.merged([batch.counters for batch in batches])
+        on_policy = [s for batch in batches for s in batch.on_policy]
+        anchors = [s for batch in batches for s in batch.anchors]
+        return Rollout(groups, self.metrics(groups, on_policy, anchors, collector, counters, group))
 
     def sample_on_policy(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
         """`actor_n` scored samples of every prompt from the actor (collective).
@@ -98,7 +137,7 @@ class RolloutPhase:
         counters.add_push("actor", self.engine_weights.load_into_shared_engine("actor"))
         return generate_samples(
             self.models.training_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False,
-            seed=seed, audit=counters.audit,
+            seed=seed, audit=counters.audit, group=self.group,
         )
 
     def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
@@ -108,7 +147,8 @@ class RolloutPhase:
         def generate(missing: list[PromptRow]) -> list[Sample]:
             counters.add_push("ref", self.engine_weights.load_into_shared_engine("ref"))
             return generate_samples(
-                self.models.ref_engine, missing, self.plan.ref_n, self.sampling, self.scorer, is_anchor=True, seed=seed
+                self.models.ref_engine, missing, self.plan.ref_n, self.sampling, self.scorer, is_anchor=True, seed=seed,
+                group=self.group,
             )
 
         if self.anchor_cache is None:
@@ -121,10 +161,10 @@ class RolloutPhase:
 
     def metrics(
         self, groups: list[list[Sample]], on_policy: list[Sample], anchors: list[Sample], collector: GroupCollector,
-        counters: RolloutCounters,
+        counters: RolloutCounters, group: dist.ProcessGroup | None,
     ) -> dict[str, float]:
         """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept,
-        anchors, the audit verifiers' verdicts on every on-policy sample (counts summed over ranks: collective),
+        anchors, the audit verifiers' verdicts on every on-policy sample (counts summed over `group`: collective),
         the shared engine's swaps and the engine's own."""
         uses_anchors = self.plan.uses_anchors
         metrics = {
@@ -141,7 +181,7 @@ class RolloutPhase:
         if uses_anchors and groups:  # armor.md §7: the fraction of on-policy samples in the batch
             metrics["mix_kl/main_ratio"] = mean([float(not s.is_anchor) for g in groups for s in g])
         if counters.audit is not None:
-            metrics.update(counters.audit.from_vector(sum_over_ranks(counters.audit.as_vector())).metrics())
+            metrics.update(counters.audit.from_vector(sum_over_ranks(counters.audit.as_vector(), group)).metrics())
         metrics.update(counters.metrics(
             uses_anchors=uses_anchors, cache=self.anchor_cache is not None, shared=self.models.shared_engine
         ))

@@ -21,6 +21,7 @@ from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.trainer.build import TrainingSetup, build_training
 from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, saved_modules
 from megatron_armor.trainer.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.collapse_watch import CollapseWatch
 from megatron_armor.trainer.faults import TooManySkipsError
@@ -35,7 +36,8 @@ log = logging.getLogger("megatron_armor")
 
 
 class RunTracker(Protocol):
-    """Run-level state beside the trainer's that every checkpoint carries (the collapse monitor, the best checkpoint)."""
+    """Run-level state beside the trainer's that every checkpoint carries (the collapse monitor, the best checkpoint,
+    the anchor action's record)."""
 
     def state(self) -> dict[str, Any]: ...
 
@@ -70,7 +72,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     weights, then step, validate, watch for collapse, log and checkpoint until train.max_steps; tear down. After
     train.max_consecutive_skips skipped updates in a row (non-finite loss or gradients) it checkpoints the last good
     state and raises `TooManySkipsError`; on a collapse-monitor alarm whose action is stop it checkpoints and raises
-    `CollapseAlarmError`."""
+    `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint
+    (trainer/anchor_switch.py)."""
     algorithm = build_algorithm(cfg)
     rewards = RewardFns.from_config(cfg.reward)  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
@@ -79,7 +82,10 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
     trainer, watch = setup.trainer, CollapseWatch(cfg.monitor, is_main=ctx.is_main)
     best = BestCheckpoint.from_config(cfg.checkpoint)
-    trackers = [tracker for tracker in (watch, best) if tracker is not None]  # their state rides in the checkpoints
+    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
+                            best=best)
+    anchor = AnchorSwitch.from_config(cfg, trainer, best, saver, watch, is_main=ctx.is_main)
+    trackers = [tracker for tracker in (watch, best, anchor) if tracker is not None]  # their state rides in checkpoints
     start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
     trainer.push_initial_weights(**_stale_engines(setup.models, paths, resumed=resume_from is not None,
@@ -87,8 +93,6 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
-    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
-                            best=best)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
         watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
@@ -102,11 +106,13 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(validate(done))
-        alarms = watch.observe(done, metrics)
+        verdict = watch.observe(done, metrics)
+        alarms = verdict.stopping
+        anchored = anchor is not None and anchor.act(done, verdict.anchoring, metrics)
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
         saving = stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps
-        if saving and best is not None and best.improved_by(metrics):
+        if saving and best is not None and not anchored and best.improved_by(metrics):  # anchored: not these weights
             best.choose(done, metrics)  # before the save: the checkpoint carries the choice
         metrics_log.log(done, metrics)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")

@@ -66,7 +66,8 @@ class SampleScorer:
         ids = list(response_ids[:-1] if finish_reason == "stop" else response_ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def __call__(self, prompt: PromptRow, response_ids, logprobs, finish_reason: str, *, is_anchor: bool) -> Sample:
+    def __call__(self, prompt: PromptRow, response_ids, logprobs, finish_reason: str, *, is_anchor: bool,
+                 routed_experts=None) -> Sample:
         reward, correct = score(self.reward_fn, self.response_text(response_ids, finish_reason), prompt.row)
         if self.overlong is not None and self.overlong.buffer_length > 0:
             reward += overlong_penalty(
@@ -81,6 +82,7 @@ class SampleScorer:
             is_anchor=is_anchor,
             reward=float(reward),
             correct=bool(correct),
+            routed_experts=routed_experts,
         )
 
 
@@ -104,6 +106,17 @@ class RolloutCounters:
             self.ref_push_seconds += report.seconds
         else:
             self.actor_restore_seconds += report.seconds
+
+    @classmethod
+    def merged(cls, parts: Sequence[RolloutCounters]) -> RolloutCounters:
+        """The sums of `parts` (e.g. of a step's generation batches; their audit counts too, when they have them)."""
+        total = cls()
+        for name in ("anchor_seconds", "ref_push_seconds", "actor_restore_seconds", "weight_swaps", "anchor_cache_hits"):
+            setattr(total, name, sum(getattr(part, name) for part in parts))
+        audits = [part.audit for part in parts if part.audit is not None]
+        if audits:
+            total.audit = audits[0].from_vector([sum(v) for v in zip(*(a.as_vector() for a in audits), strict=True)])
+        return total
 
     def metrics(self, *, uses_anchors: bool, cache: bool, shared: bool) -> dict[str, float]:
         """The step's metrics: anchor time, cache hits (with a cache), pushes and their time (shared engine)."""
@@ -135,21 +148,25 @@ def generate_samples(
     is_anchor: bool,
     seed: int,
     audit: AuditCounts | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> list[Sample]:
     """`samples_per_prompt` scored samples of every prompt, ordered by prompt then sample index.
 
-    A collective over the default process group when it is initialised: each rank generates its
-    round-robin share of the requests with a rank-specific seed derived from `seed`. With `audit`, the scorer's
+    A collective over `group` (default: the default process group) when torch.distributed is initialised (the
+    background rollouts of rollout.mode one_step_off and async use a group of their own): each rank generates its
+    round-robin share of the requests with a rank-specific seed derived from `seed`. Samples keep the engine's
+    routed experts unless they are anchors (the reference's weights routed them). With `audit`, the scorer's
     audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts over
     ranks for the whole batch's).
     """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
     mine = requests[rank::world]
     local_sampling = dataclasses.replace(sampling, seed=call_seed(seed, rank))
     generations = engine.generate([prompts[p].prompt_ids for p, _ in mine], local_sampling) if mine else []
     samples = [
-        scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor)
+        scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
+               routed_experts=None if is_anchor else g.routed_experts)  # the actor routes anchors itself
         for (p, _), g in zip(mine, generations)
     ]
     if audit is not None:
@@ -157,6 +174,6 @@ def generate_samples(
             audit.add(sample.correct, scorer.audit(prompts[p], sample))
     answered = mine  # the (prompt, sample index) of each sample
     if world > 1:  # every rank's share, in rank order: rank r's samples answer requests[r::world]
-        samples = all_gather_samples(samples)
+        samples = all_gather_samples(samples, group)
         answered = [request for r in range(world) for request in requests[r::world]]
     return [sample for _, sample in sorted(zip(answered, samples), key=lambda item: item[0])]

@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
+from megatron_armor.trainer.optimizer import torch_optimizers
 
 REF_PREFIX = "ref."
 DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -93,7 +94,7 @@ def _init_adam_state(optimizer: Any) -> None:
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(part, "init_state_fn", None) is not None and getattr(part, "optimizer", None) is not None:
             part.init_state_fn(part.optimizer, part.config)
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
@@ -111,15 +112,9 @@ def _drop_master_weights(tree: Any, *, keep_data: bool) -> None:
             _drop_master_weights(value, keep_data=keep_data)
 
 
-def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside a Megatron optimizer (chained or not) that hold parameters of this rank."""
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
-
-
 def adam_step(optimizer: Any) -> int:
     """The number of Adam steps the optimizer (Megatron's, chained or not) took: its common per-parameter step."""
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for state in [*inner.state.values(), *inner.param_groups]:
             if "step" in state:
                 return int(state["step"])
@@ -135,7 +130,7 @@ def _load_with_adam_step(optimizer: Any, state: dict[str, Any], step: int) -> No
         if isinstance(torch_style, dict) and isinstance(torch_style.get("state"), dict):
             torch_style["state"]["common_step"] = torch.tensor(float(step))
     optimizer.load_state_dict(state)
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             group.update({"step": step} if "step" in group else {})
             for param in group["params"]:

@@ -19,6 +19,7 @@ from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.scoring.logprobs import LogprobResult, ScoringConfig, compute_logprobs
+from megatron_armor.scoring.routes import routing_pass
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
 from megatron_armor.trainer.samples import call_seed
@@ -47,15 +48,17 @@ class PreparedBatch:
            ref_logprobs [B, S] float32, teacher_logprobs and token_advantages [B, S] float32 (OPD);
     mini_batches: row slices of `batch`, one per optimizer step;
     old_entropy: [B, S] float32 policy entropy before the update (0 off the response);
-    num_tokens: prompt + response tokens of the whole step (all data-parallel ranks).
+    num_tokens: prompt + response tokens of the whole step (all data-parallel ranks);
+    routing_metrics: a MoE actor's `moe/*` routing metrics of the old-logprob pass (`scoring/routes.py`).
     With `StepPlan.old_logprobs_from_update` old_logprobs and old_entropy are None until the update's forward
-    gives them (`record_old_scores`).
+    gives them (`record_old_scores`), and the update reports the routing metrics.
     """
 
     batch: SequenceBatch
     mini_batches: list[SequenceBatch]
     old_entropy: torch.Tensor | None
     num_tokens: int
+    routing_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def record_old_scores(self, scores: LogprobResult) -> None:
         """Keep the old-policy logprobs and entropy the on-policy update's forward gave ([B, S] rows of `batch`)."""
@@ -81,6 +84,10 @@ def advantage_batch(
         for local in local_mini_batch_groups(group_tokens, plan.mini_batch_size, dp_size, dp_rank)
     ]
     order = [r for mini in rows for r in mini]
+    if plan.routing_replay.engines_record and any(s.routed_experts is None for s in samples if not s.is_anchor):
+        raise ValueError("train.routing_replay rollout replays the engine's routing, but on-policy samples carry no "
+                         "routed_experts: the actor must be a MoE model sampled by its own engine (not the OPD "
+                         "teacher's), and SGLang servers need --enable-return-routed-experts")
     batch = build_sequence_batch([samples[r] for r in order], advantages[order].tolist(), pad_token_id=pad_token_id)
     return AdvantageBatch(
         batch=batch,
@@ -96,13 +103,20 @@ def score_logprobs(
     """The actor's logprobs and entropy before the update (unless the update gives them:
     `StepPlan.old_logprobs_from_update`), and what the algorithm asks for: the reference's logprobs, the
     teacher's, and per-token advantages from the scored batch (its random draws: one stream per optimizer-step
-    count and data shard). Collective over the model-parallel group; fills in `advantaged.batch` in place."""
+    count and data shard). A MoE actor's old-logprob pass replays the batch's routes (R3) and reports its routing
+    metrics; under R2 its routers' choices become the routes the update replays. Collective over the model-parallel
+    group; fills in `advantaged.batch` in place."""
     batch, algorithm = advantaged.batch, plan.algorithm
-    old_entropy = None
+    old_entropy, routing_metrics = None, {}
     if not plan.old_logprobs_from_update:
+        routing = routing_pass(models.actor, batch)
         old = compute_logprobs(models.actor, batch, micro_batching=plan.micro_batching,
-                               scoring=dataclasses.replace(scoring, with_entropy=True))
+                               scoring=dataclasses.replace(scoring, with_entropy=True), routing=routing)
         batch.old_logprobs, old_entropy = old.logprobs, old.entropy
+        if routing is not None:
+            routing_metrics = routing.metrics()
+            if plan.routing_replay.update_replays_old_pass:
+                batch.routed_experts = routing.chosen
     if algorithm.needs_ref_logprobs:
         batch.ref_logprobs = compute_logprobs(
             models.ref, batch, micro_batching=plan.micro_batching, scoring=scoring
@@ -121,6 +135,7 @@ def score_logprobs(
         mini_batches=[batch.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])],
         old_entropy=old_entropy,
         num_tokens=advantaged.num_tokens,
+        routing_metrics=routing_metrics,
     )
 
 
@@ -129,7 +144,8 @@ def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_ancho
     Mismatch-K3 on on-policy tokens; none unless the actor's engine sampled the batch: `sampled_by_actor`
     False when the OPD teacher did), mix KL, OPD reverse KL.
 
-    Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks (collective).
+    Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks (collective); the
+    routing metrics of the old-logprob pass (already over all ranks) join them.
     """
     batch = prepared.batch
     metrics = {"policy/entropy": float(masked_mean(prepared.old_entropy, batch.response_mask))}
@@ -145,7 +161,7 @@ def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_ancho
                                       with_anchors=uses_anchors))
     if batch.teacher_logprobs is not None:
         metrics["opd/reverse_kl"] = float(reverse_kl(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask))
-    return mean_over_data_parallel(metrics)
+    return {**mean_over_data_parallel(metrics), **prepared.routing_metrics}
 
 
 def local_mini_batch_groups(

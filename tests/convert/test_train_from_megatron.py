@@ -2,10 +2,9 @@
 with the local engines built from its config and filled by the trainer's weight push."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from launcher import armor
 
 from megatron_armor.config import load_config
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
@@ -21,13 +20,12 @@ def test_train_from_converted_checkpoint(synthetic_cache, tmp_path):
     warm = prepare_task(load_config(CONFIG, overrides), is_main=True, needs_teacher=False).model_path
     megatron = convert_hf_to_megatron(warm, tmp_path / "mcore", tp=2, pp=1)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--tp", "1", "--pp", "2",
-           "--max-steps", "1", "--run-dir", str(run_dir), "--model.path", str(megatron),
-           "--task.warm_start_steps", "0", "--task.cache_dir", str(synthetic_cache), "--eval.max_prompts", "8",
-           "--logging.tensorboard", "false", "--logging.progress_bar", "false",
-           *(arg for k, v in TASK.items() for arg in (f"--{k}", v))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = armor("train", "--config", CONFIG, "--tp", "1", "--pp", "2", "--max-steps", "1", "--run-dir", str(run_dir),
+                 "--model.path", str(megatron), "--task.warm_start_steps", "0", "--task.cache_dir",
+                 str(synthetic_cache), "--eval.max_prompts", "8", "--logging.tensorboard", "false",
+                 "--logging.progress_bar", "false", *(arg for k, v in TASK.items() for arg in (f"--{k}", v)),
+                 nproc=2, log_dir=tmp_path / "logs")
+    assert proc.returncode == 0, proc.output[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # The engines were built empty from config.json: these hold only if the converted weights reached them.
     assert rows[1]["mismatch/logprob_abs_diff"] < 1e-3

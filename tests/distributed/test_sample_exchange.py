@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 from launcher import run_workers
 from megatron_armor.data.types import Sample
-from megatron_armor.distributed import sample_exchange
+from megatron_armor.distributed import device
+from megatron_armor.distributed.device import collective_device
 from megatron_armor.distributed.sample_exchange import (
-    FINISH_REASONS, PackedSamples, collective_device, pack_samples, unpack_samples,
+    FINISH_REASONS, PackedSamples, pack_samples, unpack_samples,
 )
 
 BIG = 2**63 - 1
@@ -48,19 +49,39 @@ def test_packed_shapes_and_dtypes():
     assert (packed.token_ids.dtype, packed.token_ids.shape) == (torch.int64, (3 + 2 + 1 + 0 + 0 + 3 + 4 + 1,))
     assert (packed.engine_logprobs.dtype, packed.engine_logprobs.shape) == (torch.float64, (6,))
     assert packed.lengths.tolist() == [[3, 2], [1, 0], [0, 3], [4, 1]]
-    assert packed.scalars.tolist() == [[3, 0, 1, 0], [0, 1, 0, 1], [9, 0, 0, 1], [2**40, 1, 1, 0]]
+    assert packed.scalars.tolist() == [[3, 0, 1, 0, 0], [0, 1, 0, 1, 0], [9, 0, 0, 1, 0], [2**40, 1, 1, 0, 0]]
+    assert packed.routes.shape == (0,) and packed.route_shape == (0, 0)
     assert (packed.rewards.dtype, packed.rewards.shape) == (torch.float64, (4,))
     assert FINISH_REASONS == ("stop", "length")
 
 
 def test_words_round_trip_ignores_padding_and_holds_no_samples():
     words = pack_samples(samples()).to_words()
-    assert words.dtype == torch.int64 and words.numel() == 1 + 7 * 4 + 14 + 6
+    assert words.dtype == torch.int64 and words.numel() == 3 + 8 * 4 + 14 + 6
     padded = torch.cat([words, torch.full((5,), -7, dtype=torch.int64)])
     assert bits(unpack_samples(PackedSamples.from_words(padded))) == bits(samples())
     empty = pack_samples([])
-    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 4)
+    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 5)
     assert unpack_samples(PackedSamples.from_words(empty.to_words())) == []
+
+
+def test_routed_experts_travel_exactly_and_only_with_the_samples_that_have_them():
+    """MoE routes [P + R - 1, L, k] int32 (SGLang's layout) as int32 pairs in the words; samples without keep None."""
+    routed = samples()
+    g = torch.Generator().manual_seed(0)
+    for i in (0, 3):
+        fed = len(routed[i].prompt_ids) + len(routed[i].response_ids) - 1
+        routed[i].routed_experts = torch.randint(0, 128, (fed, 3, 2), generator=g, dtype=torch.int32)
+    words = pack_samples(routed).to_words()
+    assert words.numel() == 3 + 8 * 4 + 14 + 6 + (4 + 4) * 3 * 2 // 2
+    back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.full((3,), -7, dtype=torch.int64)])))
+    assert bits(back) == bits(routed)
+    for mine, theirs in zip(back, routed):
+        assert (mine.routed_experts is None) == (theirs.routed_experts is None)
+        assert theirs.routed_experts is None or torch.equal(mine.routed_experts, theirs.routed_experts)
+    routed[0].routed_experts = routed[0].routed_experts[:-1]
+    with pytest.raises(ValueError, match=r"sample 0: routed_experts of shape \(3, 3, 2\), expected \(4, 3, 2\)"):
+        pack_samples(routed)
 
 
 def test_unknown_finish_reason_and_mismatched_logprobs_are_refused():
@@ -77,7 +98,7 @@ def test_collectives_run_on_the_cpu_under_gloo_and_on_the_training_gpu_under_ncc
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert collective_device() == torch.device("cpu")
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(sample_exchange, "training_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(device, "training_device", lambda: torch.device("cuda", 1))
     assert collective_device() == torch.device("cuda", 1)
 
 

@@ -22,6 +22,9 @@ META = torch.device("meta")
 def full_batch() -> SequenceBatch:
     """A 2-row batch with every optional field set."""
     samples = [Sample(0, [5, 6], [7, 8], [-0.5, -1.0], "stop", False), Sample(1, [9], [10, 11], [-0.25, -2.0], "stop", True)]
+    for sample in samples:  # MoE routes of every fed token: [prompt + response - 1, layers, top-k]
+        fed = len(sample.prompt_ids) + len(sample.response_ids) - 1
+        sample.routed_experts = torch.arange(fed * 2 * 2, dtype=torch.int32).reshape(fed, 2, 2) % 4
     batch = build_sequence_batch(samples, [1.0, -1.0], pad_token_id=0, pad_to_multiple_of=4)
     for name in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "token_advantages"):
         setattr(batch, name, torch.rand(batch.response_mask.shape))

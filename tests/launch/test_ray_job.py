@@ -8,7 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from megatron_armor.config import load_config
-from megatron_armor.launch.ray_job import RayJobConfig, _pointed_at, run_ray_job
+from megatron_armor.launch.ray_job import RayJobConfig, _pointed_at, _server_spec, run_ray_job
+from megatron_armor.launch.server_process import server_command
 
 CONFIG = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
 
@@ -49,3 +50,15 @@ def test_colocated_jobs_hand_the_gpu_over_both_ways():
     assert colocated.memory.release_servers and colocated.memory.offload_trainer
     disaggregated = _pointed_at(cfg, groups, colocated=False).rollout
     assert not disaggregated.memory.release_servers and not disaggregated.memory.offload_trainer
+
+
+def test_actor_servers_return_routed_experts_under_r3():
+    """train.routing_replay rollout: the actor's servers start with --enable-return-routed-experts (SGLang's flag,
+    which `armor serve-local` shares); the reference's, and every server under the other modes, without it."""
+    job = RayJobConfig(server_kind="local")
+    for replay, actor_flag in (("rollout", True), ("recompute", False), ("none", False)):
+        cfg = load_config(CONFIG, [f"train.routing_replay={replay}"])
+        specs = {role: _server_spec(cfg, job, role, "/ckpt", seed_offset=0) for role in ("actor", "reference")}
+        commands = {role: server_command(spec, host="h", port=1, seed=0) for role, spec in specs.items()}
+        assert ("--enable-return-routed-experts" in commands["actor"]) == actor_flag, replay
+        assert "--enable-return-routed-experts" not in commands["reference"], replay

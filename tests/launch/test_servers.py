@@ -24,6 +24,10 @@ def test_sglang_command_carries_the_launch_settings():
                      "--random-seed": "13", "--mem-fraction-static": "0.8"}  # seed 7 + 3 servers x 2 GPUs
     assert "--enable-memory-saver" in cmd and "--enable-weights-cpu-backup" in cmd and cmd[-2:] == ["--dtype", "bfloat16"]
     assert "--enable-weights-cpu-backup" not in server_command(ServerConfig(model_path="/ckpt"), host="h", port=1, seed=0)
+    for kind in ("sglang", "local"):  # serve-local takes SGLang's flag for recording routed experts
+        flags = [server_command(ServerConfig(model_path="/ckpt", kind=kind, return_routed_experts=routes), host="h",
+                                port=1, seed=0) for routes in (True, False)]
+        assert "--enable-return-routed-experts" in flags[0] and "--enable-return-routed-experts" not in flags[1], kind
 
 
 def test_local_stand_in_has_no_tensor_parallelism():

@@ -1,4 +1,5 @@
-"""Qwen3-MoE on Megatron (MoE layers, experts over EP=1 and EP=2, gloo) against the HF transformers reference."""
+"""Qwen3-MoE on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with sequence parallelism, EP=2 x TP=2; gloo)
+against the HF transformers reference."""
 
 from pathlib import Path
 
@@ -29,23 +30,36 @@ def test_moe_shape_from_config(tiny_model_factory):
                                "num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 32})
 
 
-def test_moe_matches_hf_and_ep2_matches_ep1(tiny_model_factory, tmp_path):
-    """Forward vs HF and exports at EP=1 and EP=2; EP=2 logprobs and gathered gradients equal EP=1's."""
+# process count -> the layouts ("tp<T>ep<E>") its one launch runs; TP > 1 with sequence parallelism and expert TP = TP.
+LAYOUTS = {1: ["tp1ep1"], 2: ["tp1ep2", "tp2ep1"], 4: ["tp2ep2"]}
+
+
+def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_path):
+    """Forward vs HF and exports at EP=1, EP=2, TP=2 (sequence parallel) and EP=2 x TP=2; every layout's logprobs
+    (of its data-parallel rank's rows) and gathered gradients equal the one-process ones."""
     model_dirs = [str(tiny_model_factory("qwen3_moe", **options)) for options in VARIANTS.values()]
-    ep1 = run_workers("moe_parity.py", 1, tmp_path / "ep1", *model_dirs)
-    ep2 = run_workers("moe_parity.py", 2, tmp_path / "ep2", *model_dirs)
+    results = {}
+    for nproc, layouts in LAYOUTS.items():
+        ranks = run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(layouts), *model_dirs)
+        results.update({(layout, f"n{nproc}"): [rank[layout] for rank in ranks] for layout in layouts})
     for variant, model_dir in zip(VARIANTS, model_dirs):
-        for ep, results in ((1, ep1), (2, ep2)):
-            for result in (rank[model_dir] for rank in results):
-                assert result["forward_diff"] < TOL, (variant, ep, result["forward_diff"])
-                assert result["export_keys_match"] and result["export_equal"], (variant, ep)
-                assert result["local_experts"] == 4 // ep, (variant, ep)
         name = Path(model_dir).name
-        one = torch.load(tmp_path / "ep1" / name / "rank0.pt")
-        two = [torch.load(tmp_path / "ep2" / name / f"rank{r}.pt") for r in range(2)]
-        assert torch.allclose(torch.cat([two[0]["logprobs"], two[1]["logprobs"]])[[0, 2, 1, 3]], one["logprobs"],
-                              atol=1e-5), variant
-        for rank in two:
-            assert rank["grads"].keys() == one["grads"].keys(), variant
-            for key, grad in one["grads"].items():
-                assert torch.allclose(rank["grads"][key], grad, atol=1e-5), (variant, key)
+        one = torch.load(tmp_path / "n1" / "tp1ep1" / name / "rank0.pt")
+        for (layout, launch), ranks in results.items():
+            ep = int(layout.split("ep")[1])
+            for rank, result in enumerate(rank[model_dir] for rank in ranks):
+                assert result["forward_diff"] < TOL, (variant, layout, result["forward_diff"])
+                assert result["export_keys_match"] and result["export_equal"], (variant, layout)
+                assert result["local_experts"] == 4 // ep, (variant, layout)
+                dp_rank, dp = result["dp"]
+                saved = torch.load(tmp_path / launch / layout / name / f"rank{rank}.pt")
+                assert torch.allclose(saved["logprobs"], one["logprobs"][dp_rank::dp], atol=1e-5), (variant, layout)
+                assert saved["grads"].keys() == one["grads"].keys(), (variant, layout)
+                for key, grad in one["grads"].items():
+                    assert torch.allclose(saved["grads"][key], grad, atol=grad_atol(grad)), (variant, layout, key)
+
+
+def grad_atol(grad: torch.Tensor) -> float:
+    """fp32 gradients summed in another order (over TP shards, sequence slices): their errors scale with the tensor's
+    largest entries (the embedding's reach thousands behind the RMSNorm of its small weights)."""
+    return max(1e-5, 1e-6 * grad.abs().max().item())

@@ -48,6 +48,24 @@ def test_planted_divergence_fires_reward_gap_and_val_drop():
     assert [kind for _, kind in fired].count("val_drop") == 1  # a lasting condition warns once
 
 
+def test_rearmed_alarms_fire_again_while_their_condition_still_holds():
+    """The anchor action re-arms the monitor after its restart: a lasting drop then fires once more."""
+    stream = list(accuracy_stream(lambda s: 0.5, lambda s: 0.6 if s <= 10 else 0.3))
+    monitor = CollapseMonitor(MonitorConfig(enabled=True, reward_gap=None))
+    assert run(monitor, stream[:20]) == [(15, "val_drop")]
+    assert run(monitor, stream[20:30]) == []  # the drop lasts: it warned once
+    monitor.rearm()
+    assert run(monitor, stream[30:]) == [(35, "val_drop")]  # the best (0.6) is kept: the next validation fires
+
+
+def test_rearmed_window_alarms_wait_for_a_full_window_of_the_restarted_policy():
+    monitor = single("hack_rate", 0.1, window=3)
+    hacking = [(step, {"audit/hack_rate": 0.3}) for step in range(1, 11)]
+    assert run(monitor, hacking[:5]) == [(3, "hack_rate")]
+    monitor.rearm()
+    assert run(monitor, hacking[5:]) == [(8, "hack_rate")]  # steps 6-8 are the new window
+
+
 @pytest.mark.parametrize("noise", [0.0, 0.05])
 def test_healthy_runs_do_not_fire(noise):
     rising = accuracy_stream(lambda s: 0.3 + 0.008 * s, lambda s: 0.28 + 0.008 * s, noise=noise, seed=1)
@@ -119,8 +137,10 @@ def test_monitor_config_validation():
         MonitorConfig(window=0)
     with pytest.raises(ConfigError, match="monitor.hack_rate must be >= 0"):
         MonitorConfig(hack_rate=-0.1)
-    with pytest.raises(ConfigError, match="monitor.actions: 'val_drop=anchor': action 'anchor' is not allowed"):
-        MonitorConfig(actions=["val_drop=anchor"])
+    with pytest.raises(ConfigError, match="monitor.actions: 'val_drop=rollback': action 'rollback' is not allowed"):
+        MonitorConfig(actions=["val_drop=rollback"])
+    assert MonitorConfig(enabled=True, actions=["val_drop=anchor"]).anchors
+    assert not MonitorConfig(actions=["val_drop=anchor"]).anchors  # the monitor is off
     with pytest.raises(ConfigError, match="monitor.actions: 'drift=stop' must look like <kind>=<action>"):
         MonitorConfig(actions=["drift=stop"])
     assert MonitorConfig(actions=["hack_rate = stop"]).action_of()["hack_rate"] == "stop"

@@ -15,7 +15,8 @@ from megatron_armor.rollout.local import LocalEngine, _DecodeBatch
 @torch.no_grad()
 def reference_generate(model, prompts, sampling: SamplingParams, pad_token_id: int = 0):
     """The engine's decode loop before the optimizations: full-width logits at the prefill, a `DynamicCache`
-    grown by concatenation, every row decoded until all stop, `torch.multinomial` over the whole batch.
+    grown by concatenation, every row decoded until all stop, each row's token drawn by inverting its CDF at one
+    uniform per row (counting the cumulative probabilities at or below u times the total).
     Returns [(response ids, logprobs)] per prompt."""
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     batch, width = len(prompts), max(len(p) for p in prompts)
@@ -36,7 +37,9 @@ def reference_generate(model, prompts, sampling: SamplingParams, pad_token_id: i
             tokens = logprobs.argmax(dim=-1)
         else:
             logprobs = torch.log_softmax(logits.float() / sampling.temperature, dim=-1)
-            tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            uniform = torch.rand(batch, generator=generator, dtype=torch.float64)
+            cdf = logprobs.exp().double().cumsum(-1)
+            tokens = (cdf <= (uniform * cdf[:, -1])[:, None]).sum(-1)
         token_logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
         for row in (~finished).nonzero().flatten().tolist():
             out[row][0].append(int(tokens[row]))

@@ -267,3 +267,37 @@ def test_a_cpu_server_keeps_recent_shared_storages_mapped_within_twice_its_weigh
     on_gpu = _MappedPayloads(SimpleNamespace(device=torch.device("cuda"), engine=state.engine))
     on_gpu.loaded([("a", a)])
     assert not on_gpu.storages
+
+
+def test_routed_experts_in_sglang_schema_equal_the_local_engine_s(tiny_model_factory, serving, ready_url):
+    """--enable-return-routed-experts on a MoE model: a request's `return_routed_experts` gets meta_info.routed_experts,
+    base64 int32 [prompt + completion - 1, layers, top-k] (SGLang's), the routes the in-process engine records for the
+    same draw; the SGLang client reads them into its generations. A server without the flag refuses the request."""
+    import base64
+
+    import numpy as np
+
+    from megatron_armor.rollout.base import SamplingParams
+    from megatron_armor.rollout.local import LocalEngine
+
+    model = tiny_model_factory("qwen3_moe")
+    prompts = [[5, 17, 30], [40, 8, 9, 10]]
+    engine, sampling = LocalEngine(model, record_routes=True), SamplingParams(temperature=1.0, max_new_tokens=4, seed=11)
+    local, alone = engine.generate(prompts, sampling), engine.generate(prompts[:1], sampling)  # as the client sends it
+    with serving(model, load=False) as moe:
+        moe.state.return_routed_experts = True
+        moe.state.load()
+        url = f"http://127.0.0.1:{moe.state.port}"
+        reply = http_call(url, "/generate", {"input_ids": prompts, "return_routed_experts": True, "sampling_params": {
+            "temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 11, "ignore_eos": True}})
+        client = SGLangEngine([url], SGLangEngineConfig(startup_timeout_s=30, routed_experts_shape=(2, 2)))
+        through_client = client.generate(prompts[:1], sampling)
+    for item, generation in zip(reply, local):
+        assert item["output_ids"] == generation.response_ids
+        routes = np.frombuffer(base64.b64decode(item["meta_info"]["routed_experts"]), dtype=np.int32).reshape(-1, 2, 2)
+        assert routes.shape[0] == item["meta_info"]["prompt_tokens"] + item["meta_info"]["completion_tokens"] - 1
+        assert torch.equal(torch.from_numpy(routes.copy()), generation.routed_experts)
+    assert through_client[0].response_ids == alone[0].response_ids
+    assert torch.equal(through_client[0].routed_experts, alone[0].routed_experts)
+    with pytest.raises(ServerError, match="--enable-return-routed-experts"):
+        http_call(ready_url, "/generate", {"input_ids": [1, 2], "return_routed_experts": True})

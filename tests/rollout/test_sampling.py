@@ -42,3 +42,21 @@ def test_temperature_zero_is_argmax_with_unscaled_logprobs():
     tokens, logprobs = sample_next_tokens(logits, SamplingParams(temperature=0.0), None)
     assert tokens.tolist() == [1, 0]
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_token_of_probability_zero():
+    """Inverse-CDF draws: each token's share matches its probability (within 4 sigma), a token with probability
+    0 (exp(-inf)) between two others is never drawn, and rows drawn for a batch of which only some rows remain
+    (`rows`) equal the full batch's draws of those rows."""
+    _, tokens, _ = draw(1.0, top_p=1.0)
+    for token, p in enumerate(PROBS.tolist()):
+        share = (tokens == token).float().mean().item()
+        assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / DRAWS), (token, share)
+    logits = torch.tensor([[0.0, -math.inf, 0.0]]).repeat(DRAWS, 1)
+    tokens, _ = sample_next_tokens(logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(1))
+    assert set(tokens.tolist()) == {0, 2}
+    full, _ = sample_next_tokens(logits[:6], SamplingParams(temperature=1.0), torch.Generator().manual_seed(2))
+    kept = torch.tensor([1, 4, 5])
+    part, _ = sample_next_tokens(logits[kept], SamplingParams(temperature=1.0), torch.Generator().manual_seed(2),
+                                 rows=kept, batch_size=6)
+    assert part.tolist() == full[kept].tolist()

@@ -3,10 +3,9 @@ anchors, weights pushed per tensor (the replicated ones from the trainer's own s
 ones staged)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from launcher import armor
 
 from megatron_armor.data.datasets import write_jsonl
 from megatron_armor.rewards.arithmetic import make_rows
@@ -27,18 +26,18 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
     train = tmp_path / "train.jsonl"
     write_jsonl(make_rows(400, seed=1234)[:16], train)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "2",
-           "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
-           "--task.num_val_rows", "16", "--data.train_path", str(train), "--eval.every", "0",
-           "--eval.before_train", "false", "--checkpoint.every", "2", "--checkpoint.save_model", "false",
-           "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false",
-           "--train.lr", "5e-4", "--train.warmup_steps", "0",  # the actor moves away from the reference at once
-           "--rollout.anchors.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang.urls", server.url,
-           "--rollout.anchors.engine", "shared", "--rollout.anchors.cache", "true",
-           "--rollout.anchors.cache_max_prompts", "8", "--rollout.weight_sync.payload", "per_tensor"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:] + server.output()[-2000:]
-    assert "[rank 0] INFO megatron_armor: weights in shared memory for per-tensor pushes" in proc.stderr
+    proc = armor("train", "--config", CONFIG, "--max-steps", "2",
+                 "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
+                 "--task.num_val_rows", "16", "--data.train_path", str(train), "--eval.every", "0",
+                 "--eval.before_train", "false", "--checkpoint.every", "2", "--checkpoint.save_model", "false",
+                 "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false",
+                 "--train.lr", "5e-4", "--train.warmup_steps", "0",  # the actor moves away from the reference at once
+                 "--rollout.anchors.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang.urls", server.url,
+                 "--rollout.anchors.engine", "shared", "--rollout.anchors.cache", "true",
+                 "--rollout.anchors.cache_max_prompts", "8", "--rollout.weight_sync.payload", "per_tensor",
+                 nproc=2, log_dir=tmp_path / "logs")  # the recipe's TP=2
+    assert proc.returncode == 0, proc.output[-6000:] + server.output()[-2000:]
+    assert "[rank 0] INFO megatron_armor: weights in shared memory for per-tensor pushes" in proc.output
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, second = rows
     assert first["armor/anchor_cache_hits"] == 8 * (first["train/num_gen_batches"] - 1)

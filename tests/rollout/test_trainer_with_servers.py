@@ -4,10 +4,9 @@ their memory to the trainer for its phases, and the trainer parking its own for 
 placement (`armor ray-train --placement colocated` sets both)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from launcher import armor
 
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, http_call
 
@@ -25,15 +24,14 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     ref = start_server(tiny_model_factory("qwen2"), "--enable-weights-cpu-backup")
     SGLangEngine([*(a.url for a in actors), ref.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--max-steps", "2",
-           "--checkpoint.every", "1",
-           "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
-           "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
-           "--logging.progress_bar", "false", "--rollout.backend", "sglang",
-           "--rollout.sglang.urls", ",".join(a.url for a in actors), "--rollout.sglang.ref_urls", ref.url,
-           "--rollout.memory.release_servers", "true", "--rollout.memory.offload_trainer", "true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:] + actor.output()[-2000:]
+    proc = armor("train", "--config", CONFIG, "--max-steps", "2", "--checkpoint.every", "1",
+                 "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
+                 "--task.num_val_rows", "16", "--eval.max_prompts", "8", "--logging.tensorboard", "false",
+                 "--logging.progress_bar", "false", "--rollout.backend", "sglang",
+                 "--rollout.sglang.urls", ",".join(a.url for a in actors), "--rollout.sglang.ref_urls", ref.url,
+                 "--rollout.memory.release_servers", "true", "--rollout.memory.offload_trainer", "true",
+                 nproc=2, log_dir=tmp_path / "logs")  # the recipe's TP=2
+    assert proc.returncode == 0, proc.output[-6000:] + actor.output()[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step = rows[1]
     assert step["mismatch/logprob_abs_diff"] < 1e-3  # the server sampled with the trainer's actor weights

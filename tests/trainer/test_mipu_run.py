@@ -1,6 +1,7 @@
 """MIPU through the trainer with TP=2 on 2 gloo processes and a simulated-FP8 engine: the Step-1 loss,
 the gate's decisions, bit-exact rollback of actor, optimizer and engine (with the trainer offloaded
-between its phases, as colocated runs do), and a full `armor train` run."""
+between its phases, as colocated runs do; and in rollout.mode one_step_off, with a rollout queued across the
+rollback), and a full `armor train` run."""
 
 import json
 import math
@@ -21,28 +22,48 @@ def _overrides(cache_dir: Path, run_dir: Path) -> list[str]:
     ]
 
 
-def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic_cache, tmp_path):
-    """rollout.memory.offload_trainer on: the rollback snapshot lives on the host and the restore runs in a
-    training phase; the rollouts run with the actor's weights parked, the gate's with them resident."""
+MODES = {  # rollout mode -> its overrides
+    "sync": ["train.max_steps=2", "rollout.memory.offload_trainer=true"],
+    "one_step_off": ["train.max_steps=3", "rollout.mode=one_step_off"],
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic_cache, tmp_path, mode):
+    """Steps: forced accept, forced reject (one_step_off: and a third step, accepted).
+
+    sync, with rollout.memory.offload_trainer on: the rollback snapshot lives on the host and the restore runs in a
+    training phase; the rollouts run with the actor's weights parked, the gate's with them resident.
+    one_step_off: step 2's rollout, generated during step 1 from the weights before its update, stays queued
+    through the rollback that restores those weights, and step 2 trains on it on-policy: staleness 0, since a
+    rollback does not advance the weight version."""
     ranks = run_workers("mipu_rollback.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, tmp_path / "run"),
-                        "rollout.memory.offload_trainer=true")
+                        *MODES[mode])
     for result in ranks:
-        accepted, rejected = result["accepted"], result["rejected"]
+        accepted, rejected = result["metrics"][:2]
         assert accepted["mipu/accepted"] == 1.0 and accepted["mipu/rollbacks"] == 0.0
         assert rejected["mipu/accepted"] == 0.0 and rejected["mipu/rollbacks"] == 1.0
         assert result["accept_changed"] == [True, True, True]  # weights, Adam state, engine all moved
         assert result["reject_restored"] == [True, True, True]
-        assert result["optimizer_steps"] == [2, 2]
         assert result["loss_clip"] == [0.2, 0.2, 1.4]  # mipu.md §2: symmetric eps 0.2, dual bound 1 + 2 eps
-        parked = [[True] * int(m["train/num_gen_batches"]) + [False] for m in (accepted, rejected)]
-        assert result["weights_parked_at_generate"] == parked[0] + parked[1]  # each step: rollouts, then the gate
-        assert rejected["memory/trainer_parked_gib"] > 0 and rejected["perf/trainer_offload_seconds"] > 0
-        for metrics in (accepted, rejected):
+        for metrics in result["metrics"]:
             for key in ("mipu/gap_proxy", "mismatch/k3", "loss/is_weight_mean", "loss/is_truncated_fraction",
                         "loss/policy_loss", "optim/grad_norm"):
                 assert math.isfinite(metrics[key]), (key, metrics)
             assert metrics["mismatch/k3"] > 0 and metrics["mismatch/logprob_abs_diff"] > 1e-3  # fp8 engine
-    assert ranks[0]["rejected"]["mipu/gap_proxy"] == ranks[1]["rejected"]["mipu/gap_proxy"]
+        if mode == "sync":
+            assert result["optimizer_steps"] == [2, 2] and result["versions"] == [1, 1]
+            assert result["rollouts"] == [[0, "MainThread", False], [1, "MainThread", True]]
+            parked = [[True] * int(m["train/num_gen_batches"]) + [False] for m in (accepted, rejected)]
+            assert result["weights_parked_at_generate"] == parked[0] + parked[1]  # each step: rollouts, then the gate
+            assert rejected["memory/trainer_parked_gib"] > 0 and rejected["perf/trainer_offload_seconds"] > 0
+        else:  # the rollback keeps the version: step 2's queued rollout (engine = restored weights) has staleness 0
+            assert result["optimizer_steps"] == [2, 2, 4] and result["versions"] == [1, 1, 2]
+            assert result["rollouts"] == [[0, "MainThread", False], [1, "rollout-step-1", False],
+                                          [2, "rollout-step-2", True]]  # kept, not regenerated
+            assert [m["async/staleness_mean"] for m in result["metrics"]] == [0.0, 1.0, 0.0]
+            assert result["metrics"][2]["mipu/accepted"] == 1.0 and result["metrics"][2]["mipu/rollbacks"] == 1.0
+    assert ranks[0]["metrics"][1]["mipu/gap_proxy"] == ranks[1]["metrics"][1]["mipu/gap_proxy"]
 
 
 def test_mipu_tp2_run_logs_gate_decisions(synthetic_cache, tmp_path):

@@ -1,5 +1,6 @@
 """TP=2 (also with sequence parallelism), PP=2, DP=2 (also with the distributed optimizer) and TP=2 x PP=2 give
-the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU), and so do token-budget and packed micro-batches (one
+the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU), and so do a MoE model's EP=2, PP=2, TP=2 (sequence
+parallel) and EP=2 x TP=2 steps, with routing replay among them, and token-budget and packed micro-batches (one
 process, PP=2 with micro-batches of different shapes, TP=2 with sequence parallelism and the fused head);
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2."""
@@ -35,7 +36,8 @@ MODELS = {
 JOBS = {
     1: {"base": ("dense", 1, 1, "torch"), "tied-base": ("tied", 1, 1, "torch"),
         "budget-packed": ("dense", 1, 1, "torch", "budget=40", "packed"),
-        "moe-base": ("moe", 1, 1, "torch"), "moe-aux": ("moe", 1, 1, "torch", "aux=0.1")},
+        "moe-base": ("moe", 1, 1, "torch"), "moe-aux": ("moe", 1, 1, "torch", "aux=0.1"),
+        "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -45,8 +47,13 @@ JOBS = {
         "tp2-sp-packed-fused-head": ("dense", 2, 1, "fused", "sp", "packed"),
         "tied-pp2": ("tied", 1, 2, "torch"),
         "tied-tp2-fused-head": ("tied", 2, 1, "fused"),
-        "moe-ep2": ("moe", 1, 1, "torch", "ep=2"), "moe-pp2": ("moe", 1, 2, "torch")},
-    4: {"tp2xpp2": ("dense", 2, 2, "torch")},
+        "moe-ep2": ("moe", 1, 1, "torch", "ep=2"), "moe-pp2": ("moe", 1, 2, "torch"),
+        "moe-ep2-r3": ("moe", 1, 1, "torch", "ep=2", "replay=rollout"),
+        "moe-pp2-r2": ("moe", 1, 2, "torch", "replay=recompute"),
+        "moe-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "replay=rollout")},
+    4: {"tp2xpp2": ("dense", 2, 2, "torch"),
+        "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
+        "moe-ep2-pp2": ("moe", 1, 2, "torch", "ep=2")},
 }
 
 
@@ -96,6 +103,30 @@ def test_fused_head_on_padded_tied_vocabulary(runs):
     assert_head_gradient_path(runs["tied-tp2-fused-head"], "fused")
 
 
+def test_moe_routing_replay_under_ep2_pp2_and_tp2_matches_single_rank(runs):
+    """Routing replay (train.routing_replay) of a MoE ARMOR step: replaying an engine's routes (R3, here random ones)
+    with the experts over EP=2, at TP=2 with sequence parallelism (each TP rank's routers see a slice of the
+    sequence: they get that slice's routes, and their choices are gathered back), and at EP=2 x TP=2 (experts split
+    over the expert-TP group too), and the old-logprob pass's own
+    routing in the update (R2) with the layers over PP=2 (each stage records and replays its own layers), equal
+    their one-process steps, routing metrics included; R3 changes the logprobs, and its routers' own choices mostly
+    disagree with the random routes."""
+    r3, r2, base = runs["moe-r3"][0], runs["moe-r2"][0], runs["moe-base"][0]
+    assert_same_step(runs["moe-ep2-r3"], r3)
+    assert_same_step(runs["moe-tp2-sp-r3"], r3)
+    assert runs["moe-ep2-tp2-sp-r3"][0]["layout"] == (2, 1, 2)
+    assert_same_step(runs["moe-ep2-tp2-sp-r3"], r3)
+    assert_same_step(runs["moe-pp2-r2"], r2)
+    some_key = next(iter(base["logprobs"]))
+    assert not torch.allclose(r3["logprobs"][some_key][0], base["logprobs"][some_key][0], atol=1e-3)
+    assert 0 < r3["routing_metrics"]["moe/routing_agreement"] < 0.5 and "moe/routing_agreement" not in r2["routing_metrics"]
+    for name in ("moe-ep2-r3", "moe-tp2-sp-r3", "moe-ep2-tp2-sp-r3", "moe-pp2-r2"):
+        reference = r3 if name.endswith("r3") else r2
+        for result in runs[name]:
+            assert result["routing_metrics"] == pytest.approx(reference["routing_metrics"], rel=1e-9), name
+    assert r2["routing_metrics"]["moe/expert_load_cv"] > 0
+
+
 def assert_same_step(ranks, baseline):
     """Every rank's logprobs (merged over DP shards), gradients, loss metrics and updated weights equal
     the single-process run's."""
@@ -138,14 +169,16 @@ def test_baseline_step_is_not_trivial(runs):
 
 
 def test_moe_ep2_and_pp2_steps_match_single_rank(runs):
-    """A Qwen3-MoE ARMOR step with its experts over EP=2 (DP=2, Megatron DDP and optimizer), or its layers over
-    PP=2, equals the one-process step (experts' gradients gathered over the EP group); with a load-balancing
+    """A Qwen3-MoE ARMOR step with its experts over EP=2 (DP=2, Megatron DDP and optimizer), its layers over
+    PP=2, or both (EP=2 x PP=2 on 4 ranks), equals the one-process step (experts' gradients gathered over the EP group); with a load-balancing
     coefficient the auxiliary loss is logged (`moe/aux_loss`) and moves the routers and the layers below them."""
     base, aux = runs["moe-base"][0], runs["moe-aux"][0]
     assert any(".mlp.experts.3.down_proj" in name for name in base["grads"])
     assert runs["moe-ep2"][0]["layout"] == (1, 1, 2)
     assert_same_step(runs["moe-ep2"], base)
     assert_same_step(runs["moe-pp2"], base)
+    assert runs["moe-ep2-pp2"][0]["layout"] == (1, 2, 2)
+    assert_same_step(runs["moe-ep2-pp2"], base)
     assert "moe/aux_loss" not in base["metrics"] and 0.5 < aux["metrics"]["moe/aux_loss"] < 2.5, aux["metrics"]
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.o_proj.weight"):
         assert not torch.equal(aux["grads"][name], base["grads"][name]), name

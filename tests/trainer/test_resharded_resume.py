@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from launcher import WORKERS, run_workers
@@ -95,8 +96,11 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(uninterrupted, synthetic
         deadline = time.monotonic() + 600
         while len(list(partial.glob("*.distcp"))) < 2 and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-        os.killpg(job.pid, signal.SIGKILL)
+        processes = [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]
+        for process in processes:  # torchrun and its ranks (which torchrun starts in sessions of their own)
+            process.send_signal(signal.SIGKILL)
         job.wait()
+        psutil.wait_procs(processes, timeout=30)
     assert len(list(partial.glob("*.distcp"))) == 2, (tmp_path / "w1" / "stderr.txt").read_text()[-4000:]
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp_step_000002", "step_000001"]

@@ -80,7 +80,7 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan,
                         RolloutSources(prompts, sampling=None, scorer=SampleScorer(None, None)), scoring=None, optim=None)
     # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
-    trainer.rollout.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
+    trainer.rollouts.phase.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
                                                                      _sample(1, False), _sample(1, False)]
     metrics = trainer.step(0)
     assert metrics["train/update_skipped"] == 1.0 and metrics["armor/prompts_kept"] == 0.0

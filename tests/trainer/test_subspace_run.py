@@ -3,12 +3,10 @@ update of a decoder matrix lies in the span of the recorded top-K right singular
 runs offloaded (rollout.memory.offload_trainer), so W0 and the bases are parked between training phases and
 the capture and every checkpoint read them back."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from launcher import armor
 
 from state_trees import full_weight, saved_modules
 
@@ -27,16 +25,15 @@ def _weight(actor: dict, name: str, shape: torch.Size) -> torch.Tensor:
 
 def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", CONFIG, "--tp", "1", "--max-steps", "3",
-           "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
-           "--task.num_val_rows", "16", "--eval.every", "0", "--eval.before_train", "false",
-           "--checkpoint.every", "1", "--checkpoint.keep_last", "0", "--logging.tensorboard", "false",
-           "--logging.progress_bar", "false", "--train.subspace_capture_step", "1", "--train.subspace_k", "2",
-           "--train.subspace_mode", "update", "--train.lr", "1e-3",
-           "--train.warmup_steps", "0",  # full-size steps, far above the float32 rounding of the projection
-           "--rollout.memory.offload_trainer", "true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = armor("train", "--config", CONFIG, "--tp", "1", "--max-steps", "3",
+                 "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
+                 "--task.num_val_rows", "16", "--eval.every", "0", "--eval.before_train", "false",
+                 "--checkpoint.every", "1", "--checkpoint.keep_last", "0", "--logging.tensorboard", "false",
+                 "--logging.progress_bar", "false", "--train.subspace_capture_step", "1", "--train.subspace_k", "2",
+                 "--train.subspace_mode", "update", "--train.lr", "1e-3",
+                 "--train.warmup_steps", "0",  # full-size steps, far above the float32 rounding of the projection
+                 "--rollout.memory.offload_trainer", "true", nproc=1, log_dir=tmp_path / "logs")
+    assert proc.returncode == 0, proc.output[-6000:]
     after_capture, final = _checkpoint(run_dir, 1), _checkpoint(run_dir, 3)
     bases = final["subspace"]["bases"]
     assert final["subspace"]["captured_step"] == 1 and final["subspace"]["projected_steps"] == 4  # 2 steps x 2

@@ -3,24 +3,16 @@
 the training state's own tensors (one Megatron distributed checkpoint, TP shards put together)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from launcher import armor
 from safetensors.torch import load_file
 
 from megatron_armor.cli import main
 from state_trees import full_weight, saved_modules
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def armor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_armor.cli", *args], capture_output=True, text=True,
-                          timeout=600, env=ENV)
 
 
 def weight(step_dir: Path, name: str) -> torch.Tensor:
@@ -33,8 +25,9 @@ def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
     proc = armor("train", "--config", CONFIG, "--max-steps", "3", "--run-dir", str(run), "--task.cache_dir",
                  str(synthetic_cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16", "--eval.every", "0",
                  "--eval.before_train", "false", "--checkpoint.every", "1", "--checkpoint.keep_last", "0",
-                 "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--train.lr", "1e-3")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+                 "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--train.lr", "1e-3",
+                 nproc=2, log_dir=tmp_path / "logs")  # the recipe's TP=2
+    assert proc.returncode == 0, proc.output[-6000:]
     steps = run / "checkpoints"
 
     assert main(["convert", "megatron-to-hf", "--megatron-path", str(steps / "step_000003" / "model"),

@@ -3,10 +3,13 @@
 argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (head "torch" | "fused"; option
 "distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism; "budget=N":
 micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD; "ep=N": a MoE model's
-experts over N expert-parallel ranks; "aux=C": its load-balancing auxiliary loss at coefficient C); the process
+experts over N expert-parallel ranks; "aux=C": its load-balancing auxiliary loss at coefficient C; "replay=MODE":
+train.routing_replay MODE, with "rollout" replaying random routes given to the on-policy samples as an engine's);
+the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
-(keyed by sequence), the full HF-named gradients of the first mini-batch, whether the output weight's
+(keyed by sequence), the routing metrics of the old-logprob pass (MoE), the full HF-named gradients of the first
+mini-batch, whether the output weight's
 gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
 the step's loss metrics, the full weights after the step (two optimizer steps, one per mini-batch), the bytes of
 its optimizer's state tensors, the step's update geometry (diagnostics/step_geometry.py), and (option distopt) whether a deep copy of the optimizer's `state_dict()` taken
@@ -41,6 +44,7 @@ from megatron_armor.trainer.policies import PolicyHandles  # noqa: E402
 from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.trainer.training_batch import advantage_batch, score_logprobs  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
+from megatron_armor.scoring.routes import REPLAY_MODES, routing_pass  # noqa: E402
 
 def fixed_groups(num_groups=4, group_size=4):
     """Random sequences of varying length; one correct anchor closes each group."""
@@ -57,6 +61,14 @@ def fixed_groups(num_groups=4, group_size=4):
         groups.append(group)
     return groups
 
+
+
+def give_random_routes(groups, layers, experts, top_k) -> None:
+    """Routes [P + R - 1, layers, top_k] of distinct random experts for every on-policy sample (an engine's)."""
+    g = torch.Generator().manual_seed(7)
+    for sample in (s for group in groups for s in group if not s.is_anchor):
+        fed = len(sample.prompt_ids) + len(sample.response_ids) - 1
+        sample.routed_experts = torch.rand(fed, layers, experts, generator=g).argsort(-1)[..., :top_k].to(torch.int32)
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -110,12 +122,16 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     # layouts are compared on clipped and unclipped tokens alike.
     algorithm = make_algorithm("armor", "armor.alpha=0.75", "algorithm.clip_low=0.003", "algorithm.clip_high=0.003")
     budget = next((int(option.removeprefix("budget=")) for option in options if option.startswith("budget=")), None)
+    replay = next((option.removeprefix("replay=") for option in options if option.startswith("replay=")), "none")
     plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2,
                     micro_batching=MicroBatching(2, max_tokens=budget, pack="packed" in options), actor_n=3,
                     ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
-                    seed=0)
+                    seed=0, routing_replay=REPLAY_MODES[replay])
     scoring = ScoringConfig(temperature=1.0, head=head)
-    advantaged = advantage_batch(fixed_groups(), plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)
+    groups = fixed_groups()
+    if replay == "rollout":
+        give_random_routes(groups, shape.num_layers, shape.num_experts, shape.moe_top_k)
+    advantaged = advantage_batch(groups, plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)
     prepared = score_logprobs(advantaged, handles, plan, scoring, optimizer_steps=0, dp_rank=ctx.dp_rank)
     batch = prepared.batch
     logprobs = {}
@@ -124,8 +140,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
         logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
 
-    forward_backward(ddp, plan.micro_batching.split(prepared.mini_batches[0]),
-                     PolicyLossCallback(algorithm), scoring=scoring, forward_only=False)
+    forward_backward(ddp, plan.micro_batching.split(prepared.mini_batches[0]), PolicyLossCallback(algorithm),
+                     scoring=scoring, forward_only=False, routing=routing_pass(ddp, prepared.mini_batches[0]))
     if "distopt" in options:
         gather_sharded_grads(ddp)
     grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
@@ -145,7 +161,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         ddp, optimizer, prepared.mini_batches[:1], micro_batching=plan.micro_batching, algorithm=algorithm,
         scoring=scoring, optim=optim, rl_step=1))
     (Path(out_dir) / name).mkdir(exist_ok=True)
-    torch.save({"logprobs": logprobs, "grads": grads, "head_in_main_grad": head_in_main_grad,
+    torch.save({"logprobs": logprobs, "routing_metrics": prepared.routing_metrics, "grads": grads, "head_in_main_grad": head_in_main_grad,
                 "metrics": update.metrics, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")

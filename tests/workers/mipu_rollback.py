@@ -1,14 +1,18 @@
-"""Worker: two MIPU steps through `build_training` with a forced accept, then a forced reject.
+"""Worker: train.max_steps (2 or 3) MIPU steps through `build_training` with forced gate decisions: accept,
+reject, accept.
 
-argv: out_dir config_yaml overrides... Every rank reports both steps' metrics, whether actor
+argv: out_dir config_yaml overrides... Every rank reports each step's metrics, whether actor
 weights, optimizer state and engine weights after the rejected step equal (bit for bit) those
-after the accepted one, and the clip settings of the loss it built. With rollout.memory.offload_trainer
+after the accepted one, the clip settings of the loss it built, and for every rollout the step it is for, the
+thread that generated it and whether the engine then held the weights after the accepted step (with rollout.mode
+one_step_off: the weights the rejected step's rollback restores). With rollout.memory.offload_trainer
 it also reports, for every generate call, whether the actor's weights were parked during it.
 """
 
 import copy
 import dataclasses
 import sys
+import threading
 
 import torch
 
@@ -50,6 +54,18 @@ def recording_generate(prompts, sampling):
 
 
 trainer.models.actor_engine.generate = recording_generate
+collected = []  # (step, generating thread, the engine's weights) of every rollout
+collect = trainer.rollouts.phase.collect
+
+
+def recording_collect(step):
+    weights = {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()}
+    rollout = collect(step)
+    collected.append((step, threading.current_thread().name, weights))
+    return rollout
+
+
+trainer.rollouts.phase.collect = recording_collect
 
 
 def force(c: float) -> None:
@@ -57,19 +73,21 @@ def force(c: float) -> None:
     trainer.gate.config = dataclasses.replace(trainer.gate.config, c_start=c, c_end=c)
 
 
-initial = state()
-force(1e9)
-accepted = trainer.step(0)
-after_accept, steps_after_accept = state(), trainer.optimizer_steps
-force(-1e9)
-rejected = trainer.step(1)
-after_reject = state()
+metrics, states, optimizer_steps, versions = [], [state()], [], []
+for step, c in enumerate([1e9, -1e9, 1e9][:cfg.train.max_steps]):
+    force(c)
+    metrics.append(trainer.step(step))
+    states.append(state())
+    optimizer_steps.append(trainer.optimizer_steps)
+    versions.append(trainer.rollouts.version)
+initial, after_accept, after_reject = states[:3]
 write_result(out_dir, {
-    "accepted": accepted,
-    "rejected": rejected,
+    "metrics": metrics,
     "accept_changed": [not bit_identical(x, y) for x, y in zip(initial, after_accept)],
     "reject_restored": [bit_identical(x, y) for x, y in zip(after_accept, after_reject)],
-    "optimizer_steps": [steps_after_accept, trainer.optimizer_steps],
+    "optimizer_steps": optimizer_steps,
+    "versions": versions,
+    "rollouts": [[step, thread, bit_identical(weights, after_accept[2])] for step, thread, weights in collected],
     "loss_clip": [trainer.plan.algorithm.clip.low, trainer.plan.algorithm.clip.high, trainer.plan.algorithm.clip.dual],
     "weights_parked_at_generate": weights_parked_at_generate,
 })

@@ -1,20 +1,27 @@
-"""Worker: Qwen3-MoE on Megatron (experts over all ranks: EP = world size) against the HF model.
+"""Worker: Qwen3-MoE on Megatron under TP x EP layouts against the HF model.
 
-argv: out_dir model_dir... (each model checked in turn; results keyed by model_dir). Every rank gets the same
-tokens for the forward check; for the gradients rank r takes rows r::world of a fixed batch, the
-loss is the sum of their token logprobs, and the gradients of shared (non-expert) parameters are summed over the
-data-parallel group as Megatron's DDP would (the experts' gradients already hold every rank's tokens, which the
-all-to-all dispatcher routed to them), so they equal the EP=1 gradients of the whole batch. Each rank saves the
-gathered HF-named gradients and the logprobs of its rows to `<out_dir>/<model>/rank<r>.pt`.
+argv: out_dir layouts model_dir..., layouts a comma-separated list of "tp<T>ep<E>" run one after another on the one
+process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each layout. Under
+TP > 1 sequence parallelism is on (Megatron refuses MoE with TP in training without it) and the experts are split
+over the expert-TP group too (expert TP = TP, Megatron's default). Every rank gets the same [3, 14] tokens for the
+forward check; for the gradients data-parallel rank d takes rows d::dp of a fixed [4, 17] batch, the loss is the sum
+of their token logprobs, and gradients are reduced as Megatron's DDP would: sequence-parallel parameters (norms,
+routers: each TP rank saw a slice of the sequence) summed over TP, shared parameters over DP, experts over the
+expert-DP group (the experts' gradients already hold the tokens the all-to-all dispatcher brought them from every
+EP rank), so they equal the one-process gradients of the whole batch. Each rank saves the gathered HF-named
+gradients and the logprobs [rows, 16] of its rows to `<out_dir>/<layout>/<model>/rank<r>.pt` and reports per layout
+and model its forward's max difference to HF, whether the export equals the checkpoint, its local expert count and
+its data-parallel rank and size.
 """
 
-import os
+import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -26,52 +33,73 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 
-out_dir, *model_dirs = sys.argv[1:]
-world = int(os.environ["WORLD_SIZE"])
-ctx = initialize_distributed(1, 1, seed=0, expert_parallel_size=world)
+
+def full_logits(model, ids: torch.Tensor, shape) -> torch.Tensor:
+    """Logits [b, s, vocab] of `ids` [b, s] (the vocabulary shards gathered over TP; differentiable)."""
+    logits = model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+    return gather_from_tensor_model_parallel_region(logits)[..., : shape.vocab_size]
 
 
 def forward_diff(model, hf, shape) -> float:
-    """max |Megatron logits - HF logits| on the same [3, 13] tokens (every rank)."""
-    ids = torch.randint(0, shape.vocab_size, (3, 13), generator=torch.Generator().manual_seed(0))
+    """max |Megatron logits - HF logits| on the same [3, 14] tokens (every rank)."""
+    ids = torch.randint(0, shape.vocab_size, (3, 14), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = model(ids, torch.arange(13).expand(3, -1), None)[..., : shape.vocab_size]
-        return (logits - hf(ids).logits).abs().max().item()
+        return (full_logits(model, ids, shape) - hf(ids).logits).abs().max().item()
+
+
+def reduce_grads(model) -> None:
+    """Sum the gradients as Megatron's DDP and `finalize_model_grads` would (see the module docstring)."""
+    for name, param in model.named_parameters():
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+        expert = ".local_experts." in name
+        dist.all_reduce(param.grad, group=parallel_state.get_expert_data_parallel_group() if expert
+                        else parallel_state.get_data_parallel_group())
 
 
 def rank_rows_grads(model, shape) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logprobs [rows, 15] of this rank's rows of a fixed [4, 16] batch, and the full-batch HF-named gradients."""
-    ids = torch.randint(0, shape.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))[ctx.rank :: world]
-    positions = torch.arange(15).expand(ids.shape[0], -1)
-    logits = model(ids[:, :-1], positions, None)[..., : shape.vocab_size]
+    """Logprobs [rows, 16] of this DP rank's rows of a fixed [4, 17] batch, and the full-batch HF-named gradients."""
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    ids = torch.randint(0, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))[dp_rank::dp]
+    logits = full_logits(model, ids[:, :-1], shape)
     logprobs = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     model.zero_grad()
     logprobs.sum().backward()
-    for name, param in model.named_parameters():
-        if ".local_experts." not in name:
-            dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
+    reduce_grads(model)
     grads = {name: grad.clone() for name, grad in gather_hf_weights(model, shape, use_grads=True)}
     return logprobs.detach(), grads
 
 
-def check(model_dir: str) -> dict:
+def check(model_dir: str, tp: int, ep: int, target: Path) -> dict:
     shape = load_model_shape(model_dir)
-    model = build_gpt_model(shape, transformer_config(shape, ep_size=world), trainable=True)
+    config = transformer_config(shape, tp_size=tp, sequence_parallel=tp > 1, ep_size=ep)
+    model = build_gpt_model(shape, config, trainable=True)
     load_hf_weights(model, model_dir, shape)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stored = load_file(str(Path(model_dir) / "model.safetensors"))  # HF names: one tensor per expert projection
     exported = dict(gather_hf_weights(model, shape))
     logprobs, grads = rank_rows_grads(model, shape)
-    target = Path(out_dir) / Path(model_dir).name
-    target.mkdir(exist_ok=True)
-    torch.save({"logprobs": logprobs, "grads": grads}, target / f"rank{ctx.rank}.pt")
+    target.mkdir(parents=True, exist_ok=True)
+    torch.save({"logprobs": logprobs, "grads": grads}, target / f"rank{dist.get_rank()}.pt")
     return {
         "forward_diff": forward_diff(model, hf, shape),
         "export_keys_match": set(exported) == set(stored),
         "export_equal": all(torch.equal(exported[k], stored[k]) for k in stored),
         "local_experts": len(model.decoder.layers[-1].mlp.experts.local_experts),
+        "dp": [parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()],
     }
 
 
-write_result(out_dir, {model_dir: check(model_dir) for model_dir in model_dirs})
+def run_layout(layout: str, model_dirs: list[str]) -> dict:
+    """Every model's results under `layout` ("tp<T>ep<E>")."""
+    tp, ep = map(int, re.fullmatch(r"tp(\d+)ep(\d+)", layout).groups())
+    initialize_distributed(tp, 1, seed=0, expert_parallel_size=ep)
+    results = {model_dir: check(model_dir, tp, ep, Path(out_dir) / layout / Path(model_dir).name)
+               for model_dir in model_dirs}
+    parallel_state.destroy_model_parallel()  # the next layout builds its own groups on the same process group
+    return results
+
+
+out_dir, layouts, *model_dirs = sys.argv[1:]
+write_result(out_dir, {layout: run_layout(layout, model_dirs) for layout in layouts.split(",")})
 destroy_distributed()

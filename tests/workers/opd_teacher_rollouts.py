@@ -36,7 +36,7 @@ def unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -
     return before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
 
-groups = trainer.rollout.collect(0).groups
+groups = trainer.rollouts.phase.collect(0).groups
 advantaged = advantage_batch(groups, trainer.plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank,
                              pad_token_id=trainer.models.pad_token_id)
 prepared = score_logprobs(advantaged, trainer.models, trainer.plan, trainer.scoring,

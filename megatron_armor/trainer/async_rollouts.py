@@ -1,0 +1,173 @@
+"""rollout.mode async: a background generator keeps a buffer of generation batches filled while the trainer trains.
+
+The generator (a daemon thread; its collectives over the overlapped modes' gloo group) produces one generation batch
+at a time (`RolloutPhase.generation_batch`: prompts drawn, sampled, scored, grouped), tagged with the weight version
+the engine held while it generated it, into a buffer of at most `StepPlan.async_buffer_batches` batches (the one in
+flight included). `take(step)` pops batches in the order they were drawn until `train_batch_size` groups are in
+(sync's filtering and `max_num_gen_batches`; the groups the last batch has beyond them are dropped, as sync drops
+them), waiting for the generator when the buffer is empty; a batch more than `StepPlan.max_staleness` versions older
+than the trainer's weights is dropped instead (async/dropped_stale_groups counts its kept groups; its prompts count
+as drawn, as those that filtering drops). So no step trains on a sample older than `max_staleness` versions.
+
+The engine's weights change only between generation batches: `settle` (before every weight push) stops the generator
+after the batch in flight, not the whole buffer, and `take` lets it go on with the new weights. Every rank's generator
+must make the same collective calls, so the point where it stops is agreed: `settle` takes the largest number of
+batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
+many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
+whether a batch began before or after a push is agreed, so its version is the same on every rank too. Stopped, the
+generator waits through the push, the MIPU gate, validation and checkpoints until the next `take`.
+
+Checkpoints save the sampler's position from before the oldest batch not yet trained (buffered or generating):
+buffered samples are not saved but regenerated on resume, with the checkpoint's weights, from the same prompts and
+seeds (a batch's seeds derive from the sampler position it starts at). Reference resets and the anchor action drop the
+buffer the same way (`discard_queued`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Any
+
+from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.distributed.reduce import max_over_ranks
+from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase
+from megatron_armor.trainer.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferedBatch:
+    """A generated batch waiting in the buffer and the weight version that sampled it."""
+
+    batch: GenerationBatch
+    version: int
+
+
+@register_schedule
+class AsyncRollouts(OverlappedRollouts):
+    """rollout.mode async: generation batches from a background generator, at most `max_staleness` versions old."""
+
+    mode = "async"
+
+    def __init__(self, phase: RolloutPhase, sampler: PromptSampler, last_step: int | None) -> None:
+        super().__init__(phase, sampler, last_step)
+        self.max_staleness, self.buffer_batches = phase.plan.max_staleness, phase.plan.async_buffer_batches
+        self._thread: threading.Thread | None = None
+        # counts of batches since the start (the same on every rank but `_begun` / `_finished` between agreements)
+        self._issued = 0  # batches the generator may begin (consumed + buffer size)
+        self._limit: float = 0  # ... and at most this many (the agreed stop of `settle`; inf while running)
+        self._begun = 0
+        self._finished = 0
+        self._consumed = 0  # batches `take` popped (trained on or dropped)
+        self._buffer: collections.deque[BufferedBatch] = collections.deque()  # finished, not yet consumed
+        # the sampler's position before each batch begun and not yet consumed (its prompts are drawn from there)
+        self._positions: collections.deque[dict[str, Any]] = collections.deque()
+        self._stopped = True  # `settle` stopped the generator and nothing resumed it since
+        self._idle_since = 0.0  # when the generator last began waiting (perf_counter)
+        self._generating = 0.0  # s the generator spent on batches during this step
+
+    def take(self, step: int) -> Rollout:
+        last = self.last_step is not None and step + 1 >= self.last_step
+        self._resume()
+        collector, taken, dropped = self.phase.new_collector(), [], 0
+        while not collector.done:
+            self._issue(self._consumed + 1 if last else self._consumed + self.buffer_batches)
+            item = self._pop()
+            if self.version - item.version > self.max_staleness:
+                dropped += len(item.batch.groups)
+                continue
+            collector.add(item.batch.groups, item.batch.stats)
+            taken.append(item)
+        if not last:
+            self._issue(self._consumed + self.buffer_batches)
+        rollout = self.phase.assemble(collector, [item.batch for item in taken], None)
+        versions = [item.version for item in taken for _ in item.batch.groups][: len(rollout.groups)]
+        rollout = dataclasses.replace(rollout, versions=versions)
+        metrics = {**rollout.metrics, **staleness_metrics(self.version, rollout),
+                   "async/dropped_stale_groups": float(dropped)}
+        return dataclasses.replace(rollout, metrics=metrics)
+
+    def _resume(self) -> None:
+        """Let the generator begin batches again (with the engine's current weights); start it the first time."""
+        with self._cond:
+            self._limit, self._stopped = math.inf, False
+            self._cond.notify_all()
+        if self._thread is None:
+            self._idle_since = time.perf_counter()
+            self._thread = self._start_thread("rollout-generator", self._generate_forever)
+
+    def _issue(self, count: int) -> None:
+        """Let the generator begin up to `count` batches in all (the same `count` on every rank)."""
+        with self._cond:
+            self._issued = max(self._issued, count)
+            self._cond.notify_all()
+
+    def _pop(self) -> BufferedBatch:
+        """The oldest buffered batch, waiting for the generator when there is none (re-raises its failure)."""
+        start = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: self._buffer or self._error is not None)
+            self._raise_failure("the asynchronous rollout generator")
+            self._positions.popleft()
+            self._consumed += 1
+            self._perf.trainer_idle += time.perf_counter() - start
+            return self._buffer.popleft()
+
+    def _generate_forever(self) -> None:
+        """The generator's loop: begin a batch whenever `_issued` and `_limit` allow, buffer it with its version."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._begun < min(self._issued, self._limit))
+                self._begun += 1
+                version, position = self.version, self.sampler.state_dict()
+                self._positions.append(position)
+                began = time.perf_counter()
+                self._perf.rollout_idle += began - self._idle_since
+            batch = self.phase.generation_batch(("async", *position.values()))  # the same seeds when regenerated
+            with self._cond:
+                self._buffer.append(BufferedBatch(batch, version))
+                self._finished += 1
+                self._idle_since = time.perf_counter()
+                self._generating += self._idle_since - began
+                self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Stop the generator after the batches any rank's generator has begun (collective, the first call after a
+        `take`); the wait counts as the trainer's idle time."""
+        if self._stopped:
+            return
+        start = time.perf_counter()
+        with self._cond:
+            self._limit = self._begun
+        agreed = max_over_ranks(self._begun)  # each rank's own count is final: its `_limit` holds it
+        with self._cond:
+            self._limit = agreed
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._finished >= agreed or self._error is not None)
+            self._raise_failure("the asynchronous rollout generator")
+            self._stopped = True
+            self._perf.trainer_idle += time.perf_counter() - start
+
+    def discard_queued(self) -> None:
+        self.settle()
+        if self._positions:
+            self.sampler.load_state_dict(self._positions[0])
+        self._buffer.clear()
+        self._positions.clear()
+        self._consumed = self._issued = self._finished
+
+    def sampler_state(self) -> dict[str, Any]:
+        self.settle()
+        return dict(self._positions[0] if self._positions else self.sampler.state_dict())
+
+    def step_metrics(self) -> dict[str, float]:
+        """The overlapped modes' perf/*; perf/overlap_fraction is the share of the step's generating time during which
+        the trainer did not wait for it."""
+        with self._cond:
+            generating, self._generating = self._generating, 0.0
+            idle = self._perf.trainer_idle
+            self._perf.overlap_fraction = max(0.0, generating - idle) / generating if generating else 0.0
+            return super().step_metrics()

@@ -1,0 +1,97 @@
+"""Decoupled PPO (algorithm.behaviour_correction): each token's policy term times the truncated (tis) or masked (mis)
+importance weight pi_old / mu, for ARMOR's mixed ratio and GRPO, checked against a float64 hand computation."""
+
+import math
+
+import pytest
+import torch
+from algorithm_factory import make_algorithm
+
+from megatron_armor.algorithms import LossInputs
+from megatron_armor.config import ConfigError, load_config
+from megatron_armor.algorithms import build_algorithm
+
+
+def _inputs(seed: int = 0) -> LossInputs:
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 6)
+    old = -torch.rand(shape, generator=g) * 3
+    return LossInputs(
+        logprobs=(old + 0.3 * torch.randn(shape, generator=g)).requires_grad_(),
+        old_logprobs=old,
+        ref_logprobs=old + 0.5 * torch.randn(shape, generator=g),
+        engine_logprobs=old + torch.randn(shape, generator=g),  # behaviour policy: up to ~e^2 away
+        advantages=torch.randn(3, generator=g)[:, None].expand(shape).contiguous(),
+        response_mask=(torch.rand(shape, generator=g) > 0.2).float(),
+    )
+
+
+def _expected(x: LossInputs, *, alpha: float, correction: str, w_max: float = 2.0) -> tuple[float, float, float]:
+    """(token-sum loss, mean weight, fraction of tokens with w > w_max) in float64, term by term."""
+    total, weights, truncated = 0.0, [], 0
+    for b in range(x.logprobs.shape[0]):
+        for t in range(x.logprobs.shape[1]):
+            if x.response_mask[b, t] == 0:
+                continue
+            lp, old, ref, eng = (float(v[b, t]) for v in (x.logprobs.detach(), x.old_logprobs, x.ref_logprobs,
+                                                           x.engine_logprobs))
+            a = float(x.advantages[b, t])
+            mix = (lambda l: math.log(alpha * math.exp(l) + (1 - alpha) * math.exp(ref))) if alpha < 1 else (lambda l: l)
+            r = math.exp(mix(lp) - mix(old))
+            loss = max(-a * r, -a * min(max(r, 0.8), 1.28))
+            if a < 0:
+                loss = min(loss, -a * 10.0)
+            w = math.exp(old - eng)
+            truncated += w > w_max
+            w = {"tis": min(w, w_max), "mis": float(w <= w_max), "none": 1.0}[correction]
+            weights.append(w)
+            total += w * loss
+    return total, sum(weights) / len(weights), truncated / len(weights)
+
+
+@pytest.mark.parametrize("name,alpha", [("armor", 0.875), ("grpo", 1.0)])
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_each_token_is_weighted_by_the_corrected_behaviour_ratio(name, alpha, correction):
+    algorithm = make_algorithm(name, f"algorithm.behaviour_correction={correction}", "armor.alpha=0.875")
+    inputs = _inputs()
+    terms = algorithm.policy_loss(inputs)
+    loss, mean_weight, truncated = _expected(inputs, alpha=alpha, correction=correction)
+    assert terms.loss.item() == pytest.approx(loss, rel=1e-5)
+    assert terms.token_means["async/importance_weight_mean"].item() == pytest.approx(mean_weight, rel=1e-5)
+    assert terms.token_means["async/clipped_fraction"].item() == pytest.approx(truncated, rel=1e-6)
+    assert 0 < truncated < 1  # the case has tokens on both sides of w_max
+    terms.loss.backward()
+    assert inputs.logprobs.grad.abs().sum() > 0
+
+
+def test_defaults_follow_the_rollout_mode_and_mipu_keeps_its_own():
+    assert make_algorithm("grpo").behaviour_correction == "none"  # sync: the weights equal the engine's
+    assert make_algorithm("armor", "rollout.mode=one_step_off").behaviour_correction == "tis"
+    off = make_algorithm("grpo", "rollout.mode=one_step_off", "algorithm.behaviour_correction=none")
+    assert off.behaviour_correction == "none"
+    inputs = _inputs()
+    assert "async/importance_weight_mean" not in off.policy_loss(inputs).token_means
+    assert off.policy_loss(inputs).loss.item() == pytest.approx(_expected(inputs, alpha=1.0, correction="none")[0],
+                                                               rel=1e-5)
+    with pytest.raises(ConfigError, match="mipu weights tokens by pi_old / mu itself"):
+        build_algorithm(load_config(None, ["task.synthetic=arithmetic", "algorithm.name=mipu",
+                                           "rollout.sampling.actor_n=16", "algorithm.behaviour_correction=tis"]))
+
+
+def test_one_step_off_refuses_colocated_placement():
+    with pytest.raises(ConfigError, match="rollout.mode one_step_off overlaps generation with training, but "
+                                          "rollout.memory.offload_trainer gives the GPU to one of them at a time"):
+        load_config(None, ["rollout.mode=one_step_off", "rollout.memory.offload_trainer=true"])
+
+
+def test_mipu_s_gate_runs_with_one_step_off_and_refuses_modes_it_is_not_defined_for():
+    """One_step_off settles its rollout before the gate pushes or rolls back weights (tests/trainer/test_mipu_run.py
+    runs a forced reject); a mode whose rollouts are in flight at a push (e.g. a future async one) is refused."""
+    cfg = load_config(None, ["task.synthetic=arithmetic", "algorithm.name=mipu", "rollout.sampling.actor_n=16",
+                             "rollout.mode=one_step_off"])
+    mipu = build_algorithm(cfg)
+    assert mipu.update_gate() is not None and mipu.behaviour_correction == "none"  # Step 1 weights by pi_old / mu
+    cfg.rollout.mode = "async"
+    with pytest.raises(ConfigError, match="mipu.gate with rollout.mode async is not built yet .* use rollout.mode "
+                                          "sync or one_step_off, or mipu.gate false"):
+        build_algorithm(cfg)

@@ -1,0 +1,115 @@
+"""The collapse monitor's anchor action through `armor train`'s code path (`run_training`): a GRPO run whose planted
+validation accuracies (0.5, 0.0, 1.0, 0.25, 1.0) make val_drop fire after steps 2 and 4 switches to ARMOR after
+step 2 from the best checkpoint (step 1) and resets to the best again (step 3) after step 4; the checkpoints hold the
+best's weights as actor and reference with a fresh optimizer, the lr warmup restarts, and a resume trains ARMOR
+with the same reference."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_armor.config import ConfigError, load_config
+from megatron_armor.trainer.run import run_training
+from state_trees import bit_identical, saved_modules
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
+LR = 1e-3
+VAL_N, VAL_PROMPTS = 4, 4
+PLANTED = """from pathlib import Path
+
+CALLS = Path(__file__).with_suffix(".calls")  # on disk: the reward function is loaded again on resume
+SCHEDULE = [0.5, 0.0, 1.0, 0.25, 1.0]  # val/accuracy of validation 1, 2, ...
+
+
+def planted(response, row):
+    calls = CALLS.stat().st_size if CALLS.exists() else 0
+    CALLS.write_text("x" * (calls + 1))
+    validation, index = divmod(calls, {per_validation})
+    correct = index < SCHEDULE[validation] * {per_validation}
+    return float(correct), correct
+"""
+
+
+def _overrides(cache: Path, run_dir: Path, val_fn: str) -> list[str]:
+    return [
+        "algorithm.name=grpo", "rollout.sampling.n_samples=8", "rollout.sampling.actor_n=8",
+        "parallel.tensor_parallel_size=1", f"task.cache_dir={cache}", f"logging.run_dir={run_dir}",
+        "task.num_train_rows=400", "task.num_val_rows=16", "eval.every=1", f"eval.max_prompts={VAL_PROMPTS}",
+        f"rollout.sampling.val_n={VAL_N}", "eval.before_train=false", "checkpoint.save_model=false",
+        "checkpoint.every=1", "checkpoint.keep_last=0", "checkpoint.keep_best=val/accuracy", "train.max_steps=4",
+        f"train.lr={LR}", "train.warmup_steps=2", "logging.tensorboard=false", "logging.plot=false",
+        "logging.progress_bar=false", f"reward.val_fn={val_fn}",
+        "monitor.enabled=true", "monitor.val_drop=0.3", "monitor.actions=[val_drop=anchor]",
+    ]
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _weights(modules: dict, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a saved module ("actor" | "ref"; the layers' extra-state objects left out)."""
+    return {key: value for key, value in modules[name].items() if torch.is_tensor(value)}
+
+
+def _fresh(optimizer: dict) -> bool:
+    """A fresh optimizer's saved state: Adam step 0, zero moments."""
+    moments = [value for key, value in optimizer.items() if key.startswith("optimizer.state.exp_avg")]
+    return optimizer["adam_step"] == 0 and len(moments) > 0 and all(not m.any() for m in moments)
+
+
+def test_anchor_switches_to_armor_from_the_best_checkpoint_resets_again_and_resumes(
+        synthetic_cache, tmp_path, caplog):
+    planted = tmp_path / "planted.py"
+    planted.write_text(PLANTED.format(per_validation=VAL_N * VAL_PROMPTS))
+    run_dir = tmp_path / "run"
+    overrides = _overrides(synthetic_cache, run_dir, f"{planted}:planted")
+    with caplog.at_level(logging.WARNING, logger="megatron_armor"):
+        assert run_training(load_config(CONFIG, overrides)) == 0
+    rows = _rows(run_dir)
+    assert [rows[step]["val/accuracy"] for step in (1, 2, 3, 4)] == [0.5, 0.0, 1.0, 0.25]
+    assert [rows[step]["monitor/alarm_val_drop"] for step in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    assert [rows[step]["monitor/anchored"] for step in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    assert [rows[step]["armor/anchors_used"] for step in (1, 2, 3, 4)] == [0, 0, 8, 8]  # ARMOR from step 3: anchors
+    assert "mix_kl/main_ratio" not in rows[2] and rows[3]["mix_kl/main_ratio"] == 8 / 9
+    assert [rows[step]["optim/lr"] for step in (1, 2, 3, 4)] == [LR / 2, LR, LR / 2, LR]  # warmup restarts at 3
+    assert ("step 2: anchor on alarm val_drop: switched to armor; actor and reference from the best checkpoint "
+            "step_000001 (step 1, val/accuracy 0.5)") in caplog.text
+    assert "step 4: anchor on alarm val_drop: armor's reference reset; actor and reference from the best " \
+           "checkpoint step_000003 (step 3, val/accuracy 1)" in caplog.text
+
+    root = run_dir / "checkpoints"
+    saved = {step: saved_modules(root / f"step_{step:06d}") for step in (1, 2, 3, 4)}
+    assert "ref" not in saved[1]  # GRPO's reference is model.ref_path's until the switch
+    best_1, best_3 = _weights(saved[1], "actor"), _weights(saved[3], "actor")
+    assert bit_identical(_weights(saved[2], "actor"), best_1) and bit_identical(_weights(saved[2], "ref"), best_1)
+    assert bit_identical(_weights(saved[3], "ref"), best_1)  # frozen between the alarms
+    assert bit_identical(_weights(saved[4], "actor"), best_3) and bit_identical(_weights(saved[4], "ref"), best_3)
+    assert _fresh(saved[2]["optimizer"]) and _fresh(saved[4]["optimizer"])
+    assert saved[1]["optimizer"]["adam_step"] == saved[3]["optimizer"]["adam_step"] == 2  # 2 mini-batches a step
+    record = json.loads((root / "step_000004" / "trainer_state.json").read_text())["extra"]["anchor"]
+    assert record == {"mode": "armor", "anchors": 2, "step": 4, "reference_step": 3}
+    assert json.loads((root / "BEST").read_text())["step"] == 3
+
+    assert run_training(load_config(CONFIG, [*overrides, "train.max_steps=5"]), resume=True) == 0
+    row = _rows(run_dir)[5]
+    assert row["armor/anchors_used"] == 8 and row["optim/lr"] == LR / 2 and row["monitor/anchored"] == 0
+    resumed = saved_modules(root / "step_000005")
+    assert bit_identical(_weights(resumed, "ref"), best_3)
+    assert not bit_identical(_weights(resumed, "actor"), best_3)  # trained on
+
+
+def test_anchor_needs_a_best_checkpoint_and_an_algorithm_that_can_switch(tmp_path):
+    from megatron_armor.algorithms import check_algorithm_config
+
+    overrides = _overrides(tmp_path, tmp_path / "run", "megatron_armor.rewards.arithmetic:verify")
+    with pytest.raises(ConfigError, match="set checkpoint.keep_best"):
+        load_config(CONFIG, [*overrides, "checkpoint.keep_best=null"])
+    mipu = load_config(CONFIG, [*overrides, "algorithm.name=mipu", "mipu.gate=false"])
+    with pytest.raises(ConfigError, match="mipu cannot switch"):
+        check_algorithm_config(mipu)
+    check_algorithm_config(load_config(CONFIG, overrides))
+    check_algorithm_config(load_config(CONFIG, [*overrides, "algorithm.name=armor", "rollout.sampling.actor_n=7"]))

@@ -1,0 +1,148 @@
+"""rollout.mode async (trainer/async_rollouts.py) over a real `PromptSampler` and a rollout phase that records which
+prompts each generation batch drew and which weights the engine held from its start to its end."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_armor.algorithms import GroupCollector, GroupStats
+from megatron_armor.config import ConfigError, load_config
+from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.trainer.async_rollouts import AsyncRollouts
+from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout
+from megatron_armor.trainer.rollout_schedule import ROLLOUT_SCHEDULES
+
+ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
+
+
+class BatchPhase:
+    """`generation_batch` draws the sampler's next 3 prompts (one group each) in `seconds` and records (prompts, the
+    engine's weights at the start and at the end, thread); a step takes `train_batch_size` groups."""
+
+    def __init__(self, sampler: PromptSampler, engine: dict, *, max_staleness: int, buffer_batches: int,
+                 seconds: float = 0.0, train_batch_size: int = 3) -> None:
+        self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches)
+        self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
+        self.calls: list[tuple[list[int], int, int, str]] = []
+        self.fail_at: int | None = None  # the batch (0-based) that raises
+
+    def new_collector(self) -> GroupCollector:
+        return GroupCollector(target_prompts=self.train_batch_size, max_num_gen_batches=100)
+
+    def generation_batch(self, key: tuple) -> GenerationBatch:
+        if len(self.calls) == self.fail_at:
+            raise ValueError("engine died")
+        prompts = [row.index for row in self.sampler.next_batch()]
+        weights = self.engine["weights"]
+        time.sleep(self.seconds)
+        self.calls.append((prompts, weights, self.engine["weights"], threading.current_thread().name))
+        return GenerationBatch([[p] for p in prompts], GroupStats(prompts_seen=3, kept=3), [], [], None)
+
+    def assemble(self, collector: GroupCollector, batches: list, group) -> Rollout:
+        return Rollout(collector.result(), {"train/num_gen_batches": float(collector.num_gen_batches)})
+
+
+def _schedule(*, max_staleness: int = 1, buffer_batches: int = 2, seconds: float = 0.0, last_step: int = 100,
+              sampler: PromptSampler | None = None):
+    sampler = sampler or PromptSampler(ROWS, 3, seed=0)
+    engine = {"weights": 0}
+    phase = BatchPhase(sampler, engine, max_staleness=max_staleness, buffer_batches=buffer_batches, seconds=seconds)
+    return ROLLOUT_SCHEDULES["async"](phase, sampler, last_step), phase, engine
+
+
+def _train(schedule, engine, step: int, *, seconds: float = 0.0) -> None:
+    """RLTrainer.step around the update: train for `seconds`, settle before the push, push version step + 1."""
+    time.sleep(seconds)
+    schedule.settle()
+    engine["weights"] = step + 1
+    schedule.weights_changed()
+
+
+def test_async_never_trains_a_sample_older_than_max_staleness_when_the_generator_runs_ahead():
+    """A fast generator fills a buffer of 3 batches while a slow trainer trains: batches sampled 2 versions back are
+    dropped (counted), every trained group is at most max_staleness 1 version old, and each batch carries the version of
+    the weights the engine held from its start to its end (a push never lands mid-batch)."""
+    schedule, phase, engine = _schedule(max_staleness=1, buffer_batches=3)
+    assert isinstance(schedule, AsyncRollouts)
+    trained, dropped = [], 0
+    for step in range(6):
+        rollout = schedule.take(step)
+        assert [schedule.version - v for v in rollout.versions] == [rollout.metrics["async/staleness_max"]] * 3
+        assert rollout.metrics["async/staleness_max"] <= 1 and len(rollout.groups) == 3
+        trained += [group[0] for group in rollout.groups]
+        dropped += rollout.metrics["async/dropped_stale_groups"]
+        _train(schedule, engine, step, seconds=0.05)
+        assert set(schedule.step_metrics()) == {"perf/trainer_idle_seconds", "perf/rollout_idle_seconds",
+                                                "perf/overlap_fraction"}
+    assert dropped > 0
+    assert all(start == end for _, start, end, _ in phase.calls)
+    assert all(thread == "rollout-generator" for *_, thread in phase.calls)
+    drawn = [p for prompts, *_ in phase.calls for p in prompts]
+    assert len(trained) + dropped + 3 * len(schedule._buffer) == len(drawn)  # each drawn prompt once: trained,
+    # dropped or still buffered
+
+
+def test_a_weight_push_waits_for_the_batch_in_flight_not_the_whole_buffer():
+    schedule, phase, engine = _schedule(buffer_batches=4, seconds=0.05)
+    schedule.take(0)
+    _train(schedule, engine, 0)  # the generator may begin 4 more batches, but stops after the one it is generating
+    assert len(phase.calls) <= 2
+    generated = len(phase.calls)
+    time.sleep(0.15)
+    assert len(phase.calls) == generated  # stopped through the push until the next take
+    rollout = schedule.take(1)
+    assert rollout.metrics["async/staleness_max"] <= 1
+
+
+def test_a_resumed_async_run_trains_every_prompt_of_the_epoch_once():
+    """A checkpoint after step 1 saves the sampler from before the oldest batch not trained (buffered or generating):
+    the resumed run draws those prompts again, so over both runs each prompt of the epoch is trained exactly once."""
+    schedule, phase, engine = _schedule(max_staleness=10, buffer_batches=3)
+    trained = []
+    for step in range(2):
+        trained += [group[0] for group in schedule.take(step).groups]
+        _train(schedule, engine, step, seconds=0.05)
+    saved = schedule.sampler_state()
+    assert len(phase.calls) > 2  # batches generated ahead, lost with the process
+    sampler = PromptSampler(ROWS, 3, seed=0)
+    sampler.load_state_dict(saved)
+    resumed, resumed_phase, engine = _schedule(max_staleness=10, buffer_batches=3, sampler=sampler, last_step=4)
+    for step in range(2, 4):
+        trained += [group[0] for group in resumed.take(step).groups]
+        _train(resumed, engine, step)
+    assert sorted(trained) == list(range(12))
+    assert resumed_phase.calls[0][0] == phase.calls[2][0]  # the same prompts, regenerated
+
+
+def test_discarding_the_buffer_draws_its_prompts_again_from_the_current_weights():
+    schedule, phase, engine = _schedule(buffer_batches=3)
+    schedule.take(0)
+    _train(schedule, engine, 0, seconds=0.05)
+    buffered = [prompts for prompts, *_ in phase.calls[1:]]
+    schedule.discard_queued()  # e.g. a reference reset: the anchors were the old reference's
+    rollout = schedule.take(1)
+    assert [group[0] for group in rollout.groups] == buffered[0] and rollout.versions == [1, 1, 1]
+
+
+def test_a_failed_generator_fails_the_trainer_thread_that_waits_for_it():
+    schedule, phase, engine = _schedule(buffer_batches=2)
+    phase.fail_at = 1
+    with pytest.raises(RuntimeError, match="the asynchronous rollout generator failed: engine died"):
+        schedule.take(0)
+        _train(schedule, engine, 0)
+        schedule.take(1)
+
+
+def test_overlapped_modes_refuse_a_shared_anchor_engine_and_async_checks_its_bounds():
+    for mode in ("one_step_off", "async"):
+        with pytest.raises(ConfigError, match=f"rollout.mode {mode} generates in a background thread, but "
+                                              "rollout.anchors.engine shared"):
+            load_config(None, [f"rollout.mode={mode}", "rollout.anchors.engine=shared"])
+    with pytest.raises(ConfigError, match="rollout.mode async overlaps generation with training, but "
+                                          "rollout.memory.offload_trainer"):
+        load_config(None, ["rollout.mode=async", "rollout.memory.offload_trainer=true"])
+    with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0, got -1"):
+        load_config(None, ["rollout.mode=async", "rollout.max_staleness=-1"])
+    assert load_config(None, ["task.synthetic=arithmetic", "rollout.mode=async"]).rollout.max_staleness == 1
