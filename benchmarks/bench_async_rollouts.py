@@ -1,7 +1,8 @@
-"""Rollout modes side by side: the same RL run with every `rollout.mode` (sync, one_step_off, and any mode the config
-adds later, e.g. async), with the trainer and the rollout servers as separate processes and a long-tailed mix of
-response lengths; prints samples per second, overlap fraction and idle times of each, and the speedup that sync's
-phase times predict for a machine where rollout and training have devices of their own.
+"""Rollout modes side by side: the same RL run with every `rollout.mode` (sync, one_step_off, async, and any mode the
+config adds later) and async with partial rollouts (run async_partial), with the trainer and the rollout servers as
+separate processes and a long-tailed mix of response lengths; prints samples per second, overlap fraction and idle
+times of each, and the speedup that sync's phase times predict for a machine where rollout and training have devices
+of their own.
 
 The task is the tiny synthetic arithmetic one of examples/tiny/armor.yaml run as GRPO (every sample on-policy, so
 one kind of server), tensor parallel size --tp, from the same warm start and seed in every mode. Each mode starts
@@ -26,6 +27,8 @@ first generates its rollout in the foreground, filling the pipeline; its cost is
   trainer idle    perf/trainer_idle_seconds (sync: the whole rollout, by construction)
   rollout idle    perf/rollout_idle_seconds (sync: the rest of the step, the servers wait for new weights)
   overlap         perf/overlap_fraction: share of the rollout's time that ran beside training (sync: 0)
+  partial         async/partial_fraction (run async_partial, rollout.partial_rollouts): share of the trained samples
+                  a weight push interrupted and that continued under the new weights
 
 Predicted speedup on separate devices, from the sync run: a sync step takes s = rollout + train + rest (rest: the
 weight push and bookkeeping, which no mode overlaps). With rollout and training on devices of their own, one_step_off
@@ -62,9 +65,11 @@ from megatron_armor.rollout.sglang_engine import SGLangEngine
 from megatron_armor.trainer.task_setup import prepare_task
 
 CONFIG = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
-MODES = typing.get_args(typing.get_type_hints(RolloutConfig)["mode"])  # every rollout.mode the config knows
+# every rollout.mode the config knows, and async with partial rollouts: the runs' names and their own fields
+RUNS = {**{mode: [f"rollout.mode={mode}"] for mode in typing.get_args(typing.get_type_hints(RolloutConfig)["mode"])},
+        "async_partial": ["rollout.mode=async", "rollout.partial_rollouts=true"]}
 ACTOR_N = 8
-COLUMNS = ("samples/s", "rollout s", "train s", "step s", "trainer idle", "rollout idle", "overlap")
+COLUMNS = ("samples/s", "rollout s", "train s", "step s", "trainer idle", "rollout idle", "overlap", "partial")
 
 
 def overrides(args: argparse.Namespace, run_dir: Path | None = None) -> list[str]:
@@ -108,9 +113,9 @@ def length_mix(urls: list[str], cfg, args: argparse.Namespace) -> str:
 
 
 def train(mode: str, urls: list[str], args: argparse.Namespace) -> list[dict]:
-    """`armor train` in mode `mode` against the servers at `urls` (a subprocess); its metrics rows."""
+    """`armor train` as run `mode` of RUNS against the servers at `urls` (a subprocess); its metrics rows."""
     run_dir = args.out / mode
-    fields = [*overrides(args, run_dir), f"rollout.mode={mode}", "rollout.backend=sglang",
+    fields = [*overrides(args, run_dir), *RUNS[mode], "rollout.backend=sglang",
               f"rollout.sglang.urls={','.join(urls)}", "rollout.sglang.router=none"]
     cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(CONFIG), "--overwrite"]
     for field in fields:
@@ -137,6 +142,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "rollout idle": statistics.mean(row.get("perf/rollout_idle_seconds", s - r)
                                         for row, s, r in zip(steady, step, rollout)),
         "overlap": statistics.mean(row.get("perf/overlap_fraction", 0.0) for row in steady),
+        "partial": statistics.mean(row.get("async/partial_fraction", 0.0) for row in steady),
     }
 
 
@@ -151,7 +157,8 @@ def predicted_speedup(sync_rows: list[dict]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="RL steps of every run")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=list(RUNS), choices=list(RUNS),
+                        help="runs: every rollout.mode, and async_partial (async with rollout.partial_rollouts)")
     parser.add_argument("--servers", type=int, default=1, help="armor serve-local processes per run")
     parser.add_argument("--tp", type=int, default=1, help="trainer ranks (tensor parallel size)")
     parser.add_argument("--temperature", type=float, default=1.6, help="sampling temperature (the long tail)")

@@ -31,6 +31,10 @@ def check_cross_section(cfg: ArmorConfig) -> None:
             f"be a multiple of eval.every ({eval_every}), and eval.every > 0")
     require(not cfg.monitor.anchors or keep_best is not None,
             "monitor.actions: anchor restarts from the best checkpoint: set checkpoint.keep_best (e.g. val/accuracy)")
+    require(not cfg.rollout.partial_rollouts or t.routing_replay != "rollout",
+            "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
+            "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix of "
+            "both; use routing_replay recompute (R2) or none with partial rollouts")
     require(t.mini_batch_size % dp == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
             f"every data-parallel rank trains on the same number of prompts")

@@ -157,6 +157,12 @@ class RolloutConfig:
         2, "rollout.mode async: generation batches the generator may be ahead of the trainer (the one generating "
         "included); more hides longer rollouts and holds more samples, which grow staler"
     )
+    partial_rollouts: bool = doc(
+        False, "rollout.mode async: a weight push interrupts the generations in flight (SGLang's abort; the local "
+        "engine stops decoding) instead of waiting for them, and they continue afterwards from their partial "
+        "responses under the new weights; every token keeps the weight version and engine logprob it was sampled "
+        "with (async/partial_fraction: the share of trained samples that mix versions)"
+    )
     engine_precision: Literal["fp32", "bf16", "fp8"] = doc(
         "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
         "training/inference mismatch of production engines (backend local)"
@@ -181,6 +187,9 @@ class RolloutConfig:
                 f"swaps the actor's and the reference's weights in the engine during a rollout, through collectives "
                 f"of the trainer's process groups that the update uses at the same time: use rollout.anchors.engine "
                 f"separate, or rollout.mode sync")
+        require(not self.partial_rollouts or self.mode == "async",
+                f"rollout.partial_rollouts continues generations a weight push interrupted, which only rollout.mode "
+                f"async does (sync and one_step_off push weights while nothing generates): got mode {self.mode}")
         require_at_least("rollout", self, ("max_staleness",), 0)
         require_at_least("rollout", self, ("async_buffer_batches",), 1)
         require(not self.memory.release_servers or self.backend == "sglang",

@@ -20,6 +20,8 @@ class Sample:
     which (not the reward) drives prompt filtering.
     routed_experts: [P + R - 1, L, k] int32, the experts the engine routed each token it fed to (the prompt, then
     every response token but the last) in each of the L decoder layers (SGLang's `routed_experts`), or None.
+    token_versions: [R] int, the weight version that sampled each response token (rollout.partial_rollouts: a
+    response continued under newer weights mixes versions), or None: the rollout's version of the sample's group.
     """
 
     prompt_index: int
@@ -31,3 +33,4 @@ class Sample:
     reward: float = 0.0
     correct: bool = False
     routed_experts: torch.Tensor | None = field(default=None, compare=False)
+    token_versions: list[int] | None = None

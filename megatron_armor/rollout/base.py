@@ -5,11 +5,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from megatron_armor.config import SamplingConfig
-from megatron_armor.data.types import FinishReason
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,13 @@ class SamplingParams:
                    stop_token_ids=stop_token_ids)
 
 
+GenerationFinish = Literal["stop", "length", "abort"]  # abort: interrupted (`RolloutEngine.interrupt`), partial
+
+
 @dataclass
 class Generation:
-    """One sampled completion.
+    """One sampled completion, or a partial one: finish_reason "abort" when `RolloutEngine.interrupt` stopped it
+    before a stop token or the token limit (its tokens so far; it may be continued, rollout/pausable.py).
 
     response_ids: [R] generated token ids, including the stop token when one was emitted.
     logprobs:     [R] float, log_softmax(logits / T) of each generated token, taken before top-p
@@ -56,13 +60,16 @@ class Generation:
                   each token the engine fed through the model (the prompt, then every response token but the last,
                   which is sampled and never fed) was routed to in each of the L decoder layers (0 in dense layers);
                   SGLang's `meta_info.routed_experts` (`sglang_protocol.decode_routed_experts`).
+    versions:     [R] int or None: the weight version that sampled each token (set by `PausableEngine`, whose
+                  generations may continue under newer weights); None: the engine does not track versions.
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
-    finish_reason: FinishReason
+    finish_reason: GenerationFinish
     routed_experts: torch.Tensor | None = None
+    versions: list[int] | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -104,6 +111,14 @@ class RolloutEngine(abc.ABC):
     def release_transfer_buffers(self) -> None:
         """Free what this side keeps between weight pushes only to speed them up (e.g. staging buffers on
         the trainer's GPU); the next push allocates them again."""
+
+    def interrupt(self) -> None:
+        """Make the `generate` calls in flight return soon, each unfinished generation partial (finish_reason
+        "abort", its tokens and logprobs so far), and calls made until `end_interrupt` return at once the same way.
+        By default an engine cannot interrupt: its calls run to their end."""
+
+    def end_interrupt(self) -> None:
+        """Generate normally again after `interrupt`."""
 
     @abc.abstractmethod
     def flush_cache(self) -> None:

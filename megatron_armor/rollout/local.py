@@ -13,7 +13,8 @@ engine loads and receives, so its logprobs differ from the trainer's the way pro
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 from pathlib import Path
@@ -171,6 +172,7 @@ class LocalEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.weight_precision = weight_precision
         self.routes = RouteCapture(model) if record_routes else None
+        self._interrupted = threading.Event()  # `interrupt`: every generation in flight or begun stops
         if weight_precision != "fp32":  # round the loaded weights too
             self.update_weights(list(self.named_parameters_hf().items()))
 
@@ -192,21 +194,49 @@ class LocalEngine(RolloutEngine):
         return engine
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+        abort: Callable[[], Collection[int]] | None = None,
+    ) -> list[Generation]:
+        """`RolloutEngine.generate`; `abort()` (polled before every decode step) names the prompts (indices into
+        `prompts`) to stop now: they come back partial (finish_reason "abort"), as every unfinished one does after
+        `interrupt`."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         device = self.device
         generator = torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
         out: list[Generation] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out += self._generate_batch(prompts[start : start + self.max_batch_size], sampling, generator)
+            chunk = prompts[start : start + self.max_batch_size]
+            stopped = self._stopped_rows(abort, start, len(chunk))
+            out += self._generate_batch(chunk, sampling, generator, stopped)
         return out
 
+    def _stopped_rows(
+        self, abort: Callable[[], Collection[int]] | None, start: int, rows: int
+    ) -> Callable[[], Collection[int]]:
+        """The rows [0, rows) of the batch of prompts start.. to stop now: all after `interrupt`, else `abort`'s."""
+
+        def stopped() -> Collection[int]:
+            if self._interrupted.is_set():
+                return range(rows)
+            return [] if abort is None else [i - start for i in abort() if start <= i < start + rows]
+
+        return stopped
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
+
+    def end_interrupt(self) -> None:
+        self._interrupted.clear()
+
     def _generate_batch(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator | None
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator | None,
+        stopped: Callable[[], Collection[int]],
     ) -> list[Generation]:
         """Prefill the left-padded batch, then decode one token per step for the rows still running; a
-        row that draws a stop token leaves the batch (and its KV cache) at the next compaction."""
+        row that draws a stop token leaves the batch (and its KV cache) at the next compaction. Rows `stopped()`
+        names before a step end there, with the tokens drawn so far (finish_reason "abort")."""
         batch = _DecodeBatch.left_padded(prompts, self.pad_token_id, sampling.max_new_tokens, self.device)
         stop = torch.tensor(sampling.stop_token_ids or [-1], dtype=torch.long, device=batch.rows.device)
         tokens_out = torch.zeros(len(prompts), max(sampling.max_new_tokens, 1), dtype=torch.long, device=stop.device)
@@ -218,6 +248,8 @@ class LocalEngine(RolloutEngine):
             len(prompts), width + sampling.max_new_tokens, self.routes.num_layers, self.routes.top_k, dtype=torch.int32,
             device=stop.device)
         for step in range(sampling.max_new_tokens):
+            if self._stop_rows(stopped(), batch, lengths, step) and not any(batch.running):
+                break
             logits = self._last_logits(step_ids, batch, prefill=step == 0)
             if routes is not None:  # the prefill's W positions, then the token drawn at step - 1, at W + step - 1
                 start = 0 if step == 0 else width + step - 1
@@ -236,11 +268,24 @@ class LocalEngine(RolloutEngine):
         return [
             Generation(
                 prompt_ids=list(prompt), response_ids=ids[:n], logprobs=lps[:n],
-                finish_reason="stop" if n and ids[n - 1] in sampling.stop_token_ids else "length",
+                finish_reason=("stop" if n and ids[n - 1] in sampling.stop_token_ids else
+                               "length" if n == sampling.max_new_tokens else "abort"),
                 routed_experts=None if routes is None else routes[row, width - len(prompt) : width + n - 1].clone(),
             )
             for row, (prompt, ids, lps, n) in enumerate(zip(prompts, token_rows, logprob_rows, lengths))
         ]
+
+    @staticmethod
+    def _stop_rows(rows: Collection[int], batch: _DecodeBatch, lengths: list[int], step: int) -> bool:
+        """End the running batch rows among `rows` (indices into the batch) with the `step` tokens drawn so far;
+        whether any ended."""
+        if not rows:
+            return False
+        wanted, ended = set(rows), False
+        for i, row in enumerate(batch.row_ids):
+            if row in wanted and batch.running[i]:
+                batch.running[i], lengths[row], ended = False, step, True
+        return ended
 
     def _last_logits(self, step_ids: torch.Tensor, batch: _DecodeBatch, *, prefill: bool) -> torch.Tensor:
         """The logits [A, V] of each row's last position for input ids [A, T] (T = prompt width at the

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from http import HTTPStatus
@@ -151,7 +151,7 @@ class LocalServerState:
         try:
             self._wait_while_paused(epoch, items)
             with self.engine_lock, self._running():
-                results = self._run(items, skip=self._aborted_since(epoch, items))
+                results = self._run(items, lambda: self._aborted_since(epoch, items))
             aborted = self._aborted_since(epoch, items)
         finally:
             self._dequeue(items)
@@ -194,15 +194,23 @@ class LocalServerState:
         if outside:
             raise RequestError(f"/generate: input_ids {outside[:8]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def _run(self, items: list[_Item], skip: set[str]) -> list[Generation | None]:
-        """Generate every item not in `skip` (None there), one engine call per distinct SamplingParams."""
+    def _run(self, items: list[_Item], aborted: Callable[[], set[str]]) -> list[Generation | None]:
+        """Generate every item, one engine call per distinct SamplingParams; an item whose rid `aborted()` names
+        stops where it is (SGLang's abort: its tokens so far come back), one named before it began is None."""
         results: list[Generation | None] = [None] * len(items)
         groups: dict[SamplingParams, list[int]] = {}
+        skip = aborted()
         for i, item in enumerate(items):
             if item.rid not in skip:
                 groups.setdefault(item.sampling, []).append(i)
         for sampling, rows in groups.items():
-            for row, generation in zip(rows, self.engine.generate([items[r].prompt for r in rows], sampling)):
+
+            def stopped(rows=rows) -> list[int]:
+                names = aborted()
+                return [k for k, row in enumerate(rows) if items[row].rid in names] if names else []
+
+            generations = self.engine.generate([items[r].prompt for r in rows], sampling, abort=stopped)
+            for row, generation in zip(rows, generations):
                 results[row] = generation
         return results
 

@@ -200,6 +200,11 @@ class _InFlight:
             self.stopped.set()
             return list(self._requests.values())
 
+    def requests(self) -> list[tuple[list[str], list[str]]]:
+        """The requests in flight as (urls, item rids)."""
+        with self._lock:
+            return list(self._requests.values())
+
 
 class SGLangEngine(RolloutEngine):
     """Rollouts from SGLang servers (or `armor serve-local` stand-ins) at `urls`; blocks until all are healthy.
@@ -239,6 +244,9 @@ class SGLangEngine(RolloutEngine):
                                     config.weight_sync_dir)
         self._transport = TRANSPORTS[config.weight_sync](self._push_servers, self._on_push_servers, transport)
         self._weight_version = 0
+        self._interrupted = threading.Event()  # `interrupt`: aborted items come back partial, nothing more is sent
+        self._calls_lock = threading.Lock()
+        self._calls: set[_InFlight] = set()  # the `generate` calls running
 
     @property
     def pushes_weights(self) -> bool:
@@ -285,10 +293,14 @@ class SGLangEngine(RolloutEngine):
         workers = min(len(chunks), self.config.max_in_flight_per_server * per_request * len(self._servers))
         calls = _InFlight()
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-generate")
+        with self._calls_lock:
+            self._calls.add(calls)
         try:
             futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results, calls) for chunk in chunks]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         finally:  # after a failure (or an interrupt) nothing else is worth waiting for
+            with self._calls_lock:
+                self._calls.discard(calls)
             for urls, item_rids in calls.halt():
                 self._abort(urls, item_rids)
             pool.shutdown(wait=False, cancel_futures=True)
@@ -303,11 +315,15 @@ class SGLangEngine(RolloutEngine):
         self, prompts: Sequence[Sequence[int]], pending: list[int], sampling: SamplingParams,
         results: list[Generation | None], calls: _InFlight,
     ) -> None:
-        """Fill `results[i]` for every i in `pending`, re-sending failed requests and aborted prompts;
-        _Stopped once `calls` halted."""
+        """Fill `results[i]` for every i in `pending`, re-sending failed requests and aborted prompts (once
+        interrupted: partial generations instead, finish_reason "abort"); _Stopped once `calls` halted."""
         failures: list[str] = []
         avoid: str | None = None
         for attempt in range(self.config.max_retries + 1):
+            if self._interrupted.is_set():  # nothing more is sent: the prompts not generated come back empty
+                for i in pending:
+                    results[i] = Generation(list(prompts[i]), [], [], "abort")
+                return
             if attempt:
                 if calls.stopped.wait(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s)):
                     raise _Stopped
@@ -320,11 +336,14 @@ class SGLangEngine(RolloutEngine):
                 avoid = server.url
                 continue
             avoid = None
+            interrupted = self._interrupted.is_set()
             for i, out in zip(pending, outputs):
                 if not isinstance(out, proto.Aborted):
                     results[i] = out
+                elif interrupted:
+                    results[i] = out.partial
             pending = [i for i, out in zip(pending, outputs) if isinstance(out, proto.Aborted)]
-            if not pending:
+            if not pending or interrupted:
                 return
             self.stats.add(aborted_prompts=len(pending))
             failures.append(f"{server.url}: {len(pending)} prompts aborted")
@@ -351,6 +370,8 @@ class SGLangEngine(RolloutEngine):
         failed = False
         try:
             with calls.sending(rid, abort_urls, item_rids):
+                if self._interrupted.is_set():  # registered after `interrupt` looked: send nothing
+                    return [proto.Aborted("interrupted", Generation(list(p), [], [], "abort")) for p in prompts]
                 reply = http_call(server.url, "/generate", body, timeout=self.config.request_timeout_s)
             return proto.parse_generate_response(prompts, [reply] if routed else reply, routes)
         except ServerError as error:
@@ -369,6 +390,19 @@ class SGLangEngine(RolloutEngine):
             self._dispatcher.release(server, failed=failed)
             if failed:
                 self.stats.add(failed_requests=1)
+
+    def interrupt(self) -> None:
+        """Abort this engine's requests in flight (/abort_request by rid: another client's stay): SGLang answers
+        each item with the tokens generated so far, which `generate` returns as partial generations; until
+        `end_interrupt` it sends nothing (what was not generated comes back empty, finish_reason "abort")."""
+        self._interrupted.set()
+        with self._calls_lock:
+            requests = [request for calls in self._calls for request in calls.requests()]
+        for urls, item_rids in requests:
+            self._abort(urls, item_rids)
+
+    def end_interrupt(self) -> None:
+        self._interrupted.clear()
 
     @staticmethod
     def _abort(urls: list[str], item_rids: list[str]) -> None:

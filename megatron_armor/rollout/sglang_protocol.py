@@ -84,9 +84,12 @@ def single_generate_request(
 
 @dataclass(frozen=True)
 class Aborted:
-    """An item SGLang aborted (finish_reason type "abort"); the client retries its prompt."""
+    """An item SGLang aborted (finish_reason type "abort"): the client retries its prompt, or, while it interrupts
+    its generations (`SGLangEngine.interrupt`), keeps `partial`: the tokens and logprobs generated before the abort
+    (SGLang returns them with the abort), finish_reason "abort"."""
 
     message: str
+    partial: Generation
 
 
 def finish_reason_body(finish: FinishType, *, stop_token: int | None = None, length: int = 0, message: str = "") -> dict:
@@ -146,11 +149,14 @@ def parse_generate_item(
     meta = item["meta_info"]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type")
-    if kind == "abort":
-        return Aborted(message=str(finish.get("message", "")))
-    if kind not in ("stop", "length"):
+    if kind not in ("stop", "length", "abort"):
         raise ValueError(f"SGLang finish_reason must have type stop, length or abort, got {finish!r}")
     triples = meta.get("output_token_logprobs")
+    if kind == "abort":  # an item aborted before its first token may come back without them
+        triples = triples or []
+        partial = Generation(prompt_ids=list(prompt), response_ids=[int(t[1]) for t in triples],
+                             logprobs=[float(t[0]) for t in triples], finish_reason="abort")
+        return Aborted(message=str(finish.get("message", "")), partial=partial)
     if triples is None:
         raise ValueError("SGLang /generate item has no meta_info.output_token_logprobs; send return_logprob=true")
     routes = None

@@ -17,6 +17,14 @@ many. Which batches the generator may begin (`_issued`) grows with what `take` c
 whether a batch began before or after a push is agreed, so its version is the same on every rank too. Stopped, the
 generator waits through the push, the MIPU gate, validation and checkpoints until the next `take`.
 
+With rollout.partial_rollouts the actor's engine is a `PausableEngine` (rollout/pausable.py): `settle` agrees on the
+batches begun as above but does not wait for them to finish; it pauses the engine, which interrupts the generations
+in flight (they keep their tokens so far) and returns once the engine runs none. `take` resumes it with the new
+weight version, and the interrupted generations continue from their partial responses: every token carries the
+version that drew it (`Sample.token_versions`), a group's version is the oldest of its tokens', and a batch is as old
+as its oldest token for `max_staleness`. `close` lets the batches begun finish, so no generator is left inside a
+collective when the run ends.
+
 Checkpoints save the sampler's position from before the oldest batch not yet trained (buffered or generating):
 buffered samples are not saved but regenerated on resume, with the checkpoint's weights, from the same prompts and
 seeds (a batch's seeds derive from the sampler position it starts at). Reference resets and the anchor action drop the
@@ -34,16 +42,32 @@ from typing import Any
 
 from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.distributed.reduce import max_over_ranks
-from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase
+from megatron_armor.rollout.pausable import PausableEngine
+from megatron_armor.data.types import Sample
+from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
 from megatron_armor.trainer.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class BufferedBatch:
-    """A generated batch waiting in the buffer and the weight version that sampled it."""
+    """A generated batch waiting in the buffer: the weight version the engine held when it began, and per kept group
+    the oldest version among its samples' tokens (later than `version` where partial rollouts continued a group
+    under newer weights, or began it only after a push)."""
 
     batch: GenerationBatch
     version: int
+    group_versions: list[int]
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that sampled any of the batch's kept groups."""
+        return min(self.group_versions, default=self.version)
+
+
+def oldest_token_versions(groups: list[list[Sample]], default: int) -> list[int]:
+    """Per group, the oldest of its on-policy samples' `token_versions` (`default` for a group without any)."""
+    return [min((min(s.token_versions, default=default) for s in group if s.token_versions is not None),
+                default=default) for group in groups]
 
 
 @register_schedule
@@ -66,6 +90,8 @@ class AsyncRollouts(OverlappedRollouts):
         # the sampler's position before each batch begun and not yet consumed (its prompts are drawn from there)
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
         self._stopped = True  # `settle` stopped the generator and nothing resumed it since
+        # rollout.partial_rollouts: the actor's engine, paused by `settle` (phase.models is built with it)
+        self.pausable: PausableEngine | None = phase.models.actor_engine if phase.plan.partial_rollouts else None
         self._idle_since = 0.0  # when the generator last began waiting (perf_counter)
         self._generating = 0.0  # s the generator spent on batches during this step
 
@@ -76,7 +102,7 @@ class AsyncRollouts(OverlappedRollouts):
         while not collector.done:
             self._issue(self._consumed + 1 if last else self._consumed + self.buffer_batches)
             item = self._pop()
-            if self.version - item.version > self.max_staleness:
+            if self.version - item.oldest_version > self.max_staleness:
                 dropped += len(item.batch.groups)
                 continue
             collector.add(item.batch.groups, item.batch.stats)
@@ -84,17 +110,22 @@ class AsyncRollouts(OverlappedRollouts):
         if not last:
             self._issue(self._consumed + self.buffer_batches)
         rollout = self.phase.assemble(collector, [item.batch for item in taken], None)
-        versions = [item.version for item in taken for _ in item.batch.groups][: len(rollout.groups)]
+        versions = [version for item in taken for version in item.group_versions][: len(rollout.groups)]
         rollout = dataclasses.replace(rollout, versions=versions)
         metrics = {**rollout.metrics, **staleness_metrics(self.version, rollout),
                    "async/dropped_stale_groups": float(dropped)}
+        if self.pausable is not None:
+            metrics["async/partial_fraction"] = partial_fraction(rollout.groups)
         return dataclasses.replace(rollout, metrics=metrics)
 
     def _resume(self) -> None:
-        """Let the generator begin batches again (with the engine's current weights); start it the first time."""
+        """Let the generator begin batches again (with the engine's current weights) and interrupted generations go
+        on; start it the first time."""
         with self._cond:
             self._limit, self._stopped = math.inf, False
             self._cond.notify_all()
+        if self.pausable is not None:
+            self.pausable.resume(self.version)
         if self._thread is None:
             self._idle_since = time.perf_counter()
             self._thread = self._start_thread("rollout-generator", self._generate_forever)
@@ -127,8 +158,10 @@ class AsyncRollouts(OverlappedRollouts):
                 began = time.perf_counter()
                 self._perf.rollout_idle += began - self._idle_since
             batch = self.phase.generation_batch(("async", *position.values()))  # the same seeds when regenerated
+            versions = (oldest_token_versions(batch.groups, version) if self.pausable is not None
+                        else [version] * len(batch.groups))
             with self._cond:
-                self._buffer.append(BufferedBatch(batch, version))
+                self._buffer.append(BufferedBatch(batch, version, versions))
                 self._finished += 1
                 self._idle_since = time.perf_counter()
                 self._generating += self._idle_since - began
@@ -136,7 +169,8 @@ class AsyncRollouts(OverlappedRollouts):
 
     def settle(self) -> None:
         """Stop the generator after the batches any rank's generator has begun (collective, the first call after a
-        `take`); the wait counts as the trainer's idle time."""
+        `take`) and wait for them to finish, or with partial rollouts pause the engine in the middle of them; the
+        wait counts as the trainer's idle time."""
         if self._stopped:
             return
         start = time.perf_counter()
@@ -146,13 +180,29 @@ class AsyncRollouts(OverlappedRollouts):
         with self._cond:
             self._limit = agreed
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._finished >= agreed or self._error is not None)
+        if self.pausable is not None:
+            self.pausable.pause()
+        else:
+            self._wait_for_batches_begun()
+        self._stopped = True
+        self._perf.trainer_idle += time.perf_counter() - start
+
+    def _wait_for_batches_begun(self) -> None:
+        """Wait until the generator finished the batches `settle` let it begin (re-raises its failure)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished >= self._limit or self._error is not None)
             self._raise_failure("the asynchronous rollout generator")
-            self._stopped = True
-            self._perf.trainer_idle += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Let the batches begun finish (their collectives with them): the run ends with no generator inside one."""
+        self.settle()
+        if self.pausable is not None:
+            self.pausable.resume(self.version)
+            self._wait_for_batches_begun()
+            self.pausable.pause()
 
     def discard_queued(self) -> None:
-        self.settle()
+        self.close()
         if self._positions:
             self.sampler.load_state_dict(self._positions[0])
         self._buffer.clear()
@@ -171,3 +221,10 @@ class AsyncRollouts(OverlappedRollouts):
             idle = self._perf.trainer_idle
             self._perf.overlap_fraction = max(0.0, generating - idle) / generating if generating else 0.0
             return super().step_metrics()
+
+
+def partial_fraction(groups: list[list[Sample]]) -> float:
+    """The share of the groups' on-policy samples whose tokens more than one weight version drew (partial rollouts
+    continued after a push); 0.0 without on-policy samples."""
+    on_policy = [s for group in groups for s in group if not s.is_anchor]
+    return mean(len(set(s.token_versions or ())) > 1 for s in on_policy)

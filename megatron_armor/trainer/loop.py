@@ -20,6 +20,7 @@ from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.planning.flops import rl_step_flops
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer import async_rollouts  # noqa: F401 - registers rollout.mode async
 from megatron_armor.trainer.anchor_cache import AnchorCache
@@ -80,9 +81,12 @@ class RLTrainer:
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
         self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
+        # partial rollouts: the rollout phase samples through an engine a weight push pauses (the schedule's)
+        phase_models = (dataclasses.replace(models, actor_engine=PausableEngine(models.actor_engine))
+                        if plan.partial_rollouts else models)
         self.rollouts = RolloutSchedule.build(
-            plan.rollout_mode, lambda group: RolloutPhase(plan, models, sources, self.engine_weights, self.anchor_cache,
-                                                          dp_size=ctx.dp_size, group=group),
+            plan.rollout_mode, lambda group: RolloutPhase(plan, phase_models, sources, self.engine_weights,
+                                                          self.anchor_cache, dp_size=ctx.dp_size, group=group),
             sources.sampler, plan.max_steps,
         )
         self.optimizer_steps = 0

@@ -33,6 +33,7 @@ class StepPlan:
     max_steps: int | None = None  # RL steps of the run (train.max_steps): no rollout is generated ahead past them
     max_staleness: int = 1  # rollout.mode async: weight versions a trained sample may lag (rollout.max_staleness)
     async_buffer_batches: int = 2  # rollout.mode async: generation batches generated ahead (rollout.async_buffer_*)
+    partial_rollouts: bool = False  # rollout.mode async: a push interrupts generations, continued after it
 
     @classmethod
     def from_config(cls, cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
@@ -47,6 +48,7 @@ class StepPlan:
             baseline_quantile=section.baseline_quantile, nonfinite_rollback=train.nonfinite_rollback,
             routing_replay=REPLAY_MODES[train.routing_replay], rollout_mode=cfg.rollout.mode, max_steps=train.max_steps,
             max_staleness=cfg.rollout.max_staleness, async_buffer_batches=cfg.rollout.async_buffer_batches,
+            partial_rollouts=cfg.rollout.partial_rollouts,
         )
 
     @property

@@ -82,6 +82,10 @@ class RolloutSchedule:
         """Wait until no rollout is generating (before the engine's weights change); the wait counts as the
         trainer's idle time (`step_metrics`)."""
 
+    def close(self) -> None:
+        """Let what generates finish (at the end of a run: no background rollout is left inside a collective)."""
+        self.settle()
+
     def discard_queued(self) -> None:
         """Drop a rollout generated ahead (its samples are no longer valid, e.g. after a reference reset); its
         prompts are drawn again."""

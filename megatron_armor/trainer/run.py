@@ -119,10 +119,12 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         if saving:
             checkpoint = _save(saver, trainer, trackers, setup.models, cfg, paths, done)
         if stop or alarms:
+            trainer.rollouts.close()
             saver.finalize()
             metrics_log.close()
             raise (TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint) if stop
                    else CollapseAlarmError(done, alarms, checkpoint))
+    trainer.rollouts.close()  # rollouts generating ahead
     saver.finalize()  # an asynchronous save still in flight
     metrics_log.close()
     _teardown(ctx, cfg, setup.models, run_dir)

@@ -9,7 +9,6 @@ list of `Sample`s.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from megatron_armor.rewards.overlong import overlong_penalty
 from megatron_armor.rewards.registry import score
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_sync import SyncReport
+from megatron_armor.utils.seeding import stable_seed
 
 RewardFn = Callable[[str, dict], tuple[float, bool]]
 
@@ -67,7 +67,7 @@ class SampleScorer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def __call__(self, prompt: PromptRow, response_ids, logprobs, finish_reason: str, *, is_anchor: bool,
-                 routed_experts=None) -> Sample:
+                 routed_experts=None, token_versions=None) -> Sample:
         reward, correct = score(self.reward_fn, self.response_text(response_ids, finish_reason), prompt.row)
         if self.overlong is not None and self.overlong.buffer_length > 0:
             reward += overlong_penalty(
@@ -83,6 +83,7 @@ class SampleScorer:
             reward=float(reward),
             correct=bool(correct),
             routed_experts=routed_experts,
+            token_versions=None if token_versions is None else list(token_versions),
         )
 
 
@@ -132,12 +133,6 @@ class RolloutCounters:
         return metrics
 
 
-def call_seed(*parts: object) -> int:
-    """A stable 63-bit seed from the parts (base seed, step, batch, role, rank, ...)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def generate_samples(
     engine: RolloutEngine,
     prompts: Sequence[PromptRow],
@@ -162,11 +157,12 @@ def generate_samples(
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
     mine = requests[rank::world]
-    local_sampling = dataclasses.replace(sampling, seed=call_seed(seed, rank))
+    local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
     generations = engine.generate([prompts[p].prompt_ids for p, _ in mine], local_sampling) if mine else []
     samples = [
         scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
-               routed_experts=None if is_anchor else g.routed_experts)  # the actor routes anchors itself
+               routed_experts=None if is_anchor else g.routed_experts,  # the actor routes anchors itself
+               token_versions=g.versions)
         for (p, _), g in zip(mine, generations)
     ]
     if audit is not None:

@@ -22,7 +22,7 @@ from megatron_armor.scoring.logprobs import LogprobResult, ScoringConfig, comput
 from megatron_armor.scoring.routes import routing_pass
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.samples import call_seed
+from megatron_armor.utils.seeding import stable_seed
 
 
 @dataclass
@@ -123,7 +123,7 @@ def score_logprobs(
         ).logprobs
     if algorithm.needs_teacher:
         batch.teacher_logprobs = models.teacher.score(batch)
-    generator = torch.Generator().manual_seed(call_seed(plan.seed, optimizer_steps, algorithm.name, dp_rank))
+    generator = torch.Generator().manual_seed(stable_seed(plan.seed, optimizer_steps, algorithm.name, dp_rank))
     batch.token_advantages = algorithm.token_advantages(
         batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, batch.advantages, generator
     )

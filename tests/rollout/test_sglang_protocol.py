@@ -67,7 +67,15 @@ def test_parse_batch_reply_reads_logprob_triples_and_finish_types():
     out = proto.parse_generate_response(PROMPTS, SGLANG_BATCH_REPLY)
     assert out[0] == Generation([1, 2, 3], [791, 6864, 151643], [-0.5, -1.25, -0.015625], "stop")
     assert out[1] == Generation([4, 5], [11, 12], [-2.0, -3.5], "length")
-    assert out[2] == proto.Aborted("Abort before prefill")
+    assert out[2] == proto.Aborted("Abort before prefill", Generation([6], [], [], "abort"))
+
+
+def test_an_aborted_item_keeps_the_tokens_drawn_before_the_abort():
+    """SGLang answers an aborted request with what it generated (slime's partial rollouts read it)."""
+    item = {"output_ids": [5, 9], "meta_info": {"finish_reason": {"type": "abort", "message": "Abort request"},
+                                                "output_token_logprobs": [[-0.1, 5, None], [-0.2, 9, None]]}}
+    assert proto.parse_generate_item([1], item) == proto.Aborted("Abort request", Generation([1], [5, 9], [-0.1, -0.2],
+                                                                                             "abort"))
 
 
 def test_parse_uses_triples_when_output_ids_are_stop_trimmed():

@@ -6,10 +6,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_armor.algorithms import GroupCollector, GroupStats
 from megatron_armor.config import ConfigError, load_config
 from megatron_armor.data.datasets import PromptRow, PromptSampler
+from megatron_armor.data.types import Sample
+from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.trainer.async_rollouts import AsyncRollouts
 from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout
 from megatron_armor.trainer.rollout_schedule import ROLLOUT_SCHEDULES
@@ -23,7 +28,8 @@ class BatchPhase:
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, max_staleness: int, buffer_batches: int,
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
-        self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches)
+        self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches,
+                                    partial_rollouts=False)
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
         self.fail_at: int | None = None  # the batch (0-based) that raises
@@ -135,6 +141,59 @@ def test_a_failed_generator_fails_the_trainer_thread_that_waits_for_it():
         schedule.take(1)
 
 
+class EnginePhase(BatchPhase):
+    """`generation_batch` samples the sampler's next 3 prompts (one sample each, 48 tokens, no stop token) from a real
+    in-process engine behind a `PausableEngine`: the engine of rollout.partial_rollouts."""
+
+    def __init__(self, sampler: PromptSampler, engine: PausableEngine, *, max_staleness: int) -> None:
+        super().__init__(sampler, {}, max_staleness=max_staleness, buffer_batches=2)
+        self.plan.partial_rollouts = True
+        self.models = SimpleNamespace(actor_engine=engine)
+
+    def generation_batch(self, key: tuple) -> GenerationBatch:
+        prompts = [row.index for row in self.sampler.next_batch()]
+        sampling = SamplingParams(max_new_tokens=48, seed=len(self.calls))
+        generations = self.models.actor_engine.generate([[1, p + 2] for p in prompts], sampling)
+        self.calls.append((prompts, None, None, threading.current_thread().name))
+        groups = [[Sample(p, [1, p + 2], g.response_ids, g.logprobs, g.finish_reason, False, token_versions=g.versions)]
+                  for p, g in zip(prompts, generations)]
+        return GenerationBatch(groups, GroupStats(prompts_seen=3, kept=3), [], [], None)
+
+
+def test_with_partial_rollouts_a_push_interrupts_the_batch_in_flight_which_goes_on_under_the_new_weights(
+    tiny_model_factory,
+):
+    """settle pauses the engine mid-batch instead of waiting for the batch; after the push the batch continues with
+    the new weights: its samples mix versions, a group is as old as its oldest token, and no trained sample has a
+    token older than max_staleness."""
+    engine = LocalEngine(tiny_model_factory("qwen2"))
+    engine.model.register_forward_pre_hook(lambda module, args: time.sleep(0.006))  # >= 0.3 s a batch
+    sampler = PromptSampler(ROWS, 3, seed=0)
+    phase = EnginePhase(sampler, PausableEngine(engine), max_staleness=1)
+    schedule = ROLLOUT_SCHEDULES["async"](phase, sampler, 100)
+    mixed, settles = 0, []
+    for step in range(4):
+        rollout = schedule.take(step)
+        samples = [group[0] for group in rollout.groups]
+        assert rollout.versions == [min(s.token_versions) for s in samples]
+        assert [schedule.version - v for v in rollout.versions] == [rollout.metrics["async/staleness_max"]] * 3
+        assert rollout.metrics["async/staleness_max"] <= 1
+        assert all(s.token_versions == sorted(s.token_versions) and len(s.response_ids) == 48 for s in samples)
+        assert rollout.metrics["async/partial_fraction"] == sum(len(set(s.token_versions)) > 1 for s in samples) / 3
+        mixed += sum(len(set(s.token_versions)) > 1 for s in samples)
+        time.sleep(0.05)  # training, while the generator samples the next batch
+        start = time.perf_counter()
+        schedule.settle()
+        settles.append(time.perf_counter() - start)
+        with torch.no_grad():  # the push: new weights, version step + 1
+            engine.update_weights([(name, p * 1.05) for name, p in engine.named_parameters_hf().items()])
+        schedule.weights_changed()
+    assert mixed > 0
+    assert max(settles) < 0.15  # a pause returns within a decode step or two, not a 0.3 s batch
+    schedule.close()  # the batches begun finish: no generator is left inside its batch
+    assert schedule._finished == schedule._begun
+
+
 def test_overlapped_modes_refuse_a_shared_anchor_engine_and_async_checks_its_bounds():
     for mode in ("one_step_off", "async"):
         with pytest.raises(ConfigError, match=f"rollout.mode {mode} generates in a background thread, but "
@@ -146,3 +205,9 @@ def test_overlapped_modes_refuse_a_shared_anchor_engine_and_async_checks_its_bou
     with pytest.raises(ConfigError, match="rollout.max_staleness must be >= 0, got -1"):
         load_config(None, ["rollout.mode=async", "rollout.max_staleness=-1"])
     assert load_config(None, ["task.synthetic=arithmetic", "rollout.mode=async"]).rollout.max_staleness == 1
+    with pytest.raises(ConfigError, match="rollout.partial_rollouts continues generations a weight push interrupted, "
+                                          "which only rollout.mode async does"):
+        load_config(None, ["rollout.mode=one_step_off", "rollout.partial_rollouts=true"])
+    with pytest.raises(ConfigError, match=r"train.routing_replay rollout \(R3\) would replay a mix"):
+        load_config(None, ["task.synthetic=arithmetic", "rollout.mode=async", "rollout.partial_rollouts=true",
+                           "train.routing_replay=rollout"])

@@ -65,3 +65,15 @@ def test_async_trains_on_no_sample_older_than_max_staleness(synthetic_cache, tmp
     # every trained sample came from the trainer's current weights: the engine's logprobs are the trainer's
     assert all(row["mismatch/logprob_abs_diff"] < 1e-5 for row in rows)
     assert all(row["armor/prompts_kept"] > 0 for row in rows)
+
+
+def test_async_with_partial_rollouts_trains_within_max_staleness_by_each_sample_s_oldest_token(synthetic_cache,
+                                                                                                tmp_path):
+    """rollout.partial_rollouts with the in-process engine (TP=2) through `armor train`: each push pauses the engine (a
+    batch in flight would continue under the new weights: tests/trainer/test_async_rollouts.py makes one), no trained
+    sample has a token more than max_staleness versions old, and the run ends with the generators drained."""
+    rows = _run(synthetic_cache, tmp_path, "partial", "train.lr=5e-3", "rollout.mode=async", "rollout.max_staleness=1",
+                "rollout.async_buffer_batches=2", "rollout.partial_rollouts=true")
+    assert all(row["async/staleness_max"] <= 1 and 0 <= row["async/partial_fraction"] <= 1 for row in rows)
+    assert all(row["armor/prompts_kept"] > 0 and 0 <= row["perf/overlap_fraction"] <= 1 for row in rows)
+    assert rows[0]["async/staleness_max"] == 0 and rows[0]["async/partial_fraction"] == 0  # before any push

@@ -1,0 +1,120 @@
+"""`PausableEngine`: generations that a weight push interrupts and that go on under the new weights
+(rollout.partial_rollouts).
+
+`pause` interrupts the wrapped engine (`RolloutEngine.interrupt`: SGLang aborts the requests, the in-process engine
+stops decoding) and returns once none of its calls runs, so the trainer can push weights; `generate` calls wait
+until `resume(version)`. A generation the pause cut short is continued then: its prompt plus the tokens it has go
+back to the engine as the prompt, with the tokens left of max_new_tokens, as slime's and AReaL's partial rollouts
+do. Every token keeps the logprob the engine reported when it drew it and the weight version the engine held
+(`Generation.versions`), so a response may mix versions: the behaviour policy of each token is known, which is all
+the decoupled objective's importance weight needs (algorithm.behaviour_correction).
+
+Without a pause, `generate` makes exactly the wrapped engine's call: same generations, same seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.utils.seeding import stable_seed
+
+
+class PausableEngine(RolloutEngine):
+    """`engine` (the actor's) with `pause` / `resume` around weight pushes; its generations carry per-token
+    versions: `version` is the weight version the engine holds (the trainer's count of kept updates)."""
+
+    def __init__(self, engine: RolloutEngine, version: int = 0) -> None:
+        self.engine, self.version = engine, version
+        self._cond = threading.Condition()
+        self._paused = False
+        self._calls = 0  # the wrapped engine's `generate` calls running
+
+    @property
+    def shared_across_ranks(self) -> bool:  # type: ignore[override]
+        return self.engine.shared_across_ranks
+
+    @property
+    def pushes_weights(self) -> bool:  # type: ignore[override]
+        return self.engine.pushes_weights
+
+    def pause(self) -> None:
+        """Interrupt the generations in flight and return once the engine runs none: its weights may change. Until
+        `resume`, `generate` calls wait before they reach the engine."""
+        with self._cond:
+            self._paused = True
+        self.engine.interrupt()
+        with self._cond:
+            self._cond.wait_for(lambda: self._calls == 0)
+
+    def resume(self, version: int) -> None:
+        """The engine holds weight version `version`: let generations go on (an interrupted one continues)."""
+        with self._cond:
+            self.version = version
+            if self._paused:
+                self.engine.end_interrupt()
+                self._paused = False
+                self._cond.notify_all()
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        """The engine's generations of `prompts`, each continued after every pause that cut it short until it stops
+        or reaches `sampling.max_new_tokens`; `versions[j]` is the weight version that drew token j."""
+        out = [Generation(list(p), [], [], "abort", versions=[]) for p in prompts]
+        pending, round_ = list(range(len(prompts))), 0
+        while pending:
+            by_budget: dict[int, list[int]] = {}  # tokens left -> the prompts with that many left
+            for i in pending:
+                by_budget.setdefault(sampling.max_new_tokens - len(out[i].response_ids), []).append(i)
+            with self._cond:
+                self._cond.wait_for(lambda: not self._paused)
+                self._calls += 1
+                version = self.version
+            try:
+                for budget, rows in by_budget.items():
+                    call = sampling if round_ == 0 else dataclasses.replace(
+                        sampling, max_new_tokens=budget,
+                        seed=None if sampling.seed is None else stable_seed(sampling.seed, round_, budget))
+                    generations = self.engine.generate([out[i].prompt_ids + out[i].response_ids for i in rows], call)
+                    for i, generation in zip(rows, generations, strict=True):
+                        out[i] = _extended(out[i], generation, version)
+            finally:
+                with self._cond:
+                    self._calls -= 1
+                    self._cond.notify_all()
+            pending = [i for i in pending if out[i].finish_reason == "abort"]
+            round_ += 1
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def release_transfer_buffers(self) -> None:
+        self.engine.release_transfer_buffers()
+
+
+def _extended(head: Generation, tail: Generation, version: int) -> Generation:
+    """`head` (its prompt without the response so far) followed by `tail`, a continuation `version` drew."""
+    if tail.routed_experts is not None:
+        raise ValueError("partial rollouts do not carry routed experts across a continuation (rollout.partial_rollouts "
+                         "refuses train.routing_replay)")
+    return Generation(
+        prompt_ids=head.prompt_ids, response_ids=head.response_ids + tail.response_ids,
+        logprobs=head.logprobs + tail.logprobs, finish_reason=tail.finish_reason,
+        versions=[*head.versions, *[version] * len(tail.response_ids)],
+    )
