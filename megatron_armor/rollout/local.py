@@ -71,19 +71,23 @@ def sample_next_tokens(
 class _DecodeBatch:
     """The rows of one `generate` batch still being decoded (A of the batch's B), with their KV cache.
 
+    A prompt that several rows share (RL samples n responses per prompt) is prefilled once: until `expand`, the
+    cache, mask and positions hold the U distinct prompts and `prompt_of_row` [B] says which one each row reads;
+    `expand` then copies each prompt's cache to its rows (a row's cache is the same values either way).
     Rows that stopped stay (their draws are ignored) until enough have stopped to make dropping them
     from the cache and the mask worth the copy (`COMPACT_FRACTION`); each row's logits are then bit-for-bit
     those of the whole batch (`MIN_ROWS`).
     """
 
     cache: Cache
-    attention: torch.Tensor  # [A, capacity] int64: 1 at real tokens; positions < length are filled
+    attention: torch.Tensor  # [A, capacity] int64 (before `expand`: [U, capacity]): 1 at real tokens; < length filled
     length: int
-    positions: torch.Tensor  # [A, T] position ids of the next forward's inputs
+    positions: torch.Tensor  # [A, T] position ids of the next forward's inputs (before `expand`: [U, W])
     rows: torch.Tensor  # [A] int64: each row's index in the batch (on the device)
     row_ids: list[int]  # the same on the host
     running: list[bool]  # [A] False once the row drew a stop token
-    prefill_ids: torch.Tensor  # [B, W] left-padded prompts
+    prefill_ids: torch.Tensor  # [U, W] the distinct prompts, left-padded
+    prompt_of_row: torch.Tensor | None  # [B] int64: row b's prompt in prefill_ids; None once expanded (or all distinct)
     compactable: bool  # B is even: stopped rows may leave
 
     COMPACT_FRACTION: ClassVar[float] = 1 / 8  # drop stopped rows once they are this share of the batch
@@ -96,21 +100,39 @@ class _DecodeBatch:
     @classmethod
     def left_padded(cls, prompts: Sequence[Sequence[int]], pad_token_id: int, max_new_tokens: int,
                     device: torch.device) -> _DecodeBatch:
-        """Prompts left-padded to the longest (W); position ids restart at each row's first real token."""
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-        attention = torch.zeros(batch, width + max_new_tokens, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+        """The distinct prompts left-padded to the longest (W); position ids restart at each row's first real
+        token."""
+        index: dict[tuple[int, ...], int] = {}
+        prompt_of_row = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        distinct, batch, width = list(index), len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((len(distinct), width), pad_token_id, dtype=torch.long)
+        attention = torch.zeros(len(distinct), width + max_new_tokens, dtype=torch.long)
+        for row, prompt in enumerate(distinct):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention[row, width - len(prompt) : width] = 1
-        padded = any(len(p) < width for p in prompts)
+        padded = any(len(p) < width for p in distinct)
         attention = attention.to(device)
         positions = (attention[:, :width].cumsum(-1) - 1).clamp(min=0)
+        shared = len(distinct) < batch
         return cls(
-            cache=PreallocatedCache(width + max_new_tokens, keep_decode_mask=padded), attention=attention, length=width, positions=positions,
-            rows=torch.arange(batch, device=device), row_ids=list(range(batch)), running=[True] * batch,
-            prefill_ids=input_ids.to(device), compactable=batch % 2 == 0,
+            cache=PreallocatedCache(width + max_new_tokens, keep_decode_mask=padded), attention=attention,
+            length=width, positions=positions, rows=torch.arange(batch, device=device), row_ids=list(range(batch)),
+            running=[True] * batch, prefill_ids=input_ids.to(device),
+            prompt_of_row=torch.tensor(prompt_of_row, device=device) if shared else None, compactable=batch % 2 == 0,
         )
+
+    def fan_out(self, per_prompt: torch.Tensor) -> torch.Tensor:
+        """Rows [U, ...] of the distinct prompts (the prefill's outputs) -> [B, ...] one per batch row."""
+        return per_prompt if self.prompt_of_row is None else per_prompt.index_select(0, self.prompt_of_row)
+
+    def expand(self) -> None:
+        """After the prefill: give every row its prompt's cache, mask and positions (nothing to do when the prompts
+        were distinct or already expanded)."""
+        if self.prompt_of_row is not None:
+            self.cache.batch_select_indices(self.prompt_of_row)
+            self.attention = self.attention.index_select(0, self.prompt_of_row)
+            self.positions = self.positions.index_select(0, self.prompt_of_row)
+            self.prompt_of_row = None
 
     def attention_view(self) -> torch.Tensor:
         """The mask [A, length] of the cached positions plus the next forward's inputs."""
@@ -253,7 +275,9 @@ class LocalEngine(RolloutEngine):
             logits = self._last_logits(step_ids, batch, prefill=step == 0)
             if routes is not None:  # the prefill's W positions, then the token drawn at step - 1, at W + step - 1
                 start = 0 if step == 0 else width + step - 1
-                routes[batch.rows, start : start + step_ids.shape[1]] = self.routes.take(*step_ids.shape)
+                routes[batch.rows, start : start + step_ids.shape[1]] = batch.fan_out(self.routes.take(*step_ids.shape))
+            logits = batch.fan_out(logits)
+            batch.expand()
             tokens, token_logprobs = sample_next_tokens(logits, sampling, generator, batch.rows, len(prompts))
             tokens_out[batch.rows, step], logprobs_out[batch.rows, step] = tokens, token_logprobs
             for row in torch.isin(tokens, stop).nonzero().flatten().tolist():  # the step's one device sync

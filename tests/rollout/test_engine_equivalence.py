@@ -97,3 +97,23 @@ def test_sampled_generation_is_reproducible_and_equals_the_plain_loop_without_st
     assert [g.response_ids for g in first] == [ids for ids, _ in want]
     for generation, (_, logprobs) in zip(first, want):
         torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(logprobs), atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_rows_that_share_a_prompt_are_prefilled_once_and_generate_what_the_plain_loop_does(tiny_model_factory,
+                                                                                          monkeypatch):
+    """RL's layout: n rows per prompt (prompts of mixed lengths, left-padded). The engine prefills each distinct prompt
+    once (the prefill's batch is 3 rows, not 12) and copies its cache to the rows, which then sample apart: the
+    same tokens and logprobs as the plain loop, which prefills all 12."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32).eval()
+    prompts = [PROMPTS[k] for k in (2, 0, 1) for _ in range(4)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+    prefill_rows = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+                                    with_kwargs=True)
+    got = LocalEngine(model).generate(prompts, sampling)
+    assert prefill_rows[0] == (3, 7) and prefill_rows[1] == (12, 1)  # 3 distinct prompts, then every row decodes
+    want = reference_generate(model, prompts, sampling)
+    assert [g.response_ids for g in got] == [ids for ids, _ in want]
+    assert len({tuple(g.response_ids) for g in got}) > 3  # rows of one prompt drew apart
+    for generation, (_, logprobs) in zip(got, want):
+        torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(logprobs), atol=LOGPROB_ATOL, rtol=0)

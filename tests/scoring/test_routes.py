@@ -46,7 +46,7 @@ def setup(tiny_model_factory):
     checkpoint = tiny_model_factory("qwen3_moe")
     engine = LocalEngine(AutoModelForCausalLM.from_pretrained(checkpoint), record_routes=True)
     bias_routing(engine.model, ENGINE_BIAS)
-    prompts = [[5, 17, 30, 2], [40, 8, 9], [60, 61, 3, 4, 5], [11, 90]]
+    prompts = [[5, 17, 30, 2], [40, 8, 9], [5, 17, 30, 2], [11, 90]]  # rows 0 and 2 share a prefill
     generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
     samples = [Sample(i, g.prompt_ids, g.response_ids, g.logprobs, g.finish_reason, False,
                       routed_experts=g.routed_experts) for i, g in enumerate(generations)]
