@@ -13,7 +13,8 @@ HTTP server (`--http`), to show the protocol overhead. Ratios are against (b), m
 `--vs-hf` instead times HF `model.generate` against `LocalEngine.generate` on the same model, prompts,
 sampling (T = 1, seeded) and threads, alternating the two `--repeats` times, for three cases: (a) a tiny
 model with short EOS-terminated responses, (b) 8 layers x 512 hidden x 32k vocabulary, 128-token
-prompts, 64 new tokens, (c) the model of (b) with long-tailed lengths (most rows stop after a few
+prompts, 64 new tokens ((b') the same with RL's layout, 2 prompts x 8 samples each: the engine prefills a shared
+prompt once), (c) the model of (b) with long-tailed lengths (most rows stop after a few
 tokens, an eighth run to the limit). Tokens/s counts the response tokens each side produced. For (b) it also times
 the model's matrix products alone on the same shapes (`gemm_floor_seconds`): HF's time over that is the largest
 ratio any fp32 engine using torch's kernels could reach.
@@ -154,6 +155,11 @@ def vs_hf(repeats: int) -> None:
         prompts = [torch.randint(1, 96, (128,), generator=g).tolist() for _ in range(16)]
         _vs_hf_case("(b) 8x512, 32k vocab, 16x128 -> 64", big, prompts,
                     SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats, floor=True)
+        # (b) in RL's layout: 2 prompts x 8 samples each (TRL's GRPOTrainer also hands `generate` each prompt
+        # repeated num_generations times); the engine prefills each prompt once, HF's generate every row
+        rl_prompts = [prompt for prompt in prompts[:2] for _ in range(8)]
+        _vs_hf_case("(b') as (b), 2 prompts x 8 samples", big, rl_prompts,
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)  # the floor assumes 16 prefills
         # (c), greedy so both sides decode the same rows: stop tokens are tokens that rows 2.. draw within
         # their first 6 and rows 0-1 never draw, so 14 rows stop within 6 tokens and 2 run to the limit.
         greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
