@@ -44,21 +44,23 @@ class PausableEngine(RolloutEngine):
 
     def pause(self) -> None:
         """Interrupt the generations in flight and return once the engine runs none: its weights may change. Until
-        `resume`, `generate` calls wait before they reach the engine."""
+        `resume`, this wrapper's `generate` calls wait before they reach the engine, which itself serves others
+        normally (validation, through the wrapped engine)."""
         with self._cond:
             self._paused = True
         self.engine.interrupt()
-        with self._cond:
-            self._cond.wait_for(lambda: self._calls == 0)
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: self._calls == 0)
+        finally:
+            self.engine.end_interrupt()
 
     def resume(self, version: int) -> None:
         """The engine holds weight version `version`: let generations go on (an interrupted one continues)."""
         with self._cond:
             self.version = version
-            if self._paused:
-                self.engine.end_interrupt()
-                self._paused = False
-                self._cond.notify_all()
+            self._paused = False
+            self._cond.notify_all()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         """The engine's generations of `prompts`, each continued after every pause that cut it short until it stops

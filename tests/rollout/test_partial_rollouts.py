@@ -62,6 +62,8 @@ def generate_across_a_push(pausable: PausableEngine, model: torch.nn.Module, new
     pausing.join(60)
     assert not pausing.is_alive()
     held.handle.remove()
+    served = pausable.engine.generate(PROMPTS[:1], replace(SAMPLING, max_new_tokens=3))  # e.g. validation, paused
+    assert len(served[0].response_ids) == 3 and served[0].finish_reason == "length"
     pausable.update_weights(new_weights)
     pausable.resume(1)
     worker.join(60)
