@@ -133,6 +133,9 @@ class Opd(Grpo):
             require(clip.low == 1.0 and clip.high == 1.0,
                     f"opd.rollouts teacher trains on off-policy tokens with the PPO ratio clip off (eps = 1.0, "
                     f"opd.md §1): set algorithm.clip_low=1.0 algorithm.clip_high=1.0, got {clip.low}/{clip.high}")
+            require(not cfg.rollout.partial_rollouts,
+                    "rollout.partial_rollouts pauses the actor's engine at weight pushes, but opd.rollouts teacher "
+                    "samples from the teacher's engine, which no push changes: set rollout.partial_rollouts false")
             require(cfg.rollout.backend == "local",
                     "opd.rollouts teacher samples from an in-process engine of opd.teacher_path; rollout.backend "
                     "sglang has no teacher rollout servers: use rollout.backend local, or opd.rollouts student")

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-FinishReason = Literal["stop", "length"]  # why an engine stopped a generation (SGLang's "abort" is retried)
+FinishReason = Literal["stop", "length"]  # why a sample's generation ended (an aborted one is retried or continued)
 
 
 @dataclass

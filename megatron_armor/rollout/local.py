@@ -73,7 +73,8 @@ class _DecodeBatch:
 
     A prompt that several rows share (RL samples n responses per prompt) is prefilled once: until `expand`, the
     cache, mask and positions hold the U distinct prompts and `prompt_of_row` [B] says which one each row reads;
-    `expand` then copies each prompt's cache to its rows (a row's cache is the same values either way).
+    `expand` then copies each prompt's cache to its rows (the values a prefill of every row would give, up to the
+    rounding of a matrix product with fewer rows: tests/rollout/test_engine_equivalence.py).
     Rows that stopped stay (their draws are ignored) until enough have stopped to make dropping them
     from the cache and the mask worth the copy (`COMPACT_FRACTION`); each row's logits are then bit-for-bit
     those of the whole batch (`MIN_ROWS`).

@@ -28,6 +28,8 @@ class PausableEngine(RolloutEngine):
     """`engine` (the actor's) with `pause` / `resume` around weight pushes; its generations carry per-token
     versions: `version` is the weight version the engine holds (the trainer's count of kept updates)."""
 
+    INTERRUPT_EVERY_S = 0.2  # `pause` repeats the interrupt this often (s) while a call still runs
+
     def __init__(self, engine: RolloutEngine, version: int = 0) -> None:
         self.engine, self.version = engine, version
         self._cond = threading.Condition()
@@ -45,13 +47,15 @@ class PausableEngine(RolloutEngine):
     def pause(self) -> None:
         """Interrupt the generations in flight and return once the engine runs none: its weights may change. Until
         `resume`, this wrapper's `generate` calls wait before they reach the engine, which itself serves others
-        normally (validation, through the wrapped engine)."""
+        normally (validation, through the wrapped engine). The interrupt is repeated every `INTERRUPT_EVERY_S`
+        while a call runs: an SGLang server ignores the abort of a request that has not reached it yet."""
         with self._cond:
             self._paused = True
-        self.engine.interrupt()
         try:
+            self.engine.interrupt()
             with self._cond:
-                self._cond.wait_for(lambda: self._calls == 0)
+                while not self._cond.wait_for(lambda: self._calls == 0, timeout=self.INTERRUPT_EVERY_S):
+                    self.engine.interrupt()
         finally:
             self.engine.end_interrupt()
 
@@ -64,29 +68,30 @@ class PausableEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         """The engine's generations of `prompts`, each continued after every pause that cut it short until it stops
-        or reaches `sampling.max_new_tokens`; `versions[j]` is the weight version that drew token j."""
+        or reaches `sampling.max_new_tokens`; `versions[j]` is the weight version that drew token j.
+
+        The generations a pause cut short continue in one engine call per round, to the largest number of tokens
+        any of them has left; each keeps only what its own budget allows (the rest is drawn and dropped: a batch's
+        decode steps are its latency, its rows cost little more)."""
         out = [Generation(list(p), [], [], "abort", versions=[]) for p in prompts]
         pending, round_ = list(range(len(prompts))), 0
         while pending:
-            by_budget: dict[int, list[int]] = {}  # tokens left -> the prompts with that many left
-            for i in pending:
-                by_budget.setdefault(sampling.max_new_tokens - len(out[i].response_ids), []).append(i)
+            budget = sampling.max_new_tokens - min(len(out[i].response_ids) for i in pending)
+            call = sampling if round_ == 0 else dataclasses.replace(
+                sampling, max_new_tokens=budget,
+                seed=None if sampling.seed is None else stable_seed(sampling.seed, round_))
             with self._cond:
                 self._cond.wait_for(lambda: not self._paused)
                 self._calls += 1
                 version = self.version
             try:
-                for budget, rows in by_budget.items():
-                    call = sampling if round_ == 0 else dataclasses.replace(
-                        sampling, max_new_tokens=budget,
-                        seed=None if sampling.seed is None else stable_seed(sampling.seed, round_, budget))
-                    generations = self.engine.generate([out[i].prompt_ids + out[i].response_ids for i in rows], call)
-                    for i, generation in zip(rows, generations, strict=True):
-                        out[i] = _extended(out[i], generation, version)
+                generations = self.engine.generate([out[i].prompt_ids + out[i].response_ids for i in pending], call)
             finally:
                 with self._cond:
                     self._calls -= 1
                     self._cond.notify_all()
+            for i, generation in zip(pending, generations, strict=True):
+                out[i] = _extended(out[i], generation, version, sampling)
             pending = [i for i in pending if out[i].finish_reason == "abort"]
             round_ += 1
         return out
@@ -110,13 +115,20 @@ class PausableEngine(RolloutEngine):
         self.engine.release_transfer_buffers()
 
 
-def _extended(head: Generation, tail: Generation, version: int) -> Generation:
-    """`head` (its prompt without the response so far) followed by `tail`, a continuation `version` drew."""
+def _extended(head: Generation, tail: Generation, version: int, sampling: SamplingParams) -> Generation:
+    """`head` (its prompt without the response so far) followed by `tail`, a continuation `version` drew, cut to
+    `sampling.max_new_tokens` in all. An interrupted one that reached the limit or a stop token is finished."""
     if tail.routed_experts is not None:
         raise ValueError("partial rollouts do not carry routed experts across a continuation (rollout.partial_rollouts "
-                         "refuses train.routing_replay)")
+                         "refuses train.routing_replay rollout)")
+    room = sampling.max_new_tokens - len(head.response_ids)
+    ids, logprobs = tail.response_ids[:room], tail.logprobs[:room]
+    finish = tail.finish_reason if len(tail.response_ids) <= room else "length"
+    if finish == "abort" and ids and ids[-1] in sampling.stop_token_ids:
+        finish = "stop"  # the interrupt raced the stop token
+    elif finish == "abort" and len(ids) == room:
+        finish = "length"
     return Generation(
-        prompt_ids=head.prompt_ids, response_ids=head.response_ids + tail.response_ids,
-        logprobs=head.logprobs + tail.logprobs, finish_reason=tail.finish_reason,
-        versions=[*head.versions, *[version] * len(tail.response_ids)],
+        prompt_ids=head.prompt_ids, response_ids=head.response_ids + ids, logprobs=head.logprobs + logprobs,
+        finish_reason=finish, versions=[*head.versions, *[version] * len(ids)],
     )

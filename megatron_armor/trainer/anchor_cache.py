@@ -5,12 +5,14 @@ prompt are draws from the same distribution at every step, so reusing them saves
 generation of every prompt seen before. The trainer clears the cache when the reference is reset.
 
 Every rank holds the same all-gathered samples and makes the same calls in the same order, so
-every rank's cache is identical; nothing here depends on the rank.
+every rank's cache is identical; nothing here depends on the rank. A lock guards the cache: with partial rollouts
+the asynchronous generator may fetch anchors while the trainer checkpoints it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +32,7 @@ class AnchorCache:
             raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
         self.max_prompts = max_prompts
         self._anchors: OrderedDict[PromptKey, list[Sample]] = OrderedDict()  # oldest use first
+        self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, anchors: AnchorsConfig) -> AnchorCache | None:
@@ -49,20 +52,23 @@ class AnchorCache:
         counting the prompts served from anchors cached before this call.
         """
         keys = [tuple(p.prompt_ids) for p in prompts]
-        hits = sum(key in self._anchors for key in keys)
-        missing = list({key: p for key, p in zip(keys, prompts) if key not in self._anchors}.values())
-        anchors = {key: self._anchors[key] for key in keys if key in self._anchors}
+        with self._lock:
+            hits = sum(key in self._anchors for key in keys)
+            missing = list({key: p for key, p in zip(keys, prompts) if key not in self._anchors}.values())
+            anchors = {key: self._anchors[key] for key in keys if key in self._anchors}
         anchors.update({tuple(p.prompt_ids): [] for p in missing})
         for sample in generate(missing) if missing else []:
             anchors[tuple(sample.prompt_ids)].append(sample)
-        for key in keys:
-            self._store(key, anchors[key])
+        with self._lock:
+            for key in keys:
+                self._store(key, anchors[key])
         served = [dataclasses.replace(a, prompt_index=p.index) for key, p in zip(keys, prompts) for a in anchors[key]]
         return served, hits
 
     def clear(self) -> None:
         """Forget every anchor (the reference changed)."""
-        self._anchors.clear()
+        with self._lock:
+            self._anchors.clear()
 
     def _store(self, key: PromptKey, anchors: list[Sample]) -> None:
         self._anchors[key] = anchors
@@ -72,14 +78,17 @@ class AnchorCache:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: every cached prompt's token ids and anchors, least recently used first."""
+        with self._lock:
+            cached = list(self._anchors.items())
         return {
             "prompts": [
                 {"prompt_ids": list(key), "anchors": [dataclasses.asdict(a) for a in anchors]}
-                for key, anchors in self._anchors.items()
+                for key, anchors in cached
             ]
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._anchors.clear()
-        for entry in state["prompts"]:
-            self._store(tuple(entry["prompt_ids"]), [Sample(**a) for a in entry["anchors"]])
+        with self._lock:
+            self._anchors.clear()
+            for entry in state["prompts"]:
+                self._store(tuple(entry["prompt_ids"]), [Sample(**a) for a in entry["anchors"]])

@@ -9,8 +9,9 @@ them), waiting for the generator when the buffer is empty; a batch more than `St
 than the trainer's weights is dropped instead (async/dropped_stale_groups counts its kept groups; its prompts count
 as drawn, as those that filtering drops). So no step trains on a sample older than `max_staleness` versions.
 
-The engine's weights change only between generation batches: `settle` (before every weight push) stops the generator
-after the batch in flight, not the whole buffer, and `take` lets it go on with the new weights. Every rank's generator
+Without partial rollouts the engine's weights change only between generation batches: `settle` (before every weight
+push) stops the generator after the batch in flight, not the whole buffer, and `take` lets it go on with the new
+weights. Every rank's generator
 must make the same collective calls, so the point where it stops is agreed: `settle` takes the largest number of
 batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
 many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
@@ -21,9 +22,11 @@ With rollout.partial_rollouts the actor's engine is a `PausableEngine` (rollout/
 batches begun as above but does not wait for them to finish; it pauses the engine, which interrupts the generations
 in flight (they keep their tokens so far) and returns once the engine runs none. `take` resumes it with the new
 weight version, and the interrupted generations continue from their partial responses: every token carries the
-version that drew it (`Sample.token_versions`), a group's version is the oldest of its tokens', and a batch is as old
-as its oldest token for `max_staleness`. `close` lets the batches begun finish, so no generator is left inside a
-collective when the run ends.
+version that drew it (`Sample.token_versions`). A group's version is the oldest of its tokens' (the same on every
+rank: the samples are all-gathered; a group without tokens counts as current), and a batch is as old as its oldest
+group for `max_staleness`. While paused, the generator may still draw prompts, sample anchors, score and gather (only
+the actor's engine waits), so what checkpoints read of it is read under locks (`sampler_state`, the anchor cache).
+`close` lets the batches begun finish, so no generator is left inside a collective when the run ends.
 
 Checkpoints save the sampler's position from before the oldest batch not yet trained (buffered or generating):
 buffered samples are not saved but regenerated on resume, with the checkpoint's weights, from the same prompts and
@@ -41,33 +44,25 @@ import time
 from typing import Any
 
 from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import max_over_ranks
 from megatron_armor.rollout.pausable import PausableEngine
-from megatron_armor.data.types import Sample
 from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
 from megatron_armor.trainer.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class BufferedBatch:
-    """A generated batch waiting in the buffer: the weight version the engine held when it began, and per kept group
-    the oldest version among its samples' tokens (later than `version` where partial rollouts continued a group
-    under newer weights, or began it only after a push)."""
+    """A generated batch waiting in the buffer and the weight version the engine held when it began (without partial
+    rollouts, the version of every token in it, the same on every rank)."""
 
     batch: GenerationBatch
     version: int
-    group_versions: list[int]
-
-    @property
-    def oldest_version(self) -> int:
-        """The oldest weight version that sampled any of the batch's kept groups."""
-        return min(self.group_versions, default=self.version)
 
 
 def oldest_token_versions(groups: list[list[Sample]], default: int) -> list[int]:
-    """Per group, the oldest of its on-policy samples' `token_versions` (`default` for a group without any)."""
-    return [min((min(s.token_versions, default=default) for s in group if s.token_versions is not None),
-                default=default) for group in groups]
+    """Per group, the oldest of its samples' `token_versions` (`default` for a group with no token that has one)."""
+    return [min((v for s in group for v in (s.token_versions or ())), default=default) for group in groups]
 
 
 @register_schedule
@@ -102,21 +97,29 @@ class AsyncRollouts(OverlappedRollouts):
         while not collector.done:
             self._issue(self._consumed + 1 if last else self._consumed + self.buffer_batches)
             item = self._pop()
-            if self.version - item.oldest_version > self.max_staleness:
+            versions = self._group_versions(item)
+            if self.version - min(versions, default=self.version) > self.max_staleness:
                 dropped += len(item.batch.groups)
                 continue
             collector.add(item.batch.groups, item.batch.stats)
-            taken.append(item)
+            taken.append((item, versions))
         if not last:
             self._issue(self._consumed + self.buffer_batches)
-        rollout = self.phase.assemble(collector, [item.batch for item in taken], None)
-        versions = [version for item in taken for version in item.group_versions][: len(rollout.groups)]
+        rollout = self.phase.assemble(collector, [item.batch for item, _ in taken], None)
+        versions = [version for _, group_versions in taken for version in group_versions][: len(rollout.groups)]
         rollout = dataclasses.replace(rollout, versions=versions)
         metrics = {**rollout.metrics, **staleness_metrics(self.version, rollout),
                    "async/dropped_stale_groups": float(dropped)}
         if self.pausable is not None:
             metrics["async/partial_fraction"] = partial_fraction(rollout.groups)
         return dataclasses.replace(rollout, metrics=metrics)
+
+    def _group_versions(self, item: BufferedBatch) -> list[int]:
+        """The weight version of each of `item`'s groups: its batch's (without partial rollouts), else its oldest
+        token's (a group without tokens: the trainer's current version)."""
+        if self.pausable is None:
+            return [item.version] * len(item.batch.groups)
+        return oldest_token_versions(item.batch.groups, self.version)
 
     def _resume(self) -> None:
         """Let the generator begin batches again (with the engine's current weights) and interrupted generations go
@@ -158,10 +161,8 @@ class AsyncRollouts(OverlappedRollouts):
                 began = time.perf_counter()
                 self._perf.rollout_idle += began - self._idle_since
             batch = self.phase.generation_batch(("async", *position.values()))  # the same seeds when regenerated
-            versions = (oldest_token_versions(batch.groups, version) if self.pausable is not None
-                        else [version] * len(batch.groups))
             with self._cond:
-                self._buffer.append(BufferedBatch(batch, version, versions))
+                self._buffer.append(BufferedBatch(batch, version))
                 self._finished += 1
                 self._idle_since = time.perf_counter()
                 self._generating += self._idle_since - began
@@ -211,7 +212,8 @@ class AsyncRollouts(OverlappedRollouts):
 
     def sampler_state(self) -> dict[str, Any]:
         self.settle()
-        return dict(self._positions[0] if self._positions else self.sampler.state_dict())
+        with self._cond:  # a paused generator may still begin an agreed batch: it records the position first
+            return dict(self._positions[0] if self._positions else self.sampler.state_dict())
 
     def step_metrics(self) -> dict[str, float]:
         """The overlapped modes' perf/*; perf/overlap_fraction is the share of the step's generating time during which

@@ -79,8 +79,9 @@ class RolloutSchedule:
         self.version += 1
 
     def settle(self) -> None:
-        """Wait until no rollout is generating (before the engine's weights change); the wait counts as the
-        trainer's idle time (`step_metrics`)."""
+        """Make the actor's engine still (before its weights change): wait until no rollout is generating, or with
+        partial rollouts pause the engine mid-rollout (trainer/async_rollouts.py); the wait counts as the trainer's
+        idle time (`step_metrics`)."""
 
     def close(self) -> None:
         """Let what generates finish (at the end of a run: no background rollout is left inside a collective)."""

@@ -119,15 +119,21 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         if saving:
             checkpoint = _save(saver, trainer, trackers, setup.models, cfg, paths, done)
         if stop or alarms:
-            trainer.rollouts.close()
-            saver.finalize()
-            metrics_log.close()
+            _finish(trainer, saver, metrics_log)
             raise (TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint) if stop
                    else CollapseAlarmError(done, alarms, checkpoint))
-    trainer.rollouts.close()  # rollouts generating ahead
-    saver.finalize()  # an asynchronous save still in flight
-    metrics_log.close()
+    _finish(trainer, saver, metrics_log)
     _teardown(ctx, cfg, setup.models, run_dir)
+
+
+def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:
+    """End the run's background work: rollouts generating ahead, an asynchronous save still in flight (finalized
+    even when the rollouts fail), the metrics files."""
+    try:
+        trainer.rollouts.close()
+    finally:
+        saver.finalize()
+        metrics_log.close()
 
 
 def _prepare_run(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, run_dir: Path) -> TaskPaths:

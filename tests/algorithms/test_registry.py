@@ -125,6 +125,9 @@ def test_opd_token_advantages_follow_its_section():
     (["algorithm.name=opd", *NON_ANCHOR, "task.warm_start_steps=0"], "opd.teacher_path is required for algorithm.name opd"),
     (["algorithm.name=opd", *NON_ANCHOR, "opd.rollouts=teacher", "opd.teacher_path=/t"],
      "opd.rollouts teacher trains on off-policy tokens with the PPO ratio clip off"),
+    (["algorithm.name=opd", *NON_ANCHOR, "opd.rollouts=teacher", "opd.teacher_path=/t", "algorithm.clip_low=1.0",
+      "algorithm.clip_high=1.0", "rollout.mode=async", "rollout.partial_rollouts=true"],
+     "rollout.partial_rollouts pauses the actor's engine at weight pushes, but opd.rollouts teacher"),
 ])
 def test_each_algorithm_owns_its_config_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):

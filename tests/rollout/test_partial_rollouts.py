@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.base import Generation, SamplingParams
 from megatron_armor.rollout.local import LocalEngine
-from megatron_armor.rollout.pausable import PausableEngine
+from megatron_armor.rollout.pausable import PausableEngine, _extended
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
@@ -132,3 +132,23 @@ def test_a_continued_server_generation_keeps_each_token_s_version_and_logprob(
         pausable.resume(2)
         again = pausable.generate(PROMPTS[:1], replace(SAMPLING, max_new_tokens=3))
         assert again[0].versions == [2, 2, 2]
+
+
+def test_a_continuation_keeps_what_the_row_s_own_budget_allows_and_finishes_a_raced_stop():
+    """All continuations of a round share one call, to the largest budget left: a row with fewer tokens left keeps
+    only those (finish length); an interrupted row whose last token is a stop token, or that is full, is finished."""
+    sampling = SamplingParams(max_new_tokens=6, stop_token_ids=(0,))
+    head = Generation([9], [4, 5, 6, 7], [-1.0] * 4, "abort", versions=[0] * 4)  # 2 tokens left
+    longer = Generation([9, 4, 5, 6, 7], [8, 8, 8], [-2.0] * 3, "length")  # the round's call ran to 3
+    assert _extended(head, longer, 1, sampling) == Generation([9], [4, 5, 6, 7, 8, 8], [-1.0] * 4 + [-2.0] * 2,
+                                                              "length", versions=[0] * 4 + [1] * 2)
+    stopped = _extended(head, Generation([9, 4, 5, 6, 7], [3, 0], [-2.0] * 2, "stop"), 1, sampling)
+    assert stopped.finish_reason == "stop" and stopped.versions == [0] * 4 + [1] * 2
+    raced = _extended(Generation([9], [], [], "abort", versions=[]), Generation([9], [3, 0], [-1.0] * 2, "abort"), 0,
+                      sampling)
+    assert raced.finish_reason == "stop"
+    full = _extended(Generation([9], [], [], "abort", versions=[]), Generation([9], [1] * 6, [-1.0] * 6, "abort"), 0,
+                     sampling)
+    assert full.finish_reason == "length"
+    again = _extended(head, Generation([9, 4, 5, 6, 7], [3], [-2.0], "abort"), 2, sampling)
+    assert again.finish_reason == "abort" and again.versions == [0] * 4 + [2]  # interrupted again: continues later

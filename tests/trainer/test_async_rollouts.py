@@ -167,7 +167,8 @@ def test_with_partial_rollouts_a_push_interrupts_the_batch_in_flight_which_goes_
     the new weights: its samples mix versions, a group is as old as its oldest token, and no trained sample has a
     token older than max_staleness."""
     engine = LocalEngine(tiny_model_factory("qwen2"))
-    engine.model.register_forward_pre_hook(lambda module, args: time.sleep(0.006))  # >= 0.3 s a batch
+    engine.model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))  # >= 0.5 s a batch: the
+    # generator, slower than the trainer, is always mid-batch when the trainer settles
     sampler = PromptSampler(ROWS, 3, seed=0)
     phase = EnginePhase(sampler, PausableEngine(engine), max_staleness=1)
     schedule = ROLLOUT_SCHEDULES["async"](phase, sampler, 100)
@@ -189,7 +190,7 @@ def test_with_partial_rollouts_a_push_interrupts_the_batch_in_flight_which_goes_
             engine.update_weights([(name, p * 1.05) for name, p in engine.named_parameters_hf().items()])
         schedule.weights_changed()
     assert mixed > 0
-    assert max(settles) < 0.15  # a pause returns within a decode step or two, not a 0.3 s batch
+    assert max(settles) < 0.25  # a pause returns within a decode step or two, not a 0.5 s batch
     schedule.close()  # the batches begun finish: no generator is left inside its batch
     assert schedule._finished == schedule._begun
 
