@@ -18,7 +18,7 @@ from megatron_armor.algorithms import GroupCollector, GroupStats, build_groups
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
-from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.anchor_cache import AnchorCache
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.plan import StepPlan
@@ -165,7 +165,8 @@ class RolloutPhase:
     ) -> dict[str, float]:
         """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept,
         anchors, the audit verifiers' verdicts on every on-policy sample (counts summed over `group`: collective),
-        the shared engine's swaps and the engine's own."""
+        the shared engine's swaps and the engines' own counters summed over the ranks (`engine_counters`: the actor's
+        engine's as rollout/*, a separate reference engine's as rollout/ref_*)."""
         uses_anchors = self.plan.uses_anchors
         metrics = {
             "train/reward_mean": mean([s.reward for s in on_policy]),
@@ -185,8 +186,22 @@ class RolloutPhase:
         metrics.update(counters.metrics(
             uses_anchors=uses_anchors, cache=self.anchor_cache is not None, shared=self.models.shared_engine
         ))
-        metrics.update(self.models.actor_engine.metrics())
+        metrics.update(engine_counters(self.models.actor_engine, group))
+        if uses_anchors and not self.models.shared_engine:  # the reference's engine of its own: rollout/ref_*
+            ref_counts = engine_counters(self.models.ref_engine, group)
+            metrics.update({name.replace("rollout/", "rollout/ref_", 1): value for name, value in ref_counts.items()})
         return metrics
+
+
+def engine_counters(engine: RolloutEngine, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The engine's cumulative counters (`RolloutEngine.metrics`, e.g. rollout/retries) summed over the ranks of
+    `group` (collective when it has any): every rank is a client of its own that sends its share of the requests,
+    so one rank's counts would miss the others' (a retry on rank 1 only, say)."""
+    counters = engine.metrics()
+    if not counters:
+        return {}
+    totals = sum_over_ranks([round(value) for value in counters.values()], group)
+    return {name: float(total) for name, total in zip(counters, totals, strict=True)}
 
 
 def trim_to_data_parallel(groups: list[list[Sample]], dp_size: int) -> list[list[Sample]]:

@@ -1,0 +1,169 @@
+"""A rollout server SIGKILLed while `armor train --rollout.mode async` (TP=2, 2 ranks) generates from it.
+
+The servers are real `http_server` processes. At learning rate 0 the weights never change and every sample's seed
+derives from its prompt's sampler position (async) and index, not from the server that answers it, so a run whose
+server dies mid-generation must train exactly the batches of an uninterrupted run: the same prompts (the sampler
+position every checkpoint saves: gen_batch_size x the generation batches trained so far) and the same samples (a
+request lost with the server is answered again by another, and nothing is dropped or repeated). The trainer must not
+deadlock: the run finishes in time.
+"""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from launcher import Launch, armor
+
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, TRANSPORT_ERRORS, http_call
+
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
+STEPS = 3  # a generation batch after the kill sends the dead server a request even if none was in flight
+GEN_BATCH = 8  # prompts per generation batch (no filtering: one batch fills a step, but for a prompt with no
+TRAIN_BATCH = 8  # correct anchor), and per step (examples/tiny/armor.yaml's train_batch_size)
+BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "armor/prompts_kept", "armor/anchors_used",
+         "armor/anchor_accuracy", "armor/prompts_generated", "train/num_gen_batches")
+LOSSES = ("loss/policy_loss", "policy/entropy", "mismatch/logprob_abs_diff")  # of the same samples at lr 0
+
+
+def _train(run_dir: Path, actors, refs, cache: Path, log_dir: Path) -> Launch:
+    """`armor train` in async mode at lr 0 against the servers (the client's own dispatcher: its retries are counted
+    in rollout/*retries; SGLang's router would retry a dead worker's requests itself)."""
+    return armor("train", "--config", CONFIG, "--max-steps", str(STEPS), "--run-dir", str(run_dir),
+                 "--task.cache_dir", str(cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16",
+                 "--eval.every", "0", "--eval.before_train", "false", "--checkpoint.every", "1",
+                 "--checkpoint.keep_last", "0", "--checkpoint.save_model", "false", "--logging.tensorboard", "false",
+                 "--logging.plot", "false", "--logging.progress_bar", "false", "--train.lr", "0",
+                 "--train.gen_batch_size", str(GEN_BATCH), "--algorithm.filter_groups", "false",
+                 "--rollout.backend", "sglang", "--rollout.mode", "async", "--rollout.max_staleness", str(STEPS),
+                 "--rollout.sglang.router", "none", "--rollout.sglang.urls", ",".join(s.url for s in actors),
+                 "--rollout.sglang.ref_urls", ",".join(s.url for s in refs),
+                 nproc=2, log_dir=log_dir, timeout=240)  # the recipe's TP=2; a deadlock fails the launch
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _samplers(run_dir: Path) -> list[dict]:
+    """The sampler position each checkpoint saved (steps 1..STEPS)."""
+    return [json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())["sampler"]
+            for step in range(1, STEPS + 1)]
+
+
+def _serve(start_server, tiny_model_factory):
+    """A new server (an untrained checkpoint: every run pushes its weights first), once it is healthy."""
+    server = start_server(tiny_model_factory("qwen2"))
+    SGLangEngine([server.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
+    return server
+
+
+@pytest.fixture(scope="module")
+def servers(start_server, tiny_model_factory):
+    """An actor server and a reference server that no test kills (the module's runs take turns on them)."""
+    return _serve(start_server, tiny_model_factory), _serve(start_server, tiny_model_factory)
+
+
+class KillWhenGenerating(threading.Thread):
+    """SIGKILLs `server` during its `period`-th period of generating (a /generate request running), so a request
+    of the asynchronous generator is lost with it; `killed_at` is then set."""
+
+    IDLE_S = 0.05  # a period ends after this long without a running request (requests queued back to back are one)
+
+    def __init__(self, server, period: int) -> None:
+        super().__init__(daemon=True)
+        self.server, self.period, self.killed_at = server, period, None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        periods, last_busy = 0, -float("inf")
+        while not self.stop.is_set() and self.server.proc.poll() is None:
+            try:
+                loads = http_call(self.server.url, "/v1/loads", method="GET", timeout=5)["loads"]
+            except TRANSPORT_ERRORS:
+                continue
+            now, running = time.monotonic(), loads[0]["num_running_reqs"]
+            if running:
+                periods += now - last_busy > self.IDLE_S
+                last_busy = now
+            if running and periods == self.period:
+                self.server.proc.kill()
+                self.server.proc.wait()
+                self.killed_at = time.monotonic()
+                return
+            time.sleep(0.002)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(servers, synthetic_cache, tmp_path_factory):
+    """(metrics rows, checkpoint sampler positions) of the async run at lr 0 with no server killed."""
+    actor, ref = servers
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    proc = _train(run_dir, [actor], [ref], synthetic_cache, run_dir.parent / "logs")
+    assert proc.returncode == 0, proc.output[-6000:]
+    rows = _rows(run_dir)
+    assert all(row["rollout/ref_retries"] == row["rollout/retries"] == 0 for row in rows)
+    return rows, _samplers(run_dir)
+
+
+def _check_same_training(run_dir: Path, uninterrupted) -> list[dict]:
+    """The run in `run_dir` trained the uninterrupted run's prompts and samples; its metrics rows."""
+    rows, (reference_rows, reference_samplers) = _rows(run_dir), uninterrupted
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    for row, reference in zip(rows, reference_rows, strict=True):
+        assert row["armor/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH, row["step"]  # full batches
+        assert {k: row[k] for k in BATCH} == {k: reference[k] for k in BATCH}, row["step"]
+        assert {k: row[k] for k in LOSSES} == pytest.approx({k: reference[k] for k in LOSSES}, rel=1e-5, abs=1e-7)
+    # Each checkpoint saved the position after exactly the generation batches trained so far (within epoch 0):
+    # no prompt drawn twice or skipped; the uninterrupted run saved the same.
+    drawn = [GEN_BATCH * int(sum(row["train/num_gen_batches"] for row in rows[: step + 1])) for step in range(STEPS)]
+    assert _samplers(run_dir) == [{"epoch": 0, "cursor": cursor} for cursor in drawn] == reference_samplers
+    return rows
+
+
+def test_async_run_with_a_reference_server_killed_mid_generation_trains_the_uninterrupted_run_s_batches(
+    start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted,
+):
+    """ARMOR's anchors come from two reference servers (pushed once, before the first step; every rank sends its
+    anchor requests to the first while it is up, as the least loaded); the first is killed in its second period of
+    generating (the asynchronous generator's anchors of a batch after the first, generated while step 1 trains or
+    waits for them). Its lost requests, and later ones sent before each rank's client knows it is dead, are re-sent
+    to the other reference server."""
+    actor, ref = servers
+    victim = _serve(start_server, tiny_model_factory)
+    actors, refs = [actor], [victim, ref]
+    killer = KillWhenGenerating(victim, period=2)
+    killer.start()
+    run_dir = tmp_path / "run"
+    began = time.monotonic()
+    proc = _train(run_dir, actors, refs, synthetic_cache, tmp_path / "logs")
+    killer.stop.set()
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert killer.killed_at is not None and began < killer.killed_at, "the reference server was never killed"
+    rows = _check_same_training(run_dir, uninterrupted)
+    assert rows[-1]["rollout/ref_failed_requests"] >= 1 and rows[-1]["rollout/ref_retries"] >= 1
+    assert rows[-1]["rollout/retries"] == 0  # the actor's server was not touched
+
+
+def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninterrupted_run_s_batches(
+    start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted,
+):
+    """The same with the second of two actor servers killed in its second period of generating. Every actor server
+    gets every weight push (rank r pushes to server r, rollout/push_assignment.py), so the run can only go on if the
+    client leaves the dead server out of the pushes (and of generation until it is back with the current weights)."""
+    actor, ref = servers
+    victim = _serve(start_server, tiny_model_factory)
+    actors, refs = [actor, victim], [ref]
+    killer = KillWhenGenerating(victim, period=2)
+    killer.start()
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, actors, refs, synthetic_cache, tmp_path / "logs")
+    killer.stop.set()
+    assert killer.killed_at is not None, "the actor server was never killed"
+    if proc.returncode != 0 and f"/pause_generation failed on 1/1 servers: {victim.url}" in proc.output:
+        pytest.xfail("known gap: SGLangEngine.update_weights fails when one of its push servers is dead "
+                     "(RolloutError from /pause_generation), which ends the run at its next weight push")
+    assert proc.returncode == 0, proc.output[-6000:]
+    rows = _check_same_training(run_dir, uninterrupted)
+    assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1
