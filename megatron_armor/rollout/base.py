@@ -112,6 +112,18 @@ class RolloutEngine(abc.ABC):
         """Free what this side keeps between weight pushes only to speed them up (e.g. staging buffers on
         the trainer's GPU); the next push allocates them again."""
 
+    @property
+    def urls(self) -> list[str]:
+        """The servers this engine generates on (none for an in-process engine)."""
+        return []
+
+    def missed_push(self) -> set[str]:
+        """The servers (of `urls`) that this engine's last `update_weights` could not reach."""
+        return set()
+
+    def retire_servers(self, urls: set[str]) -> None:
+        """Generate only on the servers not in `urls` (they missed a weight push); the others serve again."""
+
     def interrupt(self) -> None:
         """Make the `generate` calls in flight return soon, each unfinished generation partial (finish_reason
         "abort", its tokens and logprobs so far), and calls made until `end_interrupt` return at once the same way.

@@ -282,13 +282,14 @@ class LocalServerState:
         return {"message": "Generation continued.", "status": "ok"}
 
     def _wait_while_paused(self, epoch: int, items: list[_Item]) -> None:
-        """Hold a request while the server is paused, unless it is aborted meanwhile."""
+        """Hold a request while the server is paused, unless all its items are aborted meanwhile (an item not
+        aborted stays paused, as in SGLang's scheduler)."""
         with self._counts:
-            if not self.paused or self._aborted_locked(epoch, items):
+            if not self.paused or len(self._aborted_locked(epoch, items)) == len(items):
                 return
             self._held += 1
             self._changed.notify_all()  # a pause waiting for the server to go idle counts held requests as idle
-            while self.paused and not self._aborted_locked(epoch, items):
+            while self.paused and len(self._aborted_locked(epoch, items)) < len(items):
                 self._changed.wait()
             self._held -= 1
 

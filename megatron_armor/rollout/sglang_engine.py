@@ -16,6 +16,7 @@ router does not fan them out); weight updates to the engine's push servers (`pus
 from __future__ import annotations
 
 import contextlib
+import logging
 import http.client
 import json
 import threading
@@ -117,6 +118,8 @@ class _Stopped(Exception):
     """The `generate` call gave up (another request failed for good): send nothing more."""
 
 
+log = logging.getLogger(__name__)
+
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, malformed
 
 
@@ -151,16 +154,22 @@ class _Server:
 
 
 class _Dispatcher:
-    """Least-loaded choice among servers not cooling down after a failure (all of them if none is up)."""
+    """Least-loaded choice among servers not cooling down after a failure (all of them if none is up), never a
+    retired one (it missed a weight push: `SGLangEngine.retire_servers`)."""
 
     def __init__(self, servers: list[_Server], cooldown_s: float) -> None:
         self.servers, self.cooldown_s = servers, cooldown_s
+        self.retired: set[str] = set()
         self._lock = threading.Lock()
 
     def acquire(self, avoid: str | None = None) -> _Server:
         with self._lock:
             now = time.monotonic()
-            up = [s for s in self.servers if s.down_until <= now] or self.servers
+            serving = [s for s in self.servers if s.url not in self.retired]
+            if not serving:
+                raise RolloutError(f"every server ({', '.join(s.url for s in self.servers)}) missed the last weight "
+                                   f"push (dead, or back without the current weights): nothing can generate")
+            up = [s for s in serving if s.down_until <= now] or serving
             preferred = [s for s in up if s.url != avoid] or up
             server = min(preferred, key=lambda s: s.in_flight)
             server.in_flight += 1
@@ -242,7 +251,9 @@ class SGLangEngine(RolloutEngine):
             server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))
         transport = TransportConfig(config.bucket_bytes, config.load_format, config.weight_group_timeout_s,
                                     config.weight_sync_dir)
-        self._transport = TRANSPORTS[config.weight_sync](self._push_servers, self._on_push_servers, transport)
+        # the push servers the last push reached (the transport's servers: updated in place); the others missed it
+        self._live_push_servers = list(self._push_servers)
+        self._transport = TRANSPORTS[config.weight_sync](self._live_push_servers, self._on_push_servers, transport)
         self._weight_version = 0
         self._interrupted = threading.Event()  # `interrupt`: aborted items come back partial, nothing more is sent
         self._calls_lock = threading.Lock()
@@ -429,11 +440,21 @@ class SGLangEngine(RolloutEngine):
         mode), flush, push in buckets of `bucket_bytes` by `config.weight_sync`, continue. `named_tensors` is
         drawn lazily, bucket by bucket as the push goes (a gather runs alongside it). The push ends with a
         flush and weight_version n on the n-th successful push. Whatever fails, every push server is asked to
-        continue; if that fails too, it is noted on the error raised."""
+        continue; if that fails too, it is noted on the error raised.
+
+        A push server that cannot be reached (refused, reset, timed out: dead) is left out of the push and named by
+        `missed_push` (the trainer retires it from generation on every rank, `retire_servers`); one that answers
+        again (restarted) joins the next push, after the transport's state is reset, and serves again once that
+        push reached it."""
         try:
-            self._on_push_servers("/pause_generation", lambda s: proto.pause_generation_request("abort"))
-            if self._servers_restarted():
+            live = self._pause_reachable_push_servers()
+            if [s.url for s in live] != [s.url for s in self._live_push_servers] or self._servers_restarted(live):
+                self._live_push_servers[:] = live  # the transport pushes to these
                 self._transport.close()  # a restarted server lost the transport's state (its weight-update group)
+            if not live:
+                for _ in named_tensors:  # the gather beside the push is collective: draw it all the same
+                    pass
+                return
             self._on_push_servers("/flush_cache", lambda s: None, call=self._flush_one)
             self._transport.push(named_tensors, str(self._weight_version + 1))
             self._weight_version += 1
@@ -442,8 +463,32 @@ class SGLangEngine(RolloutEngine):
             raise
         self._continue_generation()
 
+    def _pause_reachable_push_servers(self) -> list[_Server]:
+        """/pause_generation on every push server; the ones that answered. A server that answers with an error
+        fails the push (RolloutError); one that cannot be reached is skipped with a warning."""
+        failures = self._try_servers(self._push_servers, "/pause_generation",
+                                     lambda s: proto.pause_generation_request("abort"))
+        refused = {url: error for url, error in failures.items() if not isinstance(error, TRANSPORT_ERRORS)}
+        if refused:
+            raise RolloutError(f"/pause_generation failed on {len(refused)}/{len(self._push_servers)} servers: "
+                               + " | ".join(f"{url}: {type(e).__name__}: {e}" for url, e in refused.items()))
+        for url, error in failures.items():
+            log.warning("weight push: %s cannot be reached (%s: %s); pushing to the other servers, and it generates "
+                        "nothing until a push reaches it again", url, type(error).__name__, error)
+        return [server for server in self._push_servers if server.url not in failures]
+
+    def missed_push(self) -> set[str]:
+        """The push servers this engine's last push did not reach."""
+        return {s.url for s in self._push_servers} - {s.url for s in self._live_push_servers}
+
+    def retire_servers(self, urls: set[str]) -> None:
+        """Generate only on servers not in `urls` (those that missed a push on any rank; every other one is back in
+        service)."""
+        self._dispatcher.retired = set(urls)
+
     def _continue_generation(self, noting: BaseException | None = None) -> None:
-        """/continue_generation on every push server; a failure is raised, or only noted on `noting` (being raised)."""
+        """/continue_generation on every push server the push reached; a failure is raised, or only noted on `noting`
+        (being raised)."""
         try:
             self._on_push_servers("/continue_generation", lambda s: proto.continue_generation_request())
         except RolloutError as error:
@@ -451,12 +496,12 @@ class SGLangEngine(RolloutEngine):
                 raise
             noting.add_note(f"then {error}")
 
-    def _servers_restarted(self) -> bool:
-        """True when, after a push by this engine, a server reports another weight_version (or none): it was
-        restarted (launch/servers.py `restart_dead`), or another client pushed."""
+    def _servers_restarted(self, servers: Sequence[_Server]) -> bool:
+        """True when, after a push by this engine, one of `servers` reports another weight_version (or none): it
+        was restarted (launch/servers.py `restart_dead`), or another client pushed."""
         if not self._weight_version:
             return False
-        for server in self._push_servers:
+        for server in servers:
             try:
                 info = http_call(server.url, "/model_info", method="GET", timeout=self.config.health_timeout_s)
             except (ServerError, *TRANSPORT_ERRORS):
@@ -522,22 +567,31 @@ class SGLangEngine(RolloutEngine):
     def _on_push_servers(
         self, path: str, body_for: Callable[[_Server], Any], call: Callable[..., Any] = http_call
     ) -> None:
-        """`_on_every_server` for the servers this engine pushes weights to."""
-        self._on_servers(self._push_servers, path, body_for, call)
+        """`_on_every_server` for the push servers the last push reached (all of them until one is lost)."""
+        self._on_servers(self._live_push_servers, path, body_for, call)
 
     def _on_servers(
         self, servers: Sequence[_Server], path: str, body_for: Callable[[_Server], Any], call: Callable[..., Any]
     ) -> None:
-        def one(server: _Server) -> str | None:
+        failures = self._try_servers(servers, path, body_for, call)
+        if failures:
+            raise RolloutError(f"{path} failed on {len(failures)}/{len(servers)} servers: "
+                               + " | ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failures.items()))
+
+    def _try_servers(
+        self, servers: Sequence[_Server], path: str, body_for: Callable[[_Server], Any],
+        call: Callable[..., Any] = http_call,
+    ) -> dict[str, Exception]:
+        """POST `path` to `servers` in parallel; the error of each server that failed, by URL."""
+        def one(server: _Server) -> Exception | None:
             try:
                 call(server.url, path, body_for(server), timeout=self.config.request_timeout_s)
                 return None
             except (ServerError, *TRANSPORT_ERRORS) as error:
-                return f"{server.url}: {type(error).__name__}: {error}"
+                return error
 
         if not servers:
-            return
+            return {}
         with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="sglang-control") as pool:
-            errors = [e for e in pool.map(one, servers) if e]
-        if errors:
-            raise RolloutError(f"{path} failed on {len(errors)}/{len(servers)} servers: " + " | ".join(errors))
+            errors = list(pool.map(one, servers))
+        return {server.url: error for server, error in zip(servers, errors) if error is not None}

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights
+from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
 from megatron_armor.trainer.colocation import Colocation
@@ -80,11 +80,25 @@ class EngineWeights:
 
 def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
     """Collective: every rank runs the gather (each holds every full tensor) and sends it to the servers its
-    engine pushes to (`pushes_weights`); a shared engine's servers are all served once the barrier passes.
+    engine pushes to (`pushes_weights`); a shared engine's servers are all served once every rank agreed on the
+    servers it missed (`retire_servers_any_rank_missed`).
 
     Returns this rank's measurement (bytes and seconds, the TP/PP gather included).
     """
     report = sync_weights(engine, named_tensors, send=engine.pushes_weights)
     if engine.shared_across_ranks:
-        dist.barrier()
+        retire_servers_any_rank_missed(engine)
     return report
+
+
+def retire_servers_any_rank_missed(engine: RolloutEngine) -> None:
+    """Collective (after a push to a shared engine; it also orders the ranks as a barrier would): every rank's engine
+    stops generating on the servers a push missed on any rank (a dead server; one back up serves again once a push
+    reached it). Raises when no server got the push."""
+    urls = engine.urls
+    missed = engine.missed_push()
+    counts = sum_over_ranks([int(url in missed) for url in urls])
+    retired = {url for url, count in zip(urls, counts) if count}
+    if urls and retired == set(urls):
+        raise RuntimeError(f"the weight push reached none of the rollout servers ({', '.join(urls)}): they are down")
+    engine.retire_servers(retired)

@@ -150,8 +150,9 @@ def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninter
     start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted,
 ):
     """The same with the second of two actor servers killed in its second period of generating. Every actor server
-    gets every weight push (rank r pushes to server r, rollout/push_assignment.py), so the run can only go on if the
-    client leaves the dead server out of the pushes (and of generation until it is back with the current weights)."""
+    gets every weight push (rank r pushes to server r, rollout/push_assignment.py): rank 1's client leaves the dead
+    server out of its pushes, and every rank's client out of generation (`retire_servers`), so the run goes on with
+    the other server."""
     actor, ref = servers
     victim = _serve(start_server, tiny_model_factory)
     actors, refs = [actor, victim], [ref]
@@ -161,9 +162,7 @@ def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninter
     proc = _train(run_dir, actors, refs, synthetic_cache, tmp_path / "logs")
     killer.stop.set()
     assert killer.killed_at is not None, "the actor server was never killed"
-    if proc.returncode != 0 and f"/pause_generation failed on 1/1 servers: {victim.url}" in proc.output:
-        pytest.xfail("known gap: SGLangEngine.update_weights fails when one of its push servers is dead "
-                     "(RolloutError from /pause_generation), which ends the run at its next weight push")
     assert proc.returncode == 0, proc.output[-6000:]
+    assert f"weight push: {victim.url} cannot be reached" in proc.output  # left out of the push, with a warning
     rows = _check_same_training(run_dir, uninterrupted)
     assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1

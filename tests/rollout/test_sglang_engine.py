@@ -208,3 +208,30 @@ def test_tensor_weight_sync_refuses_servers_on_other_hosts():
     with pytest.raises(ValueError, match=r"weight_sync tensor .* but http://203\.0\.113\.7:30000 is not on this host: "
                                          r"use rollout\.weight_sync\.method distributed"):
         SGLangEngine([local, "http://203.0.113.7:30000"], replace(FAST, weight_sync="tensor"))
+
+
+def test_a_push_leaves_out_a_dead_server_which_joins_a_later_push_once_it_is_back(serving, model_dir,
+                                                                                 second_tiny_model):
+    """A dead push server is skipped (`missed_push`) and retired from generation; restarted with the checkpoint's
+    weights on its address, it joins the next push (the transport reset for it) and serves the pushed weights."""
+    pushed = list(load(second_tiny_model).named_parameters())
+    want = LocalEngine(load(second_tiny_model)).generate(PROMPTS, GREEDY)
+    port = free_port()
+    with serving(model_dir) as keeper:
+        with serving(model_dir, port=port):
+            engine = SGLangEngine([f"http://127.0.0.1:{keeper.state.port}", f"http://127.0.0.1:{port}"], FAST)
+            engine.update_weights(pushed)
+            assert engine.missed_push() == set()
+        dead = f"http://127.0.0.1:{port}"
+        engine.update_weights(pushed)  # the second server is gone
+        assert engine.missed_push() == {dead}
+        engine.retire_servers(engine.missed_push())
+        assert_same_generations(engine.generate(PROMPTS, GREEDY), want)
+        assert engine.stats.failed_requests == 0  # nothing was sent to the retired server
+        with serving(model_dir, port=port):  # back, with the checkpoint's weights
+            engine.update_weights(pushed)
+            assert engine.missed_push() == set()
+            engine.retire_servers(set())
+            versions = {http_call(url, "/model_info", method="GET")["weight_version"] for url in engine.urls}
+            assert versions == {"3"}  # the third push reached both
+            assert_same_generations(engine.generate(PROMPTS * 2, GREEDY), want * 2)  # both serve the pushed weights
