@@ -52,10 +52,11 @@ class PausableEngine(RolloutEngine):
         with self._cond:
             self._paused = True
         try:
-            self.engine.interrupt()
-            with self._cond:
-                while not self._cond.wait_for(lambda: self._calls == 0, timeout=self.INTERRUPT_EVERY_S):
-                    self.engine.interrupt()
+            while True:
+                self.engine.interrupt()  # not under the lock: a call that returns takes it to say so
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._calls == 0, timeout=self.INTERRUPT_EVERY_S):
+                        return
         finally:
             self.engine.end_interrupt()
 
