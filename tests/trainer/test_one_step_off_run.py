@@ -93,20 +93,6 @@ def test_async_trains_on_no_sample_older_than_max_staleness(synthetic_cache, tmp
     assert all(row["armor/prompts_kept"] > 0 for row in rows)
 
 
-def test_async_with_partial_rollouts_trains_within_max_staleness_by_each_sample_s_oldest_token(synthetic_cache,
-                                                                                                tmp_path):
-    """rollout.partial_rollouts with the in-process engine (TP=2) through `armor train`: each push pauses the engine (a
-    batch in flight would continue under the new weights: tests/trainer/test_async_rollouts.py makes one), no trained
-    sample has a token more than max_staleness versions old, validation (between the pause and the next step) samples
-    whole responses from the paused engine, and the run ends with the generators drained."""
-    rows = _run(synthetic_cache, tmp_path, "partial", "train.lr=5e-3", "rollout.mode=async", "rollout.max_staleness=1",
-                "rollout.async_buffer_batches=2", "rollout.partial_rollouts=true", "eval.every=1", "eval.max_prompts=8")
-    assert all(row["val/response_length"] > 2 and row["val/accuracy"] > 0.05 for row in rows)  # the warm start's
-    assert all(row["async/staleness_max"] <= 1 and 0 <= row["async/partial_fraction"] <= 1 for row in rows)
-    assert all(row["armor/prompts_kept"] > 0 and 0 <= row["perf/overlap_fraction"] <= 1 for row in rows)
-    assert rows[0]["async/staleness_max"] == 0 and rows[0]["async/partial_fraction"] == 0  # before any push
-
-
 def test_async_resumed_from_a_checkpoint_trains_the_uninterrupted_run_s_prompts_and_samples(synthetic_cache, tmp_path):
     """rollout.mode async at lr 0, where the weights never change and a generation batch's seeds derive from the
     sampler position it starts at. Step 1's checkpoint is taken with a batch generated ahead in the buffer (the
