@@ -12,7 +12,6 @@ from megatron_armor.algorithms.importance import sampler_corrected_loss
 from megatron_armor.algorithms.losses import LOG_RATIO_CLAMP
 from megatron_armor.algorithms.registry import register_algorithm
 from megatron_armor.config import ArmorConfig
-from megatron_armor.config.base import require
 
 
 @torch.no_grad()
@@ -51,18 +50,20 @@ def accept_update(gap: float, c: float) -> bool:
     return gap >= -c
 
 
-# rollout.mode values the gate works with: no rollout is in flight when it pushes or rolls back weights. With
-# one_step_off the rollout queued for step t+1 was sampled by theta_t, the weights before step t's update: a
-# rollback restores them, so it trains on-policy (staleness 0); an accept leaves it one version old, which Step 1's
-# weight pi_old / mu against the engine's logprobs corrects.
-GATED_MODES = ("sync", "one_step_off")
 
 
 @register_algorithm
 class Mipu(Algorithm):
     """Step 1: dual-clip PPO on pi_theta / pi_old weighted by the corrected pi_old / mu (mipu.is_correction,
     mipu.w_max), symmetric clip eps with dual clip 1 + 2 eps by default, each response's token mean, plus the
-    KL penalty (kl.coef); Step 2 (mipu.gate): accept or roll back every update by the gap proxy."""
+    KL penalty (kl.coef); Step 2 (mipu.gate): accept or roll back every update by the gap proxy.
+
+    The gate works in every rollout.mode: no rollout generates on the actor's engine while it pushes or rolls back
+    weights. With one_step_off the rollout queued for step t+1 was sampled by theta_t, the weights before step t's
+    update: a rollback restores them, so it trains on-policy (staleness 0); an accept leaves it one version old, which
+    Step 1's weight pi_old / mu against the engine's logprobs corrects. With async the generator is stopped (or its
+    engine paused, partial rollouts) from the step's push to the next step, the gate's pushes included: every buffered
+    batch was sampled by kept weights, and a rollback, which keeps the weight version, leaves theirs as they were."""
 
     name = "mipu"
     uses_kl_penalty = True
@@ -72,14 +73,6 @@ class Mipu(Algorithm):
     def __init__(self, cfg: ArmorConfig) -> None:
         super().__init__(cfg)
         self.settings = cfg.mipu
-
-    @classmethod
-    def check_config(cls, cfg: ArmorConfig) -> None:
-        super().check_config(cfg)
-        require(not (cfg.mipu.gate and cfg.rollout.mode not in GATED_MODES),
-                f"mipu.gate with rollout.mode {cfg.rollout.mode} is not built yet (what a rollback means for samples "
-                f"generated during the weight push is undefined): use rollout.mode {' or '.join(GATED_MODES)}, or "
-                f"mipu.gate false")
 
     @classmethod
     def default_clip_high(cls, clip_low: float) -> float:

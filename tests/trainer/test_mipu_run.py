@@ -25,18 +25,21 @@ def _overrides(cache_dir: Path, run_dir: Path) -> list[str]:
 MODES = {  # rollout mode -> its overrides
     "sync": ["train.max_steps=2", "rollout.memory.offload_trainer=true"],
     "one_step_off": ["train.max_steps=3", "rollout.mode=one_step_off"],
+    "async": ["train.max_steps=3", "rollout.mode=async", "rollout.max_staleness=1"],
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic_cache, tmp_path, mode):
-    """Steps: forced accept, forced reject (one_step_off: and a third step, accepted).
+    """Steps: forced accept, forced reject (one_step_off and async: and a third step, accepted).
 
     sync, with rollout.memory.offload_trainer on: the rollback snapshot lives on the host and the restore runs in a
     training phase; the rollouts run with the actor's weights parked, the gate's with them resident.
     one_step_off: step 2's rollout, generated during step 1 from the weights before its update, stays queued
     through the rollback that restores those weights, and step 2 trains on it on-policy: staleness 0, since a
-    rollback does not advance the weight version."""
+    rollback does not advance the weight version.
+    async: every generation batch starts from kept weights (the initial ones or an accepted step's; bit for bit),
+    never the rejected candidate's, which the gate scores while the generator is stopped."""
     ranks = run_workers("mipu_rollback.py", 2, tmp_path / "w", CONFIG, *_overrides(synthetic_cache, tmp_path / "run"),
                         *MODES[mode])
     for result in ranks:
@@ -57,6 +60,11 @@ def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic
             parked = [[True] * int(m["train/num_gen_batches"]) + [False] for m in (accepted, rejected)]
             assert result["weights_parked_at_generate"] == parked[0] + parked[1]  # each step: rollouts, then the gate
             assert rejected["memory/trainer_parked_gib"] > 0 and rejected["perf/trainer_offload_seconds"] > 0
+        elif mode == "async":  # the generator never samples from the rejected candidate: it is stopped at pushes
+            assert result["optimizer_steps"] == [2, 2, 4] and result["versions"] == [1, 1, 2]
+            assert result["batch_weights"] and all(kept is not None for kept in result["batch_weights"])
+            assert all(m["async/staleness_max"] <= 1 for m in result["metrics"])
+            assert result["metrics"][2]["mipu/accepted"] == 1.0 and result["metrics"][2]["mipu/rollbacks"] == 1.0
         else:  # the rollback keeps the version: step 2's queued rollout (engine = restored weights) has staleness 0
             assert result["optimizer_steps"] == [2, 2, 4] and result["versions"] == [1, 1, 2]
             assert result["rollouts"] == [[0, "MainThread", False], [1, "rollout-step-1", False],

@@ -5,8 +5,9 @@ argv: out_dir config_yaml overrides... Every rank reports each step's metrics, w
 weights, optimizer state and engine weights after the rejected step equal (bit for bit) those
 after the accepted one, the clip settings of the loss it built, and for every rollout the step it is for, the
 thread that generated it and whether the engine then held the weights after the accepted step (with rollout.mode
-one_step_off: the weights the rejected step's rollback restores). With rollout.memory.offload_trainer
-it also reports, for every generate call, whether the actor's weights were parked during it.
+one_step_off: the weights the rejected step's rollback restores), and for every generation batch which step's
+weights the engine held at its start. With rollout.memory.offload_trainer it also reports, for every generate call,
+whether the actor's weights were parked during it.
 """
 
 import copy
@@ -66,6 +67,18 @@ def recording_collect(step):
 
 
 trainer.rollouts.phase.collect = recording_collect
+generated = []  # the engine's weights at the start of every generation batch (async: its generator's batches)
+generation_batch = trainer.rollouts.phase.generation_batch
+
+
+def recording_generation_batch(key):
+    weights = {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()}
+    batch = generation_batch(key)
+    generated.append(weights)
+    return batch
+
+
+trainer.rollouts.phase.generation_batch = recording_generation_batch
 
 
 def force(c: float) -> None:
@@ -90,5 +103,8 @@ write_result(out_dir, {
     "rollouts": [[step, thread, bit_identical(weights, after_accept[2])] for step, thread, weights in collected],
     "loss_clip": [trainer.plan.algorithm.clip.low, trainer.plan.algorithm.clip.high, trainer.plan.algorithm.clip.dual],
     "weights_parked_at_generate": weights_parked_at_generate,
+    # per generation batch, the step count after which the engine held its weights (0: the initial ones), or None
+    "batch_weights": [next((i for i, kept in enumerate(states) if bit_identical(weights, kept[2])), None)
+                      for weights in generated],
 })
 destroy_distributed()
