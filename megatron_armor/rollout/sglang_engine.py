@@ -16,9 +16,9 @@ router does not fan them out); weight updates to the engine's push servers (`pus
 from __future__ import annotations
 
 import contextlib
-import logging
 import http.client
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +35,8 @@ from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.weight_transport import TRANSPORTS, TransportConfig
 from megatron_armor.utils.net import on_this_host
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,6 @@ class _ServerFailed(Exception):
 class _Stopped(Exception):
     """The `generate` call gave up (another request failed for good): send nothing more."""
 
-
-log = logging.getLogger(__name__)
 
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, malformed
 

@@ -152,23 +152,21 @@ def parse_generate_item(
     if kind not in ("stop", "length", "abort"):
         raise ValueError(f"SGLang finish_reason must have type stop, length or abort, got {finish!r}")
     triples = meta.get("output_token_logprobs")
-    if kind == "abort":  # an item aborted before its first token may come back without them
-        triples = triples or []
-        partial = Generation(prompt_ids=list(prompt), response_ids=[int(t[1]) for t in triples],
-                             logprobs=[float(t[0]) for t in triples], finish_reason="abort")
-        return Aborted(message=str(finish.get("message", "")), partial=partial)
-    if triples is None:
+    if triples is None and kind != "abort":  # an item aborted before its first token may come back without them
         raise ValueError("SGLang /generate item has no meta_info.output_token_logprobs; send return_logprob=true")
+    ids, logprobs = [int(t[1]) for t in triples or ()], [float(t[0]) for t in triples or ()]
+    if kind == "abort":
+        return Aborted(message=str(finish.get("message", "")),
+                       partial=Generation(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs,
+                                          finish_reason="abort"))
     routes = None
     if route_shape is not None:
         if meta.get("routed_experts") is None:
             raise ValueError("SGLang /generate item has no meta_info.routed_experts; send return_routed_experts=true "
                              "to a server started with --enable-return-routed-experts")
         routes = decode_routed_experts(meta["routed_experts"], *route_shape)
-    return Generation(
-        prompt_ids=list(prompt), response_ids=[int(t[1]) for t in triples],
-        logprobs=[float(t[0]) for t in triples], finish_reason=kind, routed_experts=routes,
-    )
+    return Generation(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs, finish_reason=kind,
+                      routed_experts=routes)
 
 
 def parse_generate_response(

@@ -112,7 +112,7 @@ class RolloutCounters:
     def merged(cls, parts: Sequence[RolloutCounters]) -> RolloutCounters:
         """The sums of `parts` (e.g. of a step's generation batches; their audit counts too, when they have them)."""
         total = cls()
-        for name in ("anchor_seconds", "ref_push_seconds", "actor_restore_seconds", "weight_swaps", "anchor_cache_hits"):
+        for name in (f.name for f in dataclasses.fields(cls) if f.name != "audit"):
             setattr(total, name, sum(getattr(part, name) for part in parts))
         audits = [part.audit for part in parts if part.audit is not None]
         if audits:
