@@ -171,19 +171,19 @@ def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninter
 def test_async_run_with_partial_rollouts_continues_interrupted_requests_on_real_servers(
     servers, synthetic_cache, tmp_path,
 ):
-    """rollout.partial_rollouts against a real server process at lr > 0, GRPO (the generator's time is all actor
-    generation, long-tailed at temperature 1.6, several times a step's training): a request is in flight whenever a
-    step pushes its weights, so the push interrupts it (the client aborts it by rid) and it continues under the new
-    weights: trained samples mix versions, none has a token more than max_staleness versions old, validation (between
-    the pause and the next step) samples whole responses from the paused engine, and the run finishes with the
-    generators drained."""
+    """rollout.partial_rollouts against a real server process at lr > 0 (low enough to keep the warm start's
+    validation accuracy), GRPO (the generator's time is all actor generation, long-tailed at temperature 1.6, several
+    times a step's training): a request is in flight whenever a step pushes its weights, so the push interrupts it (the
+    client aborts it by rid) and it continues under the new weights: trained samples mix versions, none has a token
+    more than max_staleness versions old, validation (between the pause and the next step) samples whole responses
+    from the paused engine, and the run finishes with the generators drained."""
     actor, _ = servers
     run_dir = tmp_path / "run"
     proc = armor("train", "--config", CONFIG, "--max-steps", "3", "--run-dir", str(run_dir),
                  "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16",
                  "--eval.every", "1", "--eval.max_prompts", "8", "--eval.before_train", "false",
                  "--checkpoint.every", "100", "--checkpoint.save_model", "false", "--logging.tensorboard", "false",
-                 "--logging.plot", "false", "--logging.progress_bar", "false", "--train.lr", "5e-3",
+                 "--logging.plot", "false", "--logging.progress_bar", "false", "--train.lr", "5e-4",
                  "--train.gen_batch_size", str(GEN_BATCH),
                  "--algorithm.name", "grpo", "--rollout.sampling.n_samples", "8", "--rollout.sampling.actor_n", "8",
                  "--rollout.sampling.temperature", "1.6", "--rollout.backend", "sglang", "--rollout.mode", "async",
@@ -193,6 +193,7 @@ def test_async_run_with_partial_rollouts_continues_interrupted_requests_on_real_
     assert proc.returncode == 0, proc.output[-6000:]
     rows = _rows(run_dir)
     assert all(row["async/staleness_max"] <= 1 and row["armor/prompts_kept"] > 0 for row in rows)
-    assert all(row["val/response_length"] > 2 and row["val/accuracy"] > 0.05 for row in rows)  # the warm start's
+    # whole responses at the warm start's accuracy (about 0.5 here; 5e-3 made GRPO itself collapse it within 3 steps)
+    assert all(row["val/response_length"] > 2 and row["val/accuracy"] > 0.25 for row in rows)
     assert sum(row["async/partial_fraction"] for row in rows[1:]) > 0  # continued under newer weights
     assert rows[-1]["rollout/retries"] == 0  # continued, not re-sent from scratch
