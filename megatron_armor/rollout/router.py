@@ -181,17 +181,18 @@ class SGLangRouter:
 
 def make_sglang_engine(
     urls: str, router_url: str | None, sglang: SGLangClientConfig, client: SGLangEngineConfig = SGLangEngineConfig(),
-    *, log_dir: str | None = None, push_urls: list[str] | None = None,
+    *, log_dir: str | None = None, push_urls: list[str] | None = None, first_server: int = 0,
 ) -> SGLangEngine:
     """The client of the servers at comma-separated `urls`, generating through a router if one is wanted.
 
     `router_url`: a router already in front of `urls` (set by `armor ray-train`). Without one, this
     process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `sglang.router`
-    (rollout.sglang) asks for it. `push_urls`: the servers this process pushes weights to (default: all).
+    (rollout.sglang) asks for it. `push_urls`: the servers this process pushes weights to (default: all);
+    `first_server`: see `SGLangEngine`.
     """
     servers = urls.split(",")
     if router_url is None and use_sglang_router(sglang.router, len(servers)):
         router = SGLangRouter(servers, RouterConfig(policy=sglang.router_policy), log_dir=log_dir)
         atexit.register(router.stop)
         router_url = router.url
-    return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls)
+    return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls, first_server=first_server)

@@ -155,11 +155,14 @@ class _Server:
 
 class _Dispatcher:
     """Least-loaded choice among servers not cooling down after a failure (all of them if none is up), never a
-    retired one (it missed a weight push: `SGLangEngine.retire_servers`)."""
+    retired one (it missed a weight push: `SGLangEngine.retire_servers`). Ties between equally loaded servers go
+    round-robin from `first` (the server after the last one chosen), so clients that each send one request at a time
+    (one per rank) spread over the servers when each starts at a different `first` (its rank)."""
 
-    def __init__(self, servers: list[_Server], cooldown_s: float) -> None:
+    def __init__(self, servers: list[_Server], cooldown_s: float, first: int = 0) -> None:
         self.servers, self.cooldown_s = servers, cooldown_s
         self.retired: set[str] = set()
+        self._next = first % len(servers)  # where the round-robin among equally loaded servers starts
         self._lock = threading.Lock()
 
     def acquire(self, avoid: str | None = None) -> _Server:
@@ -171,7 +174,9 @@ class _Dispatcher:
                                    f"push (dead, or back without the current weights): nothing can generate")
             up = [s for s in serving if s.down_until <= now] or serving
             preferred = [s for s in up if s.url != avoid] or up
-            server = min(preferred, key=lambda s: s.in_flight)
+            order = {id(s): (i - self._next) % len(self.servers) for i, s in enumerate(self.servers)}
+            server = min(preferred, key=lambda s: (s.in_flight, order[id(s)]))
+            self._next = self.servers.index(server) + 1
             server.in_flight += 1
             return server
 
@@ -221,11 +226,13 @@ class SGLangEngine(RolloutEngine):
     router_url: SGLang's router in front of exactly these servers; generation goes through it.
     push_urls: the servers `update_weights` pushes to (default: all; the trainer deals them out over its
     ranks, `rollout.push_assignment`); memory hand-off, flushes and generation still reach every server.
+    first_server: where the dispatcher's round-robin between equally loaded servers starts (the trainer passes
+    its rank, so ranks with a request each send them to different servers).
     """
 
     def __init__(
         self, urls: Sequence[str], config: SGLangEngineConfig = SGLangEngineConfig(), *, router_url: str | None = None,
-        push_urls: Sequence[str] | None = None,
+        push_urls: Sequence[str] | None = None, first_server: int = 0,
     ) -> None:
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -245,7 +252,8 @@ class SGLangEngine(RolloutEngine):
         self._servers = [_Server(url.rstrip("/")) for url in urls]
         self._push_servers = [server for url, server in zip(urls, self._servers) if url in push_urls]
         self._router = _Server(router_url.rstrip("/")) if router_url else None
-        self._dispatcher = _Dispatcher([self._router] if self._router else self._servers, config.down_cooldown_s)
+        self._dispatcher = _Dispatcher([self._router] if self._router else self._servers, config.down_cooldown_s,
+                                       first_server)
         self.wait_until_ready()
         for server in self._servers:
             server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))

@@ -85,7 +85,7 @@ def build_training(
     if (warning := context_length_warning(cfg, shape)) and ctx.is_main:
         log.warning("%s (%s)", warning, paths.model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id)
+    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id, ctx.rank)
     teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.samples_from_teacher else None
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
     optim = AdamConfig.from_config(cfg.train, distributed=resolve_distributed_optimizer(cfg))
@@ -228,8 +228,9 @@ def _update_gate(
                                         adv_eps=cfg.algorithm.adv_eps)
 
 
-def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[RolloutEngine, RolloutEngine]:
-    """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers.
+def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int, rank: int) -> tuple[RolloutEngine, RolloutEngine]:
+    """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers (whose
+    dispatchers start their round-robin at this process's `rank`, so ranks spread their requests).
 
     The two are one object with rollout.anchors.engine shared (and for algorithms without anchors on
     SGLang). An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's
@@ -252,7 +253,8 @@ def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int) -> tuple[Rollou
 
     def engine(urls: str, router_url: str | None, client: SGLangEngineConfig = client):
         push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
-        return make_sglang_engine(urls, router_url, rollout.sglang, client, log_dir=log_dir, push_urls=push_urls)
+        return make_sglang_engine(urls, router_url, rollout.sglang, client, log_dir=log_dir, push_urls=push_urls,
+                                  first_server=rank)
 
     sglang, actor_client = rollout.sglang, client
     if REPLAY_MODES[cfg.train.routing_replay].engines_record:

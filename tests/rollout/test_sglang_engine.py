@@ -15,7 +15,9 @@ from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.local_server import RequestError
-from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, ServerError, http_call
+from megatron_armor.rollout.sglang_engine import (
+    RolloutError, SGLangEngine, SGLangEngineConfig, ServerError, _Dispatcher, _Server, http_call,
+)
 from megatron_armor.utils.net import free_port
 
 FAST = SGLangEngineConfig(prompts_per_request=2, max_in_flight_per_server=2, backoff_s=0.05, startup_timeout_s=90,
@@ -235,3 +237,26 @@ def test_a_push_leaves_out_a_dead_server_which_joins_a_later_push_once_it_is_bac
             versions = {http_call(url, "/model_info", method="GET")["weight_version"] for url in engine.urls}
             assert versions == {"3"}  # the third push reached both
             assert_same_generations(engine.generate(PROMPTS * 2, GREEDY), want * 2)  # both serve the pushed weights
+
+
+def test_dispatcher_breaks_ties_round_robin_from_its_first_server():
+    """Equally loaded servers take turns from `first` (the rank): clients sending one request at a time each spread
+    them over every server, and two clients starting at different ranks pick different servers; a less loaded
+    server still wins over the turn, and a retired one is never chosen."""
+    def picks(dispatcher, n, *, release=True):
+        urls = []
+        for _ in range(n):
+            server = dispatcher.acquire()
+            urls.append(server.url)
+            if release:
+                dispatcher.release(server, failed=False)
+        return urls
+
+    urls = ["a", "b", "c"]
+    assert picks(_Dispatcher([_Server(u) for u in urls], 1.0, first=1), 4) == ["b", "c", "a", "b"]
+    assert [picks(_Dispatcher([_Server(u) for u in urls], 1.0, first=rank), 1) for rank in range(4)] == [
+        ["a"], ["b"], ["c"], ["a"]]
+    busy = _Dispatcher([_Server(u) for u in urls], 1.0, first=0)
+    assert picks(busy, 5, release=False) == ["a", "b", "c", "a", "b"]  # least loaded first, turns among equals
+    busy.retired.add("c")
+    assert picks(busy, 1, release=False) == ["a"]  # c has fewer in flight but missed a push
