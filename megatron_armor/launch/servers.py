@@ -5,7 +5,8 @@ port on its node and its own seed. `restart_dead()` brings back any server whose
 `shutdown()` stops every subprocess, then the actors and the placement group. Use as a context
 manager so an exception on the driver still shuts everything down. With a `router` (SGLang's, see
 rollout/router.py) the servers are registered with it once healthy, and a dead server is deregistered before
-its restart and registered again after.
+its restart and registered again once it holds the weights the others serve (the trainer's next push reaches it:
+until then it would answer with the checkpoint's weights).
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_armor.launch.server_process import RolloutServer, ServerConfig
 from megatron_armor.rollout.router import SGLangRouter
+from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
 
 log = logging.getLogger(__name__)
+
+
+def _weight_version(url: str) -> str | None:
+    """The weight_version a server reports (/model_info), None when it does not answer."""
+    try:
+        return str(http_call(url, "/model_info", method="GET", timeout=10.0).get("weight_version"))
+    except (ServerError, *TRANSPORT_ERRORS):
+        return None
 
 
 class PlacementError(RuntimeError):
@@ -101,6 +111,7 @@ class ServerGroup:
             for i, b in enumerate(bundles)
         ]
         self.urls: list[str] = []  # known once the servers are healthy
+        self._unsynced: set[int] = set()  # restarted, not registered with the router until they hold current weights
         if wait:
             self.wait_ready()
 
@@ -121,20 +132,41 @@ class ServerGroup:
         return self._gather("pid")
 
     def restart_dead(self) -> list[int]:
-        """Restart every server whose process died; returns their indices (after they are healthy again,
-        and registered with the router again)."""
+        """Restart every server whose process died; returns their indices (once they are healthy again). With a
+        router, a restarted server rejoins it on the first call that finds it synced (`_register_synced`; the job
+        calls this every poll)."""
         if self.router is not None:
+            self._register_synced()
             for i, alive in enumerate(self._gather("alive")):
                 if not alive:
                     self.router.remove_worker(self.urls[i])  # no requests for it while it restarts
         restarted = [i for i, done in enumerate(self._gather("ensure_alive")) if done]
         for i in restarted:
-            log.warning("%s server %d (%s) had died and was restarted", self.name, i, self.urls[i])
+            log.warning("%s server %d (%s) had died and was restarted%s", self.name, i, self.urls[i],
+                        "; it rejoins the router once it holds the weights the others serve" if self.router else "")
         if self.router is not None and restarted:
             for i in restarted:  # one that died after the liveness check above is still registered
                 self.router.remove_worker(self.urls[i])
-            self.router.add_workers([self.urls[i] for i in restarted])
+            self._unsynced.update(restarted)
+            self._register_synced()
         return restarted
+
+    def _register_synced(self) -> None:
+        """Register with the router each restarted server whose weight_version is the one every registered server
+        reports (the trainer pushed to it too). With no registered server up it is registered at once, checkpoint
+        weights and all (nothing else could serve the rollout that the next push waits for); before any push, every
+        server reports the checkpoint's version, so a restarted one matches at once too."""
+        if not self._unsynced:
+            return
+        versions = [_weight_version(url) for url in self.urls]
+        serving = {version for i, version in enumerate(versions) if i not in self._unsynced and version is not None}
+        synced = [i for i in sorted(self._unsynced) if versions[i] is not None and serving <= {versions[i]}]
+        if synced:
+            self.router.add_workers([self.urls[i] for i in synced])
+            self._unsynced -= set(synced)
+            for i in synced:
+                log.info("%s server %d (%s) rejoined the router (weight_version %s)", self.name, i, self.urls[i],
+                         versions[i])
 
     def shutdown(self) -> None:
         """Stop every server process, kill the actors and free the placement group (idempotent)."""

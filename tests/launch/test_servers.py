@@ -49,7 +49,7 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
-def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_factory, tmp_path):
+def test_group_restarts_a_killed_server_which_rejoins_the_router_once_synced(ray_cluster, tiny_model_factory, tmp_path):
     spec = ServerConfig(model_path=str(tiny_model_factory("qwen2")), kind="local", startup_timeout_s=120,
                       poll_interval_s=0.2)
     router = SGLangRouter(spec=RouterConfig(worker_timeout_s=60), log_dir=str(tmp_path))
@@ -63,6 +63,8 @@ def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_f
             assert http_call(url, "/model_info", method="GET")["is_generation"]
         pids = group.pids()
         assert group.restart_dead() == []
+        for url in group.urls:  # as a push's last request sets it
+            http_call(url, "/update_weight_version", {"new_version": "3"})
         os.kill(pids[0], signal.SIGKILL)
         assert _gone(pids[0], timeout=10)
         # /proc shows the killed leader as a zombie while its other threads are still exiting; waitpid
@@ -74,7 +76,12 @@ def test_group_restarts_a_killed_server_and_shuts_down(ray_cluster, tiny_model_f
         http_call(group.urls[0], "/health_generate", method="GET")  # same URL, healthy again
         new_pids = group.pids()
         assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
-        new_ids = router.workers()  # the dead server was deregistered, then registered again: a new id
+        # deregistered; it holds the checkpoint's weights (version "default") until a push reaches it
+        assert list(router.workers()) == [group.urls[1]] and group.restart_dead() == []
+        assert list(router.workers()) == [group.urls[1]]
+        http_call(group.urls[0], "/update_weight_version", {"new_version": "3"})
+        assert group.restart_dead() == []
+        new_ids = router.workers()  # registered again once synced: a new id
         assert new_ids[group.urls[0]] != worker_ids[group.urls[0]] and new_ids[group.urls[1]] == worker_ids[group.urls[1]]
     assert all(_gone(pid) for pid in new_pids)
     assert group.placement_group is None
