@@ -43,8 +43,8 @@ class MonitorConfig:
         0.5, "alarm length_growth: response/length_mean above (1 + this) times its mean over the window's previous steps"
     )
     importance_weight: float | None = doc(
-        0.2, "alarm importance_weight: |loss/is_weight_mean - 1| (MIPU's importance weights) averaged over the window "
-        "above this"
+        0.2, "alarm importance_weight: the larger |w - 1| of loss/is_weight_mean (MIPU's importance weights) and "
+        "async/importance_weight_mean (the behaviour correction's) averaged over the window above this"
     )
     hack_rate: float | None = doc(0.1, "alarm hack_rate: audit/hack_rate (reward.audit_fns) averaged over the window above this")
 

@@ -197,13 +197,22 @@ class ClipFraction(WindowMean):
     kind, what, value = "clip_fraction", "loss/clip_fraction", staticmethod(_metric("loss/clip_fraction"))
 
 
+IMPORTANCE_WEIGHTS = ("loss/is_weight_mean", "async/importance_weight_mean")  # MIPU's; the behaviour correction's
+
+
+def _importance_weight_drift(metrics: Mapping[str, float]) -> float | None:
+    """The largest |w - 1| of the step's mean importance weights (None when it logged neither)."""
+    drifts = [abs(metrics[key] - 1) for key in IMPORTANCE_WEIGHTS if key in metrics]
+    return max(drifts) if drifts else None
+
+
 @register_alarm
 class ImportanceWeight(WindowMean):
-    """MIPU's importance weights drift from 1: the trainer's and the sampler's policies disagree."""
+    """Importance weights drift from 1 (MIPU's, or the behaviour correction's of overlapped rollout modes): the
+    trainer's and the sampler's policies disagree."""
 
-    kind, what = "importance_weight", "|loss/is_weight_mean - 1|"
-    value = staticmethod(lambda metrics: abs(metrics["loss/is_weight_mean"] - 1) if "loss/is_weight_mean" in metrics
-                         else None)
+    kind, what = "importance_weight", "max |importance weight mean - 1|"
+    value = staticmethod(_importance_weight_drift)
 
 
 @register_alarm
