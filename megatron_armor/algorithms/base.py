@@ -33,7 +33,8 @@ class LossInputs:
     logprobs carries the gradient (log pi_theta of the sampled tokens); old_logprobs are the trainer's at
     rollout time, engine_logprobs the sampler's, ref_logprobs the reference's (None when not needed);
     advantages are per token (sequence advantages broadcast, or OPD's token advantages). token_weights (detached;
-    None: 1) multiply each token's policy term: the behaviour correction `Algorithm.policy_loss` sets.
+    None: 1) multiply each token's policy term: the behaviour correction `Algorithm.policy_loss` sets. is_anchor [b]
+    bool (None: no anchors) marks rows the reference sampled (ARMOR's anchors).
     """
 
     logprobs: torch.Tensor
@@ -43,6 +44,7 @@ class LossInputs:
     advantages: torch.Tensor
     response_mask: torch.Tensor
     token_weights: torch.Tensor | None = None
+    is_anchor: torch.Tensor | None = None
 
 
 @dataclass
@@ -202,11 +204,14 @@ class Algorithm:
         """The micro-batch's loss as partial sums (`PolicyLossTerms`): `ppo_loss`, plus kl.coef times the
         aggregated KL estimate to the reference when the algorithm uses the KL penalty. With a behaviour
         correction each token's policy term is weighted by its importance weight (`LossInputs.token_weights`), whose
-        statistics join the token means as async/importance_weight_mean and async/clipped_fraction."""
+        statistics join the token means as async/importance_weight_mean and async/clipped_fraction. Anchors weigh 1:
+        their sampler is the reference, frozen between resets, so no update leaves them stale (the weight corrects
+        the actor's engine lagging the trainer)."""
         weight_stats = {}
         if self.behaviour_correction != "none":
+            actor_rows = None if inputs.is_anchor is None else ~inputs.is_anchor
             weights = corrected_weights(inputs.old_logprobs, inputs.engine_logprobs, inputs.response_mask,
-                                        self.behaviour_correction, self.behaviour_w_max)
+                                        self.behaviour_correction, self.behaviour_w_max, actor_rows)
             inputs = dataclasses.replace(inputs, token_weights=weights.weights)
             weight_stats = {"async/importance_weight_mean": weights.mean,
                             "async/clipped_fraction": weights.truncated_fraction}

@@ -50,12 +50,20 @@ class SamplerWeights:
 
 @torch.no_grad()
 def corrected_weights(
-    old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, correction: ISCorrection, w_max: float
+    old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, correction: ISCorrection, w_max: float,
+    corrected_rows: torch.Tensor | None = None,
 ) -> SamplerWeights:
-    """`sampler_weights` of [B, T] logprobs with their masked statistics (mask: [B, T], 1 on response tokens)."""
+    """`sampler_weights` of [B, T] logprobs with their masked statistics (mask: [B, T], 1 on response tokens).
+
+    corrected_rows [B] bool (None: all): the rows whose sampler may differ from the old policy; the others weigh 1
+    and count as not truncated (ARMOR's anchors: their sampler, the frozen reference, is not the policy pi_old).
+    """
     weights = sampler_weights(old_logp, engine_logp, correction, w_max)
-    m = mask.to(old_logp.dtype)
     truncated = (old_logp - engine_logp) > torch.log(torch.tensor(w_max, dtype=old_logp.dtype))
+    if corrected_rows is not None:
+        weights = torch.where(corrected_rows[:, None], weights, torch.ones_like(weights))
+        truncated = truncated & corrected_rows[:, None]
+    m = mask.to(old_logp.dtype)
     return SamplerWeights(weights, masked_mean(weights, m), masked_mean(truncated.to(old_logp.dtype), m))
 
 

@@ -11,6 +11,7 @@ import torch
 from megatron_armor.config.base import require
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.reduce import masked_mean
+from megatron_armor.algorithms.importance import ISCorrection
 from megatron_armor.algorithms.registry import register_algorithm
 from megatron_armor.config import ArmorConfig
 
@@ -118,6 +119,12 @@ class Opd(Grpo):
         return self.settings.rollouts == "teacher"
 
     @classmethod
+    def resolve_behaviour_correction(cls, cfg: ArmorConfig) -> ISCorrection:
+        """none with opd.rollouts teacher: the teacher's engine, which no push changes, samples the responses and
+        nothing weights its tokens toward pi_old (opd.md §1, variants); else the base rule."""
+        return "none" if cfg.opd.rollouts == "teacher" else super().resolve_behaviour_correction(cfg)
+
+    @classmethod
     def check_config(cls, cfg: ArmorConfig) -> None:
         super().check_config(cfg)
         opd, synthetic = cfg.opd, cfg.task.synthetic is not None
@@ -133,6 +140,9 @@ class Opd(Grpo):
             require(clip.low == 1.0 and clip.high == 1.0,
                     f"opd.rollouts teacher trains on off-policy tokens with the PPO ratio clip off (eps = 1.0, "
                     f"opd.md §1): set algorithm.clip_low=1.0 algorithm.clip_high=1.0, got {clip.low}/{clip.high}")
+            require(cfg.algorithm.behaviour_correction in (None, "none"),
+                    f"algorithm.behaviour_correction ({cfg.algorithm.behaviour_correction}) weights tokens by pi_old / "
+                    f"mu, but opd.rollouts teacher trains on the teacher's tokens unweighted (opd.md §1): leave it unset")
             require(not cfg.rollout.partial_rollouts,
                     "rollout.partial_rollouts pauses the actor's engine at weight pushes, but opd.rollouts teacher "
                     "samples from the teacher's engine, which no push changes: set rollout.partial_rollouts false")

@@ -38,7 +38,8 @@ class AlgorithmConfig:
         None, "decoupled PPO (AReaL; mipu.md Step 1): each token's policy term times an importance weight "
         "w = pi_old / mu of the trainer's old (proximal) policy against the behaviour policy mu that sampled it (the "
         "engine's logprobs): tis (min(w, behaviour_w_max)) | mis (1[w <= behaviour_w_max]) | none (w = 1); default: "
-        "tis with rollout.mode one_step_off or async, none in sync mode. mipu has its own (mipu.is_correction)"
+        "tis with rollout.mode one_step_off or async, none in sync mode. ARMOR's anchors weigh 1 (the frozen "
+        "reference sampled them), as opd.rollouts teacher's tokens do (none). mipu has its own (mipu.is_correction)"
     )
     behaviour_w_max: float = doc(2.0, "cap of the behaviour importance weight (algorithm.behaviour_correction)")
     filter_groups: bool = doc(True, "drop prompts whose on-policy samples are all correct or all wrong")

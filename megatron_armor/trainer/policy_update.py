@@ -45,7 +45,7 @@ class PolicyLossCallback:
         terms = self.algorithm.policy_loss(LossInputs(
             logprobs=scores.logprobs, old_logprobs=old_logprobs, ref_logprobs=micro_batch.ref_logprobs,
             engine_logprobs=micro_batch.engine_logprobs, advantages=micro_batch.per_token_advantages(),
-            response_mask=mask,
+            response_mask=mask, is_anchor=micro_batch.is_anchor,
         ))
         num_tokens = mask.sum()
         units = aggregation_units(mask, self.algorithm.loss_aggregation)

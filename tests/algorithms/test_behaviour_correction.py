@@ -12,17 +12,18 @@ from megatron_armor.config import ConfigError, load_config
 from megatron_armor.algorithms import build_algorithm
 
 
-def _inputs(seed: int = 0) -> LossInputs:
+def _inputs(seed: int = 0, is_anchor: list[bool] | None = None) -> LossInputs:
     g = torch.Generator().manual_seed(seed)
-    shape = (3, 6)
+    shape = (4, 6)
     old = -torch.rand(shape, generator=g) * 3
     return LossInputs(
         logprobs=(old + 0.3 * torch.randn(shape, generator=g)).requires_grad_(),
         old_logprobs=old,
         ref_logprobs=old + 0.5 * torch.randn(shape, generator=g),
         engine_logprobs=old + torch.randn(shape, generator=g),  # behaviour policy: up to ~e^2 away
-        advantages=torch.randn(3, generator=g)[:, None].expand(shape).contiguous(),
+        advantages=torch.randn(4, generator=g)[:, None].expand(shape).contiguous(),
         response_mask=(torch.rand(shape, generator=g) > 0.2).float(),
+        is_anchor=None if is_anchor is None else torch.tensor(is_anchor),
     )
 
 
@@ -41,7 +42,8 @@ def _expected(x: LossInputs, *, alpha: float, correction: str, w_max: float = 2.
             loss = max(-a * r, -a * min(max(r, 0.8), 1.28))
             if a < 0:
                 loss = min(loss, -a * 10.0)
-            w = math.exp(old - eng)
+            anchor = x.is_anchor is not None and bool(x.is_anchor[b])
+            w = 1.0 if anchor else math.exp(old - eng)  # the reference sampled an anchor: never stale
             truncated += w > w_max
             w = {"tis": min(w, w_max), "mis": float(w <= w_max), "none": 1.0}[correction]
             weights.append(w)
@@ -49,13 +51,20 @@ def _expected(x: LossInputs, *, alpha: float, correction: str, w_max: float = 2.
     return total, sum(weights) / len(weights), truncated / len(weights)
 
 
-@pytest.mark.parametrize("name,alpha", [("armor", 0.875), ("grpo", 1.0)])
+@pytest.mark.parametrize("name,alpha,is_anchor", [
+    ("armor", 0.875, [False, True, False, False]),  # an anchor row: weight 1 whatever its engine logprobs
+    ("grpo", 1.0, None),
+    ("grpo_kl", 1.0, None),
+    ("opd", 1.0, None),  # opd.rollouts student: GRPO's loss on token advantages (here the sequences' broadcast)
+])
 @pytest.mark.parametrize("correction", ["tis", "mis"])
-def test_each_token_is_weighted_by_the_corrected_behaviour_ratio(name, alpha, correction):
-    algorithm = make_algorithm(name, f"algorithm.behaviour_correction={correction}", "armor.alpha=0.875")
-    inputs = _inputs()
+def test_each_token_is_weighted_by_the_corrected_behaviour_ratio(name, alpha, is_anchor, correction):
+    algorithm = make_algorithm(name, f"algorithm.behaviour_correction={correction}", "armor.alpha=0.875", "kl.coef=0.1")
+    inputs = _inputs(is_anchor=is_anchor)
     terms = algorithm.policy_loss(inputs)
     loss, mean_weight, truncated = _expected(inputs, alpha=alpha, correction=correction)
+    if name == "grpo_kl":  # plus the unweighted KL penalty, checked on its own in test_kl.py
+        loss += 0.1 * terms.per_unit["kl_to_ref"].item()
     assert terms.loss.item() == pytest.approx(loss, rel=1e-5)
     assert terms.token_means["async/importance_weight_mean"].item() == pytest.approx(mean_weight, rel=1e-5)
     assert terms.token_means["async/clipped_fraction"].item() == pytest.approx(truncated, rel=1e-6)
@@ -73,6 +82,10 @@ def test_defaults_follow_the_rollout_mode_and_mipu_keeps_its_own():
     assert "async/importance_weight_mean" not in off.policy_loss(inputs).token_means
     assert off.policy_loss(inputs).loss.item() == pytest.approx(_expected(inputs, alpha=1.0, correction="none")[0],
                                                                rel=1e-5)
+    teacher = ["opd.rollouts=teacher", "algorithm.clip_low=1.0", "algorithm.clip_high=1.0", "rollout.mode=one_step_off"]
+    assert make_algorithm("opd", *teacher).behaviour_correction == "none"  # the teacher's tokens: no pi_old / mu
+    with pytest.raises(ConfigError, match="opd.rollouts teacher trains on the teacher's tokens unweighted"):
+        make_algorithm("opd", *teacher, "algorithm.behaviour_correction=tis")
     with pytest.raises(ConfigError, match="mipu weights tokens by pi_old / mu itself"):
         build_algorithm(load_config(None, ["task.synthetic=arithmetic", "algorithm.name=mipu",
                                            "rollout.sampling.actor_n=16", "algorithm.behaviour_correction=tis"]))
