@@ -188,5 +188,11 @@ class PromptSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
+    def at(self, state: dict[str, Any]) -> PromptSampler:
+        """Another sampler over the same rows, at position `state` (it draws the batches this one draws from there)."""
+        twin = PromptSampler(self.rows, self.batch_size, seed=self.seed, shuffle=self.shuffle)
+        twin.load_state_dict(state)
+        return twin
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]

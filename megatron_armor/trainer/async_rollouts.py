@@ -9,9 +9,10 @@ them), waiting for the generator when the buffer is empty; a batch more than `St
 than the trainer's weights is dropped instead (async/dropped_stale_groups counts its kept groups; its prompts count
 as drawn, as those that filtering drops). So no step trains on a sample older than `max_staleness` versions.
 
-Without partial rollouts the engine's weights change only between generation batches: `settle` (before every weight
-push) stops the generator after the batch in flight, not the whole buffer, and `take` lets it go on with the new
-weights. Every rank's generator
+Without partial rollouts the actor engine's weights change only between generation batches: `settle` (before every
+weight push) stops the generator after the batch in flight, not the whole buffer, and waits only until the actor's
+engine is done with it (ARMOR's anchors, sampled ahead by the reference's engine, which no push changes, may still be
+coming: trainer/anchor_prefetch.py); `take` lets it go on with the new weights. Every rank's generator
 must make the same collective calls, so the point where it stops is agreed: `settle` takes the largest number of
 batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
 many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -47,7 +49,9 @@ from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import max_over_ranks
 from megatron_armor.rollout.pausable import PausableEngine
+from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
 from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
+from megatron_armor.trainer.samples import RolloutCounters
 from megatron_armor.trainer.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
 
 
@@ -58,6 +62,12 @@ class BufferedBatch:
 
     batch: GenerationBatch
     version: int
+
+
+def batch_key(position: dict[str, Any]) -> tuple:
+    """The key of the generation batch drawn at sampler `position` (its seeds derive from it, so a batch generated
+    again after a resume samples what it sampled)."""
+    return ("async", *position.values())
 
 
 def oldest_token_versions(groups: list[list[Sample]], default: int) -> list[int]:
@@ -80,6 +90,7 @@ class AsyncRollouts(OverlappedRollouts):
         self._limit: float = 0  # ... and at most this many (the agreed stop of `settle`; inf while running)
         self._begun = 0
         self._finished = 0
+        self._sampled = 0  # batches whose on-policy samples are drawn (the actor's engine is done with them)
         self._consumed = 0  # batches `take` popped (trained on or dropped)
         self._buffer: collections.deque[BufferedBatch] = collections.deque()  # finished, not yet consumed
         # the sampler's position before each batch begun and not yet consumed (its prompts are drawn from there)
@@ -89,6 +100,8 @@ class AsyncRollouts(OverlappedRollouts):
         self.pausable: PausableEngine | None = phase.models.actor_engine if phase.plan.partial_rollouts else None
         self._idle_since = 0.0  # when the generator last began waiting (perf_counter)
         self._generating = 0.0  # s the generator spent on batches during this step
+        # ARMOR's anchors, sampled ahead on a thread of their own (its gloo group made here: collective)
+        self.anchors_ahead = AnchorPrefetch(phase, self.buffer_batches, self.rollout_group(), batch_key)
 
     def take(self, step: int) -> Rollout:
         last = self.last_step is not None and step + 1 >= self.last_step
@@ -160,13 +173,24 @@ class AsyncRollouts(OverlappedRollouts):
                 self._positions.append(position)
                 began = time.perf_counter()
                 self._perf.rollout_idle += began - self._idle_since
-            batch = self.phase.generation_batch(("async", *position.values()))  # the same seeds when regenerated
+            anchors = functools.partial(self._anchors_after_actor, position) if self.phase.plan.uses_anchors else None
+            batch = self.phase.generation_batch(batch_key(position), anchors)  # the same seeds when regenerated
             with self._cond:
                 self._buffer.append(BufferedBatch(batch, version))
+                self._sampled += anchors is None
                 self._finished += 1
                 self._idle_since = time.perf_counter()
                 self._generating += self._idle_since - began
                 self._cond.notify_all()
+
+    def _anchors_after_actor(self, position: dict[str, Any], counters: RolloutCounters) -> list[Sample]:
+        """A batch's anchors (`RolloutPhase.generation_batch` asks for them once its on-policy samples are drawn,
+        `EngineWeights.phase_order`): the actor's engine is done with the batch, so a push need not wait for the rest
+        of it; then the anchors sampled ahead."""
+        with self._cond:
+            self._sampled += 1
+            self._cond.notify_all()
+        return self.anchors_ahead.take(position, counters)
 
     def settle(self) -> None:
         """Stop the generator after the batches any rank's generator has begun (collective, the first call after a
@@ -184,9 +208,16 @@ class AsyncRollouts(OverlappedRollouts):
         if self.pausable is not None:
             self.pausable.pause()
         else:
-            self._wait_for_batches_begun()
+            self._wait_for_actor_phases()
         self._stopped = True
         self._perf.trainer_idle += time.perf_counter() - start
+
+    def _wait_for_actor_phases(self) -> None:
+        """Wait until the actor's engine is done with the batches `settle` let the generator begin (their anchors may
+        still be coming: the reference's engine no push changes); re-raises the generator's failure."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._sampled >= self._limit or self._error is not None)
+            self._raise_failure("the asynchronous rollout generator")
 
     def _wait_for_batches_begun(self) -> None:
         """Wait until the generator finished the batches `settle` let it begin (re-raises its failure)."""
@@ -195,20 +226,24 @@ class AsyncRollouts(OverlappedRollouts):
             self._raise_failure("the asynchronous rollout generator")
 
     def close(self) -> None:
-        """Let the batches begun finish (their collectives with them): the run ends with no generator inside one."""
+        """Let the batches begun finish (their collectives with them), and the anchors sampled ahead: the run ends with
+        no thread inside one."""
         self.settle()
         if self.pausable is not None:
             self.pausable.resume(self.version)
-            self._wait_for_batches_begun()
+        self._wait_for_batches_begun()
+        if self.pausable is not None:
             self.pausable.pause()
+        self.anchors_ahead.drain()
 
     def discard_queued(self) -> None:
         self.close()
+        self.anchors_ahead.reset()
         if self._positions:
             self.sampler.load_state_dict(self._positions[0])
         self._buffer.clear()
         self._positions.clear()
-        self._consumed = self._issued = self._finished
+        self._consumed = self._issued = self._sampled = self._finished
 
     def sampler_state(self) -> dict[str, Any]:
         self.settle()

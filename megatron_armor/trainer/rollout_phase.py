@@ -8,8 +8,10 @@ batches into the step's `Rollout`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -102,18 +104,43 @@ class RolloutPhase:
         return GroupCollector(target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
                               allow_partial=plan.allow_partial_batch)
 
-    def generation_batch(self, key: tuple) -> GenerationBatch:
+    def generation_batch(
+        self, key: tuple, anchors_from: Callable[[RolloutCounters], list[Sample]] | None = None,
+    ) -> GenerationBatch:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
-        group); the sampling seeds derive from train.seed, `key` and the policy."""
+        group); the sampling seeds derive from train.seed, `key` and the policy (`seed`). `anchors_from(counters)`: the
+        batch's anchors sampled elsewhere, with those seeds (rollout.mode async samples them ahead,
+        trainer/anchor_prefetch.py); None: sampled here."""
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
-        phases = {"actor": self.sample_on_policy, "ref": self.sample_anchors}
-        prompts = [dataclasses.replace(p, index=i) for i, p in enumerate(self.sampler.next_batch())]
-        samples = {policy: phases[policy](prompts, (self.plan.seed, *key, policy), counters)
-                   for policy in self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)}
+        prompts = self.draw_prompts(self.sampler)
+
+        def sample(policy: str) -> list[Sample]:
+            if policy == "ref" and anchors_from is not None:
+                return anchors_from(counters)
+            phase = self.sample_on_policy if policy == "actor" else self.sample_anchors
+            return phase(prompts, self.seed(key, policy), counters)
+
+        order = self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)
+        samples = {policy: sample(policy) for policy in order}
         on_policy, anchors = samples["actor"], samples.get("ref", [])
         groups, stats = build_groups(on_policy + anchors, require_anchor=self.plan.uses_anchors,
                                      filter_groups=self.plan.algorithm.filters_groups)
         return GenerationBatch(groups, stats, on_policy, anchors, counters)
+
+    def on_group(self, group: dist.ProcessGroup | None) -> RolloutPhase:
+        """This phase (its plan as it is now) with its collectives over `group`."""
+        twin = copy.copy(self)
+        twin.group = group
+        return twin
+
+    @staticmethod
+    def draw_prompts(sampler: PromptSampler) -> list[PromptRow]:
+        """`sampler`'s next batch of prompts, each indexed by its place in the batch."""
+        return [dataclasses.replace(p, index=i) for i, p in enumerate(sampler.next_batch())]
+
+    def seed(self, key: tuple, policy: str) -> tuple:
+        """The sampling seed of `policy`'s samples ("actor" | "ref") in the generation batch `key`."""
+        return (self.plan.seed, *key, policy)
 
     def assemble(
         self, collector: GroupCollector, batches: list[GenerationBatch], group: dist.ProcessGroup | None,

@@ -16,8 +16,9 @@ from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.trainer.async_rollouts import AsyncRollouts
-from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout
+from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase
 from megatron_armor.trainer.rollout_schedule import ROLLOUT_SCHEDULES
+from megatron_armor.trainer.samples import RolloutCounters
 
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 
@@ -29,7 +30,7 @@ class BatchPhase:
     def __init__(self, sampler: PromptSampler, engine: dict, *, max_staleness: int, buffer_batches: int,
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
         self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches,
-                                    partial_rollouts=False)
+                                    partial_rollouts=False, uses_anchors=False)
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
         self.fail_at: int | None = None  # the batch (0-based) that raises
@@ -37,7 +38,7 @@ class BatchPhase:
     def new_collector(self) -> GroupCollector:
         return GroupCollector(target_prompts=self.train_batch_size, max_num_gen_batches=100)
 
-    def generation_batch(self, key: tuple) -> GenerationBatch:
+    def generation_batch(self, key: tuple, anchors_from=None) -> GenerationBatch:
         if len(self.calls) == self.fail_at:
             raise ValueError("engine died")
         prompts = [row.index for row in self.sampler.next_batch()]
@@ -88,6 +89,50 @@ def test_async_never_trains_a_sample_older_than_max_staleness_when_the_generator
     drawn = [p for prompts, *_ in phase.calls for p in prompts]
     assert len(trained) + dropped + 3 * len(schedule._buffer) == len(drawn)  # each drawn prompt once: trained,
     # dropped or still buffered
+
+
+class AnchoredPhase(BatchPhase):
+    """BatchPhase for ARMOR: after a batch's on-policy part it asks for its anchors (`anchors_from`), which the
+    reference's engine takes `anchor_seconds` a batch to sample (`sample_anchors`, on the prefetch thread)."""
+
+    def __init__(self, sampler: PromptSampler, engine: dict, *, anchor_seconds: float) -> None:
+        super().__init__(sampler, engine, max_staleness=1, buffer_batches=2, seconds=0.05)
+        self.plan.uses_anchors, self.anchor_seconds = True, anchor_seconds
+
+    draw_prompts = staticmethod(RolloutPhase.draw_prompts)
+
+    def on_group(self, group):
+        return self
+
+    def seed(self, key: tuple, policy: str) -> tuple:
+        return (*key, policy)
+
+    def sample_anchors(self, prompts, seed, counters) -> list[Sample]:
+        time.sleep(self.anchor_seconds)
+        return [Sample(p.index, p.prompt_ids, [2], [0.0], "stop", True) for p in prompts]
+
+    def generation_batch(self, key: tuple, anchors_from=None) -> GenerationBatch:
+        batch = super().generation_batch(key)
+        anchors = anchors_from(RolloutCounters())
+        assert [a.prompt_ids[1] for a in anchors] == self.calls[-1][0]  # the batch's own prompts
+        return GenerationBatch(batch.groups, batch.stats, [], anchors, None)
+
+
+def test_a_weight_push_waits_for_the_actor_s_part_of_a_batch_not_for_its_anchors():
+    """ARMOR's anchors come from the reference's engine, sampled ahead on a thread of their own: a push waits until the
+    actor's engine is done with the batch in flight (0.05 s), not for the anchors still coming (1 s a batch)."""
+    sampler = PromptSampler(ROWS, 3, seed=0)
+    engine = {"weights": 0}
+    phase = AnchoredPhase(sampler, engine, anchor_seconds=1.0)
+    schedule = ROLLOUT_SCHEDULES["async"](phase, sampler, 100)
+    schedule.take(0)  # waits for batch 0's anchors; batch 1's are being sampled meanwhile
+    start = time.perf_counter()
+    _train(schedule, engine, 0)
+    assert time.perf_counter() - start < 0.5
+    assert len(phase.calls) == 2 and phase.calls[1][1:3] == (0, 0)  # batch 1's on-policy part ran before the push
+    rollout = schedule.take(1)  # batch 1, its anchors arrived after the push: sampled by version 0
+    assert rollout.versions == [0, 0, 0] and schedule.version == 1
+    schedule.close()
 
 
 def test_a_weight_push_waits_for_the_batch_in_flight_not_the_whole_buffer():
@@ -150,7 +195,7 @@ class EnginePhase(BatchPhase):
         self.plan.partial_rollouts = True
         self.models = SimpleNamespace(actor_engine=engine)
 
-    def generation_batch(self, key: tuple) -> GenerationBatch:
+    def generation_batch(self, key: tuple, anchors_from=None) -> GenerationBatch:
         prompts = [row.index for row in self.sampler.next_batch()]
         sampling = SamplingParams(max_new_tokens=48, seed=len(self.calls))
         generations = self.models.actor_engine.generate([[1, p + 2] for p in prompts], sampling)
