@@ -27,7 +27,7 @@ BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "armor/p
 LOSSES = ("loss/policy_loss", "policy/entropy", "mismatch/logprob_abs_diff")  # of the same samples at lr 0
 
 
-def _train(run_dir: Path, actors, refs, cache: Path, log_dir: Path) -> Launch:
+def _train(run_dir: Path, actors, refs, cache: Path, log_dir: Path, *extra: str) -> Launch:
     """`armor train` in async mode at lr 0 against the servers (the client's own dispatcher: its retries are counted
     in rollout/*retries; SGLang's router would retry a dead worker's requests itself)."""
     return armor("train", "--config", CONFIG, "--max-steps", str(STEPS), "--run-dir", str(run_dir),
@@ -38,7 +38,7 @@ def _train(run_dir: Path, actors, refs, cache: Path, log_dir: Path) -> Launch:
                  "--train.gen_batch_size", str(GEN_BATCH), "--algorithm.filter_groups", "false",
                  "--rollout.backend", "sglang", "--rollout.mode", "async", "--rollout.max_staleness", str(STEPS),
                  "--rollout.sglang.router", "none", "--rollout.sglang.urls", ",".join(s.url for s in actors),
-                 "--rollout.sglang.ref_urls", ",".join(s.url for s in refs),
+                 "--rollout.sglang.ref_urls", ",".join(s.url for s in refs), *extra,
                  nproc=2, log_dir=log_dir, timeout=240)  # the recipe's TP=2; a deadlock fails the launch
 
 
@@ -125,8 +125,8 @@ def _check_same_training(run_dir: Path, uninterrupted) -> list[dict]:
 def test_async_run_with_a_reference_server_killed_mid_generation_trains_the_uninterrupted_run_s_batches(
     start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted,
 ):
-    """ARMOR's anchors come from two reference servers (pushed once, before the first step; every rank sends its
-    anchor requests to the first while it is up, as the least loaded); the first is killed in its second period of
+    """ARMOR's anchors come from two reference servers (pushed once, before the first step; equally loaded servers
+    take turns, rank 0's client starting at the first); the first is killed in its second period of
     generating (the asynchronous generator's anchors of a batch after the first, generated while step 1 trains or
     waits for them). Its lost requests, and later ones sent before each rank's client knows it is dead, are re-sent
     to the other reference server."""
@@ -165,6 +165,32 @@ def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninter
     assert proc.returncode == 0, proc.output[-6000:]
     assert f"weight push: {victim.url} cannot be reached" in proc.output  # left out of the push, with a warning
     rows = _check_same_training(run_dir, uninterrupted)
+    assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1
+
+
+def test_async_run_with_partial_rollouts_and_an_actor_server_killed_trains_every_prompt_once(
+    start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted,
+):
+    """The actor-server kill with rollout.partial_rollouts: pushes interrupt the generations on both actor servers and
+    they continue from their partial responses, so the kill loses requests that may carry one; they are re-sent to
+    the other server (from the prompt and the partial response the client kept). A continued response draws other
+    tokens than an uninterrupted one, so only the prompts can be compared: every step trains full batches, and each
+    checkpoint saved the uninterrupted run's sampler position (no prompt lost or trained twice)."""
+    actor, ref = servers
+    victim = _serve(start_server, tiny_model_factory)
+    killer = KillWhenGenerating(victim, period=2)
+    killer.start()
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, [actor, victim], [ref], synthetic_cache, tmp_path / "logs",
+                  "--rollout.partial_rollouts", "true")
+    killer.stop.set()
+    assert killer.killed_at is not None, "the actor server was never killed"
+    assert proc.returncode == 0, proc.output[-6000:]
+    rows = _rows(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert all(row["armor/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH for row in rows)
+    assert all(row["response/length_mean"] > 2 for row in rows)
+    assert _samplers(run_dir) == uninterrupted[1]
     assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1
 
 
