@@ -57,8 +57,13 @@ def test_demo_config_loads_with_typed_overrides():
         (["algorithm.name=mipu", "rollout.sampling.actor_n=8", "algorithm.clip_low=0.0", "algorithm.dual_clip=null"],
          "algorithm.dual_clip must be > 1, got 1.0"),
         (["parallel.data_parallel_size=2", "parallel.expert_parallel_size=4"],
-         "parallel.expert_parallel_size \\(4\\) must divide parallel.data_parallel_size \\(2\\)"),
+         "parallel.expert_tensor_parallel_size \\(unset: 2, the TP size\\) x parallel.expert_parallel_size \\(4\\) = 8 "
+         "must divide parallel.tensor_parallel_size \\(2\\) x parallel.data_parallel_size \\(2\\) = 4"),
+        (["parallel.expert_parallel_size=4", "parallel.expert_tensor_parallel_size=1"],
+         "parallel.expert_tensor_parallel_size \\(1\\) x parallel.expert_parallel_size \\(4\\) = 4 must divide "
+         "parallel.tensor_parallel_size \\(2\\) x parallel.data_parallel_size \\(1\\) = 2"),
         (["parallel.expert_parallel_size=0"], "parallel.expert_parallel_size must be >= 1"),
+        (["parallel.expert_tensor_parallel_size=0"], "parallel.expert_tensor_parallel_size must be >= 1, got 0"),
         (["model.moe_aux_loss_coeff=-0.1"], "model.moe_aux_loss_coeff must be >= 0, got -0.1"),
         (["model.moe_aux_loss_coeff=0.01", "model.moe_load_balancing=none"],
          "model.moe_aux_loss_coeff > 0 needs model.moe_load_balancing aux_loss or seq_aux_loss"),
@@ -69,6 +74,15 @@ def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message)
     """Through load_config and the chosen algorithm's own rules, as `armor train` checks a config."""
     with pytest.raises(ConfigError, match=message):
         check_algorithm_config(load_config(DEMO, overrides))
+
+
+def test_expert_layout_regroups_the_tp_x_dp_ranks():
+    """Expert TP x EP divides TP x DP: at TP=2 x DP=1, EP=2 needs expert TP 1 (EP would have to divide DP at the
+    default expert TP = TP)."""
+    parallel = load_config(DEMO, ["parallel.expert_parallel_size=2", "parallel.expert_tensor_parallel_size=1"]).parallel
+    assert (parallel.expert_parallel_size, parallel.expert_tensor_parallel_size, parallel.world_size) == (2, 1, 2)
+    with pytest.raises(ConfigError, match="parallel.expert_tensor_parallel_size \\(unset: 2, the TP size\\)"):
+        load_config(DEMO, ["parallel.expert_parallel_size=2"])
 
 
 @pytest.mark.parametrize(

@@ -28,13 +28,13 @@ from megatron_armor.config.rollout import (
 from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
-    TrainConfig,
+    TrainConfig, check_expert_layout,
 )
 
 __all__ = [
     "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
-    "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "coerce", "config_fields", "config_hash",
+    "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash",
     "load_config", "resolve_distributed_optimizer", "save_config", "validate",
 ]

@@ -35,14 +35,33 @@ class ModelConfig:
                 "model.moe_aux_loss_coeff > 0 needs model.moe_load_balancing aux_loss or seq_aux_loss")
 
 
+def check_expert_layout(tp: int, dp: int, ep: int, etp: int | None, *, where: str = "") -> None:
+    """Megatron's expert layout (`parallel_state.initialize_model_parallel`): the tp x dp ranks of each pipeline
+    stage are regrouped for the experts as expert TP (`etp`, None: `tp`) x EP (`ep`) x expert DP, so etp x ep must
+    divide tp x dp (at etp = tp: ep divides dp). Raises `ConfigError` naming the fields, each prefixed by `where`."""
+    size, shown = (tp, f"unset: {tp}, the TP size") if etp is None else (etp, etp)
+    for name, value in (("expert_parallel_size", ep), ("expert_tensor_parallel_size", size)):
+        require(value >= 1, f"{where}{name} must be >= 1, got {value}")
+    require((tp * dp) % (size * ep) == 0,
+            f"{where}expert_tensor_parallel_size ({shown}) x {where}expert_parallel_size ({ep}) = {size * ep} must "
+            f"divide {where}tensor_parallel_size ({tp}) x {where}data_parallel_size ({dp}) = {tp * dp}: Megatron "
+            f"regroups each pipeline stage's TP x DP ranks as expert TP x EP x expert DP")
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
     data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x dp processes")
     expert_parallel_size: int = doc(
-        1, "MoE models: the routed experts split over this many ranks of each data-parallel group (each holds "
-        "num_experts / expert_parallel_size); must divide data_parallel_size and the expert count"
+        1, "MoE models: the routed experts split over this many ranks (each holds num_experts / expert_parallel_size); "
+        "divides the expert count, and times expert_tensor_parallel_size divides tensor_parallel_size x "
+        "data_parallel_size"
+    )
+    expert_tensor_parallel_size: int | None = doc(
+        None, "MoE models: each expert's matrices split over this many ranks (Megatron's expert TP; unset: "
+        "tensor_parallel_size). The experts regroup each pipeline stage's TP x DP ranks as expert TP x EP x expert DP; "
+        "e.g. 1 with a large expert_parallel_size keeps every expert whole on its rank"
     )
     sequence_parallel: bool | None = doc(
         None, "Megatron sequence parallelism: the activations outside attention and MLP (norms, residuals, dropout) "
@@ -51,11 +70,9 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                                            "expert_parallel_size"), 1)
-        require(self.data_parallel_size % self.expert_parallel_size == 0,
-                f"parallel.expert_parallel_size ({self.expert_parallel_size}) must divide parallel.data_parallel_size "
-                f"({self.data_parallel_size}): Megatron splits the experts over ranks of one data-parallel group")
+        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"), 1)
+        check_expert_layout(self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size,
+                            self.expert_tensor_parallel_size, where="parallel.")
         require(not (self.sequence_parallel and self.tensor_parallel_size == 1),
                 "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits activations over the "
                 "tensor-parallel ranks)")

@@ -1,6 +1,6 @@
 """`armor convert hf-to-megatron|megatron-to-hf`: the subcommand, its handler, and a standalone main.
 
-    armor convert hf-to-megatron --hf-path DIR --out DIR --tp N --pp M [--ep E] [--overwrite]
+    armor convert hf-to-megatron --hf-path DIR --out DIR --tp N --pp M [--ep E] [--etp T] [--overwrite]
     armor convert megatron-to-hf --megatron-path DIR --out DIR [--pp M] [--overwrite]
                                  [--max-shard-size GB]
 
@@ -45,7 +45,10 @@ def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     to_megatron.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size to save at (and processes)")
     to_megatron.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size to save at (and processes)")
     to_megatron.add_argument("--ep", type=_positive_int, default=1,
-                             help="MoE models: expert-parallel size to save at (processes: tp x pp x ep)")
+                             help="MoE models: expert-parallel size to save at (processes: tp x pp x ep at --etp tp)")
+    to_megatron.add_argument("--etp", type=_positive_int, default=None,
+                             help="MoE models: expert tensor-parallel size to save at (default: --tp); processes: "
+                                  "tp x pp x dp, dp the fewest that make etp x ep divide tp x dp")
     to_megatron.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at --out")
     to_megatron.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank under torchrun
     to_hf = directions.add_parser(
@@ -88,9 +91,10 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron, write_megatron_shards
 
     if args.worker:  # one of the tp x pp ranks launched by convert_hf_to_megatron
-        write_megatron_shards(args.hf_path, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
+        write_megatron_shards(args.hf_path, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
         return 0
-    out = convert_hf_to_megatron(args.hf_path, args.out, tp=args.tp, pp=args.pp, ep=args.ep, overwrite=args.overwrite)
+    out = convert_hf_to_megatron(args.hf_path, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                                 overwrite=args.overwrite)
     print(f"wrote Megatron checkpoint {out} (saved at tp {args.tp} x pp {args.pp}; loads at any layout)")
     return 0
 

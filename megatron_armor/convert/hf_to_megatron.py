@@ -1,4 +1,5 @@
-"""HF safetensors checkpoint -> Megatron distributed checkpoint, written by tp x pp processes.
+"""HF safetensors checkpoint -> Megatron distributed checkpoint, written by tp x pp processes (x the data-parallel
+ranks a MoE model's expert layout needs).
 
 `convert_hf_to_megatron` (one process) validates the input and output, launches
 `python -m megatron_armor.convert.cli hf-to-megatron ...` again under torchrun, and publishes the
@@ -11,6 +12,7 @@ parameter shard at a time, never its whole shard of the model.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -27,40 +29,55 @@ from megatron_armor.models.hf_config import check_parallel_layout, transformer_c
 
 
 def convert_hf_to_megatron(
-    hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int = 1, overwrite: bool = False
+    hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Convert `hf_dir` to a Megatron checkpoint at `out` saved at layout tp x pp (experts of a MoE model over
-    `ep` expert-parallel ranks, each writing its own); returns `out`.
+    `ep` expert-parallel ranks, each expert's matrices over `etp` expert-TP ranks, None: tp); returns `out`.
 
     1 x 1 x 1 runs here, initialising (and tearing down) a one-process torch.distributed group: call it
-    outside torchrun. Larger layouts launch tp x pp x ep processes under torchrun, one rank each.
-    Every check runs before anything is written; on failure nothing is left at `out` (an existing
+    outside torchrun. Larger layouts launch tp x pp x `_writer_data_parallel_size` processes under torchrun, one rank
+    each. Every check runs before anything is written; on failure nothing is left at `out` (an existing
     checkpoint there is only replaced, with `overwrite`, once the new one is complete).
     """
+    etp = tp if etp is None else etp
     summary = inspect_hf_checkpoint(hf_dir)
     dtype_name(summary.dtype)  # refuses a dtype the model cannot be built in
-    check_parallel_layout(summary.shape, tp, pp, ep)
+    check_parallel_layout(summary.shape, tp, pp, ep, etp)
     check_output_dir(out, overwrite=overwrite, is_checkpoint=is_megatron_checkpoint, kind="Megatron")
+    nproc = tp * pp * _writer_data_parallel_size(tp, ep, etp)
     with staged_output(out):
-        if tp * pp * ep == 1:
+        if nproc == 1:
             write_megatron_shards(hf_dir, out, tp=1, pp=1)
         else:
             run_conversion_workers(
-                tp * pp * ep, ["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", str(tp),
-                               "--pp", str(pp), "--ep", str(ep), "--worker"],
+                nproc, ["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", str(tp),
+                        "--pp", str(pp), "--ep", str(ep), "--etp", str(etp), "--worker"],
                 failure=f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}",
             )
     return Path(out)
 
 
-def write_megatron_shards(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int = 1) -> None:
-    """This rank's part of the conversion, into `staging_dir(out)`; collective over tp x pp x ep ranks (the
-    expert-parallel ranks are Megatron's data-parallel ones: they write the shared weights once, their experts each)."""
+def _writer_data_parallel_size(tp: int, ep: int, etp: int) -> int:
+    """The fewest data-parallel ranks that hold experts over `ep` x `etp` (expert TP) ranks at TP `tp`: expert TP x EP
+    must divide TP x DP (`config.check_expert_layout`), so DP = lcm(tp, etp x ep) / tp (ep when etp = tp, 1 when
+    etp x ep divides tp)."""
+    return math.lcm(tp, etp * ep) // tp
+
+
+def write_megatron_shards(
+    hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int = 1, etp: int | None = None
+) -> None:
+    """This rank's part of the conversion, into `staging_dir(out)`; collective over tp x pp x
+    `_writer_data_parallel_size` ranks (the data-parallel ranks write the shared weights once, and their experts'
+    shards as Megatron's expert layout gives them out: each expert-parallel and expert-TP rank its own)."""
+    etp = tp if etp is None else etp
     summary = inspect_hf_checkpoint(hf_dir)
     shape, staging = summary.shape, staging_dir(out)
-    initialize_distributed(tp, pp, ep, expert_parallel_size=ep)
+    initialize_distributed(tp, pp, _writer_data_parallel_size(tp, ep, etp), expert_parallel_size=ep,
+                           expert_tensor_parallel_size=etp)
     try:
-        config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype, ep_size=ep)
+        config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype, ep_size=ep, etp_size=etp)
         with torch.device("meta"):
             model = build_gpt_model(shape, config, trainable=False)
         strategy = StreamingSaveStrategy(model, hf_parameter_source(model, hf_dir, shape))

@@ -26,15 +26,15 @@ def load_gpt_model(
 
     The layout is `parallel_state`'s (initialised first); a layout that does not divide the model's
     heads, FFN width, vocabulary or layers raises `ModelConfigError`. `recompute` and `sequence_parallel`: as
-    `transformer_config`'s, as is `moe` (MoE models; the
-    expert-parallel size is `parallel_state`'s).
+    `transformer_config`'s, as is `moe` (MoE models; the expert-parallel and expert-TP sizes are `parallel_state`'s).
     """
     device = training_device()
     config = transformer_config(
         shape, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(), params_dtype=params_dtype, device=device,
         recompute=recompute, sequence_parallel=sequence_parallel,
-        ep_size=parallel_state.get_expert_model_parallel_world_size(), moe=moe,
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe,
     )
     # As Megatron-LM's `get_model`: build (on the GPU, per the config), then `.cuda()` what Megatron
     # leaves on the CPU and cast to params_dtype what it builds in fp32 (the local spec's torch RMSNorm

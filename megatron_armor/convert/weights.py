@@ -191,11 +191,18 @@ def gather_hf_weights(
             yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))
 
 
-def _tensor_parallel_rank_and_size(mapping: ParamMapping) -> tuple[int, int]:
-    """This rank's position in the TP group that shards `mapping`'s parameter (experts: the expert-TP group)."""
+def _tensor_parallel_group(mapping: ParamMapping) -> dist.ProcessGroup:
+    """The group that splits `mapping`'s parameter: the TP group, or for an expert the expert-TP group (the same
+    ranks unless `expert_tensor_parallel_size` differs from TP)."""
     if mapping.expert_rank is None:
-        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+        return parallel_state.get_tensor_model_parallel_group()
+    return parallel_state.get_expert_tensor_parallel_group()
+
+
+def _tensor_parallel_rank_and_size(mapping: ParamMapping) -> tuple[int, int]:
+    """This rank's position in the group that splits `mapping`'s parameter (`_tensor_parallel_group`)."""
+    group = _tensor_parallel_group(mapping)
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _tensor_parallel_shards(mapping: ParamMapping, local: torch.Tensor) -> list[torch.Tensor]:
@@ -203,9 +210,7 @@ def _tensor_parallel_shards(mapping: ParamMapping, local: torch.Tensor) -> list[
     _, tp_size = _tensor_parallel_rank_and_size(mapping)
     if mapping.layout == "replicated" or tp_size == 1:
         return [local] * tp_size
-    group = (parallel_state.get_tensor_model_parallel_group() if mapping.expert_rank is None
-             else parallel_state.get_expert_tensor_parallel_group())
-    return _gather_one(local, group, tp_size)
+    return _gather_one(local, _tensor_parallel_group(mapping), tp_size)
 
 
 def _gather_one(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -225,17 +230,16 @@ def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:
 
 
 def parameters_exported_as_views(model: GPTModel, shape: ModelShape) -> list[torch.nn.Parameter]:
-    """The parameters of this rank whose `gather_hf_weights` tensors are views of them: without TP every one
-    but a fused QKV of several KV groups (split by copying), with TP only the replicated ones (norms); experts
-    only without EP (else they are gathered)."""
+    """The parameters of this rank whose `gather_hf_weights` tensors are views of them: those its TP group (an
+    expert's: its expert-TP group) does not split, but a fused QKV of several KV groups (split by copying), and the
+    replicated ones (norms) under TP; experts only without EP (else they are gathered)."""
     params = dict(model.named_parameters())
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     split_by_copy = "qkv" if shape.num_kv_heads > 1 else None
     return [
         params[m.megatron_name] for m in stage_mappings(model, shape)
         if m.exported and (m.expert_rank is None or ep_size == 1)
-        and (m.layout == "replicated" or (tp_size == 1 and m.layout != split_by_copy))
+        and (m.layout == "replicated" or (_tensor_parallel_rank_and_size(m)[1] == 1 and m.layout != split_by_copy))
     ]
 
 

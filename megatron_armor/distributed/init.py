@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_armor.config import check_expert_layout
 from megatron_armor.distributed.cpu_compat import enable_cpu_compat
 from megatron_armor.distributed.device import training_device
 from megatron_armor.utils.net import free_port
@@ -53,13 +54,16 @@ def seed_everything(seed: int) -> None:
 def initialize_distributed(
     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int | None = None, *,
     seed: int = 1234, timeout_minutes: int = 30, expert_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> DistributedContext:
     """Initialise torch.distributed from the torchrun environment (or as a 1-process group) and
     Megatron's tensor/pipeline/data-parallel groups. gloo on CPU, NCCL on GPU.
 
     `data_parallel_size` None takes whatever the world size leaves; an explicit value must match it.
-    `expert_parallel_size` (MoE models): the routed experts are split over that many ranks of each data-parallel
-    group (Megatron's `expert_model_parallel_size`, expert TP = TP), so it must divide the data-parallel size.
+    `expert_parallel_size`, `expert_tensor_parallel_size` (MoE models): Megatron's expert groups, which regroup each
+    pipeline stage's TP x DP ranks as expert TP x EP x expert DP: the routed experts are split over
+    `expert_parallel_size` ranks and each expert's matrices over `expert_tensor_parallel_size` (None: the TP size,
+    Megatron's default), so their product must divide TP x DP (`config.check_expert_layout`).
     """
     if not dist.is_initialized():
         launched = "WORLD_SIZE" in os.environ  # torchrun (or a launcher setting its variables)
@@ -89,25 +93,18 @@ def initialize_distributed(
             f"pipeline_parallel_size ({pipeline_parallel_size}); launch a multiple of "
             f"{tensor_parallel_size * pipeline_parallel_size} processes"
         )
-    _check_expert_parallel_size(expert_parallel_size, world_size // (tensor_parallel_size * pipeline_parallel_size))
+    check_expert_layout(tensor_parallel_size, world_size // (tensor_parallel_size * pipeline_parallel_size),
+                        expert_parallel_size, expert_tensor_parallel_size)
     enable_cpu_compat()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel_size,
             pipeline_model_parallel_size=pipeline_parallel_size,
             expert_model_parallel_size=expert_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
         )
     seed_everything(seed)
     return current_context()
-
-
-def _check_expert_parallel_size(expert_parallel_size: int, data_parallel_size: int) -> None:
-    """Megatron places each expert-parallel group inside a data-parallel group (expert TP = TP)."""
-    if expert_parallel_size < 1 or data_parallel_size % expert_parallel_size:
-        raise ValueError(
-            f"expert_parallel_size ({expert_parallel_size}) must divide the data-parallel size ({data_parallel_size}): "
-            f"experts are split over ranks of one data-parallel group"
-        )
 
 
 def current_context() -> DistributedContext:

@@ -144,13 +144,21 @@ def _rope_scaling_factor(rope: dict, source: str) -> float | None:
     )
 
 
-def check_parallel_layout(shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
-    """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks (experts over `ep_size`)."""
-    for name, value in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads", shape.num_kv_heads),
-                        ("intermediate_size", shape.ffn_hidden_size), ("padded vocab_size", shape.padded_vocab_size),
-                        ("moe_intermediate_size", shape.moe_ffn_hidden_size)):
-        if value % tp_size:
-            raise ModelConfigError(f"{name}={value} is not divisible by tensor_parallel_size={tp_size}")
+def check_parallel_layout(
+    shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None
+) -> None:
+    """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks, its experts over `ep_size`
+    ranks and each expert's matrices over `etp_size` (expert TP; None: `tp_size`)."""
+    etp_size = tp_size if etp_size is None else etp_size
+    for name, value, split, size in (
+        ("num_attention_heads", shape.num_attention_heads, "tensor_parallel_size", tp_size),
+        ("num_key_value_heads", shape.num_kv_heads, "tensor_parallel_size", tp_size),
+        ("intermediate_size", shape.ffn_hidden_size, "tensor_parallel_size", tp_size),
+        ("padded vocab_size", shape.padded_vocab_size, "tensor_parallel_size", tp_size),
+        ("moe_intermediate_size", shape.moe_ffn_hidden_size, "expert_tensor_parallel_size", etp_size),
+    ):
+        if value % size:
+            raise ModelConfigError(f"{name}={value} is not divisible by {split}={size}")
     if shape.num_layers % pp_size:
         raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
     if ep_size > 1 and shape.num_experts % ep_size:
@@ -166,10 +174,11 @@ class MoERouting:
     load_balancing: str = "aux_loss"
     aux_loss_coeff: float = 0.0
 
-    def megatron_fields(self, shape: ModelShape, ep_size: int) -> dict:
-        """TransformerConfig's MoE fields for `shape` (none for a dense model). HF's router takes the softmax
-        over all experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over the
-        top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k.
+    def megatron_fields(self, shape: ModelShape, ep_size: int, etp_size: int | None) -> dict:
+        """TransformerConfig's MoE fields for `shape` (none for a dense model), its experts over `ep_size` ranks and
+        each over `etp_size` (None: TP; `initialize_model_parallel` must have the same sizes). HF's router takes the
+        softmax over all experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over
+        the top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k.
         Tokens reach experts on other EP ranks by Megatron's all-to-all dispatcher (`transformer_config` sets it:
         gloo has the uneven all-to-all on CPU, and the allgather dispatcher refuses the variable sequence lengths
         set under pipeline parallelism)."""
@@ -182,7 +191,7 @@ class MoERouting:
             "moe_router_load_balancing_type": self.load_balancing if self.aux_loss_coeff > 0 else "none",
             "moe_aux_loss_coeff": self.aux_loss_coeff, "moe_grouped_gemm": False,
             "moe_layer_freq": [int(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)],
-            "expert_model_parallel_size": ep_size,
+            "expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
         }
 
 
@@ -214,7 +223,7 @@ class ActivationRecompute:
 def transformer_config(
     shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None, recompute: ActivationRecompute = ActivationRecompute(),
-    sequence_parallel: bool = False, ep_size: int = 1, moe: MoERouting = MoERouting(),
+    sequence_parallel: bool = False, ep_size: int = 1, etp_size: int | None = None, moe: MoERouting = MoERouting(),
 ) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
 
@@ -225,11 +234,11 @@ def transformer_config(
     weights directly on the current GPU, as Megatron-LM trains (its default `use_cpu_initialization=False`;
     CPU initialisation plus a copy is slow for large models); otherwise (the default, and what
     building on the meta device in `convert` needs) on the CPU.
-    `ep_size`, `moe` (MoE models): experts over `ep_size` ranks, each split over TP (expert TP = TP, Megatron's default
-    here and in `initialize_model_parallel`, which must agree); load balancing (`MoERouting`). Training under TP
-    needs `sequence_parallel` (Megatron's MoE layer refuses otherwise).
+    `ep_size`, `etp_size`, `moe` (MoE models): experts over `ep_size` ranks, each split over `etp_size` ranks (expert
+    TP; None: TP, Megatron's default here and in `initialize_model_parallel`, which must agree); load balancing
+    (`MoERouting`). Training under TP needs `sequence_parallel` (Megatron's MoE layer refuses otherwise).
     """
-    check_parallel_layout(shape, tp_size, pp_size, ep_size)
+    check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -269,5 +278,5 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",  # Megatron refuses variable lengths with its default (allgather)
                                                # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
-        **moe.megatron_fields(shape, ep_size),
+        **moe.megatron_fields(shape, ep_size, etp_size),
     )

@@ -11,8 +11,10 @@ h = hidden, divided by tp under sequence parallelism):
   attention output      q                 the output projection's input
   SwiGLU MLP            5 f               fc1's output (2 f), silu's output, the product, a gate copy
   MoE MLP               2 E + k (2 h' + 5 f')  router scores and probabilities, and for each of the k experts a
-                                          token goes to: its permuted input and output (h' = the full hidden) and
-                                          the expert's SwiGLU (f' = moe_ffn / tp)
+                                          token goes to: its permuted input and output and the expert's SwiGLU. The
+                                          etp ranks of the expert-TP group serving it each hold the token whole
+                                          (full hidden) and moe_ffn / etp of its SwiGLU; spread evenly over the
+                                          stage's ranks that is h' = h etp / tp and f' = moe_ffn / tp per token
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 """
 
@@ -35,7 +37,8 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     core = q + 2 * k if selective else q + 2 * (q if layout.local_attention else k) + a
     mlp = 5 * f
     if shape.is_moe_layer(layer):
-        mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * shape.hidden_size + 5 * shape.moe_ffn_hidden_size // tp)
+        permuted = shape.hidden_size * layout.expert_tp // tp
+        mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * permuted + 5 * shape.moe_ffn_hidden_size // tp)
     return norms + (q + 2 * k) + qk_norms + core + q + mlp
 
 

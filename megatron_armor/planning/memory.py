@@ -21,8 +21,8 @@ BUCKET_ALIGN = 128  # ... and pads each bucket to a multiple of lcm(DP, 128) ele
 
 @dataclass(frozen=True)
 class Layout:
-    """How a model is split and trained: TP x PP x DP sizes (a MoE model's experts over `ep` of the DP ranks, each
-    expert's matrices over TP as Megatron's default expert TP), sequence parallelism, the distributed optimizer,
+    """How a model is split and trained: TP x PP x DP sizes (a MoE model's experts over `ep` ranks, each expert's
+    matrices over `etp` ranks, None: TP, Megatron's default expert TP), sequence parallelism, the distributed optimizer,
     the weights' bytes per element (2 for bf16, 4 for fp32), activation recomputation, the LM head ("torch":
     [tokens, V/tp] logits; "fused": no logits) and the attention kernel (`local_attention`: the local layer spec's
     SDPAttention, which repeats K/V to every query head, as on CPU; else Transformer Engine's flash attention)."""
@@ -31,6 +31,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    etp: int | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     dtype_bytes: int = 2
@@ -40,6 +41,17 @@ class Layout:
 
     def with_(self, **changes) -> Layout:
         return replace(self, **changes)
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert's matrices are split over (`etp`, or TP when unset)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x dp ranks
+        regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp / ep at expert TP = TP."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
 
 def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[int]:
@@ -56,20 +68,23 @@ def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[i
     return numels + [2 * shape.ffn_hidden_size * h // tp, shape.ffn_hidden_size * h // tp]  # fc1 (gate + up), fc2
 
 
-def layer_expert_numels(shape: ModelShape, tp: int, ep: int, layer: int) -> list[int]:
+def layer_expert_numels(shape: ModelShape, etp: int, ep: int, layer: int) -> list[int]:
     """Elements of each expert parameter of decoder layer `layer` on one rank: its num_experts / ep experts'
-    fc1 (gate + up) and fc2, each over TP (none in a dense layer)."""
+    fc1 (gate + up) and fc2, each over `etp` expert-TP ranks (none in a dense layer)."""
     if not shape.is_moe_layer(layer):
         return []
     f, h = shape.moe_ffn_hidden_size, shape.hidden_size
-    return [2 * f * h // tp, f * h // tp] * (shape.num_experts // ep)
+    return [2 * f * h // etp, f * h // etp] * (shape.num_experts // ep)
 
 
-def stage_parameter_numels(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
+def stage_parameter_numels(
+    shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1, etp: int | None = None
+) -> list[int]:
     """Elements of each parameter tensor on a rank of pipeline stage `stage` (embedding on the first, final norm
     and output layer on the last; a tied output layer is the embedding itself when one stage holds both), the
-    rank's experts (of `ep`) included."""
-    return stage_dense_numels(shape, tp, pp, stage) + stage_expert_numels(shape, tp, pp, stage, ep)
+    rank's experts (of `ep`, each over `etp` ranks, None: `tp`) included."""
+    etp = tp if etp is None else etp
+    return stage_dense_numels(shape, tp, pp, stage) + stage_expert_numels(shape, etp, pp, stage, ep)
 
 
 def stage_dense_numels(shape: ModelShape, tp: int, pp: int, stage: int) -> list[int]:
@@ -85,9 +100,10 @@ def stage_dense_numels(shape: ModelShape, tp: int, pp: int, stage: int) -> list[
     return numels
 
 
-def stage_expert_numels(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
-    """The expert parameters of a rank of pipeline stage `stage` (replicated over dp / ep ranks only)."""
-    return [numel for layer in _stage_layers(shape, pp, stage) for numel in layer_expert_numels(shape, tp, ep, layer)]
+def stage_expert_numels(shape: ModelShape, etp: int, pp: int, stage: int, ep: int = 1) -> list[int]:
+    """The expert parameters of a rank of pipeline stage `stage`, its experts over `ep` ranks and each over `etp`
+    (replicated over the expert data-parallel ranks only, `Layout.expert_dp`)."""
+    return [numel for layer in _stage_layers(shape, pp, stage) for numel in layer_expert_numels(shape, etp, ep, layer)]
 
 
 def _stage_layers(shape: ModelShape, pp: int, stage: int) -> range:
@@ -95,9 +111,9 @@ def _stage_layers(shape: ModelShape, pp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def parameter_count(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
-    """Parameters on one GPU of the largest pipeline stage."""
-    return max(sum(stage_parameter_numels(shape, tp, pp, stage, ep)) for stage in range(pp))
+def parameter_count(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters on one GPU of the largest pipeline stage (experts over `ep` ranks, each over `etp`, None: `tp`)."""
+    return max(sum(stage_parameter_numels(shape, tp, pp, stage, ep, etp)) for stage in range(pp))
 
 
 def grad_buffer_numel(numels: list[int], dp: int, distributed_optimizer: bool) -> int:
@@ -129,12 +145,12 @@ class StateBytes:
 
 def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
     """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out). A MoE
-    model's experts have their own grad buffer and their distributed optimizer state is sharded over the dp / ep
-    ranks that hold the same experts (Megatron's expert data-parallel group)."""
-    tp, pp, ep = layout.tp, layout.pp, layout.ep
-    stage = max(range(pp), key=lambda s: sum(stage_parameter_numels(shape, tp, pp, s, ep)))
-    dense, experts = stage_dense_numels(shape, tp, pp, stage), stage_expert_numels(shape, tp, pp, stage, ep)
-    params, expert_dp = sum(dense) + sum(experts), layout.dp // ep
+    model's experts have their own grad buffer and their distributed optimizer state is sharded over the ranks
+    that hold the same experts (Megatron's expert data-parallel group, `Layout.expert_dp`)."""
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
+    stage = max(range(pp), key=lambda s: sum(stage_parameter_numels(shape, tp, pp, s, ep, etp)))
+    dense, experts = stage_dense_numels(shape, tp, pp, stage), stage_expert_numels(shape, etp, pp, stage, ep)
+    params, expert_dp = sum(dense) + sum(experts), layout.expert_dp
     per_param = 2 * FP32 + (FP32 if layout.dtype_bytes != FP32 else 0)  # exp_avg, exp_avg_sq (+ fp32 master)
     replicated = params * per_param
     distributed = math.ceil(sum(dense) * per_param / layout.dp) + math.ceil(sum(experts) * per_param / expert_dp)

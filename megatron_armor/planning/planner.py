@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import ArmorConfig, resolve_distributed_optimizer
+from megatron_armor.config import ArmorConfig, check_expert_layout, resolve_distributed_optimizer
 from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout
 from megatron_armor.planning.activations import ActivationBytes, LogitsBytes, activation_bytes, logits_bytes
 from megatron_armor.planning.flops import RLStepFlops, rl_step_flops
@@ -73,7 +73,7 @@ def memory_plan(inputs: PlanInputs) -> MemoryPlan:
     """The per-GPU bytes of `inputs` (see `MemoryPlan`)."""
     shape, layout, tokens = inputs.shape, inputs.layout, inputs.micro_batch_tokens
     state = state_bytes(shape, layout)
-    frozen = {name: parameter_count(model, layout.tp, layout.pp, layout.ep) * layout.dtype_bytes
+    frozen = {name: parameter_count(model, layout.tp, layout.pp, layout.ep, layout.etp) * layout.dtype_bytes
               for name, model in inputs.frozen}
     server_weights = parameter_count(shape, inputs.server_tp, 1) * 2  # SGLang serves bf16
     resident = 0 if inputs.offload_trainer or not inputs.colocated else (
@@ -107,15 +107,21 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
         changes.append((f"set train.max_tokens_per_micro_batch {max_len} (one longest sequence per micro-batch)",
                         replace(inputs, micro_batch_tokens=max_len)))
     for tp in (2 * layout.tp, 4 * layout.tp):
-        if _divides(inputs.shape, tp):
-            dp = max(layout.dp * layout.tp // tp, 1)  # on as many GPUs, where dp allows
-            changes.append((f"raise tp to {tp} (dp {dp}; sequence parallel)", replace(
-                inputs, layout=layout.with_(tp=tp, dp=dp, sequence_parallel=True))))
+        dp = max(layout.dp * layout.tp // tp, 1)  # on as many GPUs, where dp allows
+        raised = layout.with_(tp=tp, dp=dp, sequence_parallel=True)
+        if tp <= 8 and _splits(inputs.shape, raised):
+            changes.append((f"raise tp to {tp} (dp {dp}; sequence parallel)", replace(inputs, layout=raised)))
     return changes
 
 
-def _divides(shape: ModelShape, tp: int) -> bool:
-    return tp <= 8 and not (shape.num_kv_heads % tp or shape.num_attention_heads % tp or shape.ffn_hidden_size % tp)
+def _splits(shape: ModelShape, layout: Layout) -> bool:
+    """Whether `layout` splits `shape` (`check_parallel_layout`) and its experts (`check_expert_layout`)."""
+    try:
+        check_parallel_layout(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+        check_expert_layout(layout.tp, layout.dp, layout.ep, layout.etp)
+    except ValueError:
+        return False
+    return True
 
 
 def _all_memory_knobs(inputs: PlanInputs, max_len: int) -> PlanInputs:
@@ -174,10 +180,11 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
     (sequence parallelism's default on, logprob_head auto = fused); `algorithm`: `build_algorithm(cfg)`."""
     shape, _ = resolve_model_shape(cfg.model.path)
     train, par = cfg.train, cfg.parallel
-    check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size)
+    check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size,
+                          par.expert_tensor_parallel_size)
     layout = Layout(
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
-        ep=par.expert_parallel_size,
+        ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size,
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
         distributed_optimizer=resolve_distributed_optimizer(cfg), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
         recompute=ActivationRecompute.from_config(train),

@@ -46,7 +46,9 @@ def format_plan(plan: RunPlan) -> str:
         f"model: {shape.arch}, {shape.num_layers} layers, hidden {shape.hidden_size}, heads {shape.num_attention_heads}"
         f" (kv {shape.num_kv_heads}), ffn {shape.ffn_hidden_size}, vocab {shape.vocab_size} ({plan.shape_source})",
         f"layout: tp {layout.tp} x pp {layout.pp} x dp {layout.dp} = {plan.trainer_gpus} trainer GPUs of {plan.gpus}; "
-        f"{inputs.micro_batches} micro-batches per optimizer step per rank",
+        + (f"experts over ep {layout.ep} x etp {layout.expert_tp} (expert dp {layout.expert_dp}); "
+           if shape.num_experts else "")
+        + f"{inputs.micro_batches} micro-batches per optimizer step per rank",
         "per GPU (estimate):", *memory_lines(plan),
         "fits" if plan.memory.fits else "does NOT fit; knobs to turn:",
         *(f"  - {line}" for line in plan.advice),

@@ -204,16 +204,21 @@ def subspace_constraint(model: GPTModel, k: int, mode: str) -> SubspaceConstrain
 
     Under tensor parallelism the bases are those of the full matrices: Megatron marks a split weight
     with `tensor_model_parallel` and its `partition_dim` (0: column-parallel qkv / fc1, 1: row-parallel
-    proj / fc2), which become each shard's `Sharding` over the tensor-parallel group.
+    proj / fc2), which become each shard's `Sharding` over the group that splits it (`_splitting_group`).
     """
     params = {name: p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("decoder.")}
-    sharding = {}
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        group = parallel_state.get_tensor_model_parallel_group()
-        sharding = {
-            name: Sharding(p.partition_dim, group)
-            for name, p in params.items() if getattr(p, "tensor_model_parallel", False)
-        }
+    groups = {name: _splitting_group(p) for name, p in params.items() if getattr(p, "tensor_model_parallel", False)}
+    sharding = {name: Sharding(params[name].partition_dim, group) for name, group in groups.items()
+                if torch.distributed.get_world_size(group) > 1}
     return SubspaceConstraint(
         params, {name: p.detach().clone() for name, p in params.items()}, k=k, mode=mode, sharding=sharding
     )
+
+
+def _splitting_group(param: torch.nn.Parameter) -> torch.distributed.ProcessGroup:
+    """The group a tensor-parallel weight is split over: the expert-TP group for the expert weights Megatron keeps
+    out of the dense reductions (`allreduce` False: under EP, or an expert TP size other than TP), else the TP group
+    (an expert's expert-TP group is the TP group otherwise)."""
+    if getattr(param, "allreduce", True):
+        return parallel_state.get_tensor_model_parallel_group()
+    return parallel_state.get_expert_tensor_parallel_group()

@@ -1,6 +1,7 @@
-"""Qwen3-MoE on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with sequence parallelism, EP=2 x TP=2; gloo)
-against the HF transformers reference."""
+"""Qwen3-MoE on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with sequence parallelism, EP=2 x TP=2, and
+EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from launcher import run_workers
 from megatron_armor.models.hf_config import ModelConfigError, load_model_shape, model_shape_from_dict
+from megatron_armor.planning.memory import Layout, stage_expert_numels
 
 TOL = 1e-4
 
@@ -30,33 +32,46 @@ def test_moe_shape_from_config(tiny_model_factory):
                                "num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 32})
 
 
-# process count -> the layouts ("tp<T>ep<E>") its one launch runs; TP > 1 with sequence parallelism and expert TP = TP.
-LAYOUTS = {1: ["tp1ep1"], 2: ["tp1ep2", "tp2ep1"], 4: ["tp2ep2"]}
+# process count -> the layouts ("tp<T>ep<E>[etp<X>]") its one launch runs; TP > 1 with sequence parallelism, expert TP
+# X (default TP). tp2ep2etp1: TP=2 x DP=1 for attention, the same 2 ranks as EP=2 x expert TP 1 for the experts.
+LAYOUTS = {1: ["tp1ep1"], 2: ["tp1ep2", "tp2ep1", "tp2ep2etp1"], 4: ["tp2ep2"]}
 
 
 def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_path):
-    """Forward vs HF and exports at EP=1, EP=2, TP=2 (sequence parallel) and EP=2 x TP=2; every layout's logprobs
-    (of its data-parallel rank's rows) and gathered gradients equal the one-process ones."""
+    """Forward vs HF and exports at EP=1, EP=2, TP=2 (sequence parallel), EP=2 x TP=2 and EP=2 at expert TP 1 with
+    TP=2; every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process
+    ones, the exports that are views of the parameters are those `parameters_exported_as_views` names, and the
+    planner's expert parameters per rank and expert data-parallel size are the model's."""
     model_dirs = [str(tiny_model_factory("qwen3_moe", **options)) for options in VARIANTS.values()]
     results = {}
     for nproc, layouts in LAYOUTS.items():
         ranks = run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(layouts), *model_dirs)
         results.update({(layout, f"n{nproc}"): [rank[layout] for rank in ranks] for layout in layouts})
     for variant, model_dir in zip(VARIANTS, model_dirs):
-        name = Path(model_dir).name
+        name, shape = Path(model_dir).name, load_model_shape(model_dir)
         one = torch.load(tmp_path / "n1" / "tp1ep1" / name / "rank0.pt")
         for (layout, launch), ranks in results.items():
-            ep = int(layout.split("ep")[1])
+            tp, ep, etp = layout_sizes(layout)
             for rank, result in enumerate(rank[model_dir] for rank in ranks):
                 assert result["forward_diff"] < TOL, (variant, layout, result["forward_diff"])
                 assert result["export_keys_match"] and result["export_equal"], (variant, layout)
-                assert result["local_experts"] == 4 // ep, (variant, layout)
+                assert result["views_match"], (variant, layout)
+                assert result["local_experts"] == 4 // ep and result["expert_split"] == etp, (variant, layout)
                 dp_rank, dp = result["dp"]
+                planned = Layout(tp=tp, dp=dp, ep=ep, etp=etp)  # the planner's expert parameters and groups
+                assert result["expert_numels"] == sum(stage_expert_numels(shape, planned.expert_tp, 1, 0, ep))
+                assert result["expert_dp"] == planned.expert_dp, (variant, layout)
                 saved = torch.load(tmp_path / launch / layout / name / f"rank{rank}.pt")
                 assert torch.allclose(saved["logprobs"], one["logprobs"][dp_rank::dp], atol=1e-5), (variant, layout)
                 assert saved["grads"].keys() == one["grads"].keys(), (variant, layout)
                 for key, grad in one["grads"].items():
                     assert torch.allclose(saved["grads"][key], grad, atol=grad_atol(grad)), (variant, layout, key)
+
+
+def layout_sizes(layout: str) -> tuple[int, int, int]:
+    """"tp<T>ep<E>[etp<X>]" -> (T, E, X), X defaulting to T (Megatron's expert TP)."""
+    tp, ep, etp = re.fullmatch(r"tp(\d+)ep(\d+)(?:etp(\d+))?", layout).groups()
+    return int(tp), int(ep), int(etp or tp)
 
 
 def grad_atol(grad: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
 """The planner's bookkeeping on a recipe's config: micro-batch tokens from the token budget, the frozen models the
-algorithm keeps, the KV cache colocated servers get, and advice that re-plans each knob."""
+algorithm keeps, the KV cache colocated servers get, advice that re-plans each knob, and a MoE model's expert layout."""
 
 import math
 from dataclasses import replace
@@ -8,7 +8,7 @@ from pathlib import Path
 from megatron_armor.algorithms import build_algorithm
 from megatron_armor.config import load_config
 from megatron_armor.planning.memory import parameter_count
-from megatron_armor.planning.planner import GIB, Hardware, advice, memory_plan, plan_inputs, plan_run
+from megatron_armor.planning.planner import GIB, Hardware, advice, knob_changes, memory_plan, plan_inputs, plan_run
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 H100 = Hardware(gpus=128, gpu_memory_gb=80)
@@ -61,3 +61,25 @@ def test_advice_replans_every_knob():
     assert rows[0].endswith("(fits)")  # those that fit first
     fused = memory_plan(replace(inputs, layout=inputs.layout.with_(head="fused")))
     assert f"set train.logprob_head fused: peak {fused.training_peak / GIB:.1f} GiB" in rows
+
+
+def test_expert_tensor_parallelism_regroups_the_experts():
+    """The MoE recipe's TP 4 x DP 16 with its experts over EP 32 at expert TP 1 instead of EP 8 at expert TP 4 (TP's):
+    each GPU holds as many expert parameters (4 whole experts of each layer instead of a quarter of 16) with the same
+    2 expert data-parallel replicas, while the tokens routed to its experts, no longer gathered over TP, take less
+    activation memory. A TP raise is advised only where the expert layout still divides TP x DP."""
+    recipe = "qwen3-30b-a3b/armor.yaml"
+    tp4, etp1 = inputs_of(recipe), inputs_of(recipe, "parallel.expert_parallel_size=32",
+                                             "parallel.expert_tensor_parallel_size=1")
+    assert (tp4.layout.expert_tp, tp4.layout.expert_dp, etp1.layout.expert_tp, etp1.layout.expert_dp) == (4, 2, 1, 2)
+    assert memory_plan(etp1).state == memory_plan(tp4).state
+    assert memory_plan(etp1).activations.peak < memory_plan(tp4).activations.peak
+
+    def tp_raises(*overrides: str) -> list[str]:
+        inputs = inputs_of(recipe, "parallel.tensor_parallel_size=1", "parallel.data_parallel_size=32",
+                           "parallel.expert_parallel_size=32", *overrides)
+        return [knob for knob, _ in knob_changes(inputs, max_len=1024) if knob.startswith("raise tp")]
+
+    assert tp_raises() == []  # expert TP follows TP: 2 x 32 expert ranks would not divide 2 x 16
+    assert tp_raises("parallel.expert_tensor_parallel_size=1") == [
+        "raise tp to 2 (dp 16; sequence parallel)", "raise tp to 4 (dp 8; sequence parallel)"]

@@ -1,6 +1,7 @@
 """TP=2 (also with sequence parallelism), PP=2, DP=2 (also with the distributed optimizer) and TP=2 x PP=2 give
 the TP=1 PP=1 logprobs, gradients and ARMOR step (gloo, CPU), and so do a MoE model's EP=2, PP=2, TP=2 (sequence
-parallel) and EP=2 x TP=2 steps, with routing replay among them, and token-budget and packed micro-batches (one
+parallel) and EP=2 x TP=2 steps, with routing replay among them, and its TP=2 steps with every expert whole (expert
+TP 1, over EP=1 or EP=2), and token-budget and packed micro-batches (one
 process, PP=2 with micro-batches of different shapes, TP=2 with sequence parallelism and the fused head);
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2."""
@@ -50,7 +51,9 @@ JOBS = {
         "moe-ep2": ("moe", 1, 1, "torch", "ep=2"), "moe-pp2": ("moe", 1, 2, "torch"),
         "moe-ep2-r3": ("moe", 1, 1, "torch", "ep=2", "replay=rollout"),
         "moe-pp2-r2": ("moe", 1, 2, "torch", "replay=recompute"),
-        "moe-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "replay=rollout")},
+        "moe-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "replay=rollout"),
+        "moe-tp2-sp-etp1": ("moe", 2, 1, "torch", "sp", "etp=1"),
+        "moe-tp2-sp-ep2-etp1": ("moe", 2, 1, "torch", "sp", "ep=2", "etp=1")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
         "moe-ep2-pp2": ("moe", 1, 2, "torch", "ep=2")},
@@ -182,3 +185,14 @@ def test_moe_ep2_and_pp2_steps_match_single_rank(runs):
     assert "moe/aux_loss" not in base["metrics"] and 0.5 < aux["metrics"]["moe/aux_loss"] < 2.5, aux["metrics"]
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.o_proj.weight"):
         assert not torch.equal(aux["grads"][name], base["grads"][name]), name
+
+
+def test_moe_expert_tp1_steps_match_single_rank(runs):
+    """At TP=2 with every expert whole on its rank (parallel.expert_tensor_parallel_size 1), over EP=1 (the two TP
+    ranks are expert data-parallel replicas: Megatron DDP sums the experts' gradients over them, as the
+    TransformerConfig's expert TP tells it) or over EP=2 (the two TP ranks split the experts), a MoE step equals the
+    one-process step: logprobs, gradients, Megatron's grad norm, weights and the update geometry reduced over the
+    expert groups."""
+    for name in ("moe-tp2-sp-etp1", "moe-tp2-sp-ep2-etp1"):
+        assert runs[name][0]["layout"] == (2, 1, 1), name
+        assert_same_step(runs[name], runs["moe-base"][0])

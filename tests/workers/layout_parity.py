@@ -3,8 +3,9 @@
 argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (head "torch" | "fused"; option
 "distopt": Megatron's distributed optimizer, state sharded over DP ranks; "sp": sequence parallelism; "budget=N":
 micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD; "ep=N": a MoE model's
-experts over N expert-parallel ranks; "aux=C": its load-balancing auxiliary loss at coefficient C; "replay=MODE":
-train.routing_replay MODE, with "rollout" replaying random routes given to the on-policy samples as an engine's);
+experts over N expert-parallel ranks; "etp=N": each expert over N expert-TP ranks (default: TP's); "aux=C": its
+load-balancing auxiliary loss at coefficient C; "replay=MODE": train.routing_replay MODE, with "rollout" replaying
+random routes given to the on-policy samples as an engine's);
 the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
@@ -102,14 +103,15 @@ def gather_sharded_grads(ddp) -> None:
 
 def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
     ep = next((int(option.removeprefix("ep=")) for option in options if option.startswith("ep=")), 1)
-    ctx = initialize_distributed(tp, pp, seed=0, expert_parallel_size=ep)
+    etp = next((int(option.removeprefix("etp=")) for option in options if option.startswith("etp=")), None)
+    ctx = initialize_distributed(tp, pp, seed=0, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
     shape = load_model_shape(actor_dir)
 
     aux = next((float(option.removeprefix("aux=")) for option in options if option.startswith("aux=")), 0.0)
 
     def model(path, trainable):
         config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options, ep_size=ep,
-                                    moe=MoERouting(aux_loss_coeff=aux))
+                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux))
         m = build_gpt_model(shape, config, trainable=trainable)
         load_hf_weights(m, path, shape)
         return m

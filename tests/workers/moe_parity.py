@@ -1,20 +1,22 @@
-"""Worker: Qwen3-MoE on Megatron under TP x EP layouts against the HF model.
+"""Worker: Qwen3-MoE on Megatron under TP x EP (x expert TP) layouts against the HF model.
 
-argv: out_dir layouts model_dir..., layouts a comma-separated list of "tp<T>ep<E>" run one after another on the one
-process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each layout. Under
-TP > 1 sequence parallelism is on (Megatron refuses MoE with TP in training without it) and the experts are split
-over the expert-TP group too (expert TP = TP, Megatron's default). Every rank gets the same [3, 14] tokens for the
-forward check; for the gradients data-parallel rank d takes rows d::dp of a fixed [4, 17] batch, the loss is the sum
-of their token logprobs, and gradients are reduced as Megatron's DDP would: sequence-parallel parameters (norms,
+argv: out_dir layouts model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after another on
+the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each layout.
+Under TP > 1 sequence parallelism is on (Megatron refuses MoE with TP in training without it). The experts are split
+over the expert-TP group: of X ranks (`expert_tensor_parallel_size`), else of TP's (Megatron's default); with X other
+than TP Megatron regroups the TP x DP ranks as expert TP x EP x expert DP. Every rank gets the same [3, 14] tokens for
+the forward check; for the gradients data-parallel rank d takes rows d::dp of a fixed [4, 17] batch, the loss is the
+sum of their token logprobs, and gradients are reduced as Megatron's DDP would: sequence-parallel parameters (norms,
 routers: each TP rank saw a slice of the sequence) summed over TP, shared parameters over DP, experts over the
-expert-DP group (the experts' gradients already hold the tokens the all-to-all dispatcher brought them from every
-EP rank), so they equal the one-process gradients of the whole batch. Each rank saves the gathered HF-named
-gradients and the logprobs [rows, 16] of its rows to `<out_dir>/<layout>/<model>/rank<r>.pt` and reports per layout
-and model its forward's max difference to HF, whether the export equals the checkpoint, its local expert count and
-its data-parallel rank and size.
+expert-DP group (the experts' gradients already hold the tokens the all-to-all dispatcher brought them from every EP
+rank), so they equal the one-process gradients of the whole batch. Each rank saves the gathered HF-named gradients and
+the logprobs [rows, 16] of its rows to `<out_dir>/<layout>/<model>/rank<r>.pt` and reports per layout and model its
+forward's max difference to HF, whether the export equals the checkpoint, its local expert count, the number of ranks
+each expert's matrices are split over (from their shape), its expert parameter count and expert data-parallel size,
+its data-parallel rank and size, and whether the exports that are views of a parameter are exactly those of
+`parameters_exported_as_views`.
 """
 
-import re
 import sys
 from pathlib import Path
 
@@ -26,9 +28,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/workers/", 1)[0] + "/models")
 from launcher import write_result  # noqa: E402
+from test_moe import layout_sizes  # noqa: E402
 
-from megatron_armor.convert.weights import gather_hf_weights, load_hf_weights  # noqa: E402
+from megatron_armor.convert.weights import (  # noqa: E402
+    gather_hf_weights, load_hf_weights, parameters_exported_as_views,
+)
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
@@ -70,31 +76,43 @@ def rank_rows_grads(model, shape) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return logprobs.detach(), grads
 
 
-def check(model_dir: str, tp: int, ep: int, target: Path) -> dict:
+def views_match(model, shape, exported: dict[str, torch.Tensor]) -> bool:
+    """Whether the exports sharing a parameter's storage are exactly those of `parameters_exported_as_views`."""
+    views = {p.untyped_storage().data_ptr() for p in parameters_exported_as_views(model, shape)}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return {t.untyped_storage().data_ptr() for t in exported.values()} & params == views
+
+
+def check(model_dir: str, tp: int, ep: int, etp: int, target: Path) -> dict:
     shape = load_model_shape(model_dir)
-    config = transformer_config(shape, tp_size=tp, sequence_parallel=tp > 1, ep_size=ep)
+    config = transformer_config(shape, tp_size=tp, sequence_parallel=tp > 1, ep_size=ep, etp_size=etp)
     model = build_gpt_model(shape, config, trainable=True)
     load_hf_weights(model, model_dir, shape)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stored = load_file(str(Path(model_dir) / "model.safetensors"))  # HF names: one tensor per expert projection
     exported = dict(gather_hf_weights(model, shape))
     logprobs, grads = rank_rows_grads(model, shape)
+    experts = model.decoder.layers[-1].mlp.experts.local_experts
     target.mkdir(parents=True, exist_ok=True)
     torch.save({"logprobs": logprobs, "grads": grads}, target / f"rank{dist.get_rank()}.pt")
     return {
         "forward_diff": forward_diff(model, hf, shape),
         "export_keys_match": set(exported) == set(stored),
         "export_equal": all(torch.equal(exported[k], stored[k]) for k in stored),
-        "local_experts": len(model.decoder.layers[-1].mlp.experts.local_experts),
+        "views_match": views_match(model, shape, exported),
+        "local_experts": len(experts),
+        "expert_split": 2 * shape.moe_ffn_hidden_size // experts[0].linear_fc1.weight.shape[0],
+        "expert_numels": sum(p.numel() for name, p in model.named_parameters() if ".local_experts." in name),
+        "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
         "dp": [parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()],
     }
 
 
 def run_layout(layout: str, model_dirs: list[str]) -> dict:
-    """Every model's results under `layout` ("tp<T>ep<E>")."""
-    tp, ep = map(int, re.fullmatch(r"tp(\d+)ep(\d+)", layout).groups())
-    initialize_distributed(tp, 1, seed=0, expert_parallel_size=ep)
-    results = {model_dir: check(model_dir, tp, ep, Path(out_dir) / layout / Path(model_dir).name)
+    """Every model's results under `layout` ("tp<T>ep<E>[etp<X>]")."""
+    tp, ep, etp = layout_sizes(layout)
+    initialize_distributed(tp, 1, seed=0, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
+    results = {model_dir: check(model_dir, tp, ep, etp, Path(out_dir) / layout / Path(model_dir).name)
                for model_dir in model_dirs}
     parallel_state.destroy_model_parallel()  # the next layout builds its own groups on the same process group
     return results
