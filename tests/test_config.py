@@ -252,6 +252,9 @@ def test_scaling_knobs_defaults_and_resolution():
      "train.use_distributed_optimizer does not work with train.subspace_capture_step yet"),
     (["train.use_distributed_optimizer=true", "rollout.memory.offload_trainer=true"],
      "train.use_distributed_optimizer does not work with rollout.memory.offload_trainer yet"),
+    (["train.subspace_capture_step=3", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
+      "train.mini_batch_size=4"],
+     r"train.subspace_capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
 ])
 def test_scaling_knobs_refuse_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

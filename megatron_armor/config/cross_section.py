@@ -19,6 +19,10 @@ def check_cross_section(cfg: ArmorConfig) -> None:
             f"({max_new_tokens})")
     require(t.subspace_capture_step == 0 or t.subspace_mode == "gradient" or cfg.model.params_dtype == "float32",
             "train.subspace_mode update needs model.params_dtype float32 (with bf16 the optimizer steps fp32 copies)")
+    require(t.subspace_capture_step == 0 or cfg.parallel.expert_parallel_size == 1,
+            f"train.subspace_capture_step does not work with parallel.expert_parallel_size "
+            f"({cfg.parallel.expert_parallel_size}) > 1 yet: its bases are checkpointed by the first data-parallel "
+            f"rank only, which holds other experts than the rest of its expert-parallel group")
     dp = cfg.parallel.data_parallel_size
     for refused, name in ((t.subspace_capture_step > 0, "train.subspace_capture_step"),
                           (cfg.rollout.memory.offload_trainer, "rollout.memory.offload_trainer")):
