@@ -1,119 +1,149 @@
-"""ARMOR's anchors sampled ahead of the generation batches that use them (rollout.mode async).
+"""ARMOR's anchors sampled beside the actor's samples, and ahead of them (the overlapped rollout modes).
 
-The reference is frozen between resets, so the anchors of a generation batch do not depend on when they are sampled:
-a thread of its own (its collectives over a gloo group of its own) samples the anchors of the batches the generator
-will draw next, from a twin of the prompt sampler (`PromptSampler.at`), with the seeds the batch itself would use
-(`RolloutPhase.seed` of the batch's key), while the actor's engine samples the batch. The generator then takes a
-batch's anchors when it has its on-policy samples (`take`), waiting only if the reference's engine is behind. So
-anchor generation never holds up a weight push (a push waits only for the actor's samples) and a batch costs the
-longer of its two phases, not their sum.
+The reference is frozen between resets, so a generation batch's anchors do not depend on when they are sampled. In
+rollout.mode one_step_off and async a thread of its own (its collectives over a gloo group of its own) samples them:
+`RolloutPhase.generation_batch` submits its anchor job when it draws its prompts and takes the anchors once its
+on-policy samples are drawn, so the reference's engine samples while the actor's does and a batch costs the longer of
+its two phases, not their sum. `async` also submits the batches to come (`submit_ahead`: the generator's next
+positions, drawn from a twin of the prompt sampler, `PromptSampler.at`, with the seeds those batches will use), so their
+anchors are usually ready when the batch asks; and a weight push there waits only for the actor's part of a batch
+(trainer/async_rollouts.py). A job is keyed by its generation batch's key, from which its seeds derive, so a batch
+samples the anchors it would have sampled itself.
 
-How far ahead: `depth` batches beyond the last one taken. What is issued grows only with what `take` consumed, the same
-on every rank, so every rank's thread makes the same collective calls; `reset` (a reference reset or the anchor
-action: the queued anchors came from the old reference) and `drain` (the run's end) wait for what was issued, then
-nothing more is issued until the next `take`, which happens after the reference's engine holds its new weights.
-Prefetched anchors are not checkpointed: a resumed run samples them again from the sampler's position, with the same
-seeds.
+Every rank submits the same jobs in the same order (the keys and positions are the same on every rank), so every
+rank's thread makes the same collective calls. `reset` (a reference reset or the anchor action: the queued anchors came
+from the old reference) and `drain` (the run's end) wait until the jobs submitted are done. Anchors sampled ahead are
+not checkpointed: a resumed run samples them again, with the same seeds.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
-from megatron_armor.trainer.rollout_phase import RolloutPhase
 from megatron_armor.trainer.samples import RolloutCounters
 
 
+class AnchorSampling(Protocol):
+    """What the thread needs of a rollout phase (trainer/rollout_phase.py `RolloutPhase`)."""
+
+    sampler: PromptSampler
+
+    def seed(self, key: tuple, policy: str) -> tuple: ...
+
+    def on_group(self, group: dist.ProcessGroup | None) -> AnchorSampling: ...
+
+    def draw_prompts(self, sampler: PromptSampler) -> list[PromptRow]: ...
+
+    def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]: ...
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One generation batch's anchors to sample: its key, prompts and seed, and the phase (its plan, engines and
+    anchor cache at submission) whose `sample_anchors` samples them."""
+
+    key: tuple
+    prompts: list[PromptRow]
+    seed: tuple
+    phase: AnchorSampling
+
+
 class AnchorPrefetch:
-    """The anchors of the generation batches to come, sampled by a daemon thread `depth` batches ahead.
+    """Anchor jobs of generation batches, sampled in submission order by a daemon thread whose collectives run over
+    `group` (None: the default group, or no torch.distributed)."""
 
-    `phase`: the generator's rollout phase (its plan, engines, anchor cache and sampler); `group`: the process group
-    of the thread's collectives (None: the default one, or no torch.distributed); `batch_key(position)`: the key of
-    the generation batch drawn at sampler position `position` (its seeds derive from it).
-    """
-
-    def __init__(self, phase: RolloutPhase, depth: int, group: dist.ProcessGroup | None,
-                 batch_key: Callable[[dict[str, Any]], tuple]) -> None:
-        self.phase, self.depth, self.group, self.batch_key = phase, depth, group, batch_key
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
         self._cond = threading.Condition()
-        self._ready: dict[tuple, tuple[list[Sample], RolloutCounters]] = {}  # by batch key
-        self._sampler: PromptSampler | None = None  # draws the batches to come; None until a `take` positions it
-        self._anchor_phase: RolloutPhase | None = None  # `phase` over `group`, as its plan was at that `take`
-        self._issued = 0  # batches the thread may sample (those taken + depth)
-        self._produced = 0
-        self._taken = 0
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._submitted: set[tuple] = set()  # keys submitted and not yet taken
+        self._ready: dict[tuple, tuple[list[Sample], RolloutCounters]] = {}
+        self._busy = False  # the thread is sampling a job
+        self._ahead: PromptSampler | None = None  # async: at the first position not yet submitted
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def source(self, position: dict[str, Any]) -> Callable[[RolloutCounters], list[Sample]]:
-        """`RolloutPhase.generation_batch`'s `anchors_from` for the batch drawn at sampler `position`."""
-        return functools.partial(self.take, position)
-
-    def take(self, position: dict[str, Any], counters: RolloutCounters) -> list[Sample]:
-        """The anchors of the generation batch drawn at sampler `position`, once sampled; the wait counts in
-        `counters.anchor_seconds` (and the thread's cache hits in `anchor_cache_hits`)."""
-        start, key = time.perf_counter(), self.batch_key(position)
+    def submit(self, key: tuple, prompts: list[PromptRow], phase: AnchorSampling) -> None:
+        """Sample the anchors of the generation batch `key` (its `prompts`, the seed `phase.seed(key, "ref")`) on the
+        thread; nothing to do if it was submitted (ahead) already."""
         with self._cond:
-            if self._sampler is None:  # the first batch since the start, a reset or a resume
-                self._sampler, self._anchor_phase = self.phase.sampler.at(position), self.phase.on_group(self.group)
-            self._issued = max(self._issued, self._taken + self.depth)
+            if key in self._submitted:
+                return
+            self._submitted.add(key)
+            self._jobs.append(_Job(key, prompts, phase.seed(key, "ref"), phase.on_group(self.group)))
             self._cond.notify_all()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._sample_ahead, name="anchor-prefetch", daemon=True)
+                self._thread = threading.Thread(target=self._sample, name="anchor-prefetch", daemon=True)
                 self._thread.start()
+
+    def submit_ahead(self, phase: AnchorSampling, position: dict[str, Any], depth: int,
+                     batch_key: Callable[[dict[str, Any]], tuple]) -> None:
+        """Submit the generation batches drawn from sampler `position` on (the one there and the `depth` after it, as
+        far as they are not submitted yet); `batch_key(position)` is a batch's key."""
+        with self._cond:
+            if self._ahead is None or not self._submitted:  # the first batch, or nothing ahead: start at `position`
+                self._ahead = phase.sampler.at(position)
+            while len(self._submitted) <= depth:
+                key = batch_key(self._ahead.state_dict())
+                prompts = phase.draw_prompts(self._ahead)
+                self.submit(key, prompts, phase)
+
+    def take(self, key: tuple, counters: RolloutCounters) -> list[Sample]:
+        """The anchors of generation batch `key` (submitted before), once sampled; the wait counts in
+        `counters.anchor_seconds`, the thread's cache hits in `anchor_cache_hits`."""
+        start = time.perf_counter()
+        with self._cond:
+            if key not in self._submitted:
+                raise RuntimeError(f"anchors of generation batch {key} were never submitted")
             self._cond.wait_for(lambda: key in self._ready or self._error is not None)
             self._raise_failure()
             anchors, own = self._ready.pop(key)
-            self._taken += 1
-            self._issued = self._taken + self.depth
-            self._cond.notify_all()
+            self._submitted.discard(key)
         counters.anchor_cache_hits += own.anchor_cache_hits
         counters.anchor_seconds += time.perf_counter() - start
         return anchors
 
-    def _sample_ahead(self) -> None:
-        """The thread: sample the next batch's anchors whenever fewer than `_issued` were sampled."""
+    def _sample(self) -> None:
+        """The thread: sample the submitted jobs in order."""
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._produced < self._issued)
-                    sampler, phase = self._sampler, self._anchor_phase
-                    key = self.batch_key(sampler.state_dict())
-                    prompts = phase.draw_prompts(sampler)
+                    self._cond.wait_for(lambda: bool(self._jobs))
+                    job, self._busy = self._jobs.popleft(), True
                 own = RolloutCounters()
-                anchors = phase.sample_anchors(prompts, phase.seed(key, "ref"), own)
+                anchors = job.phase.sample_anchors(job.prompts, job.seed, own)
                 with self._cond:
-                    self._ready[key] = (anchors, own)
-                    self._produced += 1
+                    self._ready[job.key], self._busy = (anchors, own), False
                     self._cond.notify_all()
-        except BaseException as error:  # re-raised by the generator's `take` (or `drain`)
+        except BaseException as error:  # re-raised by `take` (or `drain`)
             with self._cond:
                 self._error = error
                 self._cond.notify_all()
 
     def drain(self) -> None:
-        """Wait until the thread sampled every batch issued (it then waits for the next `take`)."""
+        """Wait until every job submitted is sampled."""
         with self._cond:
-            self._cond.wait_for(lambda: self._produced >= self._issued or self._error is not None)
+            self._cond.wait_for(lambda: not (self._jobs or self._busy) or self._error is not None)
             self._raise_failure()
 
     def reset(self) -> None:
-        """Drop the anchors sampled ahead (after `drain`); the next `take` starts again from its position."""
+        """Drop every anchor sampled ahead (after `drain`): later jobs start again from what is submitted next."""
         self.drain()
         with self._cond:
             self._ready.clear()
-            self._sampler = self._anchor_phase = None
-            self._issued = self._produced = self._taken = 0
+            self._submitted.clear()
+            self._ahead = None
 
     def _raise_failure(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"sampling anchors ahead failed: {error}") from error
+            raise RuntimeError(f"sampling anchors beside the actor failed: {error}") from error

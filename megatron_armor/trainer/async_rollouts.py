@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import threading
 import time
@@ -49,9 +48,7 @@ from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import max_over_ranks
 from megatron_armor.rollout.pausable import PausableEngine
-from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
 from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
-from megatron_armor.trainer.samples import RolloutCounters
 from megatron_armor.trainer.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
 
 
@@ -100,8 +97,6 @@ class AsyncRollouts(OverlappedRollouts):
         self.pausable: PausableEngine | None = phase.models.actor_engine if phase.plan.partial_rollouts else None
         self._idle_since = 0.0  # when the generator last began waiting (perf_counter)
         self._generating = 0.0  # s the generator spent on batches during this step
-        # ARMOR's anchors, sampled ahead on a thread of their own (its gloo group made here: collective)
-        self.anchors_ahead = AnchorPrefetch(phase, self.buffer_batches, self.rollout_group(), batch_key)
 
     def take(self, step: int) -> Rollout:
         last = self.last_step is not None and step + 1 >= self.last_step
@@ -173,29 +168,27 @@ class AsyncRollouts(OverlappedRollouts):
                 self._positions.append(position)
                 began = time.perf_counter()
                 self._perf.rollout_idle += began - self._idle_since
-            anchors = functools.partial(self._anchors_after_actor, position) if self.phase.plan.uses_anchors else None
-            batch = self.phase.generation_batch(batch_key(position), anchors)  # the same seeds when regenerated
+            if self.phase.samples_anchors_beside:  # this batch's anchors and those of the next ones
+                self.anchors.submit_ahead(self.phase, position, self.buffer_batches, batch_key)
+            batch = self.phase.generation_batch(batch_key(position), self._actor_done)  # seeds: the same if regenerated
             with self._cond:
                 self._buffer.append(BufferedBatch(batch, version))
-                self._sampled += anchors is None
                 self._finished += 1
                 self._idle_since = time.perf_counter()
                 self._generating += self._idle_since - began
                 self._cond.notify_all()
 
-    def _anchors_after_actor(self, position: dict[str, Any], counters: RolloutCounters) -> list[Sample]:
-        """A batch's anchors (`RolloutPhase.generation_batch` asks for them once its on-policy samples are drawn,
-        `EngineWeights.phase_order`): the actor's engine is done with the batch, so a push need not wait for the rest
-        of it; then the anchors sampled ahead."""
+    def _actor_done(self) -> None:
+        """The actor's engine is done with the batch in flight (its anchors may still be coming): a push need not wait
+        for the rest of it."""
         with self._cond:
             self._sampled += 1
             self._cond.notify_all()
-        return self.anchors_ahead.take(position, counters)
 
     def settle(self) -> None:
         """Stop the generator after the batches any rank's generator has begun (collective, the first call after a
-        `take`) and wait for them to finish, or with partial rollouts pause the engine in the middle of them; the
-        wait counts as the trainer's idle time."""
+        `take`) and wait until the actor's engine is done with them, or with partial rollouts pause the engine in the
+        middle of them; the wait counts as the trainer's idle time."""
         if self._stopped:
             return
         start = time.perf_counter()
@@ -234,11 +227,11 @@ class AsyncRollouts(OverlappedRollouts):
         self._wait_for_batches_begun()
         if self.pausable is not None:
             self.pausable.pause()
-        self.anchors_ahead.drain()
+        self.anchors.drain()
 
     def discard_queued(self) -> None:
         self.close()
-        self.anchors_ahead.reset()
+        self.anchors.reset()
         if self._positions:
             self.sampler.load_state_dict(self._positions[0])
         self._buffer.clear()

@@ -22,6 +22,7 @@ from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.anchor_cache import AnchorCache
+from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
@@ -74,9 +75,10 @@ class GenerationBatch:
 class RolloutPhase:
     """Generates, scores and groups a step's samples (collective: every rank makes the same calls).
 
-    Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s
-    and a shared engine's weights `engine_weights`'. Its collectives run over `group` (default: the default
-    group; background rollouts, trainer/rollout_schedule.py, have one of their own).
+    Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s, a
+    shared engine's weights `engine_weights`' and anchors sampled beside the actor's `anchors_beside`'. Its
+    collectives run over `group` (default: the default group; background rollouts, trainer/rollout_schedule.py,
+    have one of their own).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class RolloutPhase:
         self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
         self.engine_weights, self.anchor_cache, self.dp_size = engine_weights, anchor_cache, dp_size
         self.group = group
+        self.anchors_beside: AnchorPrefetch | None = None  # set by the overlapped rollout modes
 
     def collect(self, step: int) -> Rollout:
         """Generate until `train_batch_size` prompts survive filtering (ARMOR §1); the rollout's metrics are summed
@@ -104,28 +107,38 @@ class RolloutPhase:
         return GroupCollector(target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
                               allow_partial=plan.allow_partial_batch)
 
-    def generation_batch(
-        self, key: tuple, anchors_from: Callable[[RolloutCounters], list[Sample]] | None = None,
-    ) -> GenerationBatch:
+    def generation_batch(self, key: tuple, on_actor_done: Callable[[], None] | None = None) -> GenerationBatch:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
-        group); the sampling seeds derive from train.seed, `key` and the policy (`seed`). `anchors_from(counters)`: the
-        batch's anchors sampled elsewhere, with those seeds (rollout.mode async samples them ahead,
-        trainer/anchor_prefetch.py); None: sampled here."""
+        group); the sampling seeds derive from train.seed, `key` and the policy (`seed`). With `anchors_beside` (the
+        overlapped rollout modes) the anchors are sampled on a thread of their own while the actor samples
+        (trainer/anchor_prefetch.py). `on_actor_done()` is called once the on-policy samples are drawn (the actor's
+        engine is done with the batch)."""
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
         prompts = self.draw_prompts(self.sampler)
-
-        def sample(policy: str) -> list[Sample]:
-            if policy == "ref" and anchors_from is not None:
-                return anchors_from(counters)
-            phase = self.sample_on_policy if policy == "actor" else self.sample_anchors
-            return phase(prompts, self.seed(key, policy), counters)
-
         order = self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)
-        samples = {policy: sample(policy) for policy in order}
+        beside = self.anchors_beside if self.samples_anchors_beside else None
+        if beside is not None:
+            beside.submit(key, prompts, self)
+        samples = {}
+        for policy in order:
+            if policy == "ref" and beside is not None:
+                samples[policy] = beside.take(key, counters)
+            else:
+                sample = self.sample_on_policy if policy == "actor" else self.sample_anchors
+                samples[policy] = sample(prompts, self.seed(key, policy), counters)
+            if policy == "actor" and on_actor_done is not None:
+                on_actor_done()
         on_policy, anchors = samples["actor"], samples.get("ref", [])
         groups, stats = build_groups(on_policy + anchors, require_anchor=self.plan.uses_anchors,
                                      filter_groups=self.plan.algorithm.filters_groups)
         return GenerationBatch(groups, stats, on_policy, anchors, counters)
+
+    @property
+    def samples_anchors_beside(self) -> bool:
+        """Whether `generation_batch` takes its anchors from `anchors_beside`: ARMOR with a reference engine of its
+        own (a shared one samples them after the actor's samples, with the reference's weights swapped in)."""
+        order = self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)
+        return self.anchors_beside is not None and order == ("actor", "ref")
 
     def on_group(self, group: dist.ProcessGroup | None) -> RolloutPhase:
         """This phase (its plan as it is now) with its collectives over `group`."""

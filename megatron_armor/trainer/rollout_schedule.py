@@ -8,15 +8,16 @@ hold the weights from before it again) or one skipped for a non-finite loss or g
 `sync`: step t generates its samples, then trains on them; they come from the weights the step starts with
 (staleness 0).
 
-`one_step_off`: step t takes the rollout prepared during step t-1 and starts step t+1's in a background thread,
-from the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish
-before it pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and
-the MIPU gate find no rollout in flight. Samples are one weight version old: the loss corrects them with the
-behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1 weight against the engine's
-logprobs). When the gate rejects step t's update, the queued rollout is kept: the rollback restores theta_t, the
-weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an accepted update leaves it one
-version old. The background rollout's collectives run over a gloo group of their own, so they never interleave
-with the trainer's on the default group.
+`one_step_off`: step t takes the rollout prepared during step t-1 and starts step t+1's in a background thread, from
+the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it
+pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate
+find no rollout in flight. ARMOR's anchors of each generation batch are sampled beside its actor samples, on a
+thread of their own (trainer/anchor_prefetch.py; `async` samples them ahead too). Samples are one weight version
+old: the loss corrects them with the behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1
+weight against the engine's logprobs). When the gate rejects step t's update, the queued rollout is kept: the
+rollback restores theta_t, the weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an
+accepted update leaves it one version old. The background rollout's collectives run over a gloo group of their own,
+so they never interleave with the trainer's on the default group.
 
 A checkpoint saves the sampler's position from before the queued rollout, so a resumed run regenerates it
 (with the checkpoint's weights): no prompt is trained twice or skipped. A reference reset drops the queued
@@ -37,6 +38,7 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from megatron_armor.data.datasets import PromptSampler
+from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
 from megatron_armor.trainer.rollout_phase import Rollout, RolloutPhase, mean
 
 ROLLOUT_SCHEDULES: dict[str, type[RolloutSchedule]] = {}
@@ -115,13 +117,17 @@ class SyncRollouts(RolloutSchedule):
 class OverlappedRollouts(RolloutSchedule):
     """What the modes that generate beside training (one_step_off, async) share: their rollout phase's collectives run
     over a gloo group of their own, its work runs on a daemon thread whose failure is raised on the trainer's thread
-    (`_raise_failure`), and the step's overlap figures (`_perf`, `step_metrics`)."""
+    (`_raise_failure`), ARMOR's anchors are sampled beside the actor's samples (`anchors`, the phase's
+    `anchors_beside`), and the step's overlap figures (`_perf`, `step_metrics`)."""
 
     def __init__(self, phase: RolloutPhase, sampler: PromptSampler, last_step: int | None) -> None:
         super().__init__(phase, sampler, last_step)
         self._cond = threading.Condition()  # guards the background thread's state; notified when it fails
         self._error: BaseException | None = None
         self._perf = _StepPerf()
+        # ARMOR's anchors, sampled on a thread of their own beside the actor's samples (its gloo group: collective)
+        self.anchors = AnchorPrefetch(self.rollout_group())
+        phase.anchors_beside = self.anchors
 
     @classmethod
     def rollout_group(cls) -> dist.ProcessGroup | None:
@@ -216,8 +222,13 @@ class OneStepOffRollouts(OverlappedRollouts):
         if self._generating_seconds > 0:
             self._perf.overlap_fraction = max(0.0, self._generating_seconds - waited) / self._generating_seconds
 
+    def close(self) -> None:
+        self.settle()
+        self.anchors.drain()
+
     def discard_queued(self) -> None:
         self.settle()
+        self.anchors.reset()
         if self._sampler_before_queue is not None:
             self.sampler.load_state_dict(self._sampler_before_queue)
         self._queued, self._sampler_before_queue = None, None

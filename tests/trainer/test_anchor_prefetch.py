@@ -1,5 +1,5 @@
-"""ARMOR's anchors sampled ahead (trainer/anchor_prefetch.py) over a real `PromptSampler`, with a rollout phase whose
-`sample_anchors` records what it was asked for, on which thread."""
+"""ARMOR's anchors sampled beside and ahead of the actor's samples (trainer/anchor_prefetch.py) over a real
+`PromptSampler`, with a rollout phase whose `sample_anchors` records what it was asked for, on which thread."""
 
 import threading
 import time
@@ -18,10 +18,10 @@ ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 
 class AnchorPhase:
     """`sample_anchors` returns one anchor per prompt whose response encodes the seed, after `seconds`; the calls are
-    recorded as (prompt indices, seed, thread name)."""
+    recorded as (prompt ids, seed, thread name)."""
 
-    def __init__(self, sampler: PromptSampler, seconds: float = 0.0) -> None:
-        self.sampler, self.seconds = sampler, seconds
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.sampler, self.seconds = PromptSampler(ROWS, 3, seed=0), seconds
         self.calls: list[tuple[list[int], tuple, str]] = []
         self.fail = False
 
@@ -42,12 +42,6 @@ class AnchorPhase:
         return [Sample(p.index, p.prompt_ids, [hash(seed) % 100], [0.0], "stop", True) for p in prompts]
 
 
-def _inline(position: dict) -> tuple[list[int], tuple]:
-    """What the generation batch at `position` would sample anchors for itself: its prompts and seed."""
-    prompts = RolloutPhase.draw_prompts(PromptSampler(ROWS, 3, seed=0).at(position))
-    return [p.prompt_ids[1] for p in prompts], (7, *batch_key(position), "ref")
-
-
 def _positions(count: int) -> list[dict]:
     sampler, out = PromptSampler(ROWS, 3, seed=0), []
     for _ in range(count):
@@ -56,44 +50,58 @@ def _positions(count: int) -> list[dict]:
     return out
 
 
-def test_anchors_are_sampled_ahead_on_their_own_thread_with_the_batch_s_own_prompts_and_seeds():
-    """Each batch's anchors are those it would sample itself (same prompts, same seed), sampled by the prefetch
-    thread at most `depth` batches beyond the last taken, across an epoch boundary (4 batches an epoch)."""
-    phase = AnchorPhase(PromptSampler(ROWS, 3, seed=0))
-    prefetch = AnchorPrefetch(phase, 2, None, batch_key)
+def _inline(position: dict) -> tuple[list[int], tuple]:
+    """What the generation batch at `position` would sample anchors for itself: its prompts and seed."""
+    prompts = RolloutPhase.draw_prompts(PromptSampler(ROWS, 3, seed=0).at(position))
+    return [p.prompt_ids[1] for p in prompts], (7, *batch_key(position), "ref")
+
+
+def test_anchors_sampled_ahead_are_the_batch_s_own_and_at_most_depth_batches_ahead():
+    """async: each batch's anchors are those it would sample itself (same prompts, same seed), sampled by the thread
+    for the batch and the `depth` after it, no more, across an epoch boundary (4 batches an epoch); a batch's own
+    submission of a job submitted ahead changes nothing."""
+    phase, prefetch = AnchorPhase(), AnchorPrefetch(None)
     positions = _positions(6)
     for n, position in enumerate(positions):
+        prefetch.submit_ahead(phase, position, 2, batch_key)
+        key = batch_key(position)
+        prefetch.submit(key, RolloutPhase.draw_prompts(phase.sampler.at(position)), phase)  # the batch's own
         counters = RolloutCounters()
-        anchors = prefetch.source(position)(counters)
+        anchors = prefetch.take(key, counters)
         prompts, seed = _inline(position)
         assert [a.prompt_ids[1] for a in anchors] == prompts and all(a.is_anchor for a in anchors)
         assert [a.response_ids for a in anchors] == [[hash(seed) % 100]] * 3
         assert counters.anchor_cache_hits == 1  # the thread's counters join the batch's
-        prefetch.drain()  # the thread samples what is issued: the `depth` batches after this one, no more
-        assert len(phase.calls) == n + 1 + 2
+        prefetch.drain()
+        assert len(phase.calls) == n + 3  # batches 0 .. n + 2: once each
         assert [(p, s) for p, s, _ in phase.calls[: n + 1]] == [_inline(q) for q in positions[: n + 1]]
     assert {thread for _, _, thread in phase.calls} == {"anchor-prefetch"}
 
 
-def test_a_take_waits_only_for_its_own_batch_and_reset_starts_again_from_the_next_position():
-    phase = AnchorPhase(PromptSampler(ROWS, 3, seed=0), seconds=0.05)
-    prefetch = AnchorPrefetch(phase, 2, None, batch_key)
-    positions = _positions(8)
-    prefetch.take(positions[0], RolloutCounters())
-    deadline = time.monotonic() + 10
-    while len(phase.calls) < 3 and time.monotonic() < deadline:  # batches 1 and 2 are sampled while the generator
-        time.sleep(0.01)  # is busy with batch 0's on-policy samples
+def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
+    """one_step_off: a batch submits its anchors (0.2 s to sample) when it draws its prompts and finds them ready after
+    its own 0.4 s of on-policy sampling; reset drops what was sampled ahead, and a failure of the thread reaches
+    `take`."""
+    phase, prefetch = AnchorPhase(seconds=0.2), AnchorPrefetch(None)
+    key, prompts = ("step", 1, 0), RolloutPhase.draw_prompts(PromptSampler(ROWS, 3, seed=0))
     start = time.perf_counter()
+    prefetch.submit(key, prompts, phase)
+    time.sleep(0.4)  # the actor's part of the batch
     counters = RolloutCounters()
-    prefetch.take(positions[1], counters)
-    assert time.perf_counter() - start < 0.04 and counters.anchor_seconds < 0.04  # ready: no wait
-    prefetch.reset()  # e.g. a reference reset: drops what was sampled ahead (batch 2)
+    assert len(prefetch.take(key, counters)) == 3 and counters.anchor_seconds < 0.05
+    assert time.perf_counter() - start < 0.55  # the longer of the two phases, not their sum (0.6 s)
+    with pytest.raises(RuntimeError, match="were never submitted"):
+        prefetch.take(("step", 2, 0), RolloutCounters())
+    positions = _positions(8)
+    prefetch.submit_ahead(phase, positions[0], 2, batch_key)
+    prefetch.reset()  # e.g. a reference reset: drops batches 0-2, sampled ahead
     calls = len(phase.calls)
-    prefetch.take(positions[4], RolloutCounters())  # the sampler was rewound elsewhere: start from its position
-    assert phase.calls[calls][:2] == _inline(positions[4])
-    prefetch.drain()  # batches 5 and 6 sampled ahead
+    prefetch.submit_ahead(phase, positions[4], 2, batch_key)  # the sampler was rewound elsewhere: start from there
+    prefetch.drain()
+    assert [(p, s) for p, s, _ in phase.calls[calls:]] == [_inline(q) for q in positions[4:7]]
+    prefetch.take(batch_key(positions[4]), RolloutCounters())
     phase.fail = True
-    prefetch.take(positions[5], RolloutCounters())  # sampled before the failure; issues batch 7, which fails
-    with pytest.raises(RuntimeError, match="sampling anchors ahead failed: reference engine died"):
-        prefetch.take(positions[6], RolloutCounters())
-        prefetch.take(positions[7], RolloutCounters())
+    prefetch.submit_ahead(phase, positions[5], 2, batch_key)  # submits batch 7, which fails
+    with pytest.raises(RuntimeError, match="sampling anchors beside the actor failed: reference engine died"):
+        prefetch.take(batch_key(positions[5]), RolloutCounters())
+        prefetch.take(batch_key(positions[7]), RolloutCounters())

@@ -30,7 +30,8 @@ class BatchPhase:
     def __init__(self, sampler: PromptSampler, engine: dict, *, max_staleness: int, buffer_batches: int,
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
         self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches,
-                                    partial_rollouts=False, uses_anchors=False)
+                                    partial_rollouts=False)
+        self.samples_anchors_beside = False
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
         self.fail_at: int | None = None  # the batch (0-based) that raises
@@ -38,13 +39,15 @@ class BatchPhase:
     def new_collector(self) -> GroupCollector:
         return GroupCollector(target_prompts=self.train_batch_size, max_num_gen_batches=100)
 
-    def generation_batch(self, key: tuple, anchors_from=None) -> GenerationBatch:
+    def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
         if len(self.calls) == self.fail_at:
             raise ValueError("engine died")
         prompts = [row.index for row in self.sampler.next_batch()]
         weights = self.engine["weights"]
         time.sleep(self.seconds)
         self.calls.append((prompts, weights, self.engine["weights"], threading.current_thread().name))
+        if on_actor_done is not None:
+            on_actor_done()
         return GenerationBatch([[p] for p in prompts], GroupStats(prompts_seen=3, kept=3), [], [], None)
 
     def assemble(self, collector: GroupCollector, batches: list, group) -> Rollout:
@@ -92,12 +95,13 @@ def test_async_never_trains_a_sample_older_than_max_staleness_when_the_generator
 
 
 class AnchoredPhase(BatchPhase):
-    """BatchPhase for ARMOR: after a batch's on-policy part it asks for its anchors (`anchors_from`), which the
-    reference's engine takes `anchor_seconds` a batch to sample (`sample_anchors`, on the prefetch thread)."""
+    """BatchPhase for ARMOR: a batch submits its anchors to the anchor thread (`anchors_beside`, which the schedule
+    sets) when it draws its prompts and takes them after its on-policy part; the reference's engine takes
+    `anchor_seconds` a batch to sample them (`sample_anchors`)."""
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, anchor_seconds: float) -> None:
         super().__init__(sampler, engine, max_staleness=1, buffer_batches=2, seconds=0.05)
-        self.plan.uses_anchors, self.anchor_seconds = True, anchor_seconds
+        self.samples_anchors_beside, self.anchor_seconds = True, anchor_seconds
 
     draw_prompts = staticmethod(RolloutPhase.draw_prompts)
 
@@ -111,11 +115,16 @@ class AnchoredPhase(BatchPhase):
         time.sleep(self.anchor_seconds)
         return [Sample(p.index, p.prompt_ids, [2], [0.0], "stop", True) for p in prompts]
 
-    def generation_batch(self, key: tuple, anchors_from=None) -> GenerationBatch:
-        batch = super().generation_batch(key)
-        anchors = anchors_from(RolloutCounters())
+    def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
+        prompts = self.draw_prompts(self.sampler)
+        self.anchors_beside.submit(key, prompts, self)
+        weights = self.engine["weights"]
+        time.sleep(self.seconds)
+        self.calls.append(([p.prompt_ids[1] for p in prompts], weights, self.engine["weights"], "actor"))
+        on_actor_done()
+        anchors = self.anchors_beside.take(key, RolloutCounters())
         assert [a.prompt_ids[1] for a in anchors] == self.calls[-1][0]  # the batch's own prompts
-        return GenerationBatch(batch.groups, batch.stats, [], anchors, None)
+        return GenerationBatch([[p] for p in self.calls[-1][0]], GroupStats(prompts_seen=3, kept=3), [], anchors, None)
 
 
 def test_a_weight_push_waits_for_the_actor_s_part_of_a_batch_not_for_its_anchors():
@@ -195,11 +204,12 @@ class EnginePhase(BatchPhase):
         self.plan.partial_rollouts = True
         self.models = SimpleNamespace(actor_engine=engine)
 
-    def generation_batch(self, key: tuple, anchors_from=None) -> GenerationBatch:
+    def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
         prompts = [row.index for row in self.sampler.next_batch()]
         sampling = SamplingParams(max_new_tokens=48, seed=len(self.calls))
         generations = self.models.actor_engine.generate([[1, p + 2] for p in prompts], sampling)
         self.calls.append((prompts, None, None, threading.current_thread().name))
+        on_actor_done()
         groups = [[Sample(p, [1, p + 2], g.response_ids, g.logprobs, g.finish_reason, False, token_versions=g.versions)]
                   for p, g in zip(prompts, generations)]
         return GenerationBatch(groups, GroupStats(prompts_seen=3, kept=3), [], [], None)

@@ -71,9 +71,9 @@ generated = []  # the engine's weights at the start of every generation batch (a
 generation_batch = trainer.rollouts.phase.generation_batch
 
 
-def recording_generation_batch(key, anchors_from=None):
+def recording_generation_batch(key, on_actor_done=None):
     weights = {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()}
-    batch = generation_batch(key, anchors_from)
+    batch = generation_batch(key, on_actor_done)
     generated.append(weights)
     return batch
 
