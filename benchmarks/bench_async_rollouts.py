@@ -5,7 +5,11 @@ times of each, and the speedup that sync's phase times predict for a machine whe
 of their own.
 
 The task is the tiny synthetic arithmetic one of examples/tiny/armor.yaml run as GRPO (every sample on-policy, so
-one kind of server), tensor parallel size --tp, from the same warm start and seed in every mode. Each mode starts
+one kind of server), tensor parallel size --tp, from the same warm start and seed in every mode. `--algorithm armor`
+runs the recipe's ARMOR instead, with --servers reference servers of its own beside the actor's: the anchors of a
+generation batch are sampled in line after its actor samples in sync mode, beside them (on a thread of their own) in
+one_step_off and ahead of them in async (trainer/anchor_prefetch.py), and the "anchor s" column shows how long a
+step's generation waited for its anchors (perf/anchor_rollout_seconds). Each mode starts
 --servers fresh `armor serve-local` processes (rollout/http_server.py: the CPU engine behind SGLang's HTTP schema,
 started by launch/server_process.py as the Ray launcher does), then runs `armor train --rollout.backend sglang`
 as a subprocess (torchrun when --tp > 1) and reads its metrics.jsonl.
@@ -29,6 +33,8 @@ first generates its rollout in the foreground, filling the pipeline; its cost is
   overlap         perf/overlap_fraction: share of the rollout's time that ran beside training (sync: 0)
   partial         async/partial_fraction (run async_partial, rollout.partial_rollouts): share of the trained samples
                   a weight push interrupted and that continued under the new weights
+  anchor s        perf/anchor_rollout_seconds (--algorithm armor): the step's generation batches waiting for their
+                  anchors (sync: the whole anchor phase, sampled after the actor's samples)
 
 Predicted speedup on separate devices, from the sync run: a sync step takes s = rollout + train + rest (rest: the
 weight push and bookkeeping, which no mode overlaps). With rollout and training on devices of their own, one_step_off
@@ -68,15 +74,19 @@ CONFIG = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
 # every rollout.mode the config knows, and async with partial rollouts: the runs' names and their own fields
 RUNS = {**{mode: [f"rollout.mode={mode}"] for mode in typing.get_args(typing.get_type_hints(RolloutConfig)["mode"])},
         "async_partial": ["rollout.mode=async", "rollout.partial_rollouts=true"]}
-ACTOR_N = 8
-COLUMNS = ("samples/s", "rollout s", "train s", "step s", "trainer idle", "rollout idle", "overlap", "partial")
+GRPO_N = 8  # GRPO's samples per prompt (ARMOR: the recipe's actor_n and anchors)
+COLUMNS = ("samples/s", "rollout s", "train s", "step s", "trainer idle", "rollout idle", "overlap", "partial",
+           "anchor s")
 
 
 def overrides(args: argparse.Namespace, run_dir: Path | None = None) -> list[str]:
-    """The runs' shared config (GRPO on the tiny task, the long-tailed sampling), without the mode and servers."""
+    """The runs' shared config (--algorithm on the tiny task, the long-tailed sampling), without the mode and
+    servers."""
+    group = [f"rollout.sampling.n_samples={GRPO_N}", f"rollout.sampling.actor_n={GRPO_N}"] if args.algorithm == "grpo" \
+        else []
     return [
-        f"task.cache_dir={args.out / 'cache'}", f"parallel.tensor_parallel_size={args.tp}", "algorithm.name=grpo",
-        f"rollout.sampling.n_samples={ACTOR_N}", f"rollout.sampling.actor_n={ACTOR_N}",
+        f"task.cache_dir={args.out / 'cache'}", f"parallel.tensor_parallel_size={args.tp}",
+        f"algorithm.name={args.algorithm}", *group,
         f"rollout.sampling.temperature={args.temperature}", f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
         f"train.max_steps={args.steps}", f"train.seed={args.seed}", f"train.gen_batch_size={args.gen_batch}",
         f"train.micro_batch_size={args.micro_batch}", f"train.mini_batch_size={args.mini_batch}",
@@ -101,7 +111,8 @@ def length_mix(urls: list[str], cfg, args: argparse.Namespace) -> str:
     paths = prepare_task(cfg, is_main=True, needs_teacher=False)
     tokenizer = load_tokenizer(paths.model_path)
     rows = load_prompt_rows(paths.train_path, tokenizer=tokenizer, max_prompt_length=cfg.data.max_prompt_length)
-    prompts = [row.prompt_ids for row in PromptSampler(rows, args.gen_batch, seed=args.seed).next_batch()] * ACTOR_N
+    actor_n = cfg.rollout.sampling.actor_n
+    prompts = [row.prompt_ids for row in PromptSampler(rows, args.gen_batch, seed=args.seed).next_batch()] * actor_n
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed)
     lengths = sorted(len(g.response_ids) for g in SGLangEngine(urls).generate(prompts, sampling))
@@ -112,11 +123,13 @@ def length_mix(urls: list[str], cfg, args: argparse.Namespace) -> str:
             f"{args.max_new_tokens}")
 
 
-def train(mode: str, urls: list[str], args: argparse.Namespace) -> list[dict]:
-    """`armor train` as run `mode` of RUNS against the servers at `urls` (a subprocess); its metrics rows."""
+def train(mode: str, urls: list[str], ref_urls: list[str], args: argparse.Namespace) -> list[dict]:
+    """`armor train` as run `mode` of RUNS against the servers at `urls` (and the reference servers at `ref_urls`,
+    ARMOR) (a subprocess); its metrics rows."""
     run_dir = args.out / mode
+    refs = [f"rollout.sglang.ref_urls={','.join(ref_urls)}"] if ref_urls else []
     fields = [*overrides(args, run_dir), *RUNS[mode], "rollout.backend=sglang",
-              f"rollout.sglang.urls={','.join(urls)}", "rollout.sglang.router=none"]
+              f"rollout.sglang.urls={','.join(urls)}", "rollout.sglang.router=none", *refs]
     cmd = [sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(CONFIG), "--overwrite"]
     for field in fields:
         cmd += [f"--{field.split('=', 1)[0]}", field.split("=", 1)[1]]
@@ -126,15 +139,15 @@ def train(mode: str, urls: list[str], args: argparse.Namespace) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize(rows: list[dict]) -> dict[str, float]:
-    """The COLUMNS of one run: samples/s over all its steps (every rollout generated is trained, one_step_off's ahead
-    of its step), the rest as means over the steps after the first."""
+def summarize(rows: list[dict], actor_n: int) -> dict[str, float]:
+    """The COLUMNS of one run (`actor_n` on-policy samples per prompt): samples/s over all its steps (every rollout
+    generated is trained, one_step_off's ahead of its step), the rest as means over the steps after the first."""
     seconds = sum(row["perf/step_seconds"] for row in rows)
     steady = rows[1:]
     rollout = [row["perf/rollout_seconds"] for row in steady]
     step = [row["perf/step_seconds"] for row in steady]
     return {
-        "samples/s": sum(row["armor/prompts_generated"] * ACTOR_N for row in rows) / seconds,
+        "samples/s": sum(row["armor/prompts_generated"] * actor_n for row in rows) / seconds,
         "rollout s": statistics.mean(rollout),
         "train s": statistics.mean(row["perf/train_seconds"] for row in steady),
         "step s": statistics.mean(step),
@@ -143,6 +156,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
                                         for row, s, r in zip(steady, step, rollout)),
         "overlap": statistics.mean(row.get("perf/overlap_fraction", 0.0) for row in steady),
         "partial": statistics.mean(row.get("async/partial_fraction", 0.0) for row in steady),
+        "anchor s": statistics.mean(row.get("perf/anchor_rollout_seconds", 0.0) for row in steady),
     }
 
 
@@ -167,6 +181,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size (sequences)")
     parser.add_argument("--mini-batch", type=int, default=1, help="train.mini_batch_size (prompts per optimizer step)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--algorithm", choices=("grpo", "armor"), default="grpo",
+                        help="grpo (actor servers only) or armor (also --servers reference servers for the anchors)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-async"))
     args = parser.parse_args()
     args.out = args.out.resolve()
@@ -176,18 +192,20 @@ def main() -> None:
     results, seconds = {}, {}
     for mode in args.modes:
         servers = start_servers(model, args, args.out / "server-logs")
+        refs = start_servers(model, args, args.out / "server-logs") if args.algorithm == "armor" else []
         try:
             urls = [server.url for server in servers]
             if not results:
                 print(f"response lengths: {length_mix(urls, cfg, args)}", flush=True)
             start = time.perf_counter()
-            results[mode] = train(mode, urls, args)
+            results[mode] = train(mode, urls, [server.url for server in refs], args)
             seconds[mode] = time.perf_counter() - start
         finally:
-            for server in servers:
+            for server in servers + refs:
                 server.stop()
-    summaries = {mode: summarize(rows) for mode, rows in results.items()}
-    print(f"\n{args.steps} steps per mode, {args.servers} server(s), trainer TP {args.tp}, seed {args.seed}; samples/s "
+    summaries = {mode: summarize(rows, cfg.rollout.sampling.actor_n) for mode, rows in results.items()}
+    print(f"\n{args.algorithm}, {args.steps} steps per mode, {args.servers} server(s)"
+          f"{' and as many reference servers' if args.algorithm == 'armor' else ''}, trainer TP {args.tp}, seed {args.seed}; samples/s "
           f"over all steps, the rest means per step after the first, seconds")
     print(f"{'mode':<14}" + "".join(f"{c:>13}" for c in COLUMNS) + f"{'wall s':>9}{'vs sync':>9}")
     for mode, s in summaries.items():
