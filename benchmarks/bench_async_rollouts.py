@@ -205,7 +205,8 @@ def main() -> None:
                 server.stop()
     summaries = {mode: summarize(rows, cfg.rollout.sampling.actor_n) for mode, rows in results.items()}
     print(f"\n{args.algorithm}, {args.steps} steps per mode, {args.servers} server(s)"
-          f"{' and as many reference servers' if args.algorithm == 'armor' else ''}, trainer TP {args.tp}, seed {args.seed}; samples/s "
+          f"{' and as many reference servers' if args.algorithm == 'armor' else ''}, trainer TP {args.tp}, "
+          f"seed {args.seed}; samples/s "
           f"over all steps, the rest means per step after the first, seconds")
     print(f"{'mode':<14}" + "".join(f"{c:>13}" for c in COLUMNS) + f"{'wall s':>9}{'vs sync':>9}")
     for mode, s in summaries.items():

@@ -56,7 +56,9 @@ def corrected_weights(
     """`sampler_weights` of [B, T] logprobs with their masked statistics (mask: [B, T], 1 on response tokens).
 
     corrected_rows [B] bool (None: all): the rows whose sampler may differ from the old policy; the others weigh 1
-    and count as not truncated (ARMOR's anchors: their sampler, the frozen reference, is not the policy pi_old).
+    and count as not truncated (ARMOR's anchors: their sampler, the frozen reference, is not the policy pi_old). The
+    statistics are over every response token, as the loss applies the weights (and as the trainer averages token
+    means over micro-batches: by their response tokens).
     """
     weights = sampler_weights(old_logp, engine_logp, correction, w_max)
     truncated = (old_logp - engine_logp) > torch.log(torch.tensor(w_max, dtype=old_logp.dtype))

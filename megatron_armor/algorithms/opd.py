@@ -142,7 +142,8 @@ class Opd(Grpo):
                     f"opd.md §1): set algorithm.clip_low=1.0 algorithm.clip_high=1.0, got {clip.low}/{clip.high}")
             require(cfg.algorithm.behaviour_correction in (None, "none"),
                     f"algorithm.behaviour_correction ({cfg.algorithm.behaviour_correction}) weights tokens by pi_old / "
-                    f"mu, but opd.rollouts teacher trains on the teacher's tokens unweighted (opd.md §1): leave it unset")
+                    f"mu, but opd.rollouts teacher trains on the teacher's tokens unweighted (opd.md §1): leave it "
+                    f"unset")
             require(not cfg.rollout.partial_rollouts,
                     "rollout.partial_rollouts pauses the actor's engine at weight pushes, but opd.rollouts teacher "
                     "samples from the teacher's engine, which no push changes: set rollout.partial_rollouts false")

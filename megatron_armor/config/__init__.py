@@ -35,6 +35,6 @@ __all__ = [
     "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
-    "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash",
-    "load_config", "resolve_distributed_optimizer", "save_config", "validate",
+    "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields",
+    "config_hash", "load_config", "resolve_distributed_optimizer", "save_config", "validate",
 ]

@@ -49,9 +49,10 @@ Adaptations (megatron-core 0.19):
     group is `all_to_all_single` with uneven splits, which gloo has in torch 2.14 (the EP=2 tests run it).
 11. With expert tensor parallelism (an expert-TP size > 1: TP's unless `expert_tensor_parallel_size` says otherwise;
     none at expert TP 1) the same dispatcher all-gathers the tokens it received over the expert-TP group, and
-    reduce-scatters the experts' outputs back, with uneven splits (each expert-TP rank received its own token count): `tensor_parallel.mappings._gather_along_first_dim` / `_reduce_scatter_along_first_dim`
-    with split sizes, i.e. `all_gather` / `reduce_scatter` over tensor lists of different shapes, which gloo
-    refuses ("invalid tensor size"). Those two calls become `all_to_all_single` with uneven splits (every rank
+    reduce-scatters the experts' outputs back, with uneven splits (each expert-TP rank received its own token
+    count): `tensor_parallel.mappings._gather_along_first_dim` / `_reduce_scatter_along_first_dim` with split sizes,
+    i.e. `all_gather` / `reduce_scatter` over tensor lists of different shapes, which gloo refuses ("invalid tensor
+    size"). Those two calls become `all_to_all_single` with uneven splits (every rank
     sends its rows to each peer, or chunk r of its rows to rank r and sums what it gets); even splits, and every
     call on NCCL, go to Megatron's functions unchanged.
 

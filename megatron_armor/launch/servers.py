@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def _weight_version(url: str) -> str | None:
-    """The weight_version a server reports (/model_info), None when it does not answer."""
+    """The weight_version a server reports (/model_info; "None" from a server that reports none, as then every server
+    of the group does, which `_register_synced` takes as all synced), None when it does not answer."""
     try:
         return str(http_call(url, "/model_info", method="GET", timeout=10.0).get("weight_version"))
     except (ServerError, *TRANSPORT_ERRORS):

@@ -174,9 +174,9 @@ class _Dispatcher:
                                    f"push (dead, or back without the current weights): nothing can generate")
             up = [s for s in serving if s.down_until <= now] or serving
             preferred = [s for s in up if s.url != avoid] or up
-            order = {id(s): (i - self._next) % len(self.servers) for i, s in enumerate(self.servers)}
-            server = min(preferred, key=lambda s: (s.in_flight, order[id(s)]))
-            self._next = self.servers.index(server) + 1
+            index, server = min(((i, s) for i, s in enumerate(self.servers) if s in preferred),
+                                key=lambda pair: (pair[1].in_flight, (pair[0] - self._next) % len(self.servers)))
+            self._next = index + 1
             server.in_flight += 1
             return server
 

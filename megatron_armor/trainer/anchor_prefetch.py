@@ -12,7 +12,8 @@ samples the anchors it would have sampled itself.
 
 Every rank submits the same jobs in the same order (the keys and positions are the same on every rank), so every
 rank's thread makes the same collective calls. `reset` (a reference reset or the anchor action: the queued anchors came
-from the old reference) and `drain` (the run's end) wait until the jobs submitted are done. Anchors sampled ahead are
+from the old reference) and `drain` (the run's end, and before a checkpoint reads the anchor cache) wait until the jobs
+submitted are done. A failure of the thread is raised by every later call. Anchors sampled ahead are
 not checkpointed: a resumed run samples them again, with the same seeds.
 """
 
@@ -56,6 +57,10 @@ class _Job:
     seed: tuple
     phase: AnchorSampling
 
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [prompt.prompt_ids for prompt in self.prompts]
+
 
 class AnchorPrefetch:
     """Anchor jobs of generation batches, sampled in submission order by a daemon thread whose collectives run over
@@ -65,7 +70,7 @@ class AnchorPrefetch:
         self.group = group
         self._cond = threading.Condition()
         self._jobs: collections.deque[_Job] = collections.deque()
-        self._submitted: set[tuple] = set()  # keys submitted and not yet taken
+        self._submitted: dict[tuple, list[list[int]]] = {}  # keys submitted and not yet taken -> their prompts
         self._ready: dict[tuple, tuple[list[Sample], RolloutCounters]] = {}
         self._busy = False  # the thread is sampling a job
         self._ahead: PromptSampler | None = None  # async: at the first position not yet submitted
@@ -74,12 +79,16 @@ class AnchorPrefetch:
 
     def submit(self, key: tuple, prompts: list[PromptRow], phase: AnchorSampling) -> None:
         """Sample the anchors of the generation batch `key` (its `prompts`, the seed `phase.seed(key, "ref")`) on the
-        thread; nothing to do if it was submitted (ahead) already."""
+        thread; nothing to do if it was submitted (ahead) already, for the same prompts (else RuntimeError: the
+        batches drawn ahead are not the ones the generator draws)."""
+        job = _Job(key, prompts, phase.seed(key, "ref"), phase.on_group(self.group))
         with self._cond:
             if key in self._submitted:
+                if self._submitted[key] != job.prompt_ids:
+                    raise RuntimeError(f"anchors of generation batch {key} were sampled ahead for other prompts")
                 return
-            self._submitted.add(key)
-            self._jobs.append(_Job(key, prompts, phase.seed(key, "ref"), phase.on_group(self.group)))
+            self._submitted[key] = job.prompt_ids
+            self._jobs.append(job)
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._sample, name="anchor-prefetch", daemon=True)
@@ -107,7 +116,7 @@ class AnchorPrefetch:
             self._cond.wait_for(lambda: key in self._ready or self._error is not None)
             self._raise_failure()
             anchors, own = self._ready.pop(key)
-            self._submitted.discard(key)
+            del self._submitted[key]
         counters.anchor_cache_hits += own.anchor_cache_hits
         counters.anchor_seconds += time.perf_counter() - start
         return anchors
@@ -124,9 +133,9 @@ class AnchorPrefetch:
                 with self._cond:
                     self._ready[job.key], self._busy = (anchors, own), False
                     self._cond.notify_all()
-        except BaseException as error:  # re-raised by `take` (or `drain`)
+        except BaseException as error:  # raised by every later `take`, `drain` and `reset`: the thread is gone
             with self._cond:
-                self._error = error
+                self._error, self._busy = error, False
                 self._cond.notify_all()
 
     def drain(self) -> None:
@@ -145,5 +154,4 @@ class AnchorPrefetch:
 
     def _raise_failure(self) -> None:
         if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"sampling anchors beside the actor failed: {error}") from error
+            raise RuntimeError(f"sampling anchors beside the actor failed: {self._error}") from self._error

@@ -17,7 +17,8 @@ must make the same collective calls, so the point where it stops is agreed: `set
 batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
 many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
 whether a batch began before or after a push is agreed, so its version is the same on every rank too. Stopped, the
-generator waits through the push, the MIPU gate, validation and checkpoints until the next `take`.
+generator begins no batch through the push, the MIPU gate, validation and checkpoints until the next `take` (it may
+still be waiting for the anchors of the batch in flight).
 
 With rollout.partial_rollouts the actor's engine is a `PausableEngine` (rollout/pausable.py): `settle` agrees on the
 batches begun as above but does not wait for them to finish; it pauses the engine, which interrupts the generations
@@ -240,6 +241,7 @@ class AsyncRollouts(OverlappedRollouts):
 
     def sampler_state(self) -> dict[str, Any]:
         self.settle()
+        self.anchors.drain()  # no batch is begun until the next take: the anchor cache is still while it is read
         with self._cond:  # a paused generator may still begin an agreed batch: it records the position first
             return dict(self._positions[0] if self._positions else self.sampler.state_dict())
 

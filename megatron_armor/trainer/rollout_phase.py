@@ -113,9 +113,10 @@ class RolloutPhase:
         overlapped rollout modes) the anchors are sampled on a thread of their own while the actor samples
         (trainer/anchor_prefetch.py). `on_actor_done()` is called once the on-policy samples are drawn (the actor's
         engine is done with the batch)."""
+        plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
         prompts = self.draw_prompts(self.sampler)
-        order = self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)
+        order = self.engine_weights.phase_order(uses_anchors=plan.uses_anchors)
         beside = self.anchors_beside if self.samples_anchors_beside else None
         if beside is not None:
             beside.submit(key, prompts, self)
@@ -129,16 +130,15 @@ class RolloutPhase:
             if policy == "actor" and on_actor_done is not None:
                 on_actor_done()
         on_policy, anchors = samples["actor"], samples.get("ref", [])
-        groups, stats = build_groups(on_policy + anchors, require_anchor=self.plan.uses_anchors,
-                                     filter_groups=self.plan.algorithm.filters_groups)
+        groups, stats = build_groups(on_policy + anchors, require_anchor=plan.uses_anchors,
+                                     filter_groups=plan.algorithm.filters_groups)
         return GenerationBatch(groups, stats, on_policy, anchors, counters)
 
     @property
     def samples_anchors_beside(self) -> bool:
         """Whether `generation_batch` takes its anchors from `anchors_beside`: ARMOR with a reference engine of its
         own (a shared one samples them after the actor's samples, with the reference's weights swapped in)."""
-        order = self.engine_weights.phase_order(uses_anchors=self.plan.uses_anchors)
-        return self.anchors_beside is not None and order == ("actor", "ref")
+        return self.anchors_beside is not None and self.plan.uses_anchors and not self.models.shared_engine
 
     def on_group(self, group: dist.ProcessGroup | None) -> RolloutPhase:
         """This phase (its plan as it is now) with its collectives over `group`."""

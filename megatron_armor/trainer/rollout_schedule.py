@@ -94,7 +94,8 @@ class RolloutSchedule:
         prompts are drawn again."""
 
     def sampler_state(self) -> dict[str, Any]:
-        """The prompt sampler's position as a checkpoint saves it: before any rollout generated ahead."""
+        """The prompt sampler's position as a checkpoint saves it: before any rollout generated ahead (and with no
+        anchors being sampled, so that what the checkpoint reads of the anchor cache stands still)."""
         return self.sampler.state_dict()
 
     def step_metrics(self) -> dict[str, float]:
@@ -235,6 +236,7 @@ class OneStepOffRollouts(OverlappedRollouts):
 
     def sampler_state(self) -> dict[str, Any]:
         self.settle()
+        self.anchors.drain()
         return dict(self._sampler_before_queue or self.sampler.state_dict())
 
 

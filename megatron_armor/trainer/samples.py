@@ -91,7 +91,7 @@ class SampleScorer:
 class RolloutCounters:
     """What one step's rollout spent on anchors and on swapping weights in a shared engine (seconds, counts)."""
 
-    anchor_seconds: float = 0.0  # anchor phases, ref pushes included
+    anchor_seconds: float = 0.0  # anchor phases, ref pushes included (overlapped modes: the wait for their anchors)
     ref_push_seconds: float = 0.0
     actor_restore_seconds: float = 0.0  # actor pushes back into a shared engine after an anchor phase
     weight_swaps: int = 0  # pushes into a shared engine

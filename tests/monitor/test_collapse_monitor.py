@@ -97,7 +97,7 @@ def test_every_configured_alarm_kind_has_a_rule():
     ("length_growth", steps("response/length_mean", [100, 100, 100, 120, 200]), [(5, "length_growth")]),
     ("clip_fraction", steps("loss/clip_fraction", [0.1, 0.3, 0.3, 0.3, 0.1]), [(3, "clip_fraction")]),
     ("importance_weight", steps("loss/is_weight_mean", [1.0, 1.3, 1.4, 1.5]), [(3, "importance_weight")]),
-    ("importance_weight", [(s, {"loss/is_weight_mean": 1.0, "async/importance_weight_mean": w})  # async's behaviour weight
+    ("importance_weight", [(s, {"loss/is_weight_mean": 1.0, "async/importance_weight_mean": w})  # the behaviour
                            for s, w in enumerate([1.0, 0.6, 0.7, 1.0], start=1)], [(3, "importance_weight")]),
     ("hack_rate", steps("audit/hack_rate", [0.0, 0.05, 0.2, 0.3, 0.0, 0.0, 0.0]), [(4, "hack_rate")]),
 ])

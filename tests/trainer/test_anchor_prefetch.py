@@ -79,22 +79,34 @@ def test_anchors_sampled_ahead_are_the_batch_s_own_and_at_most_depth_batches_ahe
 
 
 def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
-    """one_step_off: a batch submits its anchors (0.2 s to sample) when it draws its prompts and finds them ready after
-    its own 0.4 s of on-policy sampling; reset drops what was sampled ahead, and a failure of the thread reaches
-    `take`."""
-    phase, prefetch = AnchorPhase(seconds=0.2), AnchorPrefetch(None)
+    """one_step_off: a batch submits its anchors when it draws its prompts and they are sampled while its actor
+    samples (the anchor job waits for the actor's part to begin, and the actor's part for the anchor job to begin);
+    reset drops what was sampled ahead; a failure of the thread reaches every later call."""
+    phase, prefetch = AnchorPhase(), AnchorPrefetch(None)
+    actor_began, anchors_began = threading.Event(), threading.Event()
+    sample_anchors = phase.sample_anchors
+
+    def concurrent_anchors(prompts, seed, counters):
+        anchors_began.set()
+        assert actor_began.wait(10)
+        return sample_anchors(prompts, seed, counters)
+
+    phase.sample_anchors = concurrent_anchors
     key, prompts = ("step", 1, 0), RolloutPhase.draw_prompts(PromptSampler(ROWS, 3, seed=0))
-    start = time.perf_counter()
     prefetch.submit(key, prompts, phase)
-    time.sleep(0.4)  # the actor's part of the batch
-    counters = RolloutCounters()
-    assert len(prefetch.take(key, counters)) == 3 and counters.anchor_seconds < 0.05
-    assert time.perf_counter() - start < 0.55  # the longer of the two phases, not their sum (0.6 s)
-    with pytest.raises(RuntimeError, match="were never submitted"):
-        prefetch.take(("step", 2, 0), RolloutCounters())
+    actor_began.set()  # the actor's part of the batch
+    assert anchors_began.wait(10)
+    assert len(prefetch.take(key, RolloutCounters())) == 3
+    with pytest.raises(RuntimeError, match="sampled ahead for other prompts"):
+        prefetch.submit(("step", 2, 0), prompts, phase)
+        prefetch.submit(("step", 2, 0), prompts[1:], phase)
+    prefetch.take(("step", 2, 0), RolloutCounters())
+    phase.sample_anchors = sample_anchors
     positions = _positions(8)
     prefetch.submit_ahead(phase, positions[0], 2, batch_key)
     prefetch.reset()  # e.g. a reference reset: drops batches 0-2, sampled ahead
+    with pytest.raises(RuntimeError, match="were never submitted"):
+        prefetch.take(batch_key(positions[0]), RolloutCounters())
     calls = len(phase.calls)
     prefetch.submit_ahead(phase, positions[4], 2, batch_key)  # the sampler was rewound elsewhere: start from there
     prefetch.drain()
@@ -102,6 +114,6 @@ def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
     prefetch.take(batch_key(positions[4]), RolloutCounters())
     phase.fail = True
     prefetch.submit_ahead(phase, positions[5], 2, batch_key)  # submits batch 7, which fails
-    with pytest.raises(RuntimeError, match="sampling anchors beside the actor failed: reference engine died"):
-        prefetch.take(batch_key(positions[5]), RolloutCounters())
-        prefetch.take(batch_key(positions[7]), RolloutCounters())
+    for call in (prefetch.drain, prefetch.reset, lambda: prefetch.take(batch_key(positions[7]), RolloutCounters())):
+        with pytest.raises(RuntimeError, match="sampling anchors beside the actor failed: reference engine died"):
+            call()
