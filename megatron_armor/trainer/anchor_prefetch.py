@@ -1,20 +1,20 @@
-"""ARMOR's anchors sampled beside the actor's samples, and ahead of them (the overlapped rollout modes).
+"""ARMOR's anchors sampled ahead of the generation batches that use them (the overlapped rollout modes).
 
-The reference is frozen between resets, so a generation batch's anchors do not depend on when they are sampled. In
-rollout.mode one_step_off and async a thread of its own (its collectives over a gloo group of its own) samples them:
-`RolloutPhase.generation_batch` submits its anchor job when it draws its prompts and takes the anchors once its
-on-policy samples are drawn, so the reference's engine samples while the actor's does and a batch costs the longer of
-its two phases, not their sum. `async` also submits the batches to come (`submit_ahead`: the generator's next
-positions, drawn from a twin of the prompt sampler, `PromptSampler.at`, with the seeds those batches will use), so their
-anchors are usually ready when the batch asks; and a weight push there waits only for the actor's part of a batch
-(trainer/async_rollouts.py). A job is keyed by its generation batch's key, from which its seeds derive, so a batch
-samples the anchors it would have sampled itself.
+The reference is frozen between resets, and a generation batch's anchors are seeded by the sampler position its
+prompts are drawn at (`anchor_key`), so they can be sampled before the batch is. In rollout.mode one_step_off and
+async a thread of its own (its collectives over a gloo group of its own) samples them: each generation batch
+(`RolloutPhase.generation_batch`) submits its own anchors and those of the `depth` batches the sampler draws next
+(`submit_ahead`: a twin of the prompt sampler, `PromptSampler.at`, draws their prompts), and takes its own once its
+on-policy samples are drawn. So the reference's engine samples while the actor's does, and ahead of it: a batch waits
+for its anchors only when the reference's engine falls behind, and in async a weight push waits only for the actor's
+part of a batch (trainer/async_rollouts.py). The sampler's draws do not depend on RL steps, so anchors sampled ahead
+serve whichever step draws those prompts (one_step_off's next rollout, async's next batches).
 
-Every rank submits the same jobs in the same order (the keys and positions are the same on every rank), so every
-rank's thread makes the same collective calls. `reset` (a reference reset or the anchor action: the queued anchors came
-from the old reference) and `drain` (the run's end, and before a checkpoint reads the anchor cache) wait until the jobs
-submitted are done. A failure of the thread is raised by every later call. Anchors sampled ahead are
-not checkpointed: a resumed run samples them again, with the same seeds.
+Every rank submits the same jobs in the same order (the positions are the same on every rank), so every rank's thread
+makes the same collective calls. `reset` (a reference reset or the anchor action: the queued anchors came from the old
+reference) and `drain` (the run's end, and before a checkpoint reads the anchor cache) wait until the jobs submitted
+are done. A failure of the thread is raised by every later call. Anchors sampled ahead are not checkpointed: a resumed
+run samples them again, with the same seeds.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ import torch.distributed as dist
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.trainer.samples import RolloutCounters
+
+
+def anchor_key(position: dict[str, Any]) -> tuple:
+    """The key of the anchors of the generation batch drawn at sampler `position` (their seed derives from it)."""
+    return ("anchors", *position.values())
 
 
 class AnchorSampling(Protocol):
@@ -64,10 +69,10 @@ class _Job:
 
 class AnchorPrefetch:
     """Anchor jobs of generation batches, sampled in submission order by a daemon thread whose collectives run over
-    `group` (None: the default group, or no torch.distributed)."""
+    `group` (None: the default group, or no torch.distributed), up to `depth` batches ahead of the one in use."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, depth: int) -> None:
+        self.group, self.depth = group, depth
         self._cond = threading.Condition()
         self._jobs: collections.deque[_Job] = collections.deque()
         self._submitted: dict[tuple, list[list[int]]] = {}  # keys submitted and not yet taken -> their prompts
@@ -94,17 +99,15 @@ class AnchorPrefetch:
                 self._thread = threading.Thread(target=self._sample, name="anchor-prefetch", daemon=True)
                 self._thread.start()
 
-    def submit_ahead(self, phase: AnchorSampling, position: dict[str, Any], depth: int,
-                     batch_key: Callable[[dict[str, Any]], tuple]) -> None:
-        """Submit the generation batches drawn from sampler `position` on (the one there and the `depth` after it, as
-        far as they are not submitted yet); `batch_key(position)` is a batch's key."""
+    def submit_ahead(self, phase: AnchorSampling, position: dict[str, Any]) -> None:
+        """Submit the anchors of the generation batches drawn from sampler `position` on: the one there and the
+        `depth` after it, as far as they are not submitted yet."""
         with self._cond:
             if self._ahead is None or not self._submitted:  # the first batch, or nothing ahead: start at `position`
                 self._ahead = phase.sampler.at(position)
-            while len(self._submitted) <= depth:
-                key = batch_key(self._ahead.state_dict())
-                prompts = phase.draw_prompts(self._ahead)
-                self.submit(key, prompts, phase)
+            while len(self._submitted) <= self.depth:
+                key = anchor_key(self._ahead.state_dict())
+                self.submit(key, phase.draw_prompts(self._ahead), phase)
 
     def take(self, key: tuple, counters: RolloutCounters) -> list[Sample]:
         """The anchors of generation batch `key` (submitted before), once sampled; the wait counts in

@@ -169,8 +169,6 @@ class AsyncRollouts(OverlappedRollouts):
                 self._positions.append(position)
                 began = time.perf_counter()
                 self._perf.rollout_idle += began - self._idle_since
-            if self.phase.samples_anchors_beside:  # this batch's anchors and those of the next ones
-                self.anchors.submit_ahead(self.phase, position, self.buffer_batches, batch_key)
             batch = self.phase.generation_batch(batch_key(position), self._actor_done)  # seeds: the same if regenerated
             with self._cond:
                 self._buffer.append(BufferedBatch(batch, version))
@@ -178,6 +176,11 @@ class AsyncRollouts(OverlappedRollouts):
                 self._idle_since = time.perf_counter()
                 self._generating += self._idle_since - began
                 self._cond.notify_all()
+
+    @staticmethod
+    def anchors_ahead(phase: RolloutPhase) -> int:
+        """The batches the generator may have begun beyond the one in use: the buffer's."""
+        return phase.plan.async_buffer_batches
 
     def _actor_done(self) -> None:
         """The actor's engine is done with the batch in flight (its anchors may still be coming): a push need not wait

@@ -22,7 +22,7 @@ from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
+from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch, anchor_key
 from megatron_armor.trainer.engine_weights import EngineWeights
 from megatron_armor.trainer.plan import StepPlan
 from megatron_armor.trainer.policies import PolicyHandles
@@ -109,24 +109,27 @@ class RolloutPhase:
 
     def generation_batch(self, key: tuple, on_actor_done: Callable[[], None] | None = None) -> GenerationBatch:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
-        group); the sampling seeds derive from train.seed, `key` and the policy (`seed`). With `anchors_beside` (the
-        overlapped rollout modes) the anchors are sampled on a thread of their own while the actor samples
-        (trainer/anchor_prefetch.py). `on_actor_done()` is called once the on-policy samples are drawn (the actor's
-        engine is done with the batch)."""
+        group); the actor's sampling seeds derive from train.seed and `key`, the anchors' from train.seed and the
+        sampler position the prompts were drawn at (`anchor_key`: anchors can be sampled before the batch is, in any
+        mode). With `anchors_beside` (the overlapped rollout modes) the anchors are sampled on a thread of their own,
+        ahead of the batch or while the actor samples it (trainer/anchor_prefetch.py). `on_actor_done()` is called
+        once the on-policy samples are drawn (the actor's engine is done with the batch)."""
         plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
+        position = self.sampler.state_dict()
         prompts = self.draw_prompts(self.sampler)
+        keys = {"actor": key, "ref": anchor_key(position)}
         order = self.engine_weights.phase_order(uses_anchors=plan.uses_anchors)
         beside = self.anchors_beside if self.samples_anchors_beside else None
         if beside is not None:
-            beside.submit(key, prompts, self)
+            beside.submit_ahead(self, position)
         samples = {}
         for policy in order:
             if policy == "ref" and beside is not None:
-                samples[policy] = beside.take(key, counters)
+                samples[policy] = beside.take(keys[policy], counters)
             else:
                 sample = self.sample_on_policy if policy == "actor" else self.sample_anchors
-                samples[policy] = sample(prompts, self.seed(key, policy), counters)
+                samples[policy] = sample(prompts, self.seed(keys[policy], policy), counters)
             if policy == "actor" and on_actor_done is not None:
                 on_actor_done()
         on_policy, anchors = samples["actor"], samples.get("ref", [])

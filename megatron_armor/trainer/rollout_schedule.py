@@ -126,9 +126,14 @@ class OverlappedRollouts(RolloutSchedule):
         self._cond = threading.Condition()  # guards the background thread's state; notified when it fails
         self._error: BaseException | None = None
         self._perf = _StepPerf()
-        # ARMOR's anchors, sampled on a thread of their own beside the actor's samples (its gloo group: collective)
-        self.anchors = AnchorPrefetch(self.rollout_group())
+        # ARMOR's anchors, sampled ahead on a thread of their own (its gloo group: collective)
+        self.anchors = AnchorPrefetch(self.rollout_group(), self.anchors_ahead(phase))
         phase.anchors_beside = self.anchors
+
+    @staticmethod
+    def anchors_ahead(phase: RolloutPhase) -> int:
+        """How many generation batches beyond the one in use have their anchors sampled ahead."""
+        return 1
 
     @classmethod
     def rollout_group(cls) -> dist.ProcessGroup | None:

@@ -8,8 +8,7 @@ import pytest
 
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
-from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
-from megatron_armor.trainer.async_rollouts import batch_key
+from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch, anchor_key
 from megatron_armor.trainer.rollout_phase import RolloutPhase
 from megatron_armor.trainer.samples import RolloutCounters
 
@@ -53,18 +52,18 @@ def _positions(count: int) -> list[dict]:
 def _inline(position: dict) -> tuple[list[int], tuple]:
     """What the generation batch at `position` would sample anchors for itself: its prompts and seed."""
     prompts = RolloutPhase.draw_prompts(PromptSampler(ROWS, 3, seed=0).at(position))
-    return [p.prompt_ids[1] for p in prompts], (7, *batch_key(position), "ref")
+    return [p.prompt_ids[1] for p in prompts], (7, *anchor_key(position), "ref")
 
 
 def test_anchors_sampled_ahead_are_the_batch_s_own_and_at_most_depth_batches_ahead():
-    """async: each batch's anchors are those it would sample itself (same prompts, same seed), sampled by the thread
+    """Each batch's anchors are those it would sample itself (same prompts, same seed), sampled by the thread
     for the batch and the `depth` after it, no more, across an epoch boundary (4 batches an epoch); a batch's own
     submission of a job submitted ahead changes nothing."""
-    phase, prefetch = AnchorPhase(), AnchorPrefetch(None)
+    phase, prefetch = AnchorPhase(), AnchorPrefetch(None, 2)
     positions = _positions(6)
     for n, position in enumerate(positions):
-        prefetch.submit_ahead(phase, position, 2, batch_key)
-        key = batch_key(position)
+        prefetch.submit_ahead(phase, position)
+        key = anchor_key(position)
         prefetch.submit(key, RolloutPhase.draw_prompts(phase.sampler.at(position)), phase)  # the batch's own
         counters = RolloutCounters()
         anchors = prefetch.take(key, counters)
@@ -79,10 +78,9 @@ def test_anchors_sampled_ahead_are_the_batch_s_own_and_at_most_depth_batches_ahe
 
 
 def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
-    """one_step_off: a batch submits its anchors when it draws its prompts and they are sampled while its actor
-    samples (the anchor job waits for the actor's part to begin, and the actor's part for the anchor job to begin);
+    """Anchors submitted when a batch draws its prompts are sampled while its actor samples (the anchor job waits for the actor's part to begin, and the actor's part for the anchor job to begin);
     reset drops what was sampled ahead; a failure of the thread reaches every later call."""
-    phase, prefetch = AnchorPhase(), AnchorPrefetch(None)
+    phase, prefetch = AnchorPhase(), AnchorPrefetch(None, 2)
     actor_began, anchors_began = threading.Event(), threading.Event()
     sample_anchors = phase.sample_anchors
 
@@ -103,17 +101,17 @@ def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
     prefetch.take(("step", 2, 0), RolloutCounters())
     phase.sample_anchors = sample_anchors
     positions = _positions(8)
-    prefetch.submit_ahead(phase, positions[0], 2, batch_key)
+    prefetch.submit_ahead(phase, positions[0])
     prefetch.reset()  # e.g. a reference reset: drops batches 0-2, sampled ahead
     with pytest.raises(RuntimeError, match="were never submitted"):
-        prefetch.take(batch_key(positions[0]), RolloutCounters())
+        prefetch.take(anchor_key(positions[0]), RolloutCounters())
     calls = len(phase.calls)
-    prefetch.submit_ahead(phase, positions[4], 2, batch_key)  # the sampler was rewound elsewhere: start from there
+    prefetch.submit_ahead(phase, positions[4])  # the sampler was rewound elsewhere: start from there
     prefetch.drain()
     assert [(p, s) for p, s, _ in phase.calls[calls:]] == [_inline(q) for q in positions[4:7]]
-    prefetch.take(batch_key(positions[4]), RolloutCounters())
+    prefetch.take(anchor_key(positions[4]), RolloutCounters())
     phase.fail = True
-    prefetch.submit_ahead(phase, positions[5], 2, batch_key)  # submits batch 7, which fails
-    for call in (prefetch.drain, prefetch.reset, lambda: prefetch.take(batch_key(positions[7]), RolloutCounters())):
+    prefetch.submit_ahead(phase, positions[5])  # submits batch 7, which fails
+    for call in (prefetch.drain, prefetch.reset, lambda: prefetch.take(anchor_key(positions[7]), RolloutCounters())):
         with pytest.raises(RuntimeError, match="sampling anchors beside the actor failed: reference engine died"):
             call()

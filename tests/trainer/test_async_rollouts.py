@@ -15,6 +15,7 @@ from megatron_armor.data.types import Sample
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.pausable import PausableEngine
+from megatron_armor.trainer.anchor_prefetch import anchor_key
 from megatron_armor.trainer.async_rollouts import AsyncRollouts
 from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase
 from megatron_armor.trainer.rollout_schedule import ROLLOUT_SCHEDULES
@@ -116,13 +117,14 @@ class AnchoredPhase(BatchPhase):
         return [Sample(p.index, p.prompt_ids, [2], [0.0], "stop", True) for p in prompts]
 
     def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
+        position = self.sampler.state_dict()
         prompts = self.draw_prompts(self.sampler)
-        self.anchors_beside.submit(key, prompts, self)
+        self.anchors_beside.submit_ahead(self, position)
         weights = self.engine["weights"]
         time.sleep(self.seconds)
         self.calls.append(([p.prompt_ids[1] for p in prompts], weights, self.engine["weights"], "actor"))
         on_actor_done()
-        anchors = self.anchors_beside.take(key, RolloutCounters())
+        anchors = self.anchors_beside.take(anchor_key(position), RolloutCounters())
         assert [a.prompt_ids[1] for a in anchors] == self.calls[-1][0]  # the batch's own prompts
         return GenerationBatch([[p] for p in self.calls[-1][0]], GroupStats(prompts_seen=3, kept=3), [], anchors, None)
 

@@ -1,7 +1,10 @@
 """Worker: Qwen3-MoE on Megatron under TP x EP (x expert TP) layouts against the HF model.
 
-argv: out_dir layouts model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after another on
-the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each layout.
+argv: out_dir layouts megatron_dir model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after
+another on the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each
+layout. megatron_dir is the first model converted to a Megatron checkpoint at EP=2: each layout also loads it
+(Megatron's dist-checkpointing reshards the experts to the layout) and reports whether its export equals the HF
+checkpoint.
 Under TP > 1 sequence parallelism is on (Megatron refuses MoE with TP in training without it). The experts are split
 over the expert-TP group: of X ranks (`expert_tensor_parallel_size`), else of TP's (Megatron's default); with X other
 than TP Megatron regroups the TP x DP ranks as expert TP x EP x expert DP. Every rank gets the same [3, 14] tokens for
@@ -32,6 +35,7 @@ sys.path.insert(0, __file__.rsplit("/workers/", 1)[0] + "/models")
 from launcher import write_result  # noqa: E402
 from test_moe import layout_sizes  # noqa: E402
 
+from megatron_armor.convert.megatron_checkpoint import load_megatron_weights  # noqa: E402
 from megatron_armor.convert.weights import (  # noqa: E402
     gather_hf_weights, load_hf_weights, parameters_exported_as_views,
 )
@@ -108,16 +112,30 @@ def check(model_dir: str, tp: int, ep: int, etp: int, target: Path) -> dict:
     }
 
 
-def run_layout(layout: str, model_dirs: list[str]) -> dict:
-    """Every model's results under `layout` ("tp<T>ep<E>[etp<X>]")."""
+def resharded_equal(megatron_dir: str, model_dir: str, tp: int, ep: int, etp: int) -> bool:
+    """Whether the Megatron checkpoint of `model_dir` (saved at another layout), loaded at this one, exports the HF
+    checkpoint's tensors bit for bit."""
+    shape = load_model_shape(model_dir)
+    config = transformer_config(shape, tp_size=tp, sequence_parallel=tp > 1, ep_size=ep, etp_size=etp)
+    model = build_gpt_model(shape, config, trainable=False)
+    load_megatron_weights(model, megatron_dir)
+    stored = load_file(str(Path(model_dir) / "model.safetensors"))
+    exported = dict(gather_hf_weights(model, shape))
+    return exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
+
+
+def run_layout(layout: str, megatron_dir: str, model_dirs: list[str]) -> dict:
+    """Every model's results under `layout` ("tp<T>ep<E>[etp<X>]"), and whether the first model's Megatron checkpoint
+    `megatron_dir` loads at it."""
     tp, ep, etp = layout_sizes(layout)
     initialize_distributed(tp, 1, seed=0, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
     results = {model_dir: check(model_dir, tp, ep, etp, Path(out_dir) / layout / Path(model_dir).name)
                for model_dir in model_dirs}
+    results["resharded_equal"] = resharded_equal(megatron_dir, model_dirs[0], tp, ep, etp)
     parallel_state.destroy_model_parallel()  # the next layout builds its own groups on the same process group
     return results
 
 
-out_dir, layouts, *model_dirs = sys.argv[1:]
-write_result(out_dir, {layout: run_layout(layout, model_dirs) for layout in layouts.split(",")})
+out_dir, layouts, megatron_dir, *model_dirs = sys.argv[1:]
+write_result(out_dir, {layout: run_layout(layout, megatron_dir, model_dirs) for layout in layouts.split(",")})
 destroy_distributed()
