@@ -157,4 +157,4 @@ class AnchorPrefetch:
 
     def _raise_failure(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"sampling anchors beside the actor failed: {self._error}") from self._error
+            raise RuntimeError(f"sampling anchors ahead failed: {self._error}") from self._error

@@ -178,7 +178,7 @@ class AsyncRollouts(OverlappedRollouts):
                 self._cond.notify_all()
 
     @staticmethod
-    def anchors_ahead(phase: RolloutPhase) -> int:
+    def anchor_depth(phase: RolloutPhase) -> int:
         """The batches the generator may have begun beyond the one in use: the buffer's."""
         return phase.plan.async_buffer_batches
 

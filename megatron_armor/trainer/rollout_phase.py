@@ -76,7 +76,7 @@ class RolloutPhase:
     """Generates, scores and groups a step's samples (collective: every rank makes the same calls).
 
     Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s, a
-    shared engine's weights `engine_weights`' and anchors sampled beside the actor's `anchors_beside`'. Its
+    shared engine's weights `engine_weights`' and anchors sampled ahead `anchors_ahead`'. Its
     collectives run over `group` (default: the default group; background rollouts, trainer/rollout_schedule.py,
     have one of their own).
     """
@@ -89,7 +89,7 @@ class RolloutPhase:
         self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
         self.engine_weights, self.anchor_cache, self.dp_size = engine_weights, anchor_cache, dp_size
         self.group = group
-        self.anchors_beside: AnchorPrefetch | None = None  # set by the overlapped rollout modes
+        self.anchors_ahead: AnchorPrefetch | None = None  # set by the overlapped rollout modes
 
     def collect(self, step: int) -> Rollout:
         """Generate until `train_batch_size` prompts survive filtering (ARMOR §1); the rollout's metrics are summed
@@ -111,7 +111,7 @@ class RolloutPhase:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
         group); the actor's sampling seeds derive from train.seed and `key`, the anchors' from train.seed and the
         sampler position the prompts were drawn at (`anchor_key`: anchors can be sampled before the batch is, in any
-        mode). With `anchors_beside` (the overlapped rollout modes) the anchors are sampled on a thread of their own,
+        mode). With `anchors_ahead` (the overlapped rollout modes) the anchors are sampled on a thread of their own,
         ahead of the batch or while the actor samples it (trainer/anchor_prefetch.py). `on_actor_done()` is called
         once the on-policy samples are drawn (the actor's engine is done with the batch)."""
         plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
@@ -120,13 +120,13 @@ class RolloutPhase:
         prompts = self.draw_prompts(self.sampler)
         keys = {"actor": key, "ref": anchor_key(position)}
         order = self.engine_weights.phase_order(uses_anchors=plan.uses_anchors)
-        beside = self.anchors_beside if self.samples_anchors_beside else None
-        if beside is not None:
-            beside.submit_ahead(self, position)
+        ahead = self.anchors_ahead if self.samples_anchors_ahead else None
+        if ahead is not None:
+            ahead.submit_ahead(self, position)
         samples = {}
         for policy in order:
-            if policy == "ref" and beside is not None:
-                samples[policy] = beside.take(keys[policy], counters)
+            if policy == "ref" and ahead is not None:
+                samples[policy] = ahead.take(keys[policy], counters)
             else:
                 sample = self.sample_on_policy if policy == "actor" else self.sample_anchors
                 samples[policy] = sample(prompts, self.seed(keys[policy], policy), counters)
@@ -138,10 +138,10 @@ class RolloutPhase:
         return GenerationBatch(groups, stats, on_policy, anchors, counters)
 
     @property
-    def samples_anchors_beside(self) -> bool:
-        """Whether `generation_batch` takes its anchors from `anchors_beside`: ARMOR with a reference engine of its
+    def samples_anchors_ahead(self) -> bool:
+        """Whether `generation_batch` takes its anchors from `anchors_ahead`: ARMOR with a reference engine of its
         own (a shared one samples them after the actor's samples, with the reference's weights swapped in)."""
-        return self.anchors_beside is not None and self.plan.uses_anchors and not self.models.shared_engine
+        return self.anchors_ahead is not None and self.plan.uses_anchors and not self.models.shared_engine
 
     def on_group(self, group: dist.ProcessGroup | None) -> RolloutPhase:
         """This phase (its plan as it is now) with its collectives over `group`."""

@@ -11,8 +11,8 @@ hold the weights from before it again) or one skipped for a non-finite loss or g
 `one_step_off`: step t takes the rollout prepared during step t-1 and starts step t+1's in a background thread, from
 the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it
 pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate
-find no rollout in flight. ARMOR's anchors of each generation batch are sampled beside its actor samples, on a
-thread of their own (trainer/anchor_prefetch.py; `async` samples them ahead too). Samples are one weight version
+find no rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own (trainer/anchor_prefetch.py):
+the next rollout's while this one is generated. Samples are one weight version
 old: the loss corrects them with the behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1
 weight against the engine's logprobs). When the gate rejects step t's update, the queued rollout is kept: the
 rollback restores theta_t, the weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an
@@ -118,8 +118,7 @@ class SyncRollouts(RolloutSchedule):
 class OverlappedRollouts(RolloutSchedule):
     """What the modes that generate beside training (one_step_off, async) share: their rollout phase's collectives run
     over a gloo group of their own, its work runs on a daemon thread whose failure is raised on the trainer's thread
-    (`_raise_failure`), ARMOR's anchors are sampled beside the actor's samples (`anchors`, the phase's
-    `anchors_beside`), and the step's overlap figures (`_perf`, `step_metrics`)."""
+    (`_raise_failure`), ARMOR's anchors are sampled ahead (`anchors`, the phase's `anchors_ahead`), and the step's overlap figures (`_perf`, `step_metrics`)."""
 
     def __init__(self, phase: RolloutPhase, sampler: PromptSampler, last_step: int | None) -> None:
         super().__init__(phase, sampler, last_step)
@@ -127,12 +126,13 @@ class OverlappedRollouts(RolloutSchedule):
         self._error: BaseException | None = None
         self._perf = _StepPerf()
         # ARMOR's anchors, sampled ahead on a thread of their own (its gloo group: collective)
-        self.anchors = AnchorPrefetch(self.rollout_group(), self.anchors_ahead(phase))
-        phase.anchors_beside = self.anchors
+        self.anchors = AnchorPrefetch(self.rollout_group(), self.anchor_depth(phase))
+        phase.anchors_ahead = self.anchors
 
     @staticmethod
-    def anchors_ahead(phase: RolloutPhase) -> int:
-        """How many generation batches beyond the one in use have their anchors sampled ahead."""
+    def anchor_depth(phase: RolloutPhase) -> int:
+        """How many generation batches beyond the one in use have their anchors sampled ahead (one_step_off: the
+        next rollout's first)."""
         return 1
 
     @classmethod

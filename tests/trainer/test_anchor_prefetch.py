@@ -113,5 +113,5 @@ def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
     phase.fail = True
     prefetch.submit_ahead(phase, positions[5])  # submits batch 7, which fails
     for call in (prefetch.drain, prefetch.reset, lambda: prefetch.take(anchor_key(positions[7]), RolloutCounters())):
-        with pytest.raises(RuntimeError, match="sampling anchors beside the actor failed: reference engine died"):
+        with pytest.raises(RuntimeError, match="sampling anchors ahead failed: reference engine died"):
             call()

@@ -32,7 +32,7 @@ class BatchPhase:
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
         self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches,
                                     partial_rollouts=False)
-        self.samples_anchors_beside = False
+        self.samples_anchors_ahead = False
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
         self.fail_at: int | None = None  # the batch (0-based) that raises
@@ -96,13 +96,13 @@ def test_async_never_trains_a_sample_older_than_max_staleness_when_the_generator
 
 
 class AnchoredPhase(BatchPhase):
-    """BatchPhase for ARMOR: a batch submits its anchors to the anchor thread (`anchors_beside`, which the schedule
+    """BatchPhase for ARMOR: a batch submits its anchors to the anchor thread (`anchors_ahead`, which the schedule
     sets) when it draws its prompts and takes them after its on-policy part; the reference's engine takes
     `anchor_seconds` a batch to sample them (`sample_anchors`)."""
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, anchor_seconds: float) -> None:
         super().__init__(sampler, engine, max_staleness=1, buffer_batches=2, seconds=0.05)
-        self.samples_anchors_beside, self.anchor_seconds = True, anchor_seconds
+        self.samples_anchors_ahead, self.anchor_seconds = True, anchor_seconds
 
     draw_prompts = staticmethod(RolloutPhase.draw_prompts)
 
@@ -119,12 +119,12 @@ class AnchoredPhase(BatchPhase):
     def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
         position = self.sampler.state_dict()
         prompts = self.draw_prompts(self.sampler)
-        self.anchors_beside.submit_ahead(self, position)
+        self.anchors_ahead.submit_ahead(self, position)
         weights = self.engine["weights"]
         time.sleep(self.seconds)
         self.calls.append(([p.prompt_ids[1] for p in prompts], weights, self.engine["weights"], "actor"))
         on_actor_done()
-        anchors = self.anchors_beside.take(anchor_key(position), RolloutCounters())
+        anchors = self.anchors_ahead.take(anchor_key(position), RolloutCounters())
         assert [a.prompt_ids[1] for a in anchors] == self.calls[-1][0]  # the batch's own prompts
         return GenerationBatch([[p] for p in self.calls[-1][0]], GroupStats(prompts_seen=3, kept=3), [], anchors, None)
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_armor.data.datasets import PromptRow
+from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.loop import RLTrainer
@@ -76,7 +76,7 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
                     actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
                     ref_reset_period=0, seed=0)
     handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
-    prompts = SimpleNamespace(next_batch=lambda: [PromptRow(i, [1, 2], {}) for i in range(2)])
+    prompts = PromptSampler([PromptRow(i, [1, 2], {}) for i in range(2)], 2, seed=0, shuffle=False)
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan,
                         RolloutSources(prompts, sampling=None, scorer=SampleScorer(None, None)), scoring=None, optim=None)
     # prompt 0 is kept (one of two correct), prompt 1 is dropped (all wrong)
