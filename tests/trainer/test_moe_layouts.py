@@ -10,7 +10,7 @@ def test_armor_train_moe_at_ep2(tiny_model_factory, tmp_path):
     rollout) on an untrained tiny Qwen3-MoE, rewarded for even-length responses (so groups are mixed), 2 steps: each
     logs `moe/aux_loss` and `moe/routing_agreement`, and the local engines, which recorded their routes, give the
     trainer's logprobs; at step 2 they sample with the weights step 1's push gave them, gathered over the EP ranks
-    (a misplaced expert would move the logprobs far above the bound)."""
+    (a misplaced expert, or a missed push at lr 1e-3, would move the logprobs far above the bound)."""
     from trainer.test_cli_layouts import armor_train, small_run
 
     model = tiny_model_factory("qwen3_moe")
@@ -27,7 +27,7 @@ def test_armor_train_moe_at_ep2(tiny_model_factory, tmp_path):
     assert [step["step"] for step in steps] == [1, 2]
     for step in steps:
         assert math.isfinite(step["loss/policy_loss"]) and step["moe/aux_loss"] > 0
-        assert step["mismatch/logprob_abs_diff"] < 1e-3
+        assert step["mismatch/logprob_abs_diff"] < 1e-5  # fp32 engines: ~1e-7; without the push ~1e-2
         # R3: the engines' fp32 routers chose what the trainer's would (it replays their routes), and the replayed
         # routes lined up with the tokens (a shifted route would move the logprobs, above)
         assert step["moe/routing_agreement"] > 0.99 and step["moe/expert_load_cv"] > 0
