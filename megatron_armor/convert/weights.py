@@ -191,17 +191,17 @@ def gather_hf_weights(
             yield from zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape))
 
 
-def _tensor_parallel_group(mapping: ParamMapping) -> dist.ProcessGroup:
-    """The group that splits `mapping`'s parameter: the TP group, or for an expert the expert-TP group (the same
-    ranks unless `expert_tensor_parallel_size` differs from TP)."""
-    if mapping.expert_rank is None:
-        return parallel_state.get_tensor_model_parallel_group()
-    return parallel_state.get_expert_tensor_parallel_group()
+def splitting_group(expert: bool) -> dist.ProcessGroup:
+    """The group a tensor-parallel weight is split over: the TP group, or for an expert's the expert-TP group (the
+    same ranks unless `expert_tensor_parallel_size` differs from TP)."""
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _tensor_parallel_rank_and_size(mapping: ParamMapping) -> tuple[int, int]:
-    """This rank's position in the group that splits `mapping`'s parameter (`_tensor_parallel_group`)."""
-    group = _tensor_parallel_group(mapping)
+    """This rank's position in the group that splits `mapping`'s parameter (`splitting_group`)."""
+    group = splitting_group(mapping.expert_rank is not None)
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -210,7 +210,7 @@ def _tensor_parallel_shards(mapping: ParamMapping, local: torch.Tensor) -> list[
     _, tp_size = _tensor_parallel_rank_and_size(mapping)
     if mapping.layout == "replicated" or tp_size == 1:
         return [local] * tp_size
-    return _gather_one(local, _tensor_parallel_group(mapping), tp_size)
+    return _gather_one(local, splitting_group(mapping.expert_rank is not None), tp_size)
 
 
 def _gather_one(local: torch.Tensor, group, size: int) -> list[torch.Tensor]:

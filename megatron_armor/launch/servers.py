@@ -20,18 +20,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_armor.launch.server_process import RolloutServer, ServerConfig
 from megatron_armor.rollout.router import SGLangRouter
-from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, ServerError, http_call
+from megatron_armor.rollout.sglang_engine import server_weight_version
 
 log = logging.getLogger(__name__)
-
-
-def _weight_version(url: str) -> str | None:
-    """The weight_version a server reports (/model_info; "None" from a server that reports none, as then every server
-    of the group does, which `_register_synced` takes as all synced), None when it does not answer."""
-    try:
-        return str(http_call(url, "/model_info", method="GET", timeout=10.0).get("weight_version"))
-    except (ServerError, *TRANSPORT_ERRORS):
-        return None
 
 
 class PlacementError(RuntimeError):
@@ -159,7 +150,8 @@ class ServerGroup:
         server reports the checkpoint's version, so a restarted one matches at once too."""
         if not self._unsynced:
             return
-        versions = [_weight_version(url) for url in self.urls]
+        # "None" from servers that report no version: then every one of the group does, and all count as synced
+        versions = [server_weight_version(url, timeout=10.0) for url in self.urls]
         serving = {version for i, version in enumerate(versions) if i not in self._unsynced and version is not None}
         synced = [i for i in sorted(self._unsynced) if versions[i] is not None and serving <= {versions[i]}]
         if synced:

@@ -145,6 +145,21 @@ def http_call(url: str, path: str, body: Any = None, *, method: str = "POST", ti
     return json.loads(text) if "json" in (response.getheader("Content-Type") or "") else text
 
 
+def server_weight_version(url: str, timeout: float) -> str | None:
+    """The weight_version the server at `url` reports (/model_info; "None" from one that reports none), None when it
+    does not answer."""
+    try:
+        return str(http_call(url, "/model_info", method="GET", timeout=timeout).get("weight_version"))
+    except (ServerError, *TRANSPORT_ERRORS):
+        return None
+
+
+def _failure_message(path: str, failures: dict[str, Exception], total: int) -> str:
+    """`path` failed on these of `total` servers, each with its error."""
+    return (f"{path} failed on {len(failures)}/{total} servers: "
+            + " | ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failures.items()))
+
+
 @dataclass
 class _Server:
     url: str
@@ -478,8 +493,7 @@ class SGLangEngine(RolloutEngine):
                                      lambda s: proto.pause_generation_request("abort"))
         refused = {url: error for url, error in failures.items() if not isinstance(error, TRANSPORT_ERRORS)}
         if refused:
-            raise RolloutError(f"/pause_generation failed on {len(refused)}/{len(self._push_servers)} servers: "
-                               + " | ".join(f"{url}: {type(e).__name__}: {e}" for url, e in refused.items()))
+            raise RolloutError(_failure_message("/pause_generation", refused, len(self._push_servers)))
         for url, error in failures.items():
             log.warning("weight push: %s cannot be reached (%s: %s); pushing to the other servers, and it generates "
                         "nothing until a push reaches it again", url, type(error).__name__, error)
@@ -509,14 +523,8 @@ class SGLangEngine(RolloutEngine):
         was restarted (launch/servers.py `restart_dead`), or another client pushed."""
         if not self._weight_version:
             return False
-        for server in servers:
-            try:
-                info = http_call(server.url, "/model_info", method="GET", timeout=self.config.health_timeout_s)
-            except (ServerError, *TRANSPORT_ERRORS):
-                return True
-            if str(info.get("weight_version")) != str(self._weight_version):
-                return True
-        return False
+        return any(server_weight_version(server.url, self.config.health_timeout_s) != str(self._weight_version)
+                   for server in servers)
 
     def close(self) -> None:
         """Release server-side weight-sync state (the distributed group); the engine stays usable."""
@@ -583,8 +591,7 @@ class SGLangEngine(RolloutEngine):
     ) -> None:
         failures = self._try_servers(servers, path, body_for, call)
         if failures:
-            raise RolloutError(f"{path} failed on {len(failures)}/{len(servers)} servers: "
-                               + " | ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failures.items()))
+            raise RolloutError(_failure_message(path, failures, len(servers)))
 
     def _try_servers(
         self, servers: Sequence[_Server], path: str, body_for: Callable[[_Server], Any],

@@ -43,6 +43,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from megatron_armor.data.datasets import PromptSampler
@@ -204,22 +205,16 @@ class AsyncRollouts(OverlappedRollouts):
             self._cond.notify_all()
         if self.pausable is not None:
             self.pausable.pause()
-        else:
-            self._wait_for_actor_phases()
+        else:  # the actor's engine is done with them (their anchors may still be coming: no push changes the reference)
+            self._wait_until(lambda: self._sampled >= self._limit)
         self._stopped = True
         self._perf.trainer_idle += time.perf_counter() - start
 
-    def _wait_for_actor_phases(self) -> None:
-        """Wait until the actor's engine is done with the batches `settle` let the generator begin (their anchors may
-        still be coming: the reference's engine no push changes); re-raises the generator's failure."""
+    def _wait_until(self, reached: Callable[[], bool]) -> None:
+        """Wait until `reached()` (read under the lock) holds of the batches `settle` let the generator begin; re-raises
+        the generator's failure."""
         with self._cond:
-            self._cond.wait_for(lambda: self._sampled >= self._limit or self._error is not None)
-            self._raise_failure("the asynchronous rollout generator")
-
-    def _wait_for_batches_begun(self) -> None:
-        """Wait until the generator finished the batches `settle` let it begin (re-raises its failure)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._finished >= self._limit or self._error is not None)
+            self._cond.wait_for(lambda: reached() or self._error is not None)
             self._raise_failure("the asynchronous rollout generator")
 
     def close(self) -> None:
@@ -228,7 +223,7 @@ class AsyncRollouts(OverlappedRollouts):
         self.settle()
         if self.pausable is not None:
             self.pausable.resume(self.version)
-        self._wait_for_batches_begun()
+        self._wait_until(lambda: self._finished >= self._limit)
         if self.pausable is not None:
             self.pausable.pause()
         self.anchors.drain()

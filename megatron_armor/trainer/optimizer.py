@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
 from megatron_armor.config import TrainConfig
+from megatron_armor.convert.weights import splitting_group
 from megatron_armor.diagnostics.subspace import Sharding, SubspaceConstraint
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
@@ -204,21 +204,16 @@ def subspace_constraint(model: GPTModel, k: int, mode: str) -> SubspaceConstrain
 
     Under tensor parallelism the bases are those of the full matrices: Megatron marks a split weight
     with `tensor_model_parallel` and its `partition_dim` (0: column-parallel qkv / fc1, 1: row-parallel
-    proj / fc2), which become each shard's `Sharding` over the group that splits it (`_splitting_group`).
+    proj / fc2), which become each shard's `Sharding` over the group that splits it (`splitting_group`).
     """
     params = {name: p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("decoder.")}
-    groups = {name: _splitting_group(p) for name, p in params.items() if getattr(p, "tensor_model_parallel", False)}
+    # Megatron keeps the expert weights it splits over the expert-TP group out of the dense reductions (`allreduce`
+    # False: under EP, or an expert TP size other than TP); an expert's expert-TP group is the TP group otherwise
+    groups = {name: splitting_group(expert=not getattr(p, "allreduce", True))
+              for name, p in params.items() if getattr(p, "tensor_model_parallel", False)}
     sharding = {name: Sharding(params[name].partition_dim, group) for name, group in groups.items()
                 if torch.distributed.get_world_size(group) > 1}
     return SubspaceConstraint(
         params, {name: p.detach().clone() for name, p in params.items()}, k=k, mode=mode, sharding=sharding
     )
 
-
-def _splitting_group(param: torch.nn.Parameter) -> torch.distributed.ProcessGroup:
-    """The group a tensor-parallel weight is split over: the expert-TP group for the expert weights Megatron keeps
-    out of the dense reductions (`allreduce` False: under EP, or an expert TP size other than TP), else the TP group
-    (an expert's expert-TP group is the TP group otherwise)."""
-    if getattr(param, "allreduce", True):
-        return parallel_state.get_tensor_model_parallel_group()
-    return parallel_state.get_expert_tensor_parallel_group()

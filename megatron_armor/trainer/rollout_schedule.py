@@ -12,12 +12,12 @@ hold the weights from before it again) or one skipped for a non-finite loss or g
 the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it
 pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate
 find no rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own (trainer/anchor_prefetch.py):
-the next rollout's while this one is generated. Samples are one weight version
-old: the loss corrects them with the behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1
-weight against the engine's logprobs). When the gate rejects step t's update, the queued rollout is kept: the
-rollback restores theta_t, the weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an
-accepted update leaves it one version old. The background rollout's collectives run over a gloo group of their own,
-so they never interleave with the trainer's on the default group.
+the next rollout's while this one is generated. Samples are one weight version old: the loss corrects them with the
+behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1 weight against the engine's
+logprobs). When the gate rejects step t's update, the queued rollout is kept: the rollback restores theta_t, the
+weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an accepted update leaves it one
+version old. The background rollout's collectives run over a gloo group of their own, so they never interleave with
+the trainer's on the default group.
 
 A checkpoint saves the sampler's position from before the queued rollout, so a resumed run regenerates it
 (with the checkpoint's weights): no prompt is trained twice or skipped. A reference reset drops the queued
@@ -118,7 +118,8 @@ class SyncRollouts(RolloutSchedule):
 class OverlappedRollouts(RolloutSchedule):
     """What the modes that generate beside training (one_step_off, async) share: their rollout phase's collectives run
     over a gloo group of their own, its work runs on a daemon thread whose failure is raised on the trainer's thread
-    (`_raise_failure`), ARMOR's anchors are sampled ahead (`anchors`, the phase's `anchors_ahead`), and the step's overlap figures (`_perf`, `step_metrics`)."""
+    (`_raise_failure`), ARMOR's anchors are sampled ahead (`anchors`, the phase's `anchors_ahead`), and the step's
+    overlap figures (`_perf`, `step_metrics`)."""
 
     def __init__(self, phase: RolloutPhase, sampler: PromptSampler, last_step: int | None) -> None:
         super().__init__(phase, sampler, last_step)
@@ -134,6 +135,11 @@ class OverlappedRollouts(RolloutSchedule):
         """How many generation batches beyond the one in use have their anchors sampled ahead (one_step_off: the
         next rollout's first)."""
         return 1
+
+    def close(self) -> None:
+        """Let the rollout generating finish, and the anchors sampled ahead."""
+        super().close()
+        self.anchors.drain()
 
     @classmethod
     def rollout_group(cls) -> dist.ProcessGroup | None:
@@ -227,10 +233,6 @@ class OneStepOffRollouts(OverlappedRollouts):
         self._perf.trainer_idle += waited
         if self._generating_seconds > 0:
             self._perf.overlap_fraction = max(0.0, self._generating_seconds - waited) / self._generating_seconds
-
-    def close(self) -> None:
-        self.settle()
-        self.anchors.drain()
 
     def discard_queued(self) -> None:
         self.settle()
