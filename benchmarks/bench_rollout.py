@@ -15,9 +15,8 @@ sampling (T = 1, seeded) and threads, alternating the two `--repeats` times, for
 model with short EOS-terminated responses, (b) 8 layers x 512 hidden x 32k vocabulary, 128-token
 prompts, 64 new tokens ((b') the same with RL's layout, 2 prompts x 8 samples each: the engine prefills a shared
 prompt once), (c) the model of (b) with long-tailed lengths (most rows stop after a few
-tokens, an eighth run to the limit). Tokens/s counts the response tokens each side produced. For (b) it also times
-the model's matrix products alone on the same shapes (`gemm_floor_seconds`): HF's time over that is the largest
-ratio any fp32 engine using torch's kernels could reach.
+tokens, an eighth run to the limit). Tokens/s counts the response tokens each side produced. The engine also runs
+with `prepack_weights=False` (its linear layers on `F.linear`, as HF's are) to show what the oneDNN weight layout adds.
 """
 
 from __future__ import annotations
@@ -91,51 +90,26 @@ def _hf_generate(model, prompts: list[list[int]], sampling: SamplingParams) -> i
     return int((~after_stop).sum())
 
 
-def _vs_hf_case(name: str, model, prompts, sampling: SamplingParams, repeats: int, floor: bool = False) -> None:
-    """Alternate HF generate and the engine `repeats` times; print the best tokens/s of each and the ratio. With
-    `floor` (every row runs to max_new_tokens, prompts of one length) also `gemm_floor_seconds` of the same work,
-    alternated with them: the best possible ratio, min HF seconds / min floor seconds."""
-    engine = LocalEngine(model)
-    seconds = {"hf": [], "engine": [], "floor": []}
+def _vs_hf_case(name: str, path: Path, prompts, sampling: SamplingParams, repeats: int) -> None:
+    """Alternate HF generate, the engine on `F.linear` (`prepack_weights=False`) and the engine `repeats` times, each
+    on its own copy of the checkpoint at `path`; print the best tokens/s of each and the engine's ratios to both."""
+    hf_model = _load(path)
+    engines = {"unpacked": LocalEngine(_load(path), prepack_weights=False), "engine": LocalEngine(_load(path))}
+    seconds = {"hf": [], "unpacked": [], "engine": []}
     tokens = {}
     for _ in range(repeats):
-        t, tokens["hf"] = timed(lambda: _hf_generate(model, prompts, sampling))
+        t, tokens["hf"] = timed(lambda: _hf_generate(hf_model, prompts, sampling))
         seconds["hf"].append(t)
-        t, generations = timed(lambda: engine.generate(prompts, sampling))
-        seconds["engine"].append(t)
-        tokens["engine"] = sum(len(g.response_ids) for g in generations)
-        if floor:
-            seconds["floor"].append(gemm_floor_seconds(model, len(prompts), len(prompts[0]), sampling.max_new_tokens))
-    rate = {k: tokens[k] / min(seconds[k]) for k in ("hf", "engine")}
-    bound = f"{min(seconds['hf']) / min(seconds['floor']):>9.2f}x" if floor else f"{'-':>10}"
-    print(f"{name:>34} {tokens['hf']:>7} {rate['hf']:>9.1f} {tokens['engine']:>7} {rate['engine']:>9.1f} "
-          f"{rate['engine'] / rate['hf']:>6.2f}x {bound}")
+        for side, engine in engines.items():
+            t, generations = timed(lambda: engine.generate(prompts, sampling))
+            seconds[side].append(t)
+            tokens[side] = sum(len(g.response_ids) for g in generations)
+    rate = {k: tokens[k] / min(seconds[k]) for k in seconds}
+    print(f"{name:>34} {tokens['hf']:>7} {rate['hf']:>9.1f} {rate['unpacked']:>10.1f} {tokens['engine']:>7} "
+          f"{rate['engine']:>9.1f} {rate['engine'] / rate['hf']:>6.2f}x {rate['engine'] / rate['unpacked']:>9.2f}x")
 
 
-@torch.no_grad()
-def gemm_floor_seconds(model, rows: int, prompt_len: int, new_tokens: int) -> float:
-    """Seconds the model's own matrix products take for a generation of `rows` prompts of `prompt_len` tokens and
-    `new_tokens` new ones (prefill: every linear layer on rows x prompt_len tokens, the LM head on the last position
-    only; then new_tokens - 1 decode steps of one token per row), each `F.linear` on random inputs of the right
-    shape: no attention, norms, sampling or bookkeeping. No fp32 engine that runs these products with torch's
-    kernels can take less, so hf_seconds / this bounds any engine's speed-up over HF `generate`."""
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.get_output_embeddings().weight
-    body = [w for w in linears if w is not head]
-    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1]) for w in [*body, head] for n in (rows, rows * prompt_len)}
-    start = time.perf_counter()
-    for weight in body:
-        torch.nn.functional.linear(inputs[rows * prompt_len, weight.shape[1]], weight)
-    for _ in range(new_tokens - 1):
-        for weight in body:
-            torch.nn.functional.linear(inputs[rows, weight.shape[1]], weight)
-    for _ in range(new_tokens):
-        torch.nn.functional.linear(inputs[rows, head.shape[1]], head)
-    return time.perf_counter() - start
-
-
-def _model(tmp: str, name: str, **options):
-    path = make_tiny_checkpoint(Path(tmp) / name, seed=0, **options)
+def _load(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -143,27 +117,29 @@ def vs_hf(repeats: int) -> None:
     """Cases (a)-(c) of issue 18 (see the module docstring)."""
     g = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads; best of {repeats} alternating runs; T = 1, top-p 1")
-    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'eng tok':>7} {'eng tok/s':>9} {'ratio':>7} {'max ratio':>10}")
-    print("(max ratio: HF's time over the model's matrix products alone, gemm_floor_seconds: no fp32 engine beats it)")
+    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'F.linear/s':>10} {'eng tok':>7} {'eng tok/s':>9} "
+          f"{'vs hf':>7} {'vs F.lin':>10}")
+    print("(F.linear/s: the engine with prepack_weights=False, tokens/s; eng: the engine as it runs by default)")
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = _model(tmp, "tiny")  # 2 layers x 64 hidden, 128-token vocabulary
+        tiny = make_tiny_checkpoint(Path(tmp) / "tiny", seed=0)  # 2 layers x 64 hidden, 128-token vocabulary
         prompts = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 17, (32,), generator=g)]
         _vs_hf_case("(a) tiny, 32 prompts, EOS-terminated", tiny, prompts,
                     SamplingParams(temperature=1.0, max_new_tokens=32, seed=0, stop_token_ids=[2, 3, 4, 5]), repeats)
-        big = _model(tmp, "big", hidden_size=512, num_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                     intermediate_size=1536, vocab_size=32000, max_position_embeddings=512)
+        big = make_tiny_checkpoint(Path(tmp) / "big", seed=0, hidden_size=512, num_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=4, intermediate_size=1536, vocab_size=32000,
+                                   max_position_embeddings=512)
         prompts = [torch.randint(1, 96, (128,), generator=g).tolist() for _ in range(16)]
         _vs_hf_case("(b) 8x512, 32k vocab, 16x128 -> 64", big, prompts,
-                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats, floor=True)
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)
         # (b) in RL's layout: 2 prompts x 8 samples each (TRL's GRPOTrainer also hands `generate` each prompt
         # repeated num_generations times); the engine prefills each prompt once, HF's generate every row
         rl_prompts = [prompt for prompt in prompts[:2] for _ in range(8)]
         _vs_hf_case("(b') as (b), 2 prompts x 8 samples", big, rl_prompts,
-                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)  # the floor assumes 16 prefills
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)
         # (c), greedy so both sides decode the same rows: stop tokens are tokens that rows 2.. draw within
         # their first 6 and rows 0-1 never draw, so 14 rows stop within 6 tokens and 2 run to the limit.
         greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
-        drawn = [g.response_ids for g in LocalEngine(big).generate(prompts, greedy)]
+        drawn = [g.response_ids for g in LocalEngine(_load(big)).generate(prompts, greedy)]
         stops = sorted({t for ids in drawn[2:] for t in ids[:6]} - {t for ids in drawn[:2] for t in ids})
         _vs_hf_case("(c) as (b) greedy, 14 rows stop <= 6", big, prompts,
                     SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=stops), repeats)
@@ -189,13 +165,13 @@ def main() -> None:
             Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=8,
             num_key_value_heads=4, intermediate_size=args.hidden * 3, max_position_embeddings=1024, seed=0,
         )
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = _load(model_dir)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 96, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
         sampling = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
         tokens = args.prompts * args.new_tokens
 
-        engine = LocalEngine(model)
+        engine = LocalEngine(_load(model_dir))  # its own copy: the engine replaces its model's linear layers
         engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up
         baseline_s, produced = timed(lambda: uncached_generate(model, prompts, args.new_tokens))
         engine_s, generations = timed(lambda: engine.generate(prompts, sampling))

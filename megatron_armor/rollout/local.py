@@ -2,7 +2,9 @@
 
 The CPU default behind `RolloutEngine`; the SGLang client implements the same interface for GPU
 clusters. Prompts are left-padded into one batch (position ids restart at each row's first real
-token) and decoded incrementally with HF's `DynamicCache`, on the device the model lives on.
+token) and decoded incrementally with a KV cache preallocated for the batch (`rollout/kv_cache.py`), on the
+device the model lives on; on the CPU its linear layers multiply by weights laid out once for oneDNN
+(`rollout/prepacked_linear.py`).
 
 `weight_precision` ("fp32" | "bf16" | "fp8", see `rollout/precision.py`) rounds the weights the
 engine loads and receives, so its logprobs differ from the trainer's the way production engines do.
@@ -28,6 +30,7 @@ from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.expert_views import checkpoint_named_views
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
+from megatron_armor.rollout.prepacked_linear import drop_layouts, prepack_linears
 from megatron_armor.rollout.route_capture import RouteCapture
 
 
@@ -175,17 +178,25 @@ class _DecodeBatch:
 
 
 class LocalEngine(RolloutEngine):
-    """Samples from an HF causal LM on the device its parameters live on (the CPU unless moved)."""
+    """Samples from an HF causal LM on the device its parameters live on (the CPU unless moved).
+
+    The engine owns `model`: with `prepack_weights` (default) its `nn.Linear` layers are replaced in place by
+    `PrepackedLinear`s over the same Parameters, which run float32 CPU products on a oneDNN layout of the weights
+    (`rollout/prepacked_linear.py`: 1.2-3.6x faster products, one more copy of the linear weights in memory).
+    """
 
     def __init__(
         self, model: str | Path | PreTrainedModel, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 256,
         pad_token_id: int = 0, weight_precision: EnginePrecision = "fp32", record_routes: bool = False,
+        prepack_weights: bool = True,
     ) -> None:
         if weight_precision not in ENGINE_PRECISIONS:
             raise ValueError(f"unknown weight_precision {weight_precision!r}; choose one of {ENGINE_PRECISIONS}")
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         self.model = model.eval()
+        if prepack_weights:  # before any hook goes on a linear layer: the layers are replaced
+            prepack_linears(model)
         # transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name stays an alias for a
         # while); a name the model does not take would vanish into **kwargs and decode without the history.
         parameters = inspect.signature(model.forward).parameters
@@ -336,6 +347,11 @@ class LocalEngine(RolloutEngine):
                 )
         for name, tensor in updates:
             params[name].copy_(quantize_weight(tensor.detach(), self.weight_precision))
+
+    def release_weight_layouts(self) -> None:
+        """Free the prepacked layers' oneDNN copies of the weights (made again from the weights at the next
+        generation): for a memory release that frees the weights' storages."""
+        drop_layouts(self.model)
 
     @property
     def device(self) -> torch.device:

@@ -420,6 +420,7 @@ class LocalServerState:
         with self.engine_lock:
             if "weights" in tags:
                 self._weights.park(keep_values=self.weights_cpu_backup)
+                self.engine.release_weight_layouts()
                 if not self.weights_cpu_backup:
                     self.stale_weights = set(self.engine.named_parameters_hf())
             if self.device.type == "cuda":

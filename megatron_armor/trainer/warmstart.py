@@ -52,7 +52,7 @@ class WarmStartResult:
 
 def sampled_accuracy(model, tokenizer, rows: list[dict], *, seed: int, max_new_tokens: int = 40) -> float:
     """Fraction of `rows` whose T=1 sample passes the arithmetic verifier."""
-    engine = LocalEngine(model, pad_token_id=tokenizer.pad_token_id)
+    engine = LocalEngine(model, pad_token_id=tokenizer.pad_token_id, prepack_weights=False)  # `model` is in training
     prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
     generations = engine.generate(prompts, sampling)

@@ -1,8 +1,11 @@
 """The optimized `LocalEngine` (last-position logits at the prefill, a preallocated KV cache, finished rows
-dropped from the decode batch) generates what the plain decode loop it replaced generates: the same tokens,
-greedy and sampled with a seed (whose draws it preserves), and the same logprobs: bit-identical with one BLAS
-thread; with several, the smaller batches and the attention over the preallocated cache's masked slots may round
-the last bit differently (1 ulp, ~5e-7 at |logprob| ~ 4.5), which `LOGPROB_ATOL` allows."""
+dropped from the decode batch, linear layers on oneDNN-laid-out weights) generates what the plain decode loop it
+replaced generates on an unmodified copy of the model (`F.linear` products): the same tokens, greedy and sampled
+with a seed (whose draws it preserves), and the same logprobs up to `LOGPROB_ATOL`: oneDNN sums the products in
+another order than MKL, and with several threads the attention over the preallocated cache's masked slots may
+round the last bit differently."""
+
+import copy
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine, _DecodeBatch
+from megatron_armor.rollout.prepacked_linear import PrepackedLinear
 
 
 @torch.no_grad()
@@ -53,6 +57,20 @@ def reference_generate(model, prompts, sampling: SamplingParams, pad_token_id: i
     return out
 
 
+def _model(tiny_model_factory):
+    """A small Qwen2 whose MLP and LM head are large enough for the engine to prepack (2^17 weight elements)."""
+    path = tiny_model_factory("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=768, vocab_size=1024)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _engine(model) -> LocalEngine:
+    """The optimized engine on its own copy of `model` (it replaces its model's linear layers)."""
+    engine = LocalEngine(copy.deepcopy(model))
+    assert any(isinstance(m, PrepackedLinear) for m in engine.model.modules())
+    return engine
+
+
 LOGPROB_ATOL = 2e-6  # a few fp32 ulps at the magnitudes here; a real change of the computation moves them by far more
 
 PROMPTS = [[5, 9, 17, 3], [40, 41], [7, 8, 9, 10, 11, 12, 13], [99], [3, 3, 3, 60, 61], [20, 30, 40],
@@ -67,7 +85,7 @@ def test_engine_equals_the_plain_decode_loop_with_rows_that_stop_early(tiny_mode
     stop after a few tokens while others run to the limit (an even batch drops them mid-generation, an odd
     one keeps its size: its matmuls would round differently)."""
     prompts = PROMPTS[:rows]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32).eval()
+    model = _model(tiny_model_factory)
     free = SamplingParams(temperature=temperature, max_new_tokens=24, seed=3)
     drawn = [ids for ids, _ in reference_generate(model, prompts, free)]
     stops = sorted({ids[2] for ids in drawn[:3]} | {drawn[3][10]})  # early stops, and one later
@@ -76,7 +94,7 @@ def test_engine_equals_the_plain_decode_loop_with_rows_that_stop_early(tiny_mode
     kept = []
     keep = _DecodeBatch._keep
     monkeypatch.setattr(_DecodeBatch, "_keep", lambda self, rows: (kept.append(len(rows)), keep(self, rows))[1])
-    got = LocalEngine(model).generate(prompts, sampling)
+    got = _engine(model).generate(prompts, sampling)
     assert (min(kept) < rows if rows % 2 == 0 else not kept), kept  # an even decode batch shrank
     lengths = [len(g.response_ids) for g in got]
     assert min(lengths) < 8 and max(lengths) == 24, lengths  # the batch shrinks while some rows run on
@@ -87,9 +105,9 @@ def test_engine_equals_the_plain_decode_loop_with_rows_that_stop_early(tiny_mode
 
 
 def test_sampled_generation_is_reproducible_and_equals_the_plain_loop_without_stops(tiny_model_factory):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32).eval()
+    model = _model(tiny_model_factory)
     sampling = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=16, seed=11)
-    engine = LocalEngine(model)
+    engine = _engine(model)
     first, second = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)
     assert [g.response_ids for g in first] == [g.response_ids for g in second]
     assert [g.logprobs for g in first] == [g.logprobs for g in second]
@@ -104,13 +122,13 @@ def test_rows_that_share_a_prompt_are_prefilled_once_and_generate_what_the_plain
     """RL's layout: n rows per prompt (prompts of mixed lengths, left-padded). The engine prefills each distinct prompt
     once (the prefill's batch is 3 rows, not 12) and copies its cache to the rows, which then sample apart: the
     same tokens and logprobs as the plain loop, which prefills all 12."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen2"), dtype=torch.float32).eval()
+    model = _model(tiny_model_factory)
     prompts = [PROMPTS[k] for k in (2, 0, 1) for _ in range(4)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
     prefill_rows = []
     model.register_forward_pre_hook(lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
                                     with_kwargs=True)
-    got = LocalEngine(model).generate(prompts, sampling)
+    got = _engine(model).generate(prompts, sampling)
     assert prefill_rows[0] == (3, 7) and prefill_rows[1] == (12, 1)  # 3 distinct prompts, then every row decodes
     want = reference_generate(model, prompts, sampling)
     assert [g.response_ids for g in got] == [ids for ids, _ in want]
