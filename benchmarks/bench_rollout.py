@@ -9,6 +9,7 @@ HTTP server (`--http`), to show the protocol overhead. Ratios are against (b), m
     python benchmarks/bench_rollout.py                      # small CPU model
     python benchmarks/bench_rollout.py --hidden 512 --layers 8 --prompts 32 --new-tokens 64 --http
     python benchmarks/bench_rollout.py --vs-hf              # against transformers' generate (issue 18)
+    python benchmarks/bench_rollout.py --vs-hf --device cuda --dtype bfloat16   # the same on a GPU
 
 `--vs-hf` instead times HF `model.generate` against `LocalEngine.generate` on the same model, prompts,
 sampling (T = 1, seeded) and threads, alternating the two `--repeats` times, for three cases: (a) a tiny
@@ -51,9 +52,17 @@ def uncached_generate(model, prompts: list[list[int]], new_tokens: int) -> int:
 
 
 def timed(fn) -> tuple[float, object]:
+    """(seconds, result) of `fn()`; on a GPU the seconds include the work it queued."""
+    _synchronize()
     start = time.perf_counter()
     result = fn()
+    _synchronize()
     return time.perf_counter() - start, result
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def http_seconds(model_dir: Path, prompts: list[list[int]], sampling: SamplingParams) -> float:
@@ -77,24 +86,26 @@ def http_seconds(model_dir: Path, prompts: list[list[int]], sampling: SamplingPa
 def _hf_generate(model, prompts: list[list[int]], sampling: SamplingParams) -> int:
     """transformers' own sampler on the left-padded batch; returns the response tokens it produced
     (up to and including the first stop token of each row)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    width, device = max(len(p) for p in prompts), model.device
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     torch.manual_seed(sampling.seed or 0)
     draw = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
     out = model.generate(input_ids=ids, attention_mask=mask, **(draw if sampling.temperature > 0 else {"do_sample": False}),
                          max_new_tokens=sampling.max_new_tokens, pad_token_id=0,
                          eos_token_id=list(sampling.stop_token_ids) or None)[:, width:]
-    stop = torch.isin(out, torch.tensor(list(sampling.stop_token_ids) or [-1]))
+    stop = torch.isin(out, torch.tensor(list(sampling.stop_token_ids) or [-1], device=device))
     after_stop = (stop.cumsum(-1) - stop.long()) > 0  # positions after each row's first stop token
     return int((~after_stop).sum())
 
 
-def _vs_hf_case(name: str, path: Path, prompts, sampling: SamplingParams, repeats: int) -> None:
+def _vs_hf_case(name: str, path: Path, prompts, sampling: SamplingParams, repeats: int, **placement) -> None:
     """Alternate HF generate, the engine on `F.linear` (`prepack_weights=False`) and the engine `repeats` times, each
-    on its own copy of the checkpoint at `path`; print the best tokens/s of each and the engine's ratios to both."""
-    hf_model = _load(path)
-    engines = {"unpacked": LocalEngine(_load(path), prepack_weights=False), "engine": LocalEngine(_load(path))}
+    on its own copy of the checkpoint at `path` (on `placement`'s device and dtype); print the best tokens/s of each
+    and the engine's ratios to both."""
+    hf_model = _load(path, **placement)
+    engines = {"unpacked": LocalEngine(_load(path, **placement), prepack_weights=False),
+               "engine": LocalEngine(_load(path, **placement))}
     seconds = {"hf": [], "unpacked": [], "engine": []}
     tokens = {}
     for _ in range(repeats):
@@ -109,14 +120,16 @@ def _vs_hf_case(name: str, path: Path, prompts, sampling: SamplingParams, repeat
           f"{rate['engine']:>9.1f} {rate['engine'] / rate['hf']:>6.2f}x {rate['engine'] / rate['unpacked']:>9.2f}x")
 
 
-def _load(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def _load(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def vs_hf(repeats: int) -> None:
-    """Cases (a)-(c) of issue 18 (see the module docstring)."""
+def vs_hf(repeats: int, device: str, dtype: torch.dtype) -> None:
+    """Cases (a)-(c) of issue 18 (see the module docstring), every model on `device` in `dtype`."""
     g = torch.Generator().manual_seed(0)
-    print(f"{torch.get_num_threads()} threads; best of {repeats} alternating runs; T = 1, top-p 1")
+    placement = {"device": device, "dtype": dtype}
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    print(f"{where}, {dtype}; best of {repeats} alternating runs; T = 1, top-p 1")
     print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'F.linear/s':>10} {'eng tok':>7} {'eng tok/s':>9} "
           f"{'vs hf':>7} {'vs F.lin':>10}")
     print("(F.linear/s: the engine with prepack_weights=False, tokens/s; eng: the engine as it runs by default)")
@@ -124,25 +137,26 @@ def vs_hf(repeats: int) -> None:
         tiny = make_tiny_checkpoint(Path(tmp) / "tiny", seed=0)  # 2 layers x 64 hidden, 128-token vocabulary
         prompts = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 17, (32,), generator=g)]
         _vs_hf_case("(a) tiny, 32 prompts, EOS-terminated", tiny, prompts,
-                    SamplingParams(temperature=1.0, max_new_tokens=32, seed=0, stop_token_ids=[2, 3, 4, 5]), repeats)
+                    SamplingParams(temperature=1.0, max_new_tokens=32, seed=0, stop_token_ids=[2, 3, 4, 5]), repeats,
+                    **placement)
         big = make_tiny_checkpoint(Path(tmp) / "big", seed=0, hidden_size=512, num_layers=8, num_attention_heads=8,
                                    num_key_value_heads=4, intermediate_size=1536, vocab_size=32000,
                                    max_position_embeddings=512)
         prompts = [torch.randint(1, 96, (128,), generator=g).tolist() for _ in range(16)]
         _vs_hf_case("(b) 8x512, 32k vocab, 16x128 -> 64", big, prompts,
-                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats, **placement)
         # (b) in RL's layout: 2 prompts x 8 samples each (TRL's GRPOTrainer also hands `generate` each prompt
         # repeated num_generations times); the engine prefills each prompt once, HF's generate every row
         rl_prompts = [prompt for prompt in prompts[:2] for _ in range(8)]
         _vs_hf_case("(b') as (b), 2 prompts x 8 samples", big, rl_prompts,
-                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats)
+                    SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), repeats, **placement)
         # (c), greedy so both sides decode the same rows: stop tokens are tokens that rows 2.. draw within
         # their first 6 and rows 0-1 never draw, so 14 rows stop within 6 tokens and 2 run to the limit.
         greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
-        drawn = [g.response_ids for g in LocalEngine(_load(big)).generate(prompts, greedy)]
+        drawn = [g.response_ids for g in LocalEngine(_load(big, **placement)).generate(prompts, greedy)]
         stops = sorted({t for ids in drawn[2:] for t in ids[:6]} - {t for ids in drawn[:2] for t in ids})
         _vs_hf_case("(c) as (b) greedy, 14 rows stop <= 6", big, prompts,
-                    SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=stops), repeats)
+                    SamplingParams(temperature=0.0, max_new_tokens=64, stop_token_ids=stops), repeats, **placement)
 
 
 def main() -> None:
@@ -155,9 +169,11 @@ def main() -> None:
     parser.add_argument("--http", action="store_true", help="also time the SGLang-schema HTTP path")
     parser.add_argument("--vs-hf", action="store_true", help="time HF generate against the engine (cases a-c)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="--vs-hf: where the models run (cpu, cuda)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--vs-hf: model dtype")
     args = parser.parse_args()
     if args.vs_hf:
-        vs_hf(args.repeats)
+        vs_hf(args.repeats, args.device, getattr(torch, args.dtype))
         return
 
     with tempfile.TemporaryDirectory() as tmp:

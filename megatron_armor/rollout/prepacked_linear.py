@@ -2,10 +2,10 @@
 
 `torch.nn.functional.linear` on the CPU calls MKL's general matrix product, which reads the weight in its
 [out, in] row-major layout on every call. A decode step multiplies every weight by a handful of rows (one token
-per sequence), so it is bound by how the weight streams through the caches: on the 2-core CPU box
-(benchmarks/bench_rollout.py --vs-hf) oneDNN's inner product on a weight re-laid-out once for it ran a
-[16, 512] x [512, 32000] LM head 3.6x faster and a [16, 512] x [512, 1536] projection 1.7x faster than
-`F.linear`, and 2048-row prefill products 1.2x faster.
+per sequence), so it is bound by how the weight streams through the caches. Timed alone on the 2-core CPU box
+(2026-12-04, 2 threads), oneDNN's inner product on a weight re-laid-out once for it ran a [16, 512] x [512, 32000]
+LM head 3.6x faster and a [16, 512] x [512, 1536] projection 1.7x faster than `F.linear`, 2048-row prefill
+products 1.2x faster; whole generations: docs/benchmarks.md (benchmarks/bench_rollout.py --vs-hf).
 
 The products stay float32 with float32 accumulation; oneDNN sums in another order than MKL, so outputs differ
 from `F.linear`'s by a few units in the last place (logprobs by ~1e-6, tests/rollout/test_prepacked_linear.py).
@@ -13,11 +13,12 @@ A row's output does not depend on how many rows are multiplied with it (each row
 of any size), which MKL does not guarantee for small batches.
 
 `PrepackedLinear` holds the very `weight` and `bias` Parameters of the `nn.Linear` it replaces (names, tied
-weights and in-place weight updates carry over; hooks on the replaced `nn.Linear` itself do not) and re-lays the weight out whenever it
-changed since the last layout (its storage or its version counter: `copy_` in `LocalEngine.update_weights`); a
-write that bypasses both (into the storage's bytes) needs `drop_layout`. The laid-out copy costs one more copy of
-every prepacked weight in CPU memory; `drop_layouts` frees them (serve-local's memory release). Inputs that are not float32 CPU tensors
-(a GPU engine, bf16), and any forward that needs gradients, go through `F.linear`.
+weights and in-place weight updates carry over; hooks on the replaced `nn.Linear` itself do not). It lays the weight
+out again whenever it changed since the last layout (its storage or its version counter: `copy_` in
+`LocalEngine.update_weights`); a write that bypasses both (into the storage's bytes) needs `drop_layout`. The
+layout costs one more copy of every prepacked weight in CPU memory; `drop_layouts` frees them (serve-local's memory
+release). Inputs that are not float32 CPU tensors (a GPU engine, bf16), and any forward that needs gradients, go
+through `F.linear`.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ class PrepackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
         weight = self.weight
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if needs_grad or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.numel():
-            return F.linear(x, weight, self.bias)  # the laid-out product has no backward
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # oneDNN's has no backward
+        float32_cpu = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+        if needs_grad or not float32_cpu or not x.numel():
+            return F.linear(x, weight, self.bias)
         key = (weight.data_ptr(), weight._version)
         if key != self._layout_of:
             self._layout = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
