@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a session lent a GPU machine (the device tool's `run`). Two parts,
+# The GPU checks, as one script for a session lent a GPU machine (the device tool's `run`). Three parts,
 # each a call of its own that ends inside 540 s (their timeouts sum to 480 s each); a session's 15
 # minutes of device time hold one part with room to rerun it, so a session picks the part its issue needs:
 #     run(command="bash scripts/gpu_checks.sh kernels", timeout_s=540)
 #     run(command="bash scripts/gpu_checks.sh serving", carry=[".whl"], timeout_s=540)
+#     run(command="bash scripts/gpu_checks.sh engine", timeout_s=540)
 # The machine's image has python3 with torch, triton, transformers and pytest, no megatron-core and no
 # virtualenv. The serving part needs megatron-core as a wheel in .whl/ (ignored by git; fetch it here with
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -21,9 +22,13 @@
 #     tests/rollout/test_cuda_server.py: CUDA-IPC weight pushes, a memory release seen by another
 #     process, `armor train` (bf16, offload, release) on one GPU beside its servers;
 #     benchmarks/bench_weight_sync.py --device cuda: CUDA-IPC sync against a device-to-device copy.
+#   engine (issue 18; needs no megatron-core):
+#     tests/rollout/test_cuda_local_engine.py: the in-process engine on the GPU in bf16 and fp32, logprobs
+#     against a full forward of the same weights on the GPU;
+#     benchmarks/bench_rollout.py --vs-hf --device cuda --dtype bfloat16: the engine against HF generate.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
-PARTS=${*:?name the part to run: kernels or serving (see the header)}
+PARTS=${*:?name the part to run: kernels, serving or engine (see the header)}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -45,7 +50,13 @@ for part in $PARTS; do
       (cd benchmarks && timeout 190 python3 bench_weight_sync.py --device cuda --hidden 2048 --layers 4 --repeats 3) 2>&1 \
         | tee "$OUT/bench_weight_sync_cuda.txt" || status=1
       ;;
-    *) echo "unknown part $part (kernels, serving)"; exit 2 ;;
+    engine)
+      timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/rollout/test_cuda_local_engine.py 2>&1 \
+        | tee "$OUT/engine_tests.log" || status=1
+      timeout 280 python3 benchmarks/bench_rollout.py --vs-hf --device cuda --dtype bfloat16 --repeats 3 2>&1 \
+        | tee "$OUT/bench_rollout_cuda.txt" || status=1
+      ;;
+    *) echo "unknown part $part (kernels, serving, engine)"; exit 2 ;;
   esac
 done
 exit $status
