@@ -1,7 +1,7 @@
 """Where the trainer's in-process engines run (`trainer/build.py`): on the training GPU in the trainer's parameter
 dtype when there is one, else on the CPU in float32. No GPU here, so the CPU stands in for it: the path a GPU run
 takes (the model cast to bf16 and moved to the device, the prepacked layers falling back to `F.linear`) runs for
-real; scripts/gpu_checks.sh runs the same on a GPU."""
+real; tests/rollout/test_cuda_local_engine.py checks the engine on a GPU (scripts/gpu_checks.sh engine)."""
 
 from pathlib import Path
 
