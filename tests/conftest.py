@@ -32,6 +32,14 @@ def tiny_model_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def prepackable_model(tiny_model_factory):
+    """A small Qwen2 checkpoint whose MLP and LM head are large enough for the in-process engine to prepack (>= 2^17
+    weights: rollout/prepacked_linear.py) while its attention projections are not."""
+    return tiny_model_factory("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=768, vocab_size=1024)
+
+
+@pytest.fixture(scope="session")
 def synthetic_cache(tmp_path_factory):
     """One synthetic-task cache (tiny model + warm start) shared by every training-run test."""
     return tmp_path_factory.mktemp("armor-cache")

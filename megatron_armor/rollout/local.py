@@ -3,8 +3,8 @@
 The CPU default behind `RolloutEngine`; the SGLang client implements the same interface for GPU
 clusters. Prompts are left-padded into one batch (position ids restart at each row's first real
 token) and decoded incrementally with a KV cache preallocated for the batch (`rollout/kv_cache.py`), on the
-device the model lives on; on the CPU its linear layers multiply by weights laid out once for oneDNN
-(`rollout/prepacked_linear.py`).
+device the model lives on; on the CPU its larger linear layers (>= 2^17 weights) multiply float32 inputs by weights
+laid out once for oneDNN (`rollout/prepacked_linear.py`).
 
 `weight_precision` ("fp32" | "bf16" | "fp8", see `rollout/precision.py`) rounds the weights the
 engine loads and receives, so its logprobs differ from the trainer's the way production engines do.
@@ -180,9 +180,9 @@ class _DecodeBatch:
 class LocalEngine(RolloutEngine):
     """Samples from an HF causal LM on the device its parameters live on (the CPU unless moved).
 
-    The engine owns `model`: with `prepack_weights` (default) its `nn.Linear` layers are replaced in place by
-    `PrepackedLinear`s over the same Parameters, which run float32 CPU products on a oneDNN layout of the weights
-    (`rollout/prepacked_linear.py`: 1.2-3.6x faster products, one more copy of the linear weights in memory).
+    The engine owns `model`: with `prepack_weights` (default) its `nn.Linear` layers of >= 2^17 weights are replaced
+    in place by `PrepackedLinear`s over the same Parameters, which run float32 CPU products on a oneDNN layout of the
+    weights (`rollout/prepacked_linear.py`: 1.2-3.6x faster products, one more copy of those weights in memory).
     """
 
     def __init__(

@@ -7,18 +7,19 @@ per sequence), so it is bound by how the weight streams through the caches. Time
 LM head 3.6x faster and a [16, 512] x [512, 1536] projection 1.7x faster than `F.linear`, 2048-row prefill
 products 1.2x faster; whole generations: docs/benchmarks.md (benchmarks/bench_rollout.py --vs-hf).
 
-The products stay float32 with float32 accumulation; oneDNN sums in another order than MKL, so outputs differ
-from `F.linear`'s by a few units in the last place (logprobs by ~1e-6, tests/rollout/test_prepacked_linear.py).
-A row's output does not depend on how many rows are multiplied with it (each row is rounded the same in a batch
-of any size), which MKL does not guarantee for small batches.
+The products stay float32 with float32 accumulation; oneDNN sums in another order than MKL, so outputs may differ
+from `F.linear`'s in the last bits (engine logprobs by a few 1e-6: tests/rollout/test_prepacked_linear.py). A row's
+output does not depend on how many rows are multiplied with it (measured: tests/rollout/test_prepacked_linear.py),
+which MKL does not guarantee for small batches.
 
 `PrepackedLinear` holds the very `weight` and `bias` Parameters of the `nn.Linear` it replaces (names, tied
 weights and in-place weight updates carry over; hooks on the replaced `nn.Linear` itself do not). It lays the weight
 out again whenever it changed since the last layout (its storage or its version counter: `copy_` in
-`LocalEngine.update_weights`); a write that bypasses both (into the storage's bytes) needs `drop_layout`. The
-layout costs one more copy of every prepacked weight in CPU memory; `drop_layouts` frees them (serve-local's memory
-release). Inputs that are not float32 CPU tensors (a GPU engine, bf16), and any forward that needs gradients, go
-through `F.linear`.
+`LocalEngine.update_weights`); a write that bypasses both (into the storage's bytes, or in place through `.data`)
+needs `drop_layout`. The layout costs one more copy of every prepacked weight in CPU memory; `drop_layouts` frees
+them (serve-local's memory release); copies and pickles of the module leave it behind. Inputs that are not float32
+CPU tensors (a GPU engine, bf16), inference-mode weights, and any forward that needs gradients go through
+`F.linear`.
 """
 
 from __future__ import annotations
@@ -40,31 +41,37 @@ class PrepackedLinear(torch.nn.Linear):
         """A `PrepackedLinear` over `linear`'s own weight and bias Parameters (nothing is copied)."""
         packed = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         packed.weight, packed.bias = linear.weight, linear.bias
-        return packed
+        return packed.train(linear.training)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._layout: torch.Tensor | None = None  # the oneDNN copy of `weight`, [out, in] float32
-        self._layout_of: tuple[int, int] | None = None  # (data_ptr, _version) of the weight it was made from
+        # ((data_ptr, _version) of the weight it was made from, the oneDNN copy of `weight` [out, in] float32): one
+        # attribute, so a forward on another thread reads a key and a layout that belong together
+        self._layout: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
-        weight = self.weight
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # oneDNN's has no backward
-        float32_cpu = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-        if needs_grad or not float32_cpu or not x.numel():
-            return F.linear(x, weight, self.bias)
+        weight, bias = self.weight, self.bias
+        parameters = (weight,) if bias is None else (weight, bias)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *parameters))  # oneDNN: no backward
+        float32_cpu = x.device.type == "cpu" and all(t.dtype == torch.float32 for t in (x, *parameters))
+        if needs_grad or not float32_cpu or weight.is_inference() or not x.numel():
+            return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
-        if key != self._layout_of:
-            self._layout = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            self._layout_of = key
-        bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._layout, bias, "none", [], "")
+        layout = self._layout
+        if layout is None or layout[0] != key:
+            layout = self._layout = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+        bias = None if bias is None else bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), layout[1], bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def drop_layout(self) -> None:
         """Free the laid-out copy (the next CPU forward makes it again from the weight as it is then)."""
-        self._layout, self._layout_of = None, None
+        self._layout = None
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles without the layout (an opaque oneDNN tensor neither can take); they make their own."""
+        return {**self.__dict__, "_layout": None}
 
 
 # oneDNN's call costs ~15 us more than MKL's whatever the size; on the 2-core box it pays from about this many weight

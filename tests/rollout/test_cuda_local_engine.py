@@ -15,9 +15,8 @@ PROMPTS = [[5, 9, 17, 3], [40, 41, 42], [7, 8, 9, 10, 11, 12, 13], [99]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_engine_samples_on_the_gpu_in_the_trainers_dtype(tiny_model_factory, dtype):
-    path = tiny_model_factory("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=768, vocab_size=1024)
+def test_engine_samples_on_the_gpu_in_the_trainers_dtype(prepackable_model, dtype):
+    path = prepackable_model
     device = torch.device("cuda", torch.cuda.current_device())
     engine = LocalEngine.from_config(str(path), RolloutConfig(), pad_token_id=0, device=device, dtype=dtype)
     assert {(p.device, p.dtype) for p in engine.model.parameters()} == {(device, dtype)}
