@@ -1,4 +1,5 @@
-"""The one table relating Hugging Face (Llama/Qwen2/Qwen3/Qwen3-MoE) parameters to Megatron-Core GPTModel ones.
+"""The one table relating Hugging Face (Llama/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE) parameters to Megatron-Core GPTModel
+ones.
 
 Every Megatron parameter is produced from one or more HF tensors by one of five layouts:
 
@@ -10,11 +11,14 @@ Every Megatron parameter is produced from one or more HF tensors by one of five 
   groups. Applies to the weight ``[groups*(hpg+2)*d, H]`` and the Qwen2 bias ``[groups*(hpg+2)*d]``.
 - ``gate_up``: SwiGLU fc1; each TP rank holds ``cat(gate_shard, up_shard)``.
 
-Mixture-of-experts layers (Qwen3-MoE) map the router ``mlp.gate`` to ``mlp.router`` (replicated) and HF
+Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE) map the router ``mlp.gate`` to ``mlp.router`` (replicated) and HF
 expert ``e``'s ``mlp.experts.{e}.{gate,up,down}_proj`` to local expert ``j`` of expert-parallel (EP) rank
 ``r`` (``e = r * experts_per_rank + j``): ``mlp.experts.local_experts.{j}.linear_fc1`` (``gate_up``) and
 ``linear_fc2`` (``row``). The table lists every EP rank's experts, each mapping with its ``expert_rank``;
-a rank builds and loads those of its own rank (`for_expert_rank`), gathering lists them all.
+a rank builds and loads those of its own rank (`for_expert_rank`), gathering lists them all. Qwen2-MoE's shared
+expert ``mlp.shared_expert.{gate,up,down}_proj`` is ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``, split over TP
+as a dense MLP on every EP rank, and its gate vector ``mlp.shared_expert_gate.weight`` [1, H] is
+``mlp.shared_experts.gate_weight`` (replicated).
 
 Vocabulary-parallel tensors (``column`` layout of the embedding and output layer) are padded with
 zero rows to ``ModelShape.padded_vocab_size`` on import and cut back to ``vocab_size`` on export.
@@ -80,7 +84,8 @@ def _dense_mlp_mappings(m: str, h: str, fused_norms: bool) -> list[ParamMapping]
 
 def _moe_mappings(m: str, h: str, shape: ModelShape, ep_size: int) -> list[ParamMapping]:
     """A MoE layer's norm (a module of its own in either spec), router and the experts of every EP rank,
-    ordered by local expert, then fc1 / fc2, then EP rank (a parameter's EP copies are consecutive)."""
+    ordered by local expert, then fc1 / fc2, then EP rank (a parameter's EP copies are consecutive), then the shared
+    expert (Qwen2-MoE)."""
     per_rank = shape.num_experts // ep_size
     mappings = [ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
                 ParamMapping(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated")]
@@ -94,6 +99,14 @@ def _moe_mappings(m: str, h: str, shape: ModelShape, ep_size: int) -> list[Param
                              layout, expert_rank=rank)
                 for rank in range(ep_size)
             ]
+    if shape.shared_expert_ffn_hidden_size:
+        shared = f"{h}mlp.shared_expert."
+        mappings += [
+            ParamMapping(m + "mlp.shared_experts.linear_fc1.weight",
+                         (shared + "gate_proj.weight", shared + "up_proj.weight"), "gate_up"),
+            ParamMapping(m + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "row"),
+            ParamMapping(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "replicated"),
+        ]
     return mappings
 
 
@@ -159,16 +172,17 @@ def model_mappings(
 
 
 def hf_tensor_shape(name: str, shape: ModelShape) -> tuple[int, ...]:
-    """The shape config.json implies for HF tensor `name` (Llama/Qwen2/Qwen3/Qwen3-MoE naming)."""
+    """The shape config.json implies for HF tensor `name` (Llama/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE naming)."""
     h, d = shape.hidden_size, shape.head_dim
-    f = shape.moe_ffn_hidden_size if ".mlp.experts." in name else shape.ffn_hidden_size
+    f = (shape.moe_ffn_hidden_size if ".mlp.experts." in name else
+         shape.shared_expert_ffn_hidden_size if ".mlp.shared_expert." in name else shape.ffn_hidden_size)
     q, kv = shape.num_attention_heads * d, shape.num_kv_heads * d
     suffixes = {
         "embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f), "layernorm.weight": (h,),
-        "mlp.gate.weight": (shape.num_experts, h), "norm.weight": (h,),
+        "mlp.gate.weight": (shape.num_experts, h), "mlp.shared_expert_gate.weight": (1, h), "norm.weight": (h,),
     }  # first matching suffix wins: q_norm/k_norm and *_layernorm are listed before the final norm
     return next(value for suffix, value in suffixes.items() if name.endswith(suffix))
 

@@ -12,7 +12,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.config import TrainConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
 VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
 # a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
 # Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
@@ -42,15 +43,18 @@ class ModelShape:
     tie_word_embeddings: bool
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
     rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (None: unscaled)
-    # Mixture of experts (Qwen3-MoE): 0 experts is a dense model. A MoE layer routes each token to the
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE): 0 experts is a dense model. A MoE layer routes each token to the
     # `moe_top_k` of `num_experts` SwiGLU experts of width `moe_ffn_hidden_size` with a softmax router (its top-k
     # probabilities renormalised to sum 1 when `norm_topk_prob`); `dense_layers` (global indices) keep a dense MLP
-    # of width `ffn_hidden_size` (HF's `mlp_only_layers` and the layers `decoder_sparse_step` skips).
+    # of width `ffn_hidden_size` (HF's `mlp_only_layers` and the layers `decoder_sparse_step` skips). Qwen2-MoE adds
+    # to every MoE layer a shared SwiGLU expert of width `shared_expert_ffn_hidden_size` (0: none) that every token
+    # passes through, its output scaled by sigmoid(x . g) of a learned gate vector g [hidden].
     num_experts: int = 0
     moe_top_k: int = 0
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    shared_expert_ffn_hidden_size: int = 0
 
     @property
     def heads_per_group(self) -> int:
@@ -99,26 +103,28 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         rope_scaling_factor=_rope_scaling_factor(rope, source),
-        **(_moe_fields(hf, source) if arch == "qwen3_moe" else {}),
+        **(_moe_fields(hf, source) if arch in MOE_ARCHITECTURES else {}),
     )
 
 
 def _moe_fields(hf: dict, source: str) -> dict:
-    """ModelShape's expert fields from a Qwen3-MoE config.json (transformers 5 writes the expert count as
-    `num_local_experts`, 4.x as `num_experts`)."""
+    """ModelShape's expert fields from a Qwen2-MoE or Qwen3-MoE config.json (transformers 5 writes the expert count
+    as `num_local_experts`, 4.x as `num_experts`; only Qwen2-MoE has a shared expert)."""
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
     top_k, step = hf.get("num_experts_per_tok", 0), hf.get("decoder_sparse_step", 1)
     if experts < 1 or not 1 <= top_k <= experts:
-        raise ModelConfigError(f"{source}: a qwen3_moe model needs num_experts >= 1 and 1 <= num_experts_per_tok <= "
-                               f"num_experts; got {experts} experts, top-{top_k}")
+        raise ModelConfigError(f"{source}: a {hf['model_type']} model needs num_experts >= 1 and 1 <= "
+                               f"num_experts_per_tok <= num_experts; got {experts} experts, top-{top_k}")
+    shared = hf.get("shared_expert_intermediate_size", 0) if hf["model_type"] == "qwen2_moe" else 0
     dense = sorted(set(hf.get("mlp_only_layers") or []) | {
         layer for layer in range(hf["num_hidden_layers"]) if (layer + 1) % step})
     return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense)}
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense),
+            "shared_expert_ffn_hidden_size": shared}
 
 
 def _refuse_unsupported_attention_and_activation(hf: dict, source: str) -> None:
@@ -156,6 +162,7 @@ def check_parallel_layout(
         ("intermediate_size", shape.ffn_hidden_size, "tensor_parallel_size", tp_size),
         ("padded vocab_size", shape.padded_vocab_size, "tensor_parallel_size", tp_size),
         ("moe_intermediate_size", shape.moe_ffn_hidden_size, "expert_tensor_parallel_size", etp_size),
+        ("shared_expert_intermediate_size", shape.shared_expert_ffn_hidden_size, "tensor_parallel_size", tp_size),
     ):
         if value % size:
             raise ModelConfigError(f"{name}={value} is not divisible by {split}={size}")
@@ -192,7 +199,18 @@ class MoERouting:
             "moe_aux_loss_coeff": self.aux_loss_coeff, "moe_grouped_gemm": False,
             "moe_layer_freq": [int(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)],
             "expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
+            **self._shared_expert_fields(shape),
         }
+
+
+    @staticmethod
+    def _shared_expert_fields(shape: ModelShape) -> dict:
+        """Qwen2-MoE's gated shared expert: Megatron's `SharedExpertMLP` (split over TP as a dense MLP) with its
+        sigmoid gate vector (`moe_shared_expert_gate`)."""
+        if not shape.shared_expert_ffn_hidden_size:
+            return {}
+        return {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
+                "moe_shared_expert_gate": True}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Tiny Llama/Qwen2/Qwen3/Qwen3-MoE-architecture HF checkpoints with a character-level tokenizer, made locally.
+"""Tiny Llama/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE-architecture HF checkpoints with a character-level tokenizer, made
+locally.
 
 The tokenizer has one token per printable ASCII character, newline and tab, plus `<|endoftext|>`
 (EOS and padding): 98 tokens. Any other character (e.g. carriage return) encodes as EOS. The
@@ -14,17 +15,25 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+    AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 EOS_TOKEN = "<|endoftext|>"
 # The 95 printable ASCII characters (ids 1..95), then newline and tab (96, 97): earlier ids unchanged.
 _CHARACTERS = [c for c in string.printable if c.isprintable()] + ["\n", "\t"]
-_CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
-# Qwen3-MoE defaults of a tiny model (override with `moe=`): 4 experts of width 32, top-2, renormalised, every
-# layer MoE, no auxiliary loss.
-TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
+_CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2_moe": Qwen2MoeConfig,
+            "qwen3_moe": Qwen3MoeConfig}
+# MoE defaults of a tiny model (override with `moe=`): 4 experts of width 32, top-2, every layer MoE, no auxiliary
+# loss; Qwen3-MoE renormalises the top-2 probabilities, Qwen2-MoE (as its releases) does not and adds a gated
+# shared expert of width 48.
+TINY_MOE = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
+                  "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "router_aux_loss_coef": 0.0, "use_sliding_window": False},
+}
 # Router weights of tiny MoE models are drawn with this std (HF's 0.02 makes near-ties among the experts'
 # scores common; a rounding difference between two implementations would then route a token differently).
 TINY_ROUTER_STD = 0.5
@@ -61,7 +70,7 @@ def make_tiny_checkpoint(
     """Write config.json, model.safetensors, tokenizer and generation config to `out_dir`.
 
     `rope_scaling_factor` adds Llama 3 RoPE scaling (llama only); `head_dim` defaults to
-    hidden_size / num_attention_heads. `moe` (qwen3_moe only): Qwen3MoeConfig fields over `TINY_MOE`.
+    hidden_size / num_attention_heads. `moe` (MoE archs only): config fields over the arch's `TINY_MOE`.
     """
     if arch not in _CONFIGS:
         raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
@@ -76,7 +85,7 @@ def make_tiny_checkpoint(
         head_dim=head_dim or hidden_size // num_attention_heads,
         tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        **({**TINY_MOE, **(moe or {})} if arch == "qwen3_moe" else {}),
+        **({**TINY_MOE[arch], **(moe or {})} if arch in TINY_MOE else {}),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

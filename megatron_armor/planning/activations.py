@@ -39,6 +39,8 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     if shape.is_moe_layer(layer):
         permuted = shape.hidden_size * layout.expert_tp // tp
         mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * permuted + 5 * shape.moe_ffn_hidden_size // tp)
+        if shape.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP's 5 f, its gate's logit and score
+            mlp += 5 * shape.shared_expert_ffn_hidden_size // tp + 2
     return norms + (q + 2 * k) + qk_norms + core + q + mlp
 
 

@@ -38,8 +38,9 @@ def forward_backward_flops(shape: ModelShape, total_tokens: int, seqlen_squared_
 
 def mlp_width(shape: ModelShape) -> int:
     """Sum over the decoder layers of the multiply-adds per token and hidden unit of its MLP: 3 ffn in a dense
-    layer, 3 k moe_ffn + E (the router) in a MoE layer."""
-    moe = 3 * shape.moe_top_k * shape.moe_ffn_hidden_size + shape.num_experts
+    layer, 3 k moe_ffn + E (the router) in a MoE layer, plus 3 shared_ffn + 1 (its gate) with a shared expert."""
+    shared = shape.shared_expert_ffn_hidden_size
+    moe = 3 * shape.moe_top_k * shape.moe_ffn_hidden_size + shape.num_experts + (3 * shared + 1 if shared else 0)
     return sum(moe if shape.is_moe_layer(layer) else 3 * shape.ffn_hidden_size for layer in range(shape.num_layers))
 
 

@@ -64,7 +64,9 @@ def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[i
     numels += [shape.head_dim, shape.head_dim] if shape.qk_norm else []  # q / k norms, replicated
     numels += [q * h // tp, h]  # output projection (row-parallel), pre-MLP norm
     if shape.is_moe_layer(layer):
-        return numels + [shape.num_experts * h]  # the router, replicated
+        shared = shape.shared_expert_ffn_hidden_size
+        # the router (replicated), then a shared expert's gate vector (replicated), fc1 (gate + up) and fc2
+        return numels + [shape.num_experts * h] + ([h, 2 * shared * h // tp, shared * h // tp] if shared else [])
     return numels + [2 * shape.ffn_hidden_size * h // tp, shape.ffn_hidden_size * h // tp]  # fc1 (gate + up), fc2
 
 

@@ -1,5 +1,6 @@
-"""Qwen3-MoE HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2 (expert TP 1), or
-saved at PP=2) -> HF (exported by one process, or one per pipeline stage) round trips are bitwise."""
+"""Qwen3-MoE and Qwen2-MoE HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
+(expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one process, or one per pipeline
+stage) round trips are bitwise."""
 
 import pytest
 from safetensors.torch import load_file
@@ -8,23 +9,25 @@ from megatron_armor.convert.hf_export import convert_megatron_to_hf
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.convert.weights import HFCheckpointReader
 
-# case -> (make_tiny_checkpoint options, layout to save at as convert_hf_to_megatron's tp / pp / ep / etp, pp to export
-# with)
+# case -> (arch, make_tiny_checkpoint options, layout to save at as convert_hf_to_megatron's tp / pp / ep / etp, pp to
+# export with)
 CASES = {
-    "every-layer-moe-ep1": ({}, {}, 1),
-    "every-layer-moe-ep2": ({}, {"ep": 2}, 2),
+    "every-layer-moe-ep1": ("qwen3_moe", {}, {}, 1),
+    "every-layer-moe-ep2": ("qwen3_moe", {}, {"ep": 2}, 2),
     # Layer 0 dense: Megatron keeps each layer's tensors under their own keys (no layer axis); tied embeddings. Two
     # writers: TP=2 for the dense weights, the same two ranks as EP=2 with every expert whole (expert TP 1).
-    "dense0-tied-tp2-ep2-etp1": ({"moe": {"mlp_only_layers": [0]}, "tie_word_embeddings": True},
+    "dense0-tied-tp2-ep2-etp1": ("qwen3_moe", {"moe": {"mlp_only_layers": [0]}, "tie_word_embeddings": True},
                                  {"tp": 2, "ep": 2, "etp": 1}, 1),
-    "dense0-pp2": ({"moe": {"mlp_only_layers": [0]}}, {"pp": 2}, 2),
+    "dense0-pp2": ("qwen3_moe", {"moe": {"mlp_only_layers": [0]}}, {"pp": 2}, 2),
+    # Qwen2-MoE: QKV biases and a gated shared expert, split over TP=2 beside EP=2.
+    "qwen2-moe-shared-expert-tp2-ep2": ("qwen2_moe", {}, {"tp": 2, "ep": 2}, 1),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_moe_round_trip_is_bitwise(case, tiny_model_factory, tmp_path):
-    options, layout, export_pp = CASES[case]
-    hf_dir = tiny_model_factory("qwen3_moe", **options)
+    arch, options, layout, export_pp = CASES[case]
+    hf_dir = tiny_model_factory(arch, **options)
     megatron = convert_hf_to_megatron(hf_dir, tmp_path / "megatron", **{"tp": 1, "pp": 1, **layout})
     back = convert_megatron_to_hf(megatron, tmp_path / "hf", pp=export_pp)
     original = load_file(str(hf_dir / "model.safetensors"))

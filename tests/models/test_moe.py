@@ -1,5 +1,5 @@
-"""Qwen3-MoE on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with sequence parallelism, EP=2 x TP=2, and
-EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
+"""Qwen3-MoE and Qwen2-MoE (a gated shared expert) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
+sequence parallelism, EP=2 x TP=2, and EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
 
 import re
 from pathlib import Path
@@ -10,15 +10,18 @@ import torch
 from launcher import run_workers
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.models.hf_config import ModelConfigError, load_model_shape, model_shape_from_dict
-from megatron_armor.planning.memory import Layout, stage_expert_numels
+from megatron_armor.planning.memory import Layout, stage_dense_numels, stage_expert_numels
 
 TOL = 1e-4
 
-VARIANTS = {
+VARIANTS = {  # name -> (arch, make_tiny_checkpoint options)
     # 4 experts, top-2, renormalised top-k probabilities (Qwen3-30B-A3B's router), every layer MoE.
-    "moe-top2-norm": {},
+    "moe-top2-norm": ("qwen3_moe", {}),
     # Top-k probabilities as the softmax gives them; layer 0 dense (mlp_only_layers), tied embeddings.
-    "moe-unnormalised-dense0": {"moe": {"norm_topk_prob": False, "mlp_only_layers": [0]}, "tie_word_embeddings": True},
+    "moe-unnormalised-dense0": ("qwen3_moe", {"moe": {"norm_topk_prob": False, "mlp_only_layers": [0]},
+                                              "tie_word_embeddings": True}),
+    # Qwen2-MoE: QKV bias, unnormalised top-2, a sigmoid-gated shared expert (width 48) in every MoE layer.
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
 }
 
 
@@ -27,6 +30,9 @@ def test_moe_shape_from_config(tiny_model_factory):
     assert (shape.num_experts, shape.moe_top_k, shape.moe_ffn_hidden_size, shape.norm_topk_prob) == (4, 2, 32, True)
     assert shape.dense_layers == (0, 2) and shape.qk_norm
     assert [shape.is_moe_layer(layer) for layer in range(4)] == [False, True, False, True]
+    qwen2 = load_model_shape(tiny_model_factory("qwen2_moe"))
+    assert (qwen2.num_experts, qwen2.norm_topk_prob, qwen2.shared_expert_ffn_hidden_size) == (4, False, 48)
+    assert qwen2.qkv_bias and not qwen2.qk_norm and shape.shared_expert_ffn_hidden_size == 0
     with pytest.raises(ModelConfigError, match="num_experts_per_tok"):
         model_shape_from_dict({"model_type": "qwen3_moe", "num_attention_heads": 4, "hidden_size": 64,
                                "num_hidden_layers": 2, "vocab_size": 128, "intermediate_size": 64,
@@ -39,12 +45,12 @@ LAYOUTS = {1: ["tp1ep1"], 2: ["tp1ep2", "tp2ep1", "tp2ep2etp1"], 4: ["tp2ep2"]}
 
 
 def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_path):
-    """Forward vs HF and exports at EP=1, EP=2, TP=2 (sequence parallel), EP=2 x TP=2 and EP=2 at expert TP 1 with
-    TP=2; every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process
-    ones, the exports that are views of the parameters are those `parameters_exported_as_views` names, the
-    planner's expert parameters per rank and expert data-parallel size are the model's, and a Megatron checkpoint
-    written at EP=2 loads at every layout (resharded across EP and expert TP) bit for bit."""
-    model_dirs = [str(tiny_model_factory("qwen3_moe", **options)) for options in VARIANTS.values()]
+    """Forward vs HF and exports at EP=1, EP=2, TP=2 (sequence parallel), EP=2 x TP=2 and EP=2 at expert TP 1 with TP=2;
+    every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process ones, the
+    exports that are views of the parameters are those `parameters_exported_as_views` names, the planner's parameters
+    per rank (the experts and the rest) and expert data-parallel size are the model's, and a Megatron checkpoint written
+    at EP=2 loads at every layout (resharded across EP and expert TP) bit for bit."""
+    model_dirs = [str(tiny_model_factory(arch, **options)) for arch, options in VARIANTS.values()]
     megatron_dir = str(convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2))
     results = {}
     for nproc, layouts in LAYOUTS.items():
@@ -65,6 +71,7 @@ def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_pa
                 dp_rank, dp = result["dp"]
                 planned = Layout(tp=tp, dp=dp, ep=ep, etp=etp)  # the planner's expert parameters and groups
                 assert result["expert_numels"] == sum(stage_expert_numels(shape, planned.expert_tp, 1, 0, ep))
+                assert result["dense_numels"] == sorted(stage_dense_numels(shape, tp, 1, 0)), (variant, layout)
                 assert result["expert_dp"] == planned.expert_dp, (variant, layout)
                 saved = torch.load(tmp_path / launch / layout / name / f"rank{rank}.pt")
                 assert torch.allclose(saved["logprobs"], one["logprobs"][dp_rank::dp], atol=1e-5), (variant, layout)

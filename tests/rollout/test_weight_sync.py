@@ -30,17 +30,20 @@ def test_sync_weights_reports_bytes_and_updates_the_engine(tiny_model_factory, m
     assert all(torch.equal(engine.named_parameters_hf()[name], t) for name, t in new.items())
 
 
-def test_moe_engine_takes_checkpoint_named_experts(tiny_model_factory):
-    """A Qwen3-MoE engine (transformers keeps each layer's experts fused) names and takes its weights as the
-    checkpoint and the trainer's push do, one tensor per expert projection; updates land in the fused tensors."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_engine_takes_checkpoint_named_experts(tiny_model_factory, arch):
+    """A Qwen3-MoE / Qwen2-MoE engine (transformers keeps each layer's experts fused) names and takes its weights as
+    the checkpoint and the trainer's push do, one tensor per expert projection; updates land in the fused tensors
+    (and in Qwen2-MoE's shared expert and its gate)."""
     from safetensors.torch import load_file
 
-    model_dir = tiny_model_factory("qwen3_moe")
+    model_dir = tiny_model_factory(arch)
     engine = LocalEngine(model_dir)
     stored = load_file(str(model_dir / "model.safetensors"))
     views = engine.named_parameters_hf()
     assert views.keys() == stored.keys() and all(torch.equal(views[name], t) for name, t in stored.items())
-    new = {name: torch.randn_like(t) for name, t in stored.items() if ".experts.2." in name}
+    new = {name: torch.randn_like(t) for name, t in stored.items() if ".experts.2." in name or ".shared_expert" in name}
+    assert any(".shared_expert_gate." in name for name in new) == (arch == "qwen2_moe")
     sync_weights(engine, iter(new.items()))
     assert all(torch.equal(engine.named_parameters_hf()[name], t) for name, t in new.items())
     fused = dict(engine.model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]

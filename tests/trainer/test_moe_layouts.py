@@ -1,19 +1,24 @@
-"""`armor train` on a tiny Qwen3-MoE with its experts over EP=2. The EP=2 and PP=2 layout steps against one process
-run with the other layouts' in one launch: tests/trainer/test_parallel_layouts.py (moe-* jobs)."""
+"""`armor train` on a tiny Qwen3-MoE and a tiny Qwen2-MoE with their experts over EP=2. The EP=2 and PP=2 layout
+steps against one process run with the other layouts' in one launch: tests/trainer/test_parallel_layouts.py (moe-*
+and qwen2-moe-* jobs)."""
 
 import json
 import math
 
+import pytest
 
-def test_armor_train_moe_at_ep2(tiny_model_factory, tmp_path):
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_armor_train_moe_at_ep2(tiny_model_factory, tmp_path, arch):
     """`armor train` (DP=2 x EP=2, auxiliary loss on, routing replay of the rollouts' routes: train.routing_replay
-    rollout) on an untrained tiny Qwen3-MoE, rewarded for even-length responses (so groups are mixed), 2 steps: each
-    logs `moe/aux_loss` and `moe/routing_agreement`, and the local engines, which recorded their routes, give the
-    trainer's logprobs; at step 2 they sample with the weights step 1's push gave them, gathered over the EP ranks
-    (a misplaced expert, or a missed push at lr 1e-3, would move the logprobs far above the bound)."""
+    rollout) on an untrained tiny Qwen3-MoE or Qwen2-MoE (a gated shared expert), rewarded for even-length responses (so
+    groups are mixed), 2 steps: each logs `moe/aux_loss` and `moe/routing_agreement`, and the local engines, which
+    recorded their routes, give the trainer's logprobs; at step 2 they sample with the weights step 1's push gave them,
+    gathered over the EP ranks (a misplaced expert, or a missed push at lr 1e-3, would move the logprobs far above the
+    bound)."""
     from trainer.test_cli_layouts import armor_train, small_run
 
-    model = tiny_model_factory("qwen3_moe")
+    model = tiny_model_factory(arch)
     reward = tmp_path / "even_length.py"
     reward.write_text("def reward(response, row):\n    even = len(response) % 2 == 0\n    return (1.0 if even else -1.0), even\n")
     run = tmp_path / "run"

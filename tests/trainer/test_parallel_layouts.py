@@ -4,7 +4,8 @@ parallel) and EP=2 x TP=2 steps, with routing replay among them, and its TP=2 st
 TP 1, over EP=1 or EP=2), and token-budget and packed micro-batches (one
 process, PP=2 with micro-batches of different shapes, TP=2 with sequence parallelism and the fused head);
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
-and a tied-embedding Qwen3 model at PP=2."""
+and a tied-embedding Qwen3 model at PP=2; so does a Qwen2-MoE step (a gated shared expert) at TP=2 (sequence
+parallel) beside EP=2."""
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ MODELS = {
     # the embedding's), q/k norms and a vocabulary padded from 100 to 128.
     "tied": {"arch": "qwen3", "tie_word_embeddings": True, "vocab_size": 100, "head_dim": 32},
     "moe": {"arch": "qwen3_moe"},  # 4 experts, top-2 (tests/trainer/test_moe_layouts.py)
+    "qwen2-moe": {"arch": "qwen2_moe"},  # 4 experts, top-2 unnormalised, a gated shared expert, QKV biases
 }
 
 # job name -> (checkpoint kind, tp, pp, head, worker options...); the jobs of one process count share one launch.
@@ -38,7 +40,8 @@ JOBS = {
     1: {"base": ("dense", 1, 1, "torch"), "tied-base": ("tied", 1, 1, "torch"),
         "budget-packed": ("dense", 1, 1, "torch", "budget=40", "packed"),
         "moe-base": ("moe", 1, 1, "torch"), "moe-aux": ("moe", 1, 1, "torch", "aux=0.1"),
-        "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute")},
+        "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute"),
+        "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -53,7 +56,8 @@ JOBS = {
         "moe-pp2-r2": ("moe", 1, 2, "torch", "replay=recompute"),
         "moe-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "replay=rollout"),
         "moe-tp2-sp-etp1": ("moe", 2, 1, "torch", "sp", "etp=1"),
-        "moe-tp2-sp-ep2-etp1": ("moe", 2, 1, "torch", "sp", "ep=2", "etp=1")},
+        "moe-tp2-sp-ep2-etp1": ("moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
+        "qwen2-moe-tp2-sp-ep2-etp1": ("qwen2-moe", 2, 1, "torch", "sp", "ep=2", "etp=1")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
         "moe-ep2-pp2": ("moe", 1, 2, "torch", "ep=2")},
@@ -196,3 +200,14 @@ def test_moe_expert_tp1_steps_match_single_rank(runs):
     for name in ("moe-tp2-sp-etp1", "moe-tp2-sp-ep2-etp1"):
         assert runs[name][0]["layout"] == (2, 1, 1), name
         assert_same_step(runs[name], runs["moe-base"][0])
+
+
+def test_qwen2_moe_shared_expert_step_matches_single_rank(runs):
+    """Qwen2-MoE's gated shared expert split over TP=2 with sequence parallelism (its gate vector replicated, its
+    gradient summed over the sequence slices of the TP ranks) beside the routed experts over EP=2 (whole, expert
+    TP 1): the ARMOR step equals the one-process step."""
+    base = runs["qwen2-moe-base"][0]
+    for part in ("mlp.shared_expert_gate.weight", "mlp.shared_expert.down_proj.weight", "self_attn.q_proj.bias"):
+        assert any(name.endswith(part) and grad.abs().max() > 0 for name, grad in base["grads"].items()), part
+    assert runs["qwen2-moe-tp2-sp-ep2-etp1"][0]["layout"] == (2, 1, 1)
+    assert_same_step(runs["qwen2-moe-tp2-sp-ep2-etp1"], base)

@@ -107,6 +107,7 @@ def check(model_dir: str, tp: int, ep: int, etp: int, target: Path) -> dict:
         "local_experts": len(experts),
         "expert_split": 2 * shape.moe_ffn_hidden_size // experts[0].linear_fc1.weight.shape[0],
         "expert_numels": sum(p.numel() for name, p in model.named_parameters() if ".local_experts." in name),
+        "dense_numels": sorted(p.numel() for name, p in model.named_parameters() if ".local_experts." not in name),
         "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
         "dp": [parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()],
     }
