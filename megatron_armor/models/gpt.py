@@ -46,7 +46,8 @@ def layer_spec(
     local layers with SDPA core attention (runs on CPU and GPU); with `sequence_parallel` their norms are
     `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism). With `num_experts` the MLP
     is Megatron's `MoELayer`: a `TopKRouter` and a `SequentialMLP` of this rank's experts (one SwiGLU MLP each,
-    `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels)."""
+    `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels), and with the config's
+    `moe_shared_expert_intermediate_size` its `SharedExpertMLP` (Qwen2-MoE)."""
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_usable()
     if use_transformer_engine:

@@ -119,7 +119,12 @@ def _moe_fields(hf: dict, source: str) -> dict:
     if experts < 1 or not 1 <= top_k <= experts:
         raise ModelConfigError(f"{source}: a {hf['model_type']} model needs num_experts >= 1 and 1 <= "
                                f"num_experts_per_tok <= num_experts; got {experts} experts, top-{top_k}")
-    shared = hf.get("shared_expert_intermediate_size", 0) if hf["model_type"] == "qwen2_moe" else 0
+    shared = 0
+    if hf["model_type"] == "qwen2_moe":
+        shared = hf.get("shared_expert_intermediate_size")
+        if not isinstance(shared, int) or shared < 1:
+            raise ModelConfigError(f"{source}: a qwen2_moe model needs shared_expert_intermediate_size >= 1 (its "
+                                   f"shared expert's width); got {shared!r}")
     dense = sorted(set(hf.get("mlp_only_layers") or []) | {
         layer for layer in range(hf["num_hidden_layers"]) if (layer + 1) % step})
     return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
@@ -201,7 +206,6 @@ class MoERouting:
             "expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
             **self._shared_expert_fields(shape),
         }
-
 
     @staticmethod
     def _shared_expert_fields(shape: ModelShape) -> dict:

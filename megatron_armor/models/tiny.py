@@ -27,12 +27,11 @@ _CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "q
 # MoE defaults of a tiny model (override with `moe=`): 4 experts of width 32, top-2, every layer MoE, no auxiliary
 # loss; Qwen3-MoE renormalises the top-2 probabilities, Qwen2-MoE (as its releases) does not and adds a gated
 # shared expert of width 48.
+_TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
 TINY_MOE = {
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0},
-    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
-                  "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                  "router_aux_loss_coef": 0.0, "use_sliding_window": False},
+    "qwen3_moe": {**_TINY_EXPERTS, "norm_topk_prob": True},
+    "qwen2_moe": {**_TINY_EXPERTS, "norm_topk_prob": False, "shared_expert_intermediate_size": 48},
 }
 # Router weights of tiny MoE models are drawn with this std (HF's 0.02 makes near-ties among the experts'
 # scores common; a rounding difference between two implementations would then route a token differently).

@@ -15,6 +15,8 @@ h = hidden, divided by tp under sequence parallelism):
                                           etp ranks of the expert-TP group serving it each hold the token whole
                                           (full hidden) and moe_ffn / etp of its SwiGLU; spread evenly over the
                                           stage's ranks that is h' = h etp / tp and f' = moe_ffn / tp per token
+  shared expert         5 s + h + 1       (Qwen2-MoE, s = shared ffn / tp) its SwiGLU, its output and the sigmoid
+                                          gate's score, which multiply
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 """
 
@@ -39,8 +41,8 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     if shape.is_moe_layer(layer):
         permuted = shape.hidden_size * layout.expert_tp // tp
         mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * permuted + 5 * shape.moe_ffn_hidden_size // tp)
-        if shape.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP's 5 f, its gate's logit and score
-            mlp += 5 * shape.shared_expert_ffn_hidden_size // tp + 2
+        if shape.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP, its output and its gate's score
+            mlp += 5 * shape.shared_expert_ffn_hidden_size // tp + h + 1
     return norms + (q + 2 * k) + qk_norms + core + q + mlp
 
 

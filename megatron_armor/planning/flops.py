@@ -5,7 +5,8 @@ trainer's `perf/tflops_per_gpu`.
 Per real token, forward + backward (3x the forward; 2 FLOPs per multiply-add), L layers, hidden h, SwiGLU:
     6 h (3 ffn L + L (q + 2 kv + q) + V_pad)  + per sequence of length s: 6 q L s^2 / 2 * 2
 with q = heads * head_dim, kv = kv_heads * head_dim; the causal core attention counts half the s x s scores. In a
-MoE layer the MLP term 3 ffn is each token's k experts' 3 k moe_ffn plus the router's E (as Megatron-LM counts).
+MoE layer the MLP term 3 ffn is each token's k experts' 3 k moe_ffn plus the router's E (as Megatron-LM counts), and
+with a shared expert (Qwen2-MoE) its 3 shared_ffn plus its gate's 1.
 Model FLOPs: recomputation and padding tokens are not counted.
 """
 

@@ -1,8 +1,8 @@
 """The experts an in-process HF MoE model routes its tokens to, read from its routers by forward hooks.
 
-transformers 5's Qwen3-MoE router (`Qwen3MoeTopKRouter`, a decoder layer's `mlp.gate`) returns (logits, top-k
-weights, top-k indices [tokens, k]) for the layer's [batch * tokens] flattened hidden states; the hook keeps the
-indices of the last forward.
+transformers 5's Qwen3-MoE and Qwen2-MoE routers (`Qwen3MoeTopKRouter`, `Qwen2MoeTopKRouter`: a decoder layer's
+`mlp.gate`) return (logits, top-k weights, top-k indices [tokens, k]) for the layer's [batch * tokens] flattened
+hidden states; the hook keeps the indices of the last forward.
 """
 
 from __future__ import annotations

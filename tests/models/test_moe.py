@@ -9,7 +9,9 @@ import torch
 
 from launcher import run_workers
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_armor.models.hf_config import ModelConfigError, load_model_shape, model_shape_from_dict
+from megatron_armor.models.hf_config import (
+    ModelConfigError, check_parallel_layout, load_model_shape, model_shape_from_dict,
+)
 from megatron_armor.planning.memory import Layout, stage_dense_numels, stage_expert_numels
 
 TOL = 1e-4
@@ -33,6 +35,13 @@ def test_moe_shape_from_config(tiny_model_factory):
     qwen2 = load_model_shape(tiny_model_factory("qwen2_moe"))
     assert (qwen2.num_experts, qwen2.norm_topk_prob, qwen2.shared_expert_ffn_hidden_size) == (4, False, 48)
     assert qwen2.qkv_bias and not qwen2.qk_norm and shape.shared_expert_ffn_hidden_size == 0
+    qwen2_config = {"model_type": "qwen2_moe", "num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2,
+                    "vocab_size": 128, "intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32}
+    with pytest.raises(ModelConfigError, match="shared_expert_intermediate_size"):
+        model_shape_from_dict(qwen2_config)
+    with pytest.raises(ModelConfigError, match="shared_expert_intermediate_size=50 is not divisible by tensor"):
+        check_parallel_layout(model_shape_from_dict({**qwen2_config, "shared_expert_intermediate_size": 50}), 4, 1)
     with pytest.raises(ModelConfigError, match="num_experts_per_tok"):
         model_shape_from_dict({"model_type": "qwen3_moe", "num_attention_heads": 4, "hidden_size": 64,
                                "num_hidden_layers": 2, "vocab_size": 128, "intermediate_size": 64,

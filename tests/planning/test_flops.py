@@ -12,7 +12,7 @@ from megatron_armor.planning.flops import forward_backward_flops, forward_flops,
 from megatron_armor.scoring.logprobs import token_logprobs
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"])
 def test_formula_counts_the_model_s_flops(megatron_world, tiny_model_factory, arch):
     shape = load_model_shape(tiny_model_factory(arch, num_layers=3, vocab_size=256))
     model = build_gpt_model(shape, transformer_config(shape), trainable=True)

@@ -40,7 +40,7 @@ def test_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, arch,
 
 @pytest.mark.parametrize("head", ["torch", "fused"])
 @pytest.mark.parametrize("recompute", RECOMPUTE, ids=RECOMPUTE_IDS)
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_activation_estimate_within_15_percent(megatron_world, tiny_model_factory, arch, recompute, head):
     shape = load_model_shape(tiny_model_factory(arch, num_layers=4, vocab_size=256))
     model = build_gpt_model(shape, transformer_config(shape, recompute=recompute), trainable=True)

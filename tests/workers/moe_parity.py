@@ -1,4 +1,4 @@
-"""Worker: Qwen3-MoE on Megatron under TP x EP (x expert TP) layouts against the HF model.
+"""Worker: Qwen3-MoE / Qwen2-MoE on Megatron under TP x EP (x expert TP) layouts against the HF model.
 
 argv: out_dir layouts megatron_dir model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after
 another on the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each
@@ -15,7 +15,8 @@ expert-DP group (the experts' gradients already hold the tokens the all-to-all d
 rank), so they equal the one-process gradients of the whole batch. Each rank saves the gathered HF-named gradients and
 the logprobs [rows, 16] of its rows to `<out_dir>/<layout>/<model>/rank<r>.pt` and reports per layout and model its
 forward's max difference to HF, whether the export equals the checkpoint, its local expert count, the number of ranks
-each expert's matrices are split over (from their shape), its expert parameter count and expert data-parallel size,
+each expert's matrices are split over (from their shape), its expert parameter count, the sizes of its other
+parameters, and expert data-parallel size,
 its data-parallel rank and size, and whether the exports that are views of a parameter are exactly those of
 `parameters_exported_as_views`.
 """
