@@ -57,16 +57,19 @@ def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_pa
     """Forward vs HF and exports at EP=1, EP=2, TP=2 (sequence parallel), EP=2 x TP=2 and EP=2 at expert TP 1 with TP=2;
     every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process ones, the
     exports that are views of the parameters are those `parameters_exported_as_views` names, the planner's parameters
-    per rank (the experts and the rest) and expert data-parallel size are the model's, and a Megatron checkpoint written
-    at EP=2 loads at every layout (resharded across EP and expert TP) bit for bit."""
+    per rank (the experts and the rest) and expert data-parallel size are the model's, and Megatron checkpoints written
+    at EP=2 and (Qwen2-MoE) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit for bit."""
     model_dirs = [str(tiny_model_factory(arch, **options)) for arch, options in VARIANTS.values()]
-    megatron_dir = str(convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2))
+    checkpoints = {  # saved at EP=2, and Qwen2-MoE's (a shared expert split over TP) at TP=2 x EP=2
+        model_dirs[0]: convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2),
+        model_dirs[2]: convert_hf_to_megatron(model_dirs[2], tmp_path / "megatron-tp2-ep2", tp=2, pp=1, ep=2)}
     results = {}
     for nproc, layouts in LAYOUTS.items():
-        ranks = run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(layouts), megatron_dir,
-                            *model_dirs)
+        ranks = run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(layouts),
+                            ",".join(f"{model}={megatron}" for model, megatron in checkpoints.items()), *model_dirs)
         results.update({(layout, f"n{nproc}"): [rank[layout] for rank in ranks] for layout in layouts})
-    assert all(rank["resharded_equal"] for ranks in results.values() for rank in ranks)
+    assert all(rank["resharded_equal"] == dict.fromkeys(checkpoints, True)
+               for ranks in results.values() for rank in ranks)
     for variant, model_dir in zip(VARIANTS, model_dirs):
         name, shape = Path(model_dir).name, load_model_shape(model_dir)
         one = torch.load(tmp_path / "n1" / "tp1ep1" / name / "rank0.pt")

@@ -1,10 +1,10 @@
 """Worker: Qwen3-MoE / Qwen2-MoE on Megatron under TP x EP (x expert TP) layouts against the HF model.
 
-argv: out_dir layouts megatron_dir model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after
+argv: out_dir layouts checkpoints model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after
 another on the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each
-layout. megatron_dir is the first model converted to a Megatron checkpoint at EP=2: each layout also loads it
-(Megatron's dist-checkpointing reshards the experts to the layout) and reports whether its export equals the HF
-checkpoint.
+layout. checkpoints is a comma-separated list of "model_dir=megatron_dir", models converted to Megatron checkpoints at
+another layout: each layout also loads them (Megatron's dist-checkpointing reshards them to the layout) and reports
+whether their exports equal the HF checkpoints.
 Under TP > 1 sequence parallelism is on (Megatron refuses MoE with TP in training without it). The experts are split
 over the expert-TP group: of X ranks (`expert_tensor_parallel_size`), else of TP's (Megatron's default); with X other
 than TP Megatron regroups the TP x DP ranks as expert TP x EP x expert DP. Every rank gets the same [3, 14] tokens for
@@ -126,18 +126,20 @@ def resharded_equal(megatron_dir: str, model_dir: str, tp: int, ep: int, etp: in
     return exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
 
 
-def run_layout(layout: str, megatron_dir: str, model_dirs: list[str]) -> dict:
-    """Every model's results under `layout` ("tp<T>ep<E>[etp<X>]"), and whether the first model's Megatron checkpoint
-    `megatron_dir` loads at it."""
+def run_layout(layout: str, megatron_dirs: dict[str, str], model_dirs: list[str]) -> dict:
+    """Every model's results under `layout` ("tp<T>ep<E>[etp<X>]"), and whether the Megatron checkpoints
+    `megatron_dirs` (HF model directory -> its checkpoint saved at another layout) load at it."""
     tp, ep, etp = layout_sizes(layout)
     initialize_distributed(tp, 1, seed=0, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
     results = {model_dir: check(model_dir, tp, ep, etp, Path(out_dir) / layout / Path(model_dir).name)
                for model_dir in model_dirs}
-    results["resharded_equal"] = resharded_equal(megatron_dir, model_dirs[0], tp, ep, etp)
+    results["resharded_equal"] = {model_dir: resharded_equal(megatron_dir, model_dir, tp, ep, etp)
+                                  for model_dir, megatron_dir in megatron_dirs.items()}
     parallel_state.destroy_model_parallel()  # the next layout builds its own groups on the same process group
     return results
 
 
-out_dir, layouts, megatron_dir, *model_dirs = sys.argv[1:]
-write_result(out_dir, {layout: run_layout(layout, megatron_dir, model_dirs) for layout in layouts.split(",")})
+out_dir, layouts, checkpoints, *model_dirs = sys.argv[1:]
+megatron_dirs = dict(pair.split("=", 1) for pair in checkpoints.split(","))
+write_result(out_dir, {layout: run_layout(layout, megatron_dirs, model_dirs) for layout in layouts.split(",")})
 destroy_distributed()
