@@ -28,7 +28,7 @@ from megatron_armor.config.rollout import (
 from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
-    TrainConfig, check_expert_layout,
+    TrainConfig, check_expert_layout, expert_tp_size,
 )
 
 __all__ = [
@@ -36,5 +36,5 @@ __all__ = [
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
     "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields",
-    "config_hash", "load_config", "resolve_distributed_optimizer", "save_config", "validate",
+    "config_hash", "expert_tp_size", "load_config", "resolve_distributed_optimizer", "save_config", "validate",
 ]

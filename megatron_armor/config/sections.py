@@ -35,11 +35,17 @@ class ModelConfig:
                 "model.moe_aux_loss_coeff > 0 needs model.moe_load_balancing aux_loss or seq_aux_loss")
 
 
+def expert_tp_size(tp: int, etp: int | None) -> int:
+    """Ranks each expert's matrices are split over: `etp` (parallel.expert_tensor_parallel_size), or when unset
+    (None) the TP size `tp`, Megatron's default."""
+    return tp if etp is None else etp
+
+
 def check_expert_layout(tp: int, dp: int, ep: int, etp: int | None, *, where: str = "") -> None:
     """Megatron's expert layout (`parallel_state.initialize_model_parallel`): the tp x dp ranks of each pipeline
     stage are regrouped for the experts as expert TP (`etp`, None: `tp`) x EP (`ep`) x expert DP, so etp x ep must
     divide tp x dp (at etp = tp: ep divides dp). Raises `ConfigError` naming the fields, each prefixed by `where`."""
-    size, shown = (tp, f"unset: {tp}, the TP size") if etp is None else (etp, etp)
+    size, shown = expert_tp_size(tp, etp), (f"unset: {tp}, the TP size" if etp is None else etp)
     for name, value in (("expert_parallel_size", ep), ("expert_tensor_parallel_size", size)):
         require(value >= 1, f"{where}{name} must be >= 1, got {value}")
     require((tp * dp) % (size * ep) == 0,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_armor.config import expert_tp_size
 from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
 from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
@@ -40,7 +41,7 @@ def convert_hf_to_megatron(
     each. Every check runs before anything is written; on failure nothing is left at `out` (an existing
     checkpoint there is only replaced, with `overwrite`, once the new one is complete).
     """
-    etp = tp if etp is None else etp
+    etp = expert_tp_size(tp, etp)
     summary = inspect_hf_checkpoint(hf_dir)
     dtype_name(summary.dtype)  # refuses a dtype the model cannot be built in
     check_parallel_layout(summary.shape, tp, pp, ep, etp)
@@ -71,7 +72,7 @@ def write_megatron_shards(
     """This rank's part of the conversion, into `staging_dir(out)`; collective over tp x pp x
     `_writer_data_parallel_size` ranks (the data-parallel ranks write the shared weights once, and their experts'
     shards as Megatron's expert layout gives them out: each expert-parallel and expert-TP rank its own)."""
-    etp = tp if etp is None else etp
+    etp = expert_tp_size(tp, etp)
     summary = inspect_hf_checkpoint(hf_dir)
     shape, staging = summary.shape, staging_dir(out)
     initialize_distributed(tp, pp, _writer_data_parallel_size(tp, ep, etp), expert_parallel_size=ep,

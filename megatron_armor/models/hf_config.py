@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_armor.config import TrainConfig
+from megatron_armor.config import TrainConfig, expert_tp_size
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
@@ -160,7 +160,7 @@ def check_parallel_layout(
 ) -> None:
     """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks, its experts over `ep_size`
     ranks and each expert's matrices over `etp_size` (expert TP; None: `tp_size`)."""
-    etp_size = tp_size if etp_size is None else etp_size
+    etp_size = expert_tp_size(tp_size, etp_size)
     for name, value, split, size in (
         ("num_attention_heads", shape.num_attention_heads, "tensor_parallel_size", tp_size),
         ("num_key_value_heads", shape.num_kv_heads, "tensor_parallel_size", tp_size),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from megatron_armor.config import expert_tp_size
 from megatron_armor.models.hf_config import ActivationRecompute, ModelShape
 
 FP32 = 4
@@ -45,7 +46,7 @@ class Layout:
     @property
     def expert_tp(self) -> int:
         """Ranks each expert's matrices are split over (`etp`, or TP when unset)."""
-        return self.tp if self.etp is None else self.etp
+        return expert_tp_size(self.tp, self.etp)
 
     @property
     def expert_dp(self) -> int:
@@ -85,8 +86,7 @@ def stage_parameter_numels(
     """Elements of each parameter tensor on a rank of pipeline stage `stage` (embedding on the first, final norm
     and output layer on the last; a tied output layer is the embedding itself when one stage holds both), the
     rank's experts (of `ep`, each over `etp` ranks, None: `tp`) included."""
-    etp = tp if etp is None else etp
-    return stage_dense_numels(shape, tp, pp, stage) + stage_expert_numels(shape, etp, pp, stage, ep)
+    return stage_dense_numels(shape, tp, pp, stage) + stage_expert_numels(shape, expert_tp_size(tp, etp), pp, stage, ep)
 
 
 def stage_dense_numels(shape: ModelShape, tp: int, pp: int, stage: int) -> list[int]:
