@@ -1,12 +1,18 @@
-"""Fixed-seed short runs whose `metrics.jsonl` must not change under refactoring.
+"""Fixed-seed short runs whose `metrics.jsonl` must not change under refactoring, on any x86-64 CPU.
 
 Each case is an `armor train` command line (the demo config, and short runs of the other algorithms);
 `record` stores its metrics (every key but the `perf/*` timings) under tests/data/metrics_reference/,
-`check` runs the cases again and compares. Counts must match exactly; floats to a relative 1e-5, so that
-another CPU's last-bit differences in a reduction do not fail the check (a real change of behaviour moves
-the metrics by far more).
+`check` runs the cases again and compares, and `check-pins` runs one case twice, the second time as if on another
+CPU (`OTHER_CPU`), and requires the same bits.
+
+Every run has the numerical environment `PORTABLE_NUMERICS` (each pin's reason is beside it): without it a run's
+floats depend on the CPU's instruction set, and RL sampling turns a last-bit difference into other samples from
+step 0 on. Counts must match the reference exactly; floats to a relative 1e-5 (under the pins they are the same
+bits on any x86-64 CPU; the tolerance only keeps the reports of a real change short of last-bit noise), while
+`check-pins` compares with ==.
 
     .venv/bin/python scripts/metrics_reference.py check            # every case
+    .venv/bin/python scripts/metrics_reference.py check-pins       # grpo_kl as if on another CPU: same bits?
     .venv/bin/python scripts/metrics_reference.py record armor_demo  # after a deliberate change of behaviour
 """
 
@@ -25,6 +31,36 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = ROOT / "tests" / "data" / "metrics_reference"
 _QUIET = ["--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false"]
 _SHORT = ["--eval.every", "0", "--eval.before_train", "false", "--checkpoint.every", "100", "--tp", "1"]
+
+# The numerical environment of every case: with it a case writes the same bits on any x86-64 CPU (a sample recorded
+# on an Intel Xeon with AVX-512 was reproduced byte for byte by another run; without the pins that machine's results
+# differed from an AMD EPYC's from step 0 on). The variables are read when the libraries load, so they reach the
+# `armor train` process and the ranks torchrun starts through the environment, not through torch calls.
+PORTABLE_NUMERICS: dict[str, str] = {
+    # MKL (every float32 matmul on CPU) chooses its kernels, and with them the summation order, by instruction set
+    # and CPU vendor; the COMPATIBLE branch of its conditional numerical reproducibility is one SSE2 code path on
+    # every x86-64 CPU.
+    "MKL_CBWR": "COMPATIBLE",
+    # ATen's vectorised kernels (sums, softmax, exp/log, ...) are compiled per capability (default, avx2, avx512) and
+    # one is chosen at start-up: an AVX-512 sum adds 16 lanes at a time, AVX2 8. 'default' is the build any x86-64
+    # CPU runs (measured: ATEN_CPU_CAPABILITY=avx2 instead of default changes grpo_kl's metrics).
+    "ATEN_CPU_CAPABILITY": "default",
+    # oneDNN JIT-compiles for the widest instruction set it finds; it runs the rollout engine's prepacked linear
+    # layers (rollout/prepacked_linear.py) and bf16 matmuls. The tiny models' layers are below the prepack size, so
+    # no case reaches it today; the pin keeps a case that does portable. SSE4.1: every x86-64 CPU since 2011.
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    # Parallel reductions split the work by thread count (ATen's OpenMP threads, MKL's own): one thread each.
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+# What another CPU would change and the pins must make irrelevant, all at once in `check-pins`' second run: MKL
+# limited to SSE4.2 kernels (an AVX2 machine's own would differ without MKL_CBWR), and glibc's CPU-specific variants
+# of its maths and string functions (libm's exp/log/pow have FMA versions) as on a CPU without AVX2, FMA or AVX-512.
+OTHER_CPU: dict[str, str] = {
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-AVX512F",
+}
+PINS_CASE = "grpo_kl"  # the case `check-pins` runs: short (2 steps), warm start included
 
 CASES: dict[str, list[str]] = {
     # The README's demo (ARMOR, TP 2 on two processes) for 10 steps, as the restructuring issue asks.
@@ -49,12 +85,14 @@ def checked_cases() -> list[str]:
     return [name for name in CASES if name not in RECORD_ONLY]
 
 
-def run_case(name: str, work_dir: Path, cache_dir: Path) -> list[dict]:
-    """Run case `name` with `armor train` in a fresh run directory; its metrics rows without perf/*."""
+def run_case(name: str, work_dir: Path, cache_dir: Path, *, environment: dict[str, str] | None = None) -> list[dict]:
+    """Run case `name` with `armor train` in a fresh run directory, under `PORTABLE_NUMERICS` and then
+    `environment`; its metrics rows without perf/*. A `cache_dir` without the synthetic task's model and warm start
+    makes them in the same process, under the same environment."""
     run_dir = work_dir / name
     cmd = [str(Path(sys.executable).parent / "armor"), "train", *CASES[name], "--run-dir", str(run_dir),
            "--task.cache_dir", str(cache_dir), *_QUIET]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **PORTABLE_NUMERICS, "TOKENIZERS_PARALLELISM": "false", **(environment or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"case {name} failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
@@ -62,8 +100,9 @@ def run_case(name: str, work_dir: Path, cache_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
 
 
-def differences(expected: list[dict], actual: list[dict]) -> list[str]:
-    """Human-readable differences between two metric logs ([] when they agree)."""
+def differences(expected: list[dict], actual: list[dict], *, exact: bool = False) -> list[str]:
+    """Human-readable differences between two metric logs ([] when they agree): floats within a relative 1e-5, or
+    with `exact` the same bits."""
     if [r["step"] for r in expected] != [r["step"] for r in actual]:
         return [f"steps {[r['step'] for r in expected]} != {[r['step'] for r in actual]}"]
     out = []
@@ -74,11 +113,26 @@ def differences(expected: list[dict], actual: list[dict]) -> list[str]:
             continue
         for key, value in want.items():
             other = got[key]
-            same = (math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-7) if isinstance(value, float)
-                    else value == other)
+            same = _same_value(value, other) or (not exact and isinstance(value, float) and isinstance(other, float)
+                                                 and math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-7))
             if not same:
                 out.append(f"step {want['step']}: {key} = {other!r}, reference {value!r}")
     return out
+
+
+def _same_value(a, b) -> bool:
+    """a == b, NaN equal to NaN (a skipped update may log one)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def other_cpu_differences(work_dir: Path, baseline: list[dict] | None = None) -> list[str]:
+    """Run `PINS_CASE` under the pins with `OTHER_CPU`'s settings, the synthetic task's model and warm start made
+    afresh in the same process; its differences, bit for bit, from `baseline` (default: the same case run under the
+    pins alone, also from a fresh cache)."""
+    if baseline is None:
+        baseline = run_case(PINS_CASE, work_dir / "pinned", work_dir / "pinned-cache")
+    other = run_case(PINS_CASE, work_dir / "other-cpu", work_dir / "other-cpu-cache", environment=OTHER_CPU)
+    return differences(baseline, other, exact=True)
 
 
 def reference_path(name: str) -> Path:
@@ -87,9 +141,18 @@ def reference_path(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["check", "record"])
-    parser.add_argument("cases", nargs="*", help=f"cases to run (default: all of {list(CASES)})")
+    parser.add_argument("action", choices=["check", "record", "check-pins"])
+    parser.add_argument("cases", nargs="*", help=f"cases to run (default: all of {list(CASES)}; check-pins: "
+                                                 f"{PINS_CASE} only)")
     args = parser.parse_args(argv)
+    if args.action == "check-pins":
+        if args.cases:
+            parser.error(f"check-pins runs {PINS_CASE} and takes no cases")
+        with tempfile.TemporaryDirectory() as tmp:
+            diffs = other_cpu_differences(Path(tmp))
+        verdict = "the same bits" if not diffs else "DIFFERS\n  " + "\n  ".join(diffs[:20])
+        print(f"{PINS_CASE} with {OTHER_CPU}: {verdict}")
+        return 1 if diffs else 0
     names = args.cases or (checked_cases() if args.action == "check" else [n for n in CASES if n not in REFERENCE_OF])
     unknown = sorted(set(names) - set(CASES))
     if unknown:

@@ -379,10 +379,13 @@ class RLTrainer:
 def evaluate(
     engine: RolloutEngine, prompts: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *, n: int, seed: tuple
 ) -> dict[str, float]:
-    """Validation accuracy (mean correctness over `n` samples of every prompt) and reward."""
+    """Validation accuracy (mean correctness over `n` samples of every prompt), reward, response length (tokens) and
+    the share of responses an interrupted engine cut short (finish_reason "abort"; 0 unless something interrupted
+    the validation engine, whose responses must be whole)."""
     samples = generate_samples(engine, prompts, n, sampling, scorer, is_anchor=False, seed=seed)
     return {
         "val/accuracy": mean([float(s.correct) for s in samples]),
         "val/reward_mean": mean([s.reward for s in samples]),
         "val/response_length": mean([len(s.response_ids) for s in samples]),
+        "val/aborted_fraction": mean([float(s.finish_reason == "abort") for s in samples]),
     }

@@ -197,12 +197,13 @@ def test_async_run_with_partial_rollouts_and_an_actor_server_killed_trains_every
 def test_async_run_with_partial_rollouts_continues_interrupted_requests_on_real_servers(
     servers, synthetic_cache, tmp_path,
 ):
-    """rollout.partial_rollouts against a real server process at lr > 0 (low enough to keep the warm start's
-    validation accuracy), GRPO (the generator's time is all actor generation, long-tailed at temperature 1.6, several
+    """rollout.partial_rollouts against a real server process at lr > 0 (the weights change, so the versions a
+    response mixes differ), GRPO (the generator's time is all actor generation, long-tailed at temperature 1.6, several
     times a step's training): a request is in flight whenever a step pushes its weights, so the push interrupts it (the
     client aborts it by rid) and it continues under the new weights: trained samples mix versions, none has a token
     more than max_staleness versions old, validation (between the pause and the next step) samples whole responses
-    from the paused engine, and the run finishes with the generators drained."""
+    from the paused engine (none cut short by an abort), and the run finishes with the generators drained. What the
+    training does to accuracy is not this test's business (it varies with the CPU's arithmetic)."""
     actor, _ = servers
     run_dir = tmp_path / "run"
     proc = armor("train", "--config", CONFIG, "--max-steps", "3", "--run-dir", str(run_dir),
@@ -219,7 +220,6 @@ def test_async_run_with_partial_rollouts_continues_interrupted_requests_on_real_
     assert proc.returncode == 0, proc.output[-6000:]
     rows = _rows(run_dir)
     assert all(row["async/staleness_max"] <= 1 and row["armor/prompts_kept"] > 0 for row in rows)
-    # whole responses at the warm start's accuracy (about 0.5 here; 5e-3 made GRPO itself collapse it within 3 steps)
-    assert all(row["val/response_length"] > 2 and row["val/accuracy"] > 0.25 for row in rows)
+    assert all(row["val/response_length"] > 2 and row["val/aborted_fraction"] == 0 for row in rows)  # whole responses
     assert sum(row["async/partial_fraction"] for row in rows[1:]) > 0  # continued under newer weights
     assert rows[-1]["rollout/retries"] == 0  # continued, not re-sent from scratch

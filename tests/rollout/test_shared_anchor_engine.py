@@ -22,7 +22,8 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
     server = start_server(tiny_model_factory("qwen2"))
     SGLangEngine([server.url], SGLangEngineConfig(startup_timeout_s=120, poll_interval_s=0.2))
     # 16 training prompts = one generation batch (reshuffled each time); the cache holds 8 of them, so every
-    # later batch serves 8 prompts from it and samples the anchors of the other 8.
+    # later batch serves 8 prompts from it and samples the anchors of the other 8. A step trains 20 prompts, more
+    # than one batch holds, so every step generates two batches at least, whatever the samples are.
     train = tmp_path / "train.jsonl"
     write_jsonl(make_rows(400, seed=1234)[:16], train)
     run_dir = tmp_path / "run"
@@ -31,7 +32,9 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
                  "--task.num_val_rows", "16", "--data.train_path", str(train), "--eval.every", "0",
                  "--eval.before_train", "false", "--checkpoint.every", "2", "--checkpoint.save_model", "false",
                  "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false",
-                 "--train.lr", "5e-4", "--train.warmup_steps", "0",  # the actor moves away from the reference at once
+                 "--train.train_batch_size", "20", "--train.mini_batch_size", "10",
+                 # the actor moves away from the reference at once, far enough for the check below to have a margin
+                 "--train.lr", "2e-3", "--train.warmup_steps", "0",
                  "--rollout.anchors.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang.urls", server.url,
                  "--rollout.anchors.engine", "shared", "--rollout.anchors.cache", "true",
                  "--rollout.anchors.cache_max_prompts", "8", "--rollout.weight_sync.payload", "per_tensor",
@@ -47,7 +50,9 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
         # anchors first, actor pushed back, actor samples.
         assert row["rollout/weight_swaps"] == row["train/num_gen_batches"] >= 2
         assert row["mismatch/logprob_abs_diff"] < 1e-3  # every on-policy sample came from the actor's weights
-        assert row["armor/anchors_used"] == row["armor/prompts_kept"] == 8  # correct anchors: reference pushed
-    assert abs(second["mix_kl/kl_on_old"]) > 1e-3  # the actor left the reference: a missed swap would show above
+        assert row["armor/anchors_used"] == row["armor/prompts_kept"] == 20  # correct anchors: reference pushed
+    # The actor left the reference, so a missed swap would show above: the mean of log pi_old - log pi_ref over the
+    # actor's samples estimates KL(pi_old || pi_ref) >= 0.
+    assert second["mix_kl/kl_on_old"] > 1e-3
     state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert len(state["extra"]["anchor_cache"]["prompts"]) == 8
