@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Write a tiny Qwen2/Qwen3/Llama-architecture HF checkpoint (config, safetensors, char tokenizer)."""
+"""Write a tiny HF checkpoint of a registered model family (config, safetensors, char tokenizer)."""
 
 import argparse
 
+from megatron_armor.models.families import registered_families
 from megatron_armor.models.tiny import make_tiny_checkpoint
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2")
+    parser.add_argument("--arch", choices=registered_families(), default="qwen2")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)

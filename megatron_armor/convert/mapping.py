@@ -1,5 +1,5 @@
-"""The one table relating Hugging Face (Llama/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE) parameters to Megatron-Core GPTModel
-ones.
+"""The one table relating Hugging Face parameters (Llama naming, which every family in `models.families` uses) to
+Megatron-Core GPTModel ones; what a model has (biases, q/k norms, experts) its `ModelShape` says.
 
 Every Megatron parameter is produced from one or more HF tensors by one of five layouts:
 

@@ -11,24 +11,19 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.config import TrainConfig, expert_tp_size
+from megatron_armor.models.families import ModelConfigError, model_family
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
 VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
 # a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
 # Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class ModelConfigError(ValueError):
-    """An HF checkpoint whose architecture this project cannot build."""
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """The architecture facts both the HF and the Megatron side need (decoder-only, RoPE, SwiGLU)."""
 
-    arch: str
+    arch: str  # the HF model_type, whose `models.families` entry read the config
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -79,20 +74,18 @@ def load_model_shape(model_dir: str | Path) -> ModelShape:
 
 
 def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
-    """Build a `ModelShape` from an HF config dict (transformers 4.x or 5.x layout)."""
-    arch = hf.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelConfigError(f"{source}: model_type {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    """Build a `ModelShape` from an HF config dict (transformers 4.x or 5.x layout): the fields every family shares
+    here, the rest (biases, q/k norms, experts) by the family of its model_type (`models.families`)."""
+    family = model_family(hf.get("model_type"), source=source)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ModelConfigError(f"{source}: num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
-    if hf.get("mlp_bias") or (arch != "qwen2" and hf.get("attention_bias")):
-        raise ModelConfigError(f"{source}: biased {arch} projections (attention_bias/mlp_bias) are not supported")
+    family_fields = family.shape_fields(hf, source)
     _refuse_unsupported_attention_and_activation(hf, source)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return ModelShape(
-        arch=arch,
+        arch=family.model_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
@@ -103,33 +96,10 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
         rope_scaling_factor=_rope_scaling_factor(rope, source),
-        **(_moe_fields(hf, source) if arch in MOE_ARCHITECTURES else {}),
+        **family_fields,
     )
-
-
-def _moe_fields(hf: dict, source: str) -> dict:
-    """ModelShape's expert fields from a Qwen2-MoE or Qwen3-MoE config.json (transformers 5 writes the expert count
-    as `num_local_experts`, 4.x as `num_experts`; only Qwen2-MoE has a shared expert)."""
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-    top_k, step = hf.get("num_experts_per_tok", 0), hf.get("decoder_sparse_step", 1)
-    if experts < 1 or not 1 <= top_k <= experts:
-        raise ModelConfigError(f"{source}: a {hf['model_type']} model needs num_experts >= 1 and 1 <= "
-                               f"num_experts_per_tok <= num_experts; got {experts} experts, top-{top_k}")
-    shared = 0
-    if hf["model_type"] == "qwen2_moe":
-        shared = hf.get("shared_expert_intermediate_size")
-        if not isinstance(shared, int) or shared < 1:
-            raise ModelConfigError(f"{source}: a qwen2_moe model needs shared_expert_intermediate_size >= 1 (its "
-                                   f"shared expert's width); got {shared!r}")
-    dense = sorted(set(hf.get("mlp_only_layers") or []) | {
-        layer for layer in range(hf["num_hidden_layers"]) if (layer + 1) % step})
-    return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense),
-            "shared_expert_ffn_hidden_size": shared}
 
 
 def _refuse_unsupported_attention_and_activation(hf: dict, source: str) -> None:

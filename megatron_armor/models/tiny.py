@@ -1,4 +1,4 @@
-"""Tiny Llama/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE-architecture HF checkpoints with a character-level tokenizer, made
+"""Tiny HF checkpoints of every registered model family (`models.families`) with a character-level tokenizer, made
 locally.
 
 The tokenizer has one token per printable ASCII character, newline and tab, plus `<|endoftext|>`
@@ -13,26 +13,15 @@ import string
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-    Qwen3MoeConfig,
-)
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from megatron_armor.models.families import MoEFamily, model_family
 
 EOS_TOKEN = "<|endoftext|>"
 # The 95 printable ASCII characters (ids 1..95), then newline and tab (96, 97): earlier ids unchanged.
 _CHARACTERS = [c for c in string.printable if c.isprintable()] + ["\n", "\t"]
-_CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2_moe": Qwen2MoeConfig,
-            "qwen3_moe": Qwen3MoeConfig}
-# MoE defaults of a tiny model (override with `moe=`): 4 experts of width 32, top-2, every layer MoE, no auxiliary
-# loss; Qwen3-MoE renormalises the top-2 probabilities, Qwen2-MoE (as its releases) does not and adds a gated
-# shared expert of width 48.
-_TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
-                 "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
-TINY_MOE = {
-    "qwen3_moe": {**_TINY_EXPERTS, "norm_topk_prob": True},
-    "qwen2_moe": {**_TINY_EXPERTS, "norm_topk_prob": False, "shared_expert_intermediate_size": 48},
-}
 # Router weights of tiny MoE models are drawn with this std (HF's 0.02 makes near-ties among the experts'
 # scores common; a rounding difference between two implementations would then route a token differently).
 TINY_ROUTER_STD = 0.5
@@ -68,15 +57,17 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation config to `out_dir`.
 
-    `rope_scaling_factor` adds Llama 3 RoPE scaling (llama only); `head_dim` defaults to
-    hidden_size / num_attention_heads. `moe` (MoE archs only): config fields over the arch's `TINY_MOE`.
+    `arch`: a registered model_type. `rope_scaling_factor` adds Llama 3 RoPE scaling (llama only); `head_dim`
+    defaults to hidden_size / num_attention_heads. The family's `tiny_fields` complete the config (a MoE family's
+    experts: `models.families.moe.TINY_EXPERTS`); `moe` (MoE families only) overrides them.
     """
-    if arch not in _CONFIGS:
-        raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
+    family = model_family(arch, source="make_tiny_checkpoint")
+    if moe and not isinstance(family, MoEFamily):
+        raise ValueError(f"moe={moe} given for {arch}, which has no experts")
     tokenizer = make_char_tokenizer()
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = _CONFIGS[arch](
+    config = getattr(transformers, family.config_class)(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
@@ -84,7 +75,7 @@ def make_tiny_checkpoint(
         head_dim=head_dim or hidden_size // num_attention_heads,
         tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        **({**TINY_MOE[arch], **(moe or {})} if arch in TINY_MOE else {}),
+        **{**family.tiny_fields, **(moe or {})},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -63,7 +63,8 @@ def assert_refused(capsys, rc: int, out: Path, *phrases: str) -> None:
 def test_unknown_architecture_lists_supported(hf_copy, tmp_path, capsys):
     edit_config(hf_copy, model_type="gpt2")
     out = tmp_path / "out"
-    assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported", "'llama', 'qwen2', 'qwen3'")
+    assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported",
+                   "'llama', 'mistral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'")
 
 
 @pytest.mark.parametrize("edit, phrase", [

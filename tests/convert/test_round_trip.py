@@ -28,9 +28,10 @@ VARIANTS = {
     # q/k norms, head_dim != hidden / heads, tied embeddings, vocab 100 padded to 128.
     "qwen3-tied-padded": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True, "vocab_size": 100}),
     "llama3-rope-scaling": ("llama", {"rope_scaling_factor": 8.0, "max_position_embeddings": 16384}),
+    "mistral": ("mistral", {}),
 }
 # Layout each is saved at (tp, pp): every split of the weights, in fewer processes than 2 x 2 each.
-SAVE_LAYOUT = {"qwen2": (2, 2), "qwen3-tied-padded": (2, 1), "llama3-rope-scaling": (1, 2)}
+SAVE_LAYOUT = {"qwen2": (2, 2), "qwen3-tied-padded": (2, 1), "llama3-rope-scaling": (1, 2), "mistral": (2, 1)}
 BF16 = "qwen3-bf16"  # round trip only, saved at TP=1 x PP=1: Megatron holds norm weights in fp32
 # Export shard limit: tiny for qwen2 (several safetensors files + index), default for the others.
 MAX_SHARD_GB = {"qwen2": "0.0001"}

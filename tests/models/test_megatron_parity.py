@@ -13,6 +13,7 @@ VARIANTS = {
     "qwen3-tied-padded": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True, "vocab_size": 100}),
     # Llama 3 RoPE scaling (the low frequencies of head_dim 16 at theta 1e4 are rescaled).
     "llama3-rope-scaling": ("llama", {"rope_scaling_factor": 8.0, "max_position_embeddings": 16384}),
+    "mistral": ("mistral", {}),  # Llama's layers under MistralConfig (no sliding window)
 }
 
 

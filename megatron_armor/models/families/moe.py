@@ -1,0 +1,45 @@
+"""`MoEFamily`: a family whose MLPs are routed experts (Qwen2-MoE, Qwen3-MoE)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_armor.models.families.base import ModelConfigError, ModelFamily
+
+# A tiny test checkpoint's experts: 4 of width 32, top-2, every layer MoE, no auxiliary loss.
+TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
+
+
+@dataclass(frozen=True)
+class MoEFamily(ModelFamily):
+    """Every layer but those in `mlp_only_layers` and those `decoder_sparse_step` skips routes each token to the
+    top `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size` with a softmax
+    router (renormalised over the top k when `norm_topk_prob`); with `shared_expert`, a SwiGLU expert of width
+    `shared_expert_intermediate_size` that every token passes through, scaled by a learned sigmoid gate, too."""
+
+    shared_expert: bool = False
+
+    def shape_fields(self, hf: dict, source: str) -> dict[str, Any]:
+        return {**super().shape_fields(hf, source), **self._expert_fields(hf, source)}
+
+    def _expert_fields(self, hf: dict, source: str) -> dict[str, Any]:
+        """ModelShape's expert fields (transformers 5 writes the expert count as `num_local_experts`, 4.x as
+        `num_experts`)."""
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        top_k, step = hf.get("num_experts_per_tok", 0), hf.get("decoder_sparse_step", 1)
+        if experts < 1 or not 1 <= top_k <= experts:
+            raise ModelConfigError(f"{source}: a {self.model_type} model needs num_experts >= 1 and 1 <= "
+                                   f"num_experts_per_tok <= num_experts; got {experts} experts, top-{top_k}")
+        shared = 0
+        if self.shared_expert:
+            shared = hf.get("shared_expert_intermediate_size")
+            if not isinstance(shared, int) or shared < 1:
+                raise ModelConfigError(f"{source}: a {self.model_type} model needs shared_expert_intermediate_size "
+                                       f">= 1 (its shared expert's width); got {shared!r}")
+        dense = sorted(set(hf.get("mlp_only_layers") or []) | {
+            layer for layer in range(hf["num_hidden_layers"]) if (layer + 1) % step})
+        return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense),
+                "shared_expert_ffn_hidden_size": shared}

@@ -1,0 +1,103 @@
+"""Model families (`models.families`): each registered family reads its config.json into the shape whose weight
+mapping names exactly the tensors transformers' own model of that type has, and what a family cannot build is
+refused by name."""
+
+import pytest
+from safetensors.torch import load_file
+
+from megatron_armor.convert.mapping import model_mappings
+from megatron_armor.models.families import (
+    ModelConfigError, ModelFamily, known_shapes, model_family, register_family, registered_families, unregister_family,
+)
+from megatron_armor.models.hf_config import load_model_shape, model_shape_from_dict
+from megatron_armor.planning.shapes import resolve_model_shape
+
+BUILT_IN = ["llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+DENSE = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
+         "intermediate_size": 64}
+
+
+def test_the_built_in_families_are_registered():
+    assert sorted(registered_families()) == BUILT_IN
+
+
+@pytest.mark.parametrize("model_type", BUILT_IN)
+def test_a_family_s_shape_maps_exactly_the_tensors_of_transformers_model(model_type, tiny_model_factory):
+    """The tiny checkpoint is transformers' model of `model_type` (its own config class and modelling code): the
+    tensors the family's shape maps (biases, q/k norms, experts, shared expert) are the ones it saved, with the
+    shapes the mapping expects."""
+    model_dir = tiny_model_factory(model_type)
+    shape = load_model_shape(model_dir)
+    assert shape.arch == model_type
+    saved = load_file(model_dir / "model.safetensors")
+    mapped = {name for m in model_mappings(shape) if m.exported for name in m.hf_names}
+    assert mapped == set(saved)
+    features = {"qkv_bias": any(name.endswith("q_proj.bias") for name in saved),
+                "qk_norm": any(name.endswith("q_norm.weight") for name in saved),
+                "experts": any(".mlp.experts." in name for name in saved),
+                "shared_expert": any(".mlp.shared_expert." in name for name in saved)}
+    assert features == {"qkv_bias": shape.qkv_bias, "qk_norm": shape.qk_norm, "experts": shape.num_experts > 0,
+                        "shared_expert": shape.shared_expert_ffn_hidden_size > 0}
+
+
+def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_name():
+    shapes = known_shapes()
+    assert {"qwen2.5-math-7b", "qwen3-8b-base", "qwen3-1.7b", "qwen3-30b-a3b", "mistral-7b-v0.3"} <= set(shapes)
+    for name, fields in shapes.items():
+        shape = model_shape_from_dict(fields, source=name)
+        assert resolve_model_shape(f"/hub/{name.upper()}")[0] == shape, name
+    mistral = resolve_model_shape("mistralai/Mistral-7B-v0.3")[0]
+    assert (mistral.arch, mistral.num_kv_heads, mistral.head_dim, mistral.qkv_bias) == ("mistral", 8, 128, False)
+
+
+def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggestion():
+    with pytest.raises(ModelConfigError, match=r"'qwen2moe' is not supported; supported: \[.*'qwen2_moe'.*\]; "
+                                               r"did you mean 'qwen2_moe'\?"):
+        model_shape_from_dict({"model_type": "qwen2moe", **DENSE})
+
+
+@pytest.mark.parametrize("model_type, fields, phrase", [
+    ("mistral", {"sliding_window": 4096}, "mistral with sliding_window 4096"),  # Mistral-7B-v0.1's window
+    ("llama", {"attention_bias": True}, "biased llama projections"),
+    ("qwen2_moe", {"attention_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48}, "biased qwen2_moe projections"),
+    ("qwen3", {"mlp_bias": True}, "biased qwen3 projections"),
+])
+def test_what_a_family_cannot_build_is_refused_by_name(model_type, fields, phrase):
+    with pytest.raises(ModelConfigError, match=phrase):
+        model_shape_from_dict({"model_type": model_type, **DENSE, **fields})
+
+
+def test_qwen2_ignores_attention_bias_and_qwen2_moe_reads_qkv_bias():
+    assert model_shape_from_dict({"model_type": "qwen2", **DENSE, "attention_bias": True}).qkv_bias
+    moe = {"model_type": "qwen2_moe", **DENSE, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+    assert model_shape_from_dict(moe).qkv_bias and not model_shape_from_dict({**moe, "qkv_bias": False}).qkv_bias
+    assert model_shape_from_dict({"model_type": "mistral", **DENSE, "sliding_window": None}).arch == "mistral"
+
+
+def test_a_family_registered_from_outside_is_read_and_planned_and_claims_nothing_twice():
+    family = register_family(ModelFamily(model_type="plain_gpt", config_class="LlamaConfig", qk_norm=True,
+                                         known_shapes={"plain-gpt-1b": {**DENSE, "num_key_value_heads": 2}}))
+    try:
+        assert model_family("plain_gpt") is family and "plain_gpt" in registered_families()
+        shape = resolve_model_shape("/models/plain-gpt-1b-instruct")[0]
+        assert (shape.arch, shape.qk_norm, shape.num_kv_heads) == ("plain_gpt", True, 2)
+        with pytest.raises(ValueError, match="'plain_gpt' is already registered"):
+            register_family(ModelFamily(model_type="plain_gpt", config_class="LlamaConfig"))
+        with pytest.raises(ValueError, match=r"known shapes \['qwen3-1.7b'\] are already \['qwen3'\]'s"):
+            register_family(ModelFamily(model_type="other", config_class="LlamaConfig",
+                                        known_shapes={"qwen3-1.7b": DENSE}))
+        assert "other" not in registered_families()
+    finally:
+        unregister_family("plain_gpt")
+    with pytest.raises(ModelConfigError, match="'plain_gpt' is not supported"):
+        model_family("plain_gpt")
+
+
+def test_a_tiny_dense_checkpoint_takes_no_expert_fields(tmp_path):
+    from megatron_armor.models.tiny import make_tiny_checkpoint
+
+    with pytest.raises(ValueError, match="has no experts"):
+        make_tiny_checkpoint(tmp_path, arch="mistral", moe={"num_experts": 4})
+    assert not any(tmp_path.iterdir())
