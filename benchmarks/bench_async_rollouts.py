@@ -23,7 +23,7 @@ answers a generation batch of the training prompts with the training sampling, a
 
 Figures, per mode: samples/s over all steps, the others as means over the steps after the first (one_step_off's
 first generates its rollout in the foreground, filling the pipeline; its cost is amortized over --steps):
-  samples/s       on-policy samples generated and scored (armor/prompts_generated x actor_n) over the steps' time
+  samples/s       on-policy samples generated and scored (filter/prompts_generated x actor_n) over the steps' time
                   (a one_step_off step logs the rollout generated during the step before, so only whole-run sums
                   match samples to the time that generated them)
   rollout s       perf/rollout_seconds: the trainer waiting for this step's rollout (one_step_off: ~0, it was ready)
@@ -61,6 +61,7 @@ import time
 import typing
 from pathlib import Path
 
+from megatron_armor.algorithms import algorithm_class
 from megatron_armor.config import load_config
 from megatron_armor.config.rollout import RolloutConfig
 from megatron_armor.data.datasets import PromptSampler, load_prompt_rows
@@ -111,7 +112,7 @@ def length_mix(urls: list[str], cfg, args: argparse.Namespace) -> str:
     paths = prepare_task(cfg, is_main=True, needs_teacher=False)
     tokenizer = load_tokenizer(paths.model_path)
     rows = load_prompt_rows(paths.train_path, tokenizer=tokenizer, max_prompt_length=cfg.data.max_prompt_length)
-    actor_n = cfg.rollout.sampling.actor_n
+    actor_n = algorithm_class(cfg.algorithm.name).on_policy_samples(cfg.rollout.sampling)
     prompts = [row.prompt_ids for row in PromptSampler(rows, args.gen_batch, seed=args.seed).next_batch()] * actor_n
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed)
@@ -147,7 +148,7 @@ def summarize(rows: list[dict], actor_n: int) -> dict[str, float]:
     rollout = [row["perf/rollout_seconds"] for row in steady]
     step = [row["perf/step_seconds"] for row in steady]
     return {
-        "samples/s": sum(row["armor/prompts_generated"] * actor_n for row in rows) / seconds,
+        "samples/s": sum(row["filter/prompts_generated"] * actor_n for row in rows) / seconds,
         "rollout s": statistics.mean(rollout),
         "train s": statistics.mean(row["perf/train_seconds"] for row in steady),
         "step s": statistics.mean(step),
@@ -203,7 +204,8 @@ def main() -> None:
         finally:
             for server in servers + refs:
                 server.stop()
-    summaries = {mode: summarize(rows, cfg.rollout.sampling.actor_n) for mode, rows in results.items()}
+    actor_n = algorithm_class(cfg.algorithm.name).on_policy_samples(cfg.rollout.sampling)
+    summaries = {mode: summarize(rows, actor_n) for mode, rows in results.items()}
     print(f"\n{args.algorithm}, {args.steps} steps per mode, {args.servers} server(s)"
           f"{' and as many reference servers' if args.algorithm == 'armor' else ''}, trainer TP {args.tp}, "
           f"seed {args.seed}; samples/s "

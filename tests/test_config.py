@@ -20,7 +20,8 @@ DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
 
 def test_demo_config_loads_with_typed_overrides():
     cfg = load_config(DEMO, ["train.lr=1e-4", "algorithm.name=armor", "eval.max_prompts=null", "logging.plot=off"])
-    assert cfg.parallel.tensor_parallel_size == 2 and cfg.rollout.sampling.actor_n == 7
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.rollout.sampling.actor_n is None  # derived: 7
+    assert build_algorithm(cfg).on_policy_samples(cfg.rollout.sampling) == 7
     assert cfg.train.lr == 1e-4 and cfg.eval.max_prompts is None and cfg.logging.plot is False
 
 
@@ -35,7 +36,9 @@ def test_demo_config_loads_with_typed_overrides():
         (["trian.lr=1"], "unknown config section 'trian'; did you mean 'train'"),
         (["armor.alpha=0"], "armor.alpha must be in \\(0, 1\\], got 0.0"),
         (["rollout.sampling.actor_n=8"],
-         "rollout.sampling.actor_n must be rollout.sampling.n_samples - 1 = 7 for armor"),
+         "rollout.sampling.actor_n must be 7 for armor with rollout.sampling.n_samples 8, got 8 \\(leave it unset"),
+        (["algorithm.name=grpo", "rollout.sampling.actor_n=7"],
+         "rollout.sampling.actor_n must be 8 for grpo with rollout.sampling.n_samples 8, got 7"),
         (["train.mini_batch_size=3"], "train.mini_batch_size \\(3\\) must divide train.train_batch_size \\(8\\)"),
         (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p must be in \\(0, 1\\], got 1.5"),
         (["logging.plot=maybe"], "logging.plot: expected a boolean"),
@@ -306,3 +309,21 @@ def test_cli_reports_a_missing_reward_file_with_exit_code_2():
     )
     assert proc.returncode == 2
     assert "error: reward.audit_fns[0]: reward function 'no/such/checks.py:strict': no file" in proc.stderr
+
+
+def test_an_armor_config_runs_another_algorithm_by_its_name_alone():
+    """rollout.sampling.actor_n is derived by the algorithm when unset: the demo's ARMOR config (groups of 7 +
+    1 anchor) runs grpo or grpo_kl (groups of 8 on-policy samples) without another change."""
+    for name, on_policy in (("armor", 7), ("grpo", 8), ("grpo_kl", 8)):
+        cfg = load_config(DEMO, [f"algorithm.name={name}"])
+        assert check_algorithm_config(cfg).on_policy_samples(cfg.rollout.sampling) == on_policy, name
+
+
+def test_overlong_buffer_defaults_to_half_the_response_budget_up_to_dapo_s_4096():
+    short = load_config(None, ["task.synthetic=arithmetic", "rollout.sampling.max_new_tokens=40"])
+    assert short.reward.overlong_buffer is None and short.reward.overlong_buffer_for(40) == 20
+    assert short.reward.overlong_buffer_for(20480) == 4096 and short.reward.overlong_buffer_for(8192) == 4096
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer \(64\) must be <= rollout.sampling.max_new_tokens "
+                                          r"\(40\)"):
+        load_config(None, ["task.synthetic=arithmetic", "rollout.sampling.max_new_tokens=40",
+                           "reward.overlong_buffer=64"])

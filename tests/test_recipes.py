@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from megatron_armor.algorithms import algorithm_class
 from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import load_config
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 COMMON = {
-    "rollout.sampling.n_samples": 16, "rollout.sampling.actor_n": 15, "rollout.anchors.ref_n": 4,
+    "rollout.sampling.n_samples": 16, "rollout.anchors.ref_n": 4,
     "rollout.sampling.temperature": 1.0, "rollout.sampling.top_p": 1.0, "rollout.sampling.val_temperature": 1.0,
     "rollout.sampling.val_top_p": 0.7,
     "algorithm.name": "armor", "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.28, "algorithm.dual_clip": 10.0,
@@ -39,17 +40,24 @@ def value_at(cfg, dotted: str):
     return functools.reduce(getattr, dotted.split("."), cfg)
 
 
+def on_policy_samples(cfg) -> int:
+    """On-policy samples per prompt as the recipe's algorithm derives them (rollout.sampling.actor_n unset)."""
+    assert cfg.rollout.sampling.actor_n is None
+    return algorithm_class(cfg.algorithm.name).on_policy_samples(cfg.rollout.sampling)
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_has_the_paper_hyperparameters(recipe):
     cfg = load_config(EXAMPLES / recipe / "armor.yaml")
     for dotted, expected in {**COMMON, **RECIPES[recipe]}.items():
         assert value_at(cfg, dotted) == expected, dotted
+    assert on_policy_samples(cfg) == 15  # + 1 anchor per group
     assert cfg.parallel.world_size == 64 and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
 
 
 # mipu.md section 4; the batch reading (prompts, one optimizer step per RL step) is the recipe's stated choice.
 MIPU = {
-    "rollout.sampling.n_samples": 8, "rollout.sampling.actor_n": 8, "rollout.sampling.temperature": 1.0,
+    "rollout.sampling.n_samples": 8, "rollout.sampling.temperature": 1.0,
     "rollout.sampling.top_p": 1.0, "rollout.sampling.val_temperature": 0.7, "rollout.sampling.val_top_p": 1.0,
     "rollout.sampling.val_n": 16, "rollout.sampling.max_new_tokens": 8192,
     "data.max_prompt_length": 512, "reward.overlong_buffer": 0, "train.lr": 1e-6, "train.warmup_steps": 0,
@@ -64,6 +72,7 @@ def test_mipu_recipe_has_the_paper_hyperparameters():
     cfg = load_config(EXAMPLES / "qwen3-1.7b" / "mipu.yaml")
     for dotted, expected in MIPU.items():
         assert value_at(cfg, dotted) == expected, dotted
+    assert on_policy_samples(cfg) == 8  # the whole group
     optimizer_steps = cfg.train.train_batch_size // cfg.train.mini_batch_size
     micro_batches = (cfg.train.mini_batch_size * cfg.rollout.sampling.n_samples
                      // (cfg.parallel.data_parallel_size * cfg.train.micro_batch_size))
@@ -124,6 +133,7 @@ def test_moe_recipe_replays_the_servers_routing_and_states_its_hardware():
     for dotted, expected in {**COMMON, "armor.alpha": 0.875, "train.routing_replay": "rollout",
                              "parallel.expert_parallel_size": 8, "model.moe_aux_loss_coeff": 0.0}.items():
         assert value_at(cfg, dotted) == expected, dotted
+    assert on_policy_samples(cfg) == 15  # + 1 anchor per group
     assert cfg.parallel.world_size == 64 and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
     script = EXAMPLES / "qwen3-30b-a3b" / "run_torchrun.sh"
     assert "Hardware: 16 nodes x 8 H100" in script.read_text() and "--enable-return-routed-experts" in script.read_text()

@@ -3,18 +3,18 @@ the mixed ratio (a pi_theta + (1 - a) pi_ref) / (a pi_old + (1 - a) pi_ref), dua
 
 from __future__ import annotations
 
-from megatron_armor.config.base import require
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.registry import register_algorithm
-from megatron_armor.config import ArmorConfig
+from megatron_armor.config import ArmorConfig, MixedRatioConfig, SamplingConfig
 
 
 @register_algorithm
 class Armor(Grpo):
-    """GRPO's dual-clip loss on the mixed ratio (armor.alpha is its a) over groups of actor_n on-policy
-    samples + the first correct anchor (n_samples = actor_n + 1); prompts without a correct anchor are dropped."""
+    """GRPO's dual-clip loss on the mixed ratio (armor.alpha is its a) over groups of n_samples - 1 on-policy
+    samples + the first correct anchor; prompts without a correct anchor are dropped."""
 
     name = "armor"
+    settings = {"armor": MixedRatioConfig}
     uses_anchors = True
 
     def __init__(self, cfg: ArmorConfig) -> None:
@@ -26,9 +26,6 @@ class Armor(Grpo):
         return True
 
     @classmethod
-    def check_config(cls, cfg: ArmorConfig) -> None:
-        super().check_config(cfg)
-        sampling = cfg.rollout.sampling
-        require(sampling.actor_n == sampling.n_samples - 1,
-                f"rollout.sampling.actor_n must be rollout.sampling.n_samples - 1 = {sampling.n_samples - 1} for "
-                f"armor (groups are actor_n on-policy samples + 1 anchor), got {sampling.actor_n}")
+    def on_policy_samples(cls, sampling: SamplingConfig) -> int:
+        """n_samples - 1: a group's last place is its anchor's."""
+        return sampling.n_samples - 1

@@ -12,6 +12,7 @@ Each built-in lives in its own module and registers itself (`algorithms/registry
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -23,7 +24,7 @@ from megatron_armor.algorithms.reduce import LossAggregation, aggregate_loss, ch
 from megatron_armor.config.base import require
 
 if TYPE_CHECKING:
-    from megatron_armor.config import ArmorConfig
+    from megatron_armor.config import ArmorConfig, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class Algorithm:
     """
 
     name: ClassVar[str]
+    # the config sections it reads beyond the fixed ones: name -> settings dataclass (`config.section_registry`);
+    # registering the algorithm registers them, so they load from YAML and flags and `--help` lists them
+    settings: ClassVar[Mapping[str, type]] = {}
     uses_anchors: ClassVar[bool] = False
     needs_teacher: ClassVar[bool] = False
     default_loss_aggregation: ClassVar[LossAggregation] = "token_mean"
@@ -137,6 +141,12 @@ class Algorithm:
 
     # ----- config ---------------------------------------------------------------------------
     @classmethod
+    def on_policy_samples(cls, sampling: SamplingConfig) -> int:
+        """On-policy samples per prompt: the whole group of rollout.sampling.n_samples (an algorithm whose groups
+        hold other samples, ARMOR's anchor, says otherwise); rollout.sampling.actor_n, when set, must agree."""
+        return sampling.n_samples
+
+    @classmethod
     def default_clip_high(cls, clip_low: float) -> float:
         return 0.28
 
@@ -167,6 +177,11 @@ class Algorithm:
         require(not (cls.corrects_sampler and cfg.algorithm.behaviour_correction is not None),
                 f"{cls.name} weights tokens by pi_old / mu itself (mipu.is_correction): leave "
                 f"algorithm.behaviour_correction unset")
+        on_policy = cls.on_policy_samples(cfg.rollout.sampling)
+        require(cfg.rollout.sampling.actor_n in (None, on_policy),
+                f"rollout.sampling.actor_n must be {on_policy} for {cls.name} with rollout.sampling.n_samples "
+                f"{cfg.rollout.sampling.n_samples}, got {cfg.rollout.sampling.actor_n} (leave it unset: {cls.name} "
+                f"derives it)")
         clip = cls.resolve_clip(cfg)  # the section checked the values it was given; these are with the defaults
         require(clip.high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {clip.low}/{clip.high}")
         require(clip.dual > 1, f"algorithm.dual_clip must be > 1, got {clip.dual}")
@@ -177,9 +192,6 @@ class Algorithm:
                     f"rollout.sglang.ref_urls is required for {cls.name} with rollout.backend sglang (servers of the "
                     f"reference policy), or set rollout.anchors.engine shared to sample anchors from the actor's servers")
         else:
-            require(sampling.actor_n == sampling.n_samples,
-                    f"rollout.sampling.actor_n must equal rollout.sampling.n_samples ({sampling.n_samples}) for "
-                    f"{cls.name}, got {sampling.actor_n}")
             require(anchors.engine == "separate" and not anchors.cache,
                     f"rollout.anchors.engine ({anchors.engine}) and rollout.anchors.cache ({anchors.cache}) apply to "
                     f"anchors; {cls.name} samples none: leave them at separate / false")

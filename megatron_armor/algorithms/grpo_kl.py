@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.registry import register_algorithm
+from megatron_armor.config import KLConfig
 
 
 @register_algorithm
@@ -12,4 +13,5 @@ class GrpoKL(Grpo):
     """`Grpo`'s loss + kl.coef * KL(pi_theta || pi_ref), aggregated as the policy loss."""
 
     name = "grpo_kl"
+    settings = {"kl": KLConfig}
     uses_kl_penalty = True

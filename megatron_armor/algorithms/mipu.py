@@ -11,7 +11,7 @@ from megatron_armor.algorithms.base import Algorithm, LossInputs, UpdateGateConf
 from megatron_armor.algorithms.importance import sampler_corrected_loss
 from megatron_armor.algorithms.losses import LOG_RATIO_CLAMP
 from megatron_armor.algorithms.registry import register_algorithm
-from megatron_armor.config import ArmorConfig
+from megatron_armor.config import ArmorConfig, KLConfig, MipuConfig
 
 
 @torch.no_grad()
@@ -66,6 +66,7 @@ class Mipu(Algorithm):
     batch was sampled by kept weights, and a rollback, which keeps the weight version, leaves theirs as they were."""
 
     name = "mipu"
+    settings = {"mipu": MipuConfig, "kl": KLConfig}
     uses_kl_penalty = True
     corrects_sampler = True  # Step 1's mipu.is_correction
     default_loss_aggregation = "seq_mean_token_mean"  # J_S1 (mipu.md §2)

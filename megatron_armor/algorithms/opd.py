@@ -13,7 +13,7 @@ from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.algorithms.importance import ISCorrection
 from megatron_armor.algorithms.registry import register_algorithm
-from megatron_armor.config import ArmorConfig
+from megatron_armor.config import ArmorConfig, OpdConfig
 
 TOKEN_SELECTIONS = ("top", "random")
 TokenSelection = Literal["top", "random"]
@@ -105,6 +105,7 @@ class Opd(Grpo):
     filter); with opd.rollouts teacher the teacher's never-synced engine samples the responses."""
 
     name = "opd"
+    settings = {"opd": OpdConfig}
     needs_teacher = True
     reads_old_logprobs_before_update = True  # the token advantages are computed from them
     can_anchor = False  # its teacher, not an anchor, is what keeps it close

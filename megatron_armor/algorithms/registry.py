@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 from megatron_armor.algorithms.base import Algorithm
 from megatron_armor.config import ConfigError
+from megatron_armor.config.algorithm import BUILT_IN_SECTIONS
 from megatron_armor.config.base import require
+from megatron_armor.config.section_registry import register_section, registered_sections, unregister_section
 from megatron_armor.utils.imports import import_attribute
 
 if TYPE_CHECKING:
@@ -20,19 +22,31 @@ ANCHORED_ALGORITHM = "armor"  # what the collapse monitor's anchor action switch
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: make `cls` selectable as `algorithm.name: <cls.name>`. A second class under a
-    registered name is a ValueError (unregister_algorithm first to replace one)."""
+    """Class decorator: make `cls` selectable as `algorithm.name: <cls.name>`, and its `settings` sections part of
+    every config (`config.section_registry`). A second class under a registered name, or a section name another
+    settings class holds, is a ValueError (unregister_algorithm first to replace one)."""
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)) or not getattr(cls, "name", None):
         raise TypeError(f"{cls!r} is not an Algorithm subclass with a `name`")
     if _ALGORITHMS.get(cls.name, cls) is not cls:
         raise ValueError(f"algorithm {cls.name!r} is already registered by {_ALGORITHMS[cls.name].__qualname__}")
+    taken = {name: other for name, other in registered_sections().items() if cls.settings.get(name, other) is not other}
+    if taken:
+        raise ValueError(f"algorithm {cls.name!r}: its settings sections {sorted(taken)} are already other classes "
+                         f"({', '.join(other.__qualname__ for other in taken.values())})")
+    for name, settings in cls.settings.items():
+        register_section(name, settings)
     _ALGORITHMS[cls.name] = cls
     return cls
 
 
 def unregister_algorithm(name: str) -> None:
-    """Forget the algorithm registered as `name` (KeyError if none is)."""
-    del _ALGORITHMS[name]
+    """Forget the algorithm registered as `name` (KeyError if none is), and those of its settings sections that no
+    other registered algorithm reads and the config package does not define itself."""
+    cls = _ALGORITHMS.pop(name)
+    still_read = {section for other in _ALGORITHMS.values() for section in other.settings}
+    for section in cls.settings:
+        if section not in still_read and section not in BUILT_IN_SECTIONS:
+            unregister_section(section)
 
 
 def registered_algorithms() -> list[str]:
@@ -83,10 +97,11 @@ def check_algorithm_config(cfg: ArmorConfig) -> type[Algorithm]:
 
 def anchored_config(cfg: ArmorConfig) -> ArmorConfig:
     """The config a run continues with once the monitor's anchor action switched it (`build_anchored_algorithm`):
-    algorithm.name ARMOR, groups of rollout.sampling.actor_n on-policy samples + 1 anchor (n_samples = actor_n + 1),
-    every other setting the run's own (ARMOR's from the armor section and rollout.anchors)."""
+    algorithm.name ARMOR, groups of the run's on-policy samples per prompt + 1 anchor, every other setting the
+    run's own (ARMOR's from the armor section and rollout.anchors)."""
     rollout = cfg.rollout
-    sampling = dataclasses.replace(rollout.sampling, n_samples=rollout.sampling.actor_n + 1)
+    on_policy = algorithm_class(cfg.algorithm.name).on_policy_samples(rollout.sampling)
+    sampling = dataclasses.replace(rollout.sampling, n_samples=on_policy + 1, actor_n=None)
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, name=ANCHORED_ALGORITHM),
                                rollout=dataclasses.replace(rollout, sampling=sampling))
 

@@ -1,5 +1,6 @@
-"""The algorithm sections: `algorithm` (the policy loss and batch shared by every algorithm) and one section
-per algorithm-specific concern: `armor` (mixed ratio), `kl` (KL-to-reference loss), `mipu`, `opd`.
+"""The algorithm sections: `algorithm` (the policy loss and batch shared by every algorithm) and the built-in
+algorithms' own sections, registered here (`section_registry`): `armor` (mixed ratio), `kl` (KL-to-reference loss),
+`mipu`, `opd`.
 
 Defaults and rules that depend on which algorithm runs belong to the algorithm objects
 (`megatron_armor.algorithms`), which check them when the run's algorithm is built.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least
+from megatron_armor.config.section_registry import register_section
 
 
 @dataclass
@@ -176,3 +178,8 @@ class OpdConfig:
         if self.teacher_tensor_parallel_size is None and self.teacher_pipeline_parallel_size is None:
             return None
         return self.teacher_tensor_parallel_size or 1, self.teacher_pipeline_parallel_size or 1
+
+
+BUILT_IN_SECTIONS: dict[str, type] = {"armor": MixedRatioConfig, "kl": KLConfig, "mipu": MipuConfig, "opd": OpdConfig}
+for _name, _cls in BUILT_IN_SECTIONS.items():
+    register_section(_name, _cls)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 def check_cross_section(cfg: ArmorConfig) -> None:
     """Raise ConfigError naming the fields of the first rule `cfg` breaks."""
     t, max_new_tokens = cfg.train, cfg.rollout.sampling.max_new_tokens
-    require(cfg.reward.overlong_buffer <= max_new_tokens,
+    require(cfg.reward.overlong_buffer_for(max_new_tokens) <= max_new_tokens,
             f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) must be <= rollout.sampling.max_new_tokens "
             f"({max_new_tokens})")
     require(t.subspace_capture_step == 0 or t.subspace_mode == "gradient" or cfg.model.params_dtype == "float32",

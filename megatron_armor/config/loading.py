@@ -18,7 +18,7 @@ import yaml
 from megatron_armor.config.base import ConfigError
 from megatron_armor.config.cross_section import check_cross_section
 from megatron_armor.config.moved_names import MOVED_FIELDS
-from megatron_armor.config.root import ArmorConfig, section_class
+from megatron_armor.config.root import ALGORITHM_SECTIONS, ArmorConfig, config_entries, section_class
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
@@ -78,11 +78,11 @@ def _assign(values: dict[str, Any], dotted: str, value: Any) -> None:
     cls, prefix = ArmorConfig, ""
     parts = dotted.split(".")
     for depth, name in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        entries = {entry.name: entry.section for entry in config_entries(cls)}
         path = f"{prefix}{name}"
-        if name not in fields:
-            raise _unknown(path, [f"{prefix}{n}" for n in fields], "field" if depth else "section")
-        inner = section_class(fields[name])
+        if name not in entries:
+            raise _unknown(path, [f"{prefix}{n}" for n in entries], "field" if depth else "section")
+        inner = entries[name]
         if inner is None:
             if depth != len(parts) - 1:
                 raise ConfigError(f"unknown config field {dotted!r}: {path} is a value, not a section")
@@ -100,7 +100,10 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for f in dataclasses.fields(cls):
         dotted, inner = f"{prefix}{f.name}", section_class(f)
-        if inner is not None:
+        if cls is ArmorConfig and f.name == ALGORITHM_SECTIONS:
+            kwargs[f.name] = {entry.name: _build(entry.section, values, f"{entry.name}.")
+                              for entry in config_entries(cls) if entry.field is None}
+        elif inner is not None:
             kwargs[f.name] = _build(inner, values, f"{dotted}.")
         elif dotted in values:
             kwargs[f.name] = values[dotted]
@@ -109,30 +112,57 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> ArmorConfig:
     """Defaults <- YAML file (nested mappings of sections) <- `section[.sub].field=value` overrides, then
-    each section's own checks and `validate`."""
+    each section's own checks and `validate`. The sections are the fixed ones and the registered algorithms' own
+    (`section_registry`: a plug-in algorithm's are known once it is registered; `armor train` registers one
+    named by path before it loads the config)."""
+    data = _read_yaml(path) if path is not None else {}
     values: dict[str, Any] = {}
-    if path is not None:
+    for section, section_values in data.items():
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: invalid YAML ({error})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
-        for section, section_values in data.items():
-            try:
-                _assign(values, str(section), section_values)
-            except ConfigError as error:
-                raise ConfigError(f"{path}: {error}") from None
+            _assign(values, str(section), section_values)
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None
+    for key, value in _override_pairs(overrides):
+        _assign(values, key, value)
+    cfg = _build(ArmorConfig, values)
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: str | Path) -> dict:
+    """The mapping of sections in YAML file `path`."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: invalid YAML ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _override_pairs(overrides: typing.Sequence[str]) -> list[tuple[str, Any]]:
+    """(dotted name, YAML-parsed value) of each `section.field=value` override."""
+    pairs = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.field=value")
-        _assign(values, key.strip(), yaml.safe_load(value) if value.strip() else value)
-    cfg = _build(ArmorConfig, values)
-    validate(cfg)
-    return cfg
+        pairs.append((key.strip(), yaml.safe_load(value) if value.strip() else value))
+    return pairs
+
+
+def _algorithm_name(data: dict, pairs: list[tuple[str, Any]]) -> Any:
+    """algorithm.name as the overrides (the last one) or else the YAML mapping `data` give it; None if neither."""
+    named = [value for key, value in pairs if key == "algorithm.name"]
+    algorithm = data.get("algorithm")
+    return named[-1] if named else algorithm.get("name") if isinstance(algorithm, dict) else None
+
+
+def configured_algorithm(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Any:
+    """algorithm.name of the config `load_config(path, overrides)` would load (None: the default's)."""
+    return _algorithm_name(_read_yaml(path) if path is not None else {}, _override_pairs(overrides))
 
 
 def validate(cfg: ArmorConfig) -> None:
@@ -144,7 +174,7 @@ def validate(cfg: ArmorConfig) -> None:
 
 def save_config(cfg: ArmorConfig, path: str | Path) -> None:
     """Write `cfg` as YAML that `load_config` reads back."""
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(cfg.as_sections(), sort_keys=False))
 
 
 def config_hash(value: Any) -> str:

@@ -26,8 +26,8 @@ class MonitorConfig:
         "warn: log the alarm's reason and go on; stop: checkpoint, then exit with an error naming the alarm; anchor: "
         "ARMOR's restart (armor.md §4), automatic: actor and reference go back to the best checkpoint "
         "(checkpoint.keep_best), the optimizer and lr warmup start afresh, and training goes on as ARMOR (armor.alpha, "
-        "rollout.anchors.ref_n, groups of rollout.sampling.actor_n + 1); from grpo / grpo_kl it switches, under armor "
-        "(and after a switch) it resets policy and reference to the best checkpoint again"
+        "rollout.anchors.ref_n, groups of the run's on-policy samples + 1 anchor); from grpo / grpo_kl it switches, "
+        "under armor (and after a switch) it resets policy and reference to the best checkpoint again"
     )
     reward_gap: float | None = doc(
         0.2, "alarm reward_gap: train/accuracy (mean over the window's steps) minus val/accuracy above this while the "

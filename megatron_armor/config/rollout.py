@@ -14,7 +14,10 @@ class SamplingConfig:
     """Group sizes and sampling of training and validation rollouts."""
 
     n_samples: int = doc(16, "group size per prompt")
-    actor_n: int = doc(15, "on-policy samples per prompt")
+    actor_n: int | None = doc(
+        None, "on-policy samples per prompt (unset: what the algorithm fixes it to: n_samples - 1 under armor, whose "
+        "groups hold one anchor, n_samples otherwise; a set value must agree)"
+    )
     temperature: float = doc(1.0, "sampling temperature of training rollouts")
     top_p: float = doc(1.0, "nucleus sampling of training rollouts")
     max_new_tokens: int = doc(8192, "maximum response length in tokens")
@@ -23,7 +26,9 @@ class SamplingConfig:
     val_n: int = doc(1, "samples per validation prompt")
 
     def __post_init__(self) -> None:
-        require_at_least("rollout.sampling", self, ("n_samples", "actor_n", "max_new_tokens", "val_n"), 1)
+        require_at_least("rollout.sampling", self, ("n_samples", "max_new_tokens", "val_n"), 1)
+        if self.actor_n is not None:
+            require_at_least("rollout.sampling", self, ("actor_n",), 1)
         require(self.n_samples >= 2,
                 f"rollout.sampling.n_samples must be >= 2 for group advantages, got {self.n_samples}")
         for name in ("temperature", "val_temperature"):

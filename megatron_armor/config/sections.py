@@ -134,11 +134,20 @@ class RewardConfig:
         "audit/<stem>_<function>_hack_rate (train_fn says correct, the audit says wrong) and audit/hack_rate (the "
         "largest of those)"
     )
-    overlong_buffer: int = doc(4096, "DAPO overlong penalty buffer in tokens (0 disables)")
+    overlong_buffer: int | None = doc(
+        None, "DAPO overlong penalty buffer in tokens: responses longer than rollout.sampling.max_new_tokens minus "
+        "this lose reward linearly (0 disables; unset: half of max_new_tokens, at most 4096)"
+    )
     overlong_factor: float = doc(1.0, "DAPO overlong penalty factor")
 
     def __post_init__(self) -> None:
-        require_at_least("reward", self, ("overlong_buffer",), 0)
+        if self.overlong_buffer is not None:
+            require_at_least("reward", self, ("overlong_buffer",), 0)
+
+    def overlong_buffer_for(self, max_new_tokens: int) -> int:
+        """The overlong buffer (tokens) for responses of at most `max_new_tokens`: overlong_buffer if set, else
+        max_new_tokens // 2 capped at DAPO's 4096."""
+        return self.overlong_buffer if self.overlong_buffer is not None else min(4096, max_new_tokens // 2)
 
 
 @dataclass

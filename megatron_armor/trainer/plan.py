@@ -41,8 +41,9 @@ class StepPlan:
         section, train = cfg.algorithm, cfg.train
         return cls(
             algorithm=algorithm, train_batch_size=train.train_batch_size, mini_batch_size=train.mini_batch_size,
-            micro_batching=MicroBatching.from_config(train, cfg.parallel), actor_n=cfg.rollout.sampling.actor_n,
-            ref_n=cfg.rollout.anchors.ref_n, max_num_gen_batches=section.max_num_gen_batches,
+            micro_batching=MicroBatching.from_config(train, cfg.parallel),
+            actor_n=algorithm.on_policy_samples(cfg.rollout.sampling), ref_n=cfg.rollout.anchors.ref_n,
+            max_num_gen_batches=section.max_num_gen_batches,
             allow_partial_batch=section.allow_partial_batch, adv_eps=section.adv_eps,
             ref_reset_period=section.ref_reset_period, seed=train.seed, advantage_baseline=section.advantage_baseline,
             baseline_quantile=section.baseline_quantile, nonfinite_rollback=train.nonfinite_rollback,

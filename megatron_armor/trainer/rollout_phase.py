@@ -216,8 +216,8 @@ class RolloutPhase:
             "train/accuracy": mean([float(s.correct) for s in on_policy]),
             "train/num_gen_batches": float(collector.num_gen_batches),
             "response/length_mean": mean([len(s.response_ids) for s in on_policy]),
-            "armor/prompts_kept": float(len(groups)),
-            "armor/prompts_generated": float(collector.stats.prompts_seen),
+            "filter/prompts_kept": float(len(groups)),
+            "filter/prompts_generated": float(collector.stats.prompts_seen),
             "armor/anchors_used": float(sum(s.is_anchor for g in groups for s in g)),
         }
         if anchors:

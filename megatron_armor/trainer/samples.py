@@ -39,7 +39,7 @@ class OverlongPenalty:
     @classmethod
     def from_config(cls, reward: RewardConfig, max_response_length: int) -> OverlongPenalty:
         """The penalty of the reward section for responses of at most `max_response_length` tokens."""
-        return cls(max_response_length, reward.overlong_buffer, reward.overlong_factor)
+        return cls(max_response_length, reward.overlong_buffer_for(max_response_length), reward.overlong_factor)
 
 
 class SampleScorer:

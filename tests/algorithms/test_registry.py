@@ -111,10 +111,10 @@ def test_opd_token_advantages_follow_its_section():
 
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.name=armor", "rollout.sampling.actor_n=16"],
-     "rollout.sampling.actor_n must be rollout.sampling.n_samples - 1 = 15 for armor"),
+     "rollout.sampling.actor_n must be 15 for armor with rollout.sampling.n_samples 16, got 16"),
     (["algorithm.name=armor", "rollout.anchors.ref_n=0"], "rollout.anchors.ref_n must be >= 1 for armor"),
     (["algorithm.name=grpo", "rollout.sampling.actor_n=15"],
-     "rollout.sampling.actor_n must equal rollout.sampling.n_samples \\(16\\) for grpo, got 15"),
+     "rollout.sampling.actor_n must be 16 for grpo with rollout.sampling.n_samples 16, got 15"),
     (["algorithm.name=grpo", *NON_ANCHOR, "rollout.anchors.cache=true"],
      "rollout.anchors.engine \\(separate\\) and rollout.anchors.cache \\(True\\) apply to anchors; grpo samples none"),
     (["algorithm.name=grpo", *NON_ANCHOR, "opd.token_fraction=0.5"],

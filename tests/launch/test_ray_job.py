@@ -29,7 +29,7 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
     step = next(row for row in rows if row["step"] == 1)
     assert math.isfinite(step["loss/policy_loss"])
     assert step["mismatch/logprob_abs_diff"] < 1e-3  # the servers sampled with the trainer's weights
-    assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8  # anchors from the reference server
+    assert step["armor/anchors_used"] == step["filter/prompts_kept"] == 8  # anchors from the reference server
     # The ranks generated through the driver's routers, which take one prompt per request: the 16 x 7 on-policy
     # samples are 112 requests over both ranks (rollout/* sums the ranks' clients; without a router: 8 requests).
     assert step["rollout/requests"] >= 16 * 7

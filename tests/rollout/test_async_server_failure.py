@@ -22,8 +22,8 @@ CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 STEPS = 3  # a generation batch after the kill sends the dead server a request even if none was in flight
 GEN_BATCH = 8  # prompts per generation batch (no filtering: one batch fills a step, but for a prompt with no
 TRAIN_BATCH = 8  # correct anchor), and per step (examples/tiny/armor.yaml's train_batch_size)
-BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "armor/prompts_kept", "armor/anchors_used",
-         "armor/anchor_accuracy", "armor/prompts_generated", "train/num_gen_batches")
+BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "filter/prompts_kept", "armor/anchors_used",
+         "armor/anchor_accuracy", "filter/prompts_generated", "train/num_gen_batches")
 LOSSES = ("loss/policy_loss", "policy/entropy", "mismatch/logprob_abs_diff")  # of the same samples at lr 0
 
 
@@ -112,7 +112,7 @@ def _check_same_training(run_dir: Path, uninterrupted) -> list[dict]:
     rows, (reference_rows, reference_samplers) = _rows(run_dir), uninterrupted
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for row, reference in zip(rows, reference_rows, strict=True):
-        assert row["armor/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH, row["step"]  # full batches
+        assert row["filter/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH, row["step"]  # full batches
         assert {k: row[k] for k in BATCH} == {k: reference[k] for k in BATCH}, row["step"]
         assert {k: row[k] for k in LOSSES} == pytest.approx({k: reference[k] for k in LOSSES}, rel=1e-5, abs=1e-7)
     # Each checkpoint saved the position after exactly the generation batches trained so far (within epoch 0):
@@ -188,7 +188,7 @@ def test_async_run_with_partial_rollouts_and_an_actor_server_killed_trains_every
     assert proc.returncode == 0, proc.output[-6000:]
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    assert all(row["armor/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH for row in rows)
+    assert all(row["filter/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH for row in rows)
     assert all(row["response/length_mean"] > 2 for row in rows)
     assert _samplers(run_dir) == uninterrupted[1]
     assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1
@@ -219,7 +219,7 @@ def test_async_run_with_partial_rollouts_continues_interrupted_requests_on_real_
                  nproc=2, log_dir=tmp_path / "logs", timeout=240)
     assert proc.returncode == 0, proc.output[-6000:]
     rows = _rows(run_dir)
-    assert all(row["async/staleness_max"] <= 1 and row["armor/prompts_kept"] > 0 for row in rows)
+    assert all(row["async/staleness_max"] <= 1 and row["filter/prompts_kept"] > 0 for row in rows)
     assert all(row["val/response_length"] > 2 and row["val/aborted_fraction"] == 0 for row in rows)  # whole responses
     assert sum(row["async/partial_fraction"] for row in rows[1:]) > 0  # continued under newer weights
     assert rows[-1]["rollout/retries"] == 0  # continued, not re-sent from scratch

@@ -112,7 +112,7 @@ def test_armor_train_on_one_gpu_beside_its_rollout_servers(start_server, tiny_mo
     # bf16 trainer vs the server's fp32 math on the same weights (not measured yet); a server sampling from
     # stale weights (the untrained checkpoint it loaded: about uniform over the vocabulary) misses by nats.
     assert step["mismatch/logprob_abs_diff"] < 0.2, step
-    assert step["armor/anchors_used"] == step["armor/prompts_kept"] > 0, step  # the reference's push arrived
+    assert step["armor/anchors_used"] == step["filter/prompts_kept"] > 0, step  # the reference's push arrived
     assert rows[0]["val/accuracy"] > 0.05  # the warm-started actor's push arrived
     assert step["memory/trainer_parked_gib"] > 0 and "memory/trainer_gpu_reserved_gib" in step
     for server in (actor, ref):

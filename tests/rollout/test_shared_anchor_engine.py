@@ -50,7 +50,7 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
         # anchors first, actor pushed back, actor samples.
         assert row["rollout/weight_swaps"] == row["train/num_gen_batches"] >= 2
         assert row["mismatch/logprob_abs_diff"] < 1e-3  # every on-policy sample came from the actor's weights
-        assert row["armor/anchors_used"] == row["armor/prompts_kept"] == 20  # correct anchors: reference pushed
+        assert row["armor/anchors_used"] == row["filter/prompts_kept"] == 20  # correct anchors: reference pushed
     # The actor left the reference, so a missed swap would show above: the mean of log pi_old - log pi_ref over the
     # actor's samples estimates KL(pi_old || pi_ref) >= 0.
     assert second["mix_kl/kl_on_old"] > 1e-3

@@ -35,7 +35,7 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step = rows[1]
     assert step["mismatch/logprob_abs_diff"] < 1e-3  # the server sampled with the trainer's actor weights
-    assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8  # correct anchors: reference pushed
+    assert step["armor/anchors_used"] == step["filter/prompts_kept"] == 8  # correct anchors: reference pushed
     assert step["rollout/requests"] > 0 and step["rollout/retries"] == 0
     # Validation also ran on the pushed (warm-started) weights: an untrained model scores about 0.
     assert rows[0]["val/accuracy"] > 0.05

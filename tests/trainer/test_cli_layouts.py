@@ -46,10 +46,10 @@ def test_training_step_under_layout(layout, synthetic_cache, tmp_path):
     for key in ("train/reward_mean", "loss/policy_loss", "policy/entropy", "optim/grad_norm"):
         assert math.isfinite(step[key]), key
     if "grpo_kl" in layout:
-        assert step["armor/anchors_used"] == 0 and step["armor/prompts_kept"] == 8
+        assert step["armor/anchors_used"] == 0 and step["filter/prompts_kept"] == 8
         assert math.isfinite(step["loss/kl_to_ref"]) and step["loss/kl_to_ref"] >= 0  # k3 >= 0
     else:
-        assert step["armor/anchors_used"] == step["armor/prompts_kept"] == 8
+        assert step["armor/anchors_used"] == step["filter/prompts_kept"] == 8
     # The engine received every pipeline stage's weights: its logprobs equal the trainer's.
     assert step["mismatch/logprob_abs_diff"] < 1e-3
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "COMPLETE").is_file()

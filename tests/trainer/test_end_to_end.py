@@ -49,12 +49,12 @@ def test_armor_tp2_run_then_resume_matches_uninterrupted(synthetic_cache, tmp_pa
     assert rows[2]["armor/ref_reset"] == 1.0 and "armor/ref_reset" not in rows[3]
     assert abs(rows[3]["mix_kl/kl_on_old"]) < 1e-6  # step 3 starts with the reference equal to the actor
     for row in rows[1:]:
-        for key in ("train/reward_mean", "armor/anchors_used", "armor/prompts_kept", "loss/clip_fraction",
+        for key in ("train/reward_mean", "armor/anchors_used", "filter/prompts_kept", "loss/clip_fraction",
                     "loss/mixed_ratio_mean", "policy/entropy", "mismatch/logprob_abs_diff", "perf/step_seconds",
                     "perf/tokens_per_second", "loss/policy_loss"):
             assert math.isfinite(row[key]), (key, row)
         assert row["perf/tflops_per_gpu"] > 0  # planning/flops.py's count of the step / its seconds / 2 ranks
-        assert row["armor/anchors_used"] == row["armor/prompts_kept"] > 0
+        assert row["armor/anchors_used"] == row["filter/prompts_kept"] > 0
         assert row["mix_kl/main_ratio"] == 7 / 8  # groups of 7 on-policy samples and 1 anchor
         assert row["mismatch/logprob_abs_diff"] < 1e-3
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2]

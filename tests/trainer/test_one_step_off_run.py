@@ -16,7 +16,7 @@ from launcher import run_workers
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 STEPS = 2
-BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "armor/prompts_kept", "armor/anchors_used",
+BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "filter/prompts_kept", "armor/anchors_used",
          "train/num_gen_batches")
 LOSSES = ("loss/policy_loss", "loss/clip_fraction", "policy/entropy", "optim/grad_norm")
 
@@ -92,7 +92,7 @@ def test_async_trains_on_no_sample_older_than_max_staleness(synthetic_cache, tmp
     assert all(row["async/dropped_stale_groups"] >= 0 and 0 <= row["perf/overlap_fraction"] <= 1 for row in rows)
     # every trained sample came from the trainer's current weights: the engine's logprobs are the trainer's
     assert all(row["mismatch/logprob_abs_diff"] < 1e-5 for row in rows)
-    assert all(row["armor/prompts_kept"] > 0 for row in rows)
+    assert all(row["filter/prompts_kept"] > 0 for row in rows)
 
 
 def test_async_resumed_from_a_checkpoint_trains_the_uninterrupted_run_s_prompts_and_samples(synthetic_cache, tmp_path):

@@ -34,7 +34,7 @@ def test_opd_tp2_run_distils_the_teacher_into_the_student(synthetic_cache, tmp_p
     for row in rows[1:]:
         for key in ("opd/reverse_kl", "loss/policy_loss", "loss/clip_fraction", "optim/grad_norm", "train/reward_mean"):
             assert math.isfinite(row[key]), (key, row)
-        assert row["armor/prompts_kept"] == 4  # no prompt filtering
+        assert row["filter/prompts_kept"] == 4  # no prompt filtering
         assert row["opd/reverse_kl"] > 0.1  # an untrained student is far from the teacher
         assert row["mismatch/logprob_abs_diff"] < 1e-3  # fp32 engine
 

@@ -83,7 +83,7 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     trainer.rollouts.phase.sample_on_policy = lambda rows, seed, counters: [_sample(0, True), _sample(0, False),
                                                                      _sample(1, False), _sample(1, False)]
     metrics = trainer.step(0)
-    assert metrics["train/update_skipped"] == 1.0 and metrics["armor/prompts_kept"] == 0.0
+    assert metrics["train/update_skipped"] == 1.0 and metrics["filter/prompts_kept"] == 0.0
     assert trainer.optimizer_steps == 0 and not any(k.startswith(("loss/", "optim/")) for k in metrics)
 
 
