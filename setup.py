@@ -28,7 +28,7 @@ setup(
     ],
     extras_require={
         # Nothing on the CPU path imports these at module import time.
-        # NVIDIA apex is not on the package index under that name; see README for its source install.
+        # NVIDIA apex is not on the package index under that name; docs/guides/gpu.md has its source install.
         "gpu": ["transformer-engine[pytorch]", "sglang", "flash-attn"],
         "wandb": ["wandb"],
         "bench": ["trl>=1.16"],  # benchmarks/bench_grpo_step.py compares a GRPO step with TRL's GRPOTrainer

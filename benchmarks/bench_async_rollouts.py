@@ -15,11 +15,12 @@ started by launch/server_process.py as the Ray launcher does), then runs `armor 
 as a subprocess (torchrun when --tp > 1) and reads its metrics.jsonl.
 
 The long tail: at --temperature 1.6 the warm-started model mostly answers in ~25 tokens and EOS, but now and
-then it wanders and runs on to --max-new-tokens (64: ~2% of responses). A generation request decodes until its longest response ends, so
+then it wanders and runs on to --max-new-tokens (64). A generation request decodes until its longest response ends, so
 those few responses set the rollout's time, as the long reasoning traces of real runs do. Before the runs one server
 answers a generation batch of the training prompts with the training sampling, and the script prints that mix
 (length quantiles, the share cut at the limit). Micro-batches of one sequence and mini-batches of one prompt
-(--micro-batch, --mini-batch) make the tiny model's training phase ~15% of a sync step rather than ~3%.
+(--micro-batch, --mini-batch) make the tiny model's training phase a larger share of a sync step (the shares
+measured: docs/benchmarks.md, "Rollout modes side by side").
 
 Figures, per mode: samples/s over all steps, the others as means over the steps after the first (one_step_off's
 first generates its rollout in the foreground, filling the pipeline; its cost is amortized over --steps):

@@ -11,6 +11,8 @@
                         object: megatron_armor.algorithms)
     moved_names.py      fields that moved (old name -> new place)
     loading.py          load_config, coerce, validate, save_config, config_hash
+    reference.py        docs/config.md from the fields' docs and defaults
+                        (python -m megatron_armor.config.reference > docs/config.md)
 
 Each section checks its own fields when it is built. Defaults follow the ARMOR 7B recipe (armor.md
 section 6) where one applies.

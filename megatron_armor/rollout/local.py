@@ -46,8 +46,8 @@ def sample_next_tokens(
     probability exceeds u times the row's total. The uniforms are drawn for the whole batch, [batch_size], and
     logits' row i takes u[rows[i]] (default: one per logits row), so a decode batch that dropped its finished rows
     draws what the full batch would have drawn for the rows it kept. One random number per row and a cumulative
-    sum cost far less than `torch.multinomial`'s one exponential variate per vocabulary entry (19% of a decode
-    step at a 32k vocabulary, benchmarks/bench_rollout.py --vs-hf).
+    sum cost far less than `torch.multinomial`'s one exponential variate per vocabulary entry (the profile that showed
+    it: docs/benchmarks.md, "Rollout engine").
     """
     if sampling.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -182,7 +182,7 @@ class LocalEngine(RolloutEngine):
 
     The engine owns `model`: with `prepack_weights` (default) its `nn.Linear` layers of >= 2^17 weights are replaced
     in place by `PrepackedLinear`s over the same Parameters, which run float32 CPU products on a oneDNN layout of the
-    weights (`rollout/prepacked_linear.py`: 1.2-3.6x faster products, one more copy of those weights in memory).
+    weights (`rollout/prepacked_linear.py`; one more copy of those weights in memory).
     """
 
     def __init__(

@@ -2,15 +2,14 @@
 
 `torch.nn.functional.linear` on the CPU calls MKL's general matrix product, which reads the weight in its
 [out, in] row-major layout on every call. A decode step multiplies every weight by a handful of rows (one token
-per sequence), so it is bound by how the weight streams through the caches. Timed alone on the 2-core CPU box
-(2026-12-04, 2 threads), oneDNN's inner product on a weight re-laid-out once for it ran a [16, 512] x [512, 32000]
-LM head 3.6x faster and a [16, 512] x [512, 1536] projection 1.7x faster than `F.linear`, 2048-row prefill
-products 1.2x faster; whole generations: docs/benchmarks.md (benchmarks/bench_rollout.py --vs-hf).
+per sequence), so it is bound by how the weight streams through the caches. `PrepackedLinear` runs the product as
+oneDNN's inner product on a copy of the weight laid out once for it (timings of both, and of whole generations:
+docs/benchmarks.md, "Rollout engine" and "Figures formerly in code"; benchmarks/bench_rollout.py --vs-hf).
 
 The products stay float32 with float32 accumulation; oneDNN sums in another order than MKL, so outputs may differ
 from `F.linear`'s in the last bits (engine logprobs by a few 1e-6: tests/rollout/test_prepacked_linear.py). A row's
-output does not depend on how many rows are multiplied with it (measured: tests/rollout/test_prepacked_linear.py),
-which MKL does not guarantee for small batches.
+output does not depend on how many rows are multiplied with it (tests/rollout/test_prepacked_linear.py checks
+it), which MKL does not guarantee for small batches.
 
 `PrepackedLinear` holds the very `weight` and `bias` Parameters of the `nn.Linear` it replaces (names, tied
 weights and in-place weight updates carry over; hooks on the replaced `nn.Linear` itself do not). It lays the weight
@@ -74,8 +73,8 @@ class PrepackedLinear(torch.nn.Linear):
         return {**self.__dict__, "_layout": None}
 
 
-# oneDNN's call costs ~15 us more than MKL's whatever the size; on the 2-core box it pays from about this many weight
-# elements on (a [16, 256] x [256, 768] product: 50 us against 83 us; [16, 64] x [64, 176]: 18 us against 7 us).
+# The smallest weight (in elements) that gets a oneDNN layout: oneDNN's call costs a fixed amount more than MKL's
+# whatever the size, which smaller products do not earn back (timings: docs/benchmarks.md, "Figures formerly in code").
 PREPACK_MIN_WEIGHT_ELEMENTS = 1 << 17
 
 
