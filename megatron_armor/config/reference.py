@@ -10,14 +10,13 @@ and compares it with the committed file. Regenerate after changing a field:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from typing import Any
 
 from megatron_armor.config.base import default_of
 from megatron_armor.config.moved_names import MOVED_FIELDS
-from megatron_armor.config.root import ArmorConfig, section_class
+from megatron_armor.config.root import ArmorConfig, config_entries
 
 COMMAND = ".venv/bin/python -m megatron_armor.config.reference > docs/config.md"
 
@@ -42,11 +41,10 @@ def reference_markdown(root: type = ArmorConfig) -> str:
 def _sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
     """(dotted name, dataclass) of every section and sub-section under `cls`, each before its sub-sections."""
     out = []
-    for f in dataclasses.fields(cls):
-        inner = section_class(f)
-        if inner is not None:
-            out.append((f"{prefix}{f.name}", inner))
-            out.extend(_sections(inner, f"{prefix}{f.name}."))
+    for entry in config_entries(cls):
+        if entry.section is not None:
+            out.append((f"{prefix}{entry.name}", entry.section))
+            out.extend(_sections(entry.section, f"{prefix}{entry.name}."))
     return out
 
 
@@ -57,8 +55,8 @@ def _section_markdown(name: str, cls: type) -> str:
     doc = _class_doc(cls)
     if doc:
         lines += [doc, ""]
-    values = [f for f in dataclasses.fields(cls) if section_class(f) is None]
-    subs = [f"`{name}.{f.name}`" for f in dataclasses.fields(cls) if section_class(f) is not None]
+    values = [entry.field for entry in config_entries(cls) if entry.section is None]
+    subs = [f"`{name}.{entry.name}`" for entry in config_entries(cls) if entry.section is not None]
     if subs:
         lines += [f"Sub-sections: {', '.join(subs)}.", ""]
     if values:
