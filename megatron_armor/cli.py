@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from megatron_armor.config import MOVED_FIELDS, ConfigError, config_fields, load_config
 from megatron_armor.config.loading import configured_algorithm
+from megatron_armor.config.section_registry import register_plugin_sections
 from megatron_armor.config.base import default_of
 from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
@@ -126,23 +127,21 @@ def torchrun_argv(argv: Sequence[str], nproc: int, port: int) -> list[str]:
     return torchrun_command(nproc, ["megatron_armor.cli", *rest], master_port=port)
 
 
-def _register_plugin_algorithm(argv: Sequence[str] | None) -> None:
+def _register_plugin_sections(argv: Sequence[str] | None) -> None:
     """A plug-in algorithm given by path (--algo / --algorithm.name package.module:ClassName, or the --config file's
-    algorithm.name) is imported and registered before the parser is built, so its settings sections
-    (`Algorithm.settings`) have flags, --help lists them and the config loads them."""
+    algorithm.name) brings its config sections (`Algorithm.config_sections`) before the parser is built: their
+    flags parse and --help lists them."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
-    pre.add_argument("--algo", "--algorithm.name", dest="algorithm_name")
+    pre.add_argument("--algo")
+    pre.add_argument("--algorithm.name", dest="algorithm_name")
     known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else list(argv))
-    overrides = [f"algorithm.name={known.algorithm_name}"] if known.algorithm_name else []
+    name = known.algo or known.algorithm_name  # --algo wins, as in `overrides_from_args`
     try:
-        name = configured_algorithm(known.config, overrides)
+        name = configured_algorithm(known.config, [f"algorithm.name={name}"] if name else [])
     except ConfigError:
         return  # a missing or malformed file: load_config reports it, in its command's context
-    if isinstance(name, str) and ":" in name:
-        from megatron_armor.algorithms import algorithm_class  # imports torch: only for a plug-in
-
-        algorithm_class(name)
+    register_plugin_sections(name)
 
 
 def _enable_triton_interpreter_without_gpu() -> None:
@@ -158,7 +157,7 @@ def _enable_triton_interpreter_without_gpu() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        _register_plugin_algorithm(argv)
+        _register_plugin_sections(argv)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

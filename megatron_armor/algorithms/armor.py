@@ -14,7 +14,7 @@ class Armor(Grpo):
     samples + the first correct anchor; prompts without a correct anchor are dropped."""
 
     name = "armor"
-    settings = {"armor": MixedRatioConfig}
+    config_sections = {"armor": MixedRatioConfig}
     uses_anchors = True
 
     def __init__(self, cfg: ArmorConfig) -> None:

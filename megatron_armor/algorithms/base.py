@@ -96,9 +96,10 @@ class Algorithm:
     """
 
     name: ClassVar[str]
-    # the config sections it reads beyond the fixed ones: name -> settings dataclass (`config.section_registry`);
-    # registering the algorithm registers them, so they load from YAML and flags and `--help` lists them
-    settings: ClassVar[Mapping[str, type]] = {}
+    # its own config sections: name -> settings dataclass (`config.section_registry`); registering the algorithm
+    # registers them, so they load from YAML and flags and `--help` lists them. (Every algorithm also reads the
+    # built-in kl and opd sections, which the config package registers itself.)
+    config_sections: ClassVar[Mapping[str, type]] = {}
     uses_anchors: ClassVar[bool] = False
     needs_teacher: ClassVar[bool] = False
     default_loss_aggregation: ClassVar[LossAggregation] = "token_mean"

@@ -13,5 +13,5 @@ class GrpoKL(Grpo):
     """`Grpo`'s loss + kl.coef * KL(pi_theta || pi_ref), aggregated as the policy loss."""
 
     name = "grpo_kl"
-    settings = {"kl": KLConfig}
+    config_sections = {"kl": KLConfig}
     uses_kl_penalty = True

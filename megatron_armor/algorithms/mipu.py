@@ -66,7 +66,7 @@ class Mipu(Algorithm):
     batch was sampled by kept weights, and a rollback, which keeps the weight version, leaves theirs as they were."""
 
     name = "mipu"
-    settings = {"mipu": MipuConfig, "kl": KLConfig}
+    config_sections = {"mipu": MipuConfig, "kl": KLConfig}
     uses_kl_penalty = True
     corrects_sampler = True  # Step 1's mipu.is_correction
     default_loss_aggregation = "seq_mean_token_mean"  # J_S1 (mipu.md §2)

@@ -105,7 +105,7 @@ class Opd(Grpo):
     filter); with opd.rollouts teacher the teacher's never-synced engine samples the responses."""
 
     name = "opd"
-    settings = {"opd": OpdConfig}
+    config_sections = {"opd": OpdConfig}
     needs_teacher = True
     reads_old_logprobs_before_update = True  # the token advantages are computed from them
     can_anchor = False  # its teacher, not an anchor, is what keeps it close

@@ -11,8 +11,8 @@ from megatron_armor.algorithms.base import Algorithm
 from megatron_armor.config import ConfigError
 from megatron_armor.config.algorithm import BUILT_IN_SECTIONS
 from megatron_armor.config.base import require
-from megatron_armor.config.section_registry import register_section, registered_sections, unregister_section
-from megatron_armor.utils.imports import import_attribute
+from megatron_armor.config.section_registry import register_sections, unregister_section
+from megatron_armor.config.plugins import import_attribute
 
 if TYPE_CHECKING:
     from megatron_armor.config import ArmorConfig
@@ -22,19 +22,17 @@ ANCHORED_ALGORITHM = "armor"  # what the collapse monitor's anchor action switch
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: make `cls` selectable as `algorithm.name: <cls.name>`, and its `settings` sections part of
+    """Class decorator: make `cls` selectable as `algorithm.name: <cls.name>`, and its `config_sections` part of
     every config (`config.section_registry`). A second class under a registered name, or a section name another
     settings class holds, is a ValueError (unregister_algorithm first to replace one)."""
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)) or not getattr(cls, "name", None):
         raise TypeError(f"{cls!r} is not an Algorithm subclass with a `name`")
     if _ALGORITHMS.get(cls.name, cls) is not cls:
         raise ValueError(f"algorithm {cls.name!r} is already registered by {_ALGORITHMS[cls.name].__qualname__}")
-    taken = {name: other for name, other in registered_sections().items() if cls.settings.get(name, other) is not other}
-    if taken:
-        raise ValueError(f"algorithm {cls.name!r}: its settings sections {sorted(taken)} are already other classes "
-                         f"({', '.join(other.__qualname__ for other in taken.values())})")
-    for name, settings in cls.settings.items():
-        register_section(name, settings)
+    try:
+        register_sections(cls.config_sections)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"algorithm {cls.name!r}: {error}") from error
     _ALGORITHMS[cls.name] = cls
     return cls
 
@@ -43,8 +41,8 @@ def unregister_algorithm(name: str) -> None:
     """Forget the algorithm registered as `name` (KeyError if none is), and those of its settings sections that no
     other registered algorithm reads and the config package does not define itself."""
     cls = _ALGORITHMS.pop(name)
-    still_read = {section for other in _ALGORITHMS.values() for section in other.settings}
-    for section in cls.settings:
+    still_read = {section for other in _ALGORITHMS.values() for section in other.config_sections}
+    for section in cls.config_sections:
         if section not in still_read and section not in BUILT_IN_SECTIONS:
             unregister_section(section)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least
-from megatron_armor.config.section_registry import register_section
+from megatron_armor.config.section_registry import register_sections
 
 
 @dataclass
@@ -180,6 +180,8 @@ class OpdConfig:
         return self.teacher_tensor_parallel_size or 1, self.teacher_pipeline_parallel_size or 1
 
 
+# The built-in algorithms' sections (their `config_sections`, which a test holds to this), registered with the
+# config package so that loading a config or `--help` needs no algorithm imported. Every algorithm reads kl (its
+# estimator) and opd (whose teacher settings it refuses unless it has a teacher), so these are always registered.
 BUILT_IN_SECTIONS: dict[str, type] = {"armor": MixedRatioConfig, "kl": KLConfig, "mipu": MipuConfig, "opd": OpdConfig}
-for _name, _cls in BUILT_IN_SECTIONS.items():
-    register_section(_name, _cls)
+register_sections(BUILT_IN_SECTIONS)

@@ -19,6 +19,7 @@ from megatron_armor.config.base import ConfigError
 from megatron_armor.config.cross_section import check_cross_section
 from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.root import ALGORITHM_SECTIONS, ArmorConfig, config_entries, section_class
+from megatron_armor.config.section_registry import register_plugin_sections
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
@@ -113,9 +114,9 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> ArmorConfig:
     """Defaults <- YAML file (nested mappings of sections) <- `section[.sub].field=value` overrides, then
     each section's own checks and `validate`. The sections are the fixed ones and the registered algorithms' own
-    (`section_registry`: a plug-in algorithm's are known once it is registered; `armor train` registers one
-    named by path before it loads the config)."""
+    (`section_registry`); a plug-in algorithm named by path brings its own first."""
     data = _read_yaml(path) if path is not None else {}
+    register_plugin_sections(_algorithm_name(data, _override_pairs(overrides)))
     values: dict[str, Any] = {}
     for section, section_values in data.items():
         try:

@@ -11,7 +11,9 @@ from megatron_armor.config.algorithm import AlgorithmConfig
 from megatron_armor.config.base import section
 from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.rollout import RolloutConfig
-from megatron_armor.config.section_registry import default_sections, registered_sections
+from megatron_armor.config.section_registry import (
+    default_sections, register_plugin_sections, registered_sections, reserve_names,
+)
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
     TrainConfig,
@@ -48,8 +50,40 @@ class ArmorConfig:
         raise AttributeError(f"ArmorConfig has no section {name!r} (algorithm sections: {sorted(sections)})")
 
     def as_sections(self) -> dict[str, dict]:
-        """Every top-level section as a plain dict, by name, in config order (what `save_config` writes)."""
-        return {entry.name: dataclasses.asdict(getattr(self, entry.name)) for entry in config_entries(ArmorConfig)}
+        """Every top-level section as a plain dict, by name, in config order, the algorithm sections this config
+        holds after `algorithm` (what `save_config` writes)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name == ALGORITHM_SECTIONS:
+                out.update({name: dataclasses.asdict(value) for name, value in self.algorithm_sections.items()})
+            else:
+                out[f.name] = dataclasses.asdict(getattr(self, f.name))
+        return out
+
+    def __reduce__(self) -> tuple:
+        """Pickled as plain section dicts: a process that never imported a plug-in algorithm's module (a Ray
+        trainer rank; a file plug-in's module has a made-up name) registers it first (`config_from_sections`)."""
+        return config_from_sections, (self.as_sections(),)
+
+
+def config_from_sections(sections: dict[str, dict]) -> ArmorConfig:
+    """The `ArmorConfig` whose `as_sections()` is `sections`, a plug-in algorithm's sections registered first."""
+    register_plugin_sections(sections["algorithm"]["name"])
+    fixed = {f.name: _section_from_dict(section_class(f), sections[f.name])
+             for f in dataclasses.fields(ArmorConfig) if f.name != ALGORITHM_SECTIONS}
+    registered = registered_sections()
+    held = {name: _section_from_dict(registered[name], values) for name, values in sections.items()
+            if name not in fixed}
+    return ArmorConfig(**fixed, algorithm_sections=held)
+
+
+def _section_from_dict(cls: type, values: dict) -> Any:
+    """Dataclass `cls` from its `dataclasses.asdict` form (sub-sections built first)."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        inner = section_class(f)
+        kwargs[f.name] = _section_from_dict(inner, values[f.name]) if inner else values[f.name]
+    return cls(**kwargs)
 
 
 class ConfigEntry(NamedTuple):
@@ -86,3 +120,6 @@ def config_fields(cls: type = ArmorConfig, prefix: str = "") -> list[tuple[str, 
         dotted = f"{prefix}{entry.name}"
         out.extend(config_fields(entry.section, f"{dotted}.") if entry.section else [(dotted, entry.field)])
     return out
+
+
+reserve_names({f.name for f in dataclasses.fields(ArmorConfig)} | set(vars(ArmorConfig)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from megatron_armor.utils.imports import import_attribute
+from megatron_armor.config.plugins import import_attribute
 
 RewardFn = Callable[[str, dict], tuple[float, bool]]
 

@@ -154,3 +154,35 @@ def test_a_plugin_named_by_path_is_imported_and_registered(tmp_path, monkeypatch
         algorithm_class("my_algorithms:Grpo2")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
         algorithm_class("no_such_module:X")
+
+
+def test_the_built_in_algorithms_declare_the_sections_the_config_package_registers():
+    from megatron_armor.algorithms import algorithm_class, registered_algorithms
+    from megatron_armor.config.algorithm import BUILT_IN_SECTIONS
+
+    declared = {}
+    for name in ("armor", "grpo", "grpo_kl", "mipu", "opd"):
+        assert name in registered_algorithms()
+        declared.update(algorithm_class(name).config_sections)
+    assert declared.keys() <= BUILT_IN_SECTIONS.keys() and all(BUILT_IN_SECTIONS[k] is v for k, v in declared.items())
+    assert set(BUILT_IN_SECTIONS) == {"armor", "kl", "mipu", "opd"}
+
+
+def test_an_algorithm_s_sections_register_all_or_none_and_never_under_a_fixed_name():
+    from dataclasses import dataclass
+
+    from megatron_armor.algorithms import Algorithm, register_algorithm, registered_algorithms
+    from megatron_armor.config.section_registry import registered_sections
+
+    @dataclass
+    class Extra:
+        x: int = 1
+
+    for sections, error in (({"extra": Extra, "model": Extra}, "'model': not a name a section can take"),
+                            ({"extra": Extra, "as_sections": Extra}, "'as_sections': not a name"),
+                            ({"extra": Extra, "armor": Extra}, "'armor' is already MixedRatioConfig"),
+                            ({"extra": Extra, "bad name": Extra}, "'bad name': not a name")):
+        cls = type("Bad", (Algorithm,), {"name": "test_bad_sections", "config_sections": sections})
+        with pytest.raises(ValueError, match=f"algorithm 'test_bad_sections': config section {error}"):
+            register_algorithm(cls)
+        assert "extra" not in registered_sections() and "test_bad_sections" not in registered_algorithms()

@@ -59,7 +59,7 @@ def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggest
 @pytest.mark.parametrize("model_type, fields, phrase", [
     ("mistral", {"sliding_window": 4096}, "mistral with sliding_window 4096"),  # Mistral-7B-v0.1's window
     ("llama", {"attention_bias": True}, "biased llama projections"),
-    ("qwen2_moe", {"attention_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    ("qwen2_moe", {"mlp_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 48}, "biased qwen2_moe projections"),
     ("qwen3", {"mlp_bias": True}, "biased qwen3 projections"),
 ])
@@ -68,11 +68,12 @@ def test_what_a_family_cannot_build_is_refused_by_name(model_type, fields, phras
         model_shape_from_dict({"model_type": model_type, **DENSE, **fields})
 
 
-def test_qwen2_ignores_attention_bias_and_qwen2_moe_reads_qkv_bias():
+def test_qwen2_and_qwen2_moe_ignore_attention_bias_as_transformers_does_and_qwen2_moe_reads_qkv_bias():
     assert model_shape_from_dict({"model_type": "qwen2", **DENSE, "attention_bias": True}).qkv_bias
     moe = {"model_type": "qwen2_moe", **DENSE, "num_experts": 4, "num_experts_per_tok": 2,
            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
     assert model_shape_from_dict(moe).qkv_bias and not model_shape_from_dict({**moe, "qkv_bias": False}).qkv_bias
+    assert not model_shape_from_dict({**moe, "qkv_bias": False, "attention_bias": True}).qkv_bias
     assert model_shape_from_dict({"model_type": "mistral", **DENSE, "sliding_window": None}).arch == "mistral"
 
 

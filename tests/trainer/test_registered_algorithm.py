@@ -3,6 +3,7 @@ this module with a config section of its own (one setting, read from YAML and fr
 training steps through `armor train`'s code path (`run_training`)."""
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from megatron_armor.algorithms import Algorithm, LossInputs, register_algorithm,
 from megatron_armor.cli import build_parser, main, overrides_from_args
 from megatron_armor.config import ConfigError, load_config
 from megatron_armor.config.base import doc, require
-from megatron_armor.config.section_registry import registered_sections
+from megatron_armor.config.section_registry import registered_sections, unregister_section
 from megatron_armor.trainer.run import run_training
 
 CONFIG = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
@@ -36,7 +37,7 @@ class GroupMeanReinforce(Algorithm):
     test_reinforce.advantage_scale. No ratio, no clip."""
 
     name = "test_reinforce"
-    settings = {"test_reinforce": ReinforceSettings}
+    config_sections = {"test_reinforce": ReinforceSettings}
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -64,15 +65,24 @@ def reinforce_config(tmp_path) -> Path:
     return path
 
 
-def test_a_plugin_named_by_path_brings_its_section_to_the_command_line(reinforce_config, capsys):
-    """`armor train --algo module:Class` registers the plug-in before parsing: --help lists its setting; registered
-    or not, its section is part of the config only while the algorithm is."""
+def test_a_plugin_named_by_path_brings_its_section_to_the_command_line_the_loader_and_pickles(reinforce_config,
+                                                                                              capsys):
+    """`armor train --algo module:Class` registers the plug-in's section before parsing (--help lists its setting),
+    `load_config` does when the config names it by path, and so does unpickling a config (a Ray rank that never
+    imported the plug-in); without it the section is unknown."""
+    plugin = f"{__name__}:GroupMeanReinforce"
     assert "test_reinforce" not in registered_sections()
-    with pytest.raises(SystemExit) as done:
-        main(["train", "--algo", f"{__name__}:GroupMeanReinforce", "--help"])
-    assert done.value.code == 0 and "--test_reinforce.advantage_scale" in capsys.readouterr().out
-    unregister_algorithm("test_reinforce")
-    assert "test_reinforce" not in registered_sections()
+    try:
+        with pytest.raises(SystemExit) as done:
+            main(["train", "--algo", plugin, "--help"])
+        assert done.value.code == 0 and "--test_reinforce.advantage_scale" in capsys.readouterr().out
+        unregister_section("test_reinforce")
+        cfg = load_config(reinforce_config, [f"algorithm.name={plugin}"])
+        assert cfg.test_reinforce.advantage_scale == 2.0
+        unregister_section("test_reinforce")
+        assert pickle.loads(pickle.dumps(cfg)) == cfg
+    finally:
+        unregister_section("test_reinforce")
     with pytest.raises(ConfigError, match="unknown config section 'test_reinforce'"):
         load_config(reinforce_config)
 

@@ -29,7 +29,8 @@ class ModelFamily:
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2), none on the output projection
     qk_norm: bool = False  # RMSNorm over head_dim on queries and keys (Qwen3)
     # Whether HF's modelling code of the family reads config.attention_bias (biases on all four attention
-    # projections, which this project does not build, so a true value is refused); Qwen2's ignores it.
+    # projections, which this project does not build, so a true value is refused); Qwen2's and Qwen2-MoE's ignore
+    # it (their q/k/v biases are fixed, or config.qkv_bias).
     reads_attention_bias: bool = True
     # config.json fields of a tiny test checkpoint beyond make_tiny_checkpoint's dimensions
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)

@@ -20,6 +20,7 @@ class Qwen2MoEFamily(MoEFamily):
 
 
 QWEN2_MOE = register_family(Qwen2MoEFamily(
-    model_type="qwen2_moe", config_class="Qwen2MoeConfig", qkv_bias=True, shared_expert=True,
+    model_type="qwen2_moe", config_class="Qwen2MoeConfig", qkv_bias=True, reads_attention_bias=False,
+    shared_expert=True,
     tiny_fields={**TINY_EXPERTS, "norm_topk_prob": False, "shared_expert_intermediate_size": 48},
 ))
