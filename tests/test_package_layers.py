@@ -89,7 +89,7 @@ def package_imports(root: Path = ROOT, top: str = TOP) -> list[Import]:
 
 
 def package_of(module: str) -> str:
-    """megatron_armor.trainer.run -> trainer; megatron_armor.cli -> cli; megatron_armor -> megatron_armor."""
+    """megatron_armor.trainer.run.train -> trainer; megatron_armor.cli -> cli; megatron_armor -> megatron_armor."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_armor.algorithms import Algorithm, LossInputs, register_algorithm, unregister_algorithm
 from megatron_armor.config import load_config
-from megatron_armor.trainer.run import run_training
+from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
