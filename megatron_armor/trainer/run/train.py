@@ -128,10 +128,10 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
 
 
 def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:
-    """End the run's background work: rollouts generating ahead, an asynchronous save still in flight (finalized
-    even when the rollouts fail), the metrics files."""
+    """End the run's background work: the trainer's (rollouts generating ahead), an asynchronous save still in flight
+    (finalized even when closing the trainer fails), the metrics files."""
     try:
-        trainer.rollouts.close()
+        trainer.close()
     finally:
         saver.finalize()
         metrics_log.close()

@@ -293,7 +293,7 @@ class RLTrainer:
         self.engine_weights.push_actor()
         return self.reset_reference()
 
-    # ----- run start-up and checkpoints ------------------------------------------------------
+    # ----- run start-up, end and checkpoints -------------------------------------------------
     def push_initial_weights(self, *, actor: bool, ref: bool) -> None:
         """Before the first step (collective): park the trainer (offloaded, only the weights each push needs
         come back for it), then push the actor's and/or the reference's weights into their engines."""
@@ -302,6 +302,11 @@ class RLTrainer:
             self.engine_weights.push_actor()
         if ref:
             self.engine_weights.push_ref()
+
+    def close(self) -> None:
+        """End the background work the trainer owns at the run's end (collective): the rollouts generating ahead
+        and the anchors sampled ahead finish what they began, so no thread is left inside a collective."""
+        self.rollouts.close()
 
     def state_resident(self) -> contextlib.AbstractContextManager:
         """Collective: all of the trainer's state readable inside (`Colocation.state_resident`): where
