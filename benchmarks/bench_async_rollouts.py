@@ -8,8 +8,8 @@ The task is the tiny synthetic arithmetic one of examples/tiny/armor.yaml run as
 one kind of server), tensor parallel size --tp, from the same warm start and seed in every mode. `--algorithm armor`
 runs the recipe's ARMOR instead, with --servers reference servers of its own beside the actor's: the anchors of a
 generation batch are sampled in line after its actor samples in sync mode, beside them (on a thread of their own) in
-one_step_off and ahead of them in async (trainer/anchor_prefetch.py), and the "anchor s" column shows how long a
-step's generation waited for its anchors (perf/anchor_rollout_seconds). Each mode starts
+one_step_off and ahead of them in async (trainer/rollouts/anchor_prefetch.py), and the "anchor s" column shows how long
+a step's generation waited for its anchors (perf/anchor_rollout_seconds). Each mode starts
 --servers fresh `armor serve-local` processes (rollout/http_server.py: the CPU engine behind SGLang's HTTP schema,
 started by launch/server_process.py as the Ray launcher does), then runs `armor train --rollout.backend sglang`
 as a subprocess (torchrun when --tp > 1) and reads its metrics.jsonl.
@@ -70,7 +70,7 @@ from megatron_armor.launch.server_process import RolloutServer, ServerConfig
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.sglang_engine import SGLangEngine
-from megatron_armor.trainer.task_setup import prepare_task
+from megatron_armor.trainer.run.task_setup import prepare_task
 
 CONFIG = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
 # every rollout.mode the config knows, and async with partial rollouts: the runs' names and their own fields

@@ -90,7 +90,7 @@ def run_armor(steps: int, work: Path, cache: Path) -> list[float]:
 def task_files(cache: Path) -> tuple[str, str]:
     """(warm-started model, training prompts) of the demo's synthetic task in `cache` (made by the armor run)."""
     from megatron_armor.config import load_config
-    from megatron_armor.trainer.task_setup import prepare_task
+    from megatron_armor.trainer.run.task_setup import prepare_task
 
     cfg = load_config(str(ROOT / "examples" / "tiny" / "armor.yaml"), [f"task.cache_dir={cache}"])
     paths = prepare_task(cfg, is_main=True, needs_teacher=False)

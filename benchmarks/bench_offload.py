@@ -27,8 +27,8 @@ from bench_models import qwen2_of_width
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.hf_config import load_model_shape
-from megatron_armor.trainer.offload import TrainerOffload
-from megatron_armor.trainer.optimizer import AdamConfig, optimizer_step, wrap_for_training
+from megatron_armor.trainer.colocation.offload import TrainerOffload
+from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -28,8 +28,8 @@ from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.trainer.optimizer import AdamConfig, wrap_for_training
-from megatron_armor.trainer.policy_update import update_policy
+from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training
+from megatron_armor.trainer.update.policy_update import update_policy
 
 
 def demo_batch(vocab: int, sequences: int = 64, seed: int = 0):

@@ -44,10 +44,10 @@ from megatron_armor.convert.weights import HFCheckpointReader
 from megatron_armor.diagnostics import DiagnoseConfig, Snapshot, diagnose_sources
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import make_rows
-from megatron_armor.trainer.checkpoint import list_checkpoints
-from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
-from megatron_armor.trainer.task_setup import prepare_task
-from megatron_armor.trainer.warmstart import WarmStartConfig, _sft_batch, cached_warm_start, sampled_accuracy
+from megatron_armor.trainer.checkpointing.checkpoint import list_checkpoints
+from megatron_armor.trainer.run.task_setup import prepare_task
+from megatron_armor.trainer.run.warmstart import WarmStartConfig, _sft_batch, cached_warm_start, sampled_accuracy
+from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "examples" / "tiny" / "opd.yaml"

@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # An explicit thread count also keeps torchrun from printing its OMP_NUM_THREADS banner.
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             return subprocess.call(torchrun_argv(argv, nproc, free_port()), env=env)
-    from megatron_armor.trainer.run import run_training
+    from megatron_armor.trainer.run.train import run_training
 
     return run_training(cfg, resume=args.resume, overwrite=args.overwrite)
 

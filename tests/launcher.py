@@ -26,7 +26,7 @@ from megatron_armor.utils.net import free_port
 WORKERS = Path(__file__).parent / "workers"
 RANK_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # What the zygote imports before it forks: everything a rank of the suite's workers imports at start.
-PRELOAD = ["torch", "transformers", "megatron.core", "megatron_armor.cli", "megatron_armor.trainer.run",
+PRELOAD = ["torch", "transformers", "megatron.core", "megatron_armor.cli", "megatron_armor.trainer.run.train",
            "megatron_armor.convert.hf_to_megatron", "megatron_armor.kernels", "launcher"]
 _STOP_GRACE_S = 5.0
 

@@ -5,6 +5,8 @@ Every module's import statements are read with `ast` (nothing is imported), thos
 own layer as long as no cycle forms, never from a higher layer; modules form no cycle either (within a
 package too). An import counts as an edge to the module it names: `from a.b import c` is `a.b.c` when
 that is a module, else `a.b`; parent packages' `__init__` files, which Python runs first, are not counted.
+Inside `trainer` its sub-packages are layered the same way (`TRAINER_LAYERS`, bottom to top): a sub-package imports
+lower sub-packages, never higher ones, and a new one is placed there deliberately.
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("teacher", "diagnostics"),
     ("trainer",),
     ("launch", "cli", "__main__"),
+)
+
+TRAINER = f"{TOP}.trainer"
+# The trainer's sub-packages, bottom to top, one to a layer: each imports only those below it. A module directly in
+# trainer/ counts as a sub-package. A new one must be placed here deliberately.
+TRAINER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("step_inputs",),  # StepPlan, PolicyHandles: what every phase of the RL step reads
+    ("colocation",),  # the GPU shared with colocated servers, an engine shared by two policies, weight pushes
+    ("rollouts",),  # a step's samples: generated, scored, grouped, and when (rollout.mode)
+    ("update",),  # advantages, logprobs, optimizer steps, and what undoes them (faults, MIPU gate, snapshot)
+    ("checkpointing",),  # the trainer's state on disk
+    ("step",),  # RLTrainer: the RL step's phases and the state a resumed run needs
+    ("guard",),  # the collapse monitor and its anchor action in the run loop
+    ("run",),  # set-up from the config and the run loop of `armor train`
 )
 
 
@@ -88,10 +104,21 @@ def package_imports(root: Path = ROOT, top: str = TOP) -> list[Import]:
     return [edge for name, path in modules.items() for edge in imports_of(name, path, path.read_text(), modules, root, top)]
 
 
-def package_of(module: str) -> str:
-    """megatron_armor.trainer.run -> trainer; megatron_armor.cli -> cli; megatron_armor -> megatron_armor."""
+def package_of(module: str, within: str = TOP) -> str:
+    """The package of `module` directly under `within` (`within`'s last name for `within` itself). Under
+    megatron_armor: megatron_armor.trainer.run.train -> trainer; megatron_armor.cli -> cli; megatron_armor ->
+    megatron_armor. Under megatron_armor.trainer: megatron_armor.trainer.run.train -> run."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else parts[0]
+    depth = within.count(".") + 1
+    return parts[depth] if len(parts) > depth else parts[-1]
+
+
+def imports_within(imports: Iterable[Import], package: str) -> list[Import]:
+    """The imports both of whose ends are modules of `package` (dotted)."""
+    def inside(module: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return [edge for edge in imports if inside(edge.source) and inside(edge.target)]
 
 
 def _cycles(edges: Mapping[str, Mapping[str, Import]]) -> list[tuple[list[Import], list[Import]]]:
@@ -154,18 +181,22 @@ def _cycles(edges: Mapping[str, Mapping[str, Import]]) -> list[tuple[list[Import
     return cycles
 
 
-def layer_problems(imports: Sequence[Import], layers: Sequence[Sequence[str]] = LAYERS) -> list[str]:
-    """Every breach of the layering by `imports`: unplaced packages, upward imports, package and module cycles."""
+def layer_problems(
+    imports: Sequence[Import], layers: Sequence[Sequence[str]] = LAYERS, *, within: str = TOP, table: str = "LAYERS",
+) -> list[str]:
+    """Every breach by `imports` of `layers` (the table named `table`), which layers the packages directly under
+    `within`: unplaced packages, upward imports, package and module cycles."""
     layer_of = {package: level for level, packages in enumerate(layers) for package in packages}
+    packages = {module: package_of(module, within) for edge in imports for module in (edge.source, edge.target)}
     problems = []
-    for package in sorted({package_of(m) for edge in imports for m in (edge.source, edge.target)} - layer_of.keys()):
-        where = next(e for e in imports if package in (package_of(e.source), package_of(e.target)))
-        problems.append(f"package {package!r} is in no layer of LAYERS (tests/test_package_layers.py): place it "
+    for package in sorted(set(packages.values()) - layer_of.keys()):
+        where = next(e for e in imports if package in (packages[e.source], packages[e.target]))
+        problems.append(f"package {package!r} is in no layer of {table} (tests/test_package_layers.py): place it "
                         f"deliberately (seen at {where})")
     package_edges: dict[str, dict[str, Import]] = {}
     module_edges: dict[str, dict[str, Import]] = {}
     for edge in imports:
-        source, target = package_of(edge.source), package_of(edge.target)
+        source, target = packages[edge.source], packages[edge.target]
         module_edges.setdefault(edge.source, {}).setdefault(edge.target, edge)
         if source == target:
             continue
@@ -174,7 +205,7 @@ def layer_problems(imports: Sequence[Import], layers: Sequence[Sequence[str]] = 
             problems.append(f"upward import: {edge} ({source}, layer {layer_of[source]}, imports {target}, "
                             f"layer {layer_of[target]})")
     for cycle, inside in _cycles(package_edges):
-        names = " -> ".join([package_of(cycle[0].source)] + [package_of(e.target) for e in cycle])
+        names = " -> ".join([packages[cycle[0].source]] + [packages[e.target] for e in cycle])
         problems.append(f"package cycle {names}; imports between the packages of the cycle (one each):\n    "
                         + "\n    ".join(map(str, inside)))
     for cycle, inside in _cycles(module_edges):
@@ -196,6 +227,21 @@ def test_every_package_is_in_the_layer_table():
     placed = {package for layer in LAYERS for package in layer}
     assert packages <= placed, f"packages in no layer: {sorted(packages - placed)}"
     assert len(placed) == sum(map(len, LAYERS)), "a package is in two layers"
+
+
+def test_trainer_subpackages_import_only_lower_layers_without_cycles():
+    imports = imports_within(package_imports(), TRAINER)
+    assert len(imports) > 50  # the reader sees the trainer's imports
+    problems = layer_problems(imports, TRAINER_LAYERS, within=TRAINER, table="TRAINER_LAYERS")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_trainer_subpackage_is_in_its_layer_table():
+    subpackages = {package_of(name, TRAINER) for name in module_files() if name.startswith(TRAINER + ".")}
+    placed = [package for layer in TRAINER_LAYERS for package in layer]
+    assert subpackages == set(placed), f"in no layer: {sorted(subpackages - set(placed))}, " \
+                                       f"placed but absent: {sorted(set(placed) - subpackages)}"
+    assert len(placed) == len(set(placed)), "a sub-package is in two layers"
 
 
 def _fake(tmp_path: Path, files: dict[str, str]) -> list[Import]:
@@ -234,6 +280,29 @@ def test_checker_finds_upward_imports_cycles_and_unplaced_packages(tmp_path):
         "package cycle high -> low -> high", "module cycle pkg.high.b -> pkg.low.a -> pkg.high.b",
         "module cycle pkg.low.c -> pkg.low.d -> pkg.low.c",
     ]
+
+
+def test_checker_layers_the_subpackages_of_a_package(tmp_path):
+    imports = _fake(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/core/__init__.py": "",
+        "pkg/core/low/__init__.py": "",
+        "pkg/core/low/a.py": "from pkg.core.high import b\n",  # upward inside core
+        "pkg/core/high/__init__.py": "",
+        "pkg/core/high/b.py": "from pkg import util\n",  # leaves core: the top-level table's concern
+        "pkg/core/c.py": "from pkg.core.low import a\n",  # a module directly in core counts as a sub-package
+        "pkg/util.py": "",
+    })
+    inside = imports_within(imports, "pkg.core")
+    assert {(e.source, e.target) for e in inside} == {("pkg.core.low.a", "pkg.core.high.b"),
+                                                      ("pkg.core.c", "pkg.core.low.a")}
+    problems = layer_problems(inside, layers=(("low",), ("high",)), within="pkg.core", table="CORE_LAYERS")
+    assert problems == [
+        "package 'c' is in no layer of CORE_LAYERS (tests/test_package_layers.py): place it deliberately "
+        "(seen at pkg/core/c.py:1: pkg.core.c -> pkg.core.low.a)",
+        "upward import: pkg/core/low/a.py:1: pkg.core.low.a -> pkg.core.high.b (low, layer 0, imports high, layer 1)",
+    ]
+    assert layer_problems(inside, layers=(("high",), ("low",), ("c",)), within="pkg.core") == []
 
 
 def test_checker_accepts_a_layered_acyclic_graph(tmp_path):

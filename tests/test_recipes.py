@@ -116,7 +116,7 @@ def test_qwen3_follow_up_command_resumes_with_steps_left():
 def test_a_context_longer_than_the_models_positions_is_named_at_start_up():
     """Qwen2.5-Math-7B's stock config has 4096 positions; the 7B recipe needs 2048 + 8192."""
     from megatron_armor.models.hf_config import model_shape_from_dict
-    from megatron_armor.trainer.build import context_length_warning
+    from megatron_armor.trainer.run.build import context_length_warning
 
     cfg = load_config(EXAMPLES / "qwen2.5-math-7b" / "armor.yaml", [])
     hf = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
 
-ACTIONS = ("warn", "stop", "anchor")  # anchor: ARMOR from the best checkpoint (trainer/anchor_switch.py)
+ACTIONS = ("warn", "stop", "anchor")  # anchor: ARMOR from the best checkpoint (trainer/guard/anchor_switch.py)
 SETTINGS = ("enabled", "window", "actions")  # every other field is an alarm's threshold
 
 

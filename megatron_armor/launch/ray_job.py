@@ -12,7 +12,7 @@ Placement:
 - colocated (GPU only): server i shares bundle i (one GPU) with trainer rank i; servers run with
   --enable-memory-saver and a small --mem-fraction-static. One GPU per bundle means server
   tp_size 1. The trainer loop hands the GPU memory back and forth (`rollout.memory.release_servers`,
-  trainer/memory_handoff.py): the servers release it before training and resume it before the weight push.
+  trainer/colocation/memory_handoff.py): the servers release it before training and resume it before the weight push.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundle
 from megatron_armor.launch.trainer_ranks import TrainerRanks
 from megatron_armor.rollout.router import RouterConfig, SGLangRouter, use_sglang_router
 from megatron_armor.scoring.routes import REPLAY_MODES
-from megatron_armor.trainer.task_setup import prepare_task
+from megatron_armor.trainer.run.task_setup import prepare_task
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ class _TrainerRank:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         if cfg.train.logprob_head == "fused" and not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before Megatron imports triton (see `armor train`)
-        from megatron_armor.trainer.run import run_training
+        from megatron_armor.trainer.run.train import run_training
 
         return run_training(cfg, resume=resume, overwrite=overwrite)
 

@@ -6,7 +6,7 @@ copies the bytes back. Every view (a parameter, `main_grad`, an optimizer state 
 Python object and is valid again after the restore, so nothing that holds one needs rewiring. Reading a
 parked tensor reads freed memory: callers keep parked tensors out of use.
 
-Used by the trainer's offload (`trainer/offload.py`) and by serve-local's memory release
+Used by the trainer's offload (`trainer/colocation/offload.py`) and by serve-local's memory release
 (`rollout/local_server.py`, which parks without keeping the values, as SGLang's memory saver does
 without --enable-weights-cpu-backup).
 

@@ -99,7 +99,7 @@ def test_optimizer_step_matches_torch_adamw(armor_case, loss_workers):
 
 def test_learning_rate_warms_up_over_rl_steps():
     """armor.md §6: linear warmup counted in RL steps, then constant; RL step k runs at lr * (k + 1) / warmup."""
-    from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
+    from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
 
     settings = AdamConfig(lr=4e-3, warmup_steps=4)
     assert [learning_rate(k, settings) for k in range(6)] == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 4e-3, 4e-3],

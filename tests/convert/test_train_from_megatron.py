@@ -8,7 +8,7 @@ from launcher import armor
 
 from megatron_armor.config import load_config
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
-from megatron_armor.trainer.task_setup import prepare_task
+from megatron_armor.trainer.run.task_setup import prepare_task
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 TASK = {"task.num_train_rows": "400", "task.num_val_rows": "16"}

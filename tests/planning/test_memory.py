@@ -9,7 +9,7 @@ from saved_bytes import estimated_saved_bytes, measured_saved_bytes
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config
 from megatron_armor.planning.memory import Layout, state_bytes
-from megatron_armor.trainer.optimizer import AdamConfig, optimizer_step, wrap_for_training
+from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training
 
 RECOMPUTE = [ActivationRecompute(), ActivationRecompute("selective"), ActivationRecompute("full", "uniform", 1),
              ActivationRecompute("full", "uniform", 2), ActivationRecompute("full", "block", 2)]

@@ -11,7 +11,7 @@ from megatron_armor.rewards.audit import AuditCounts, audit_name
 from megatron_armor.rewards.registry import RewardError, load_reward_fn
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import Generation, SamplingParams
-from megatron_armor.trainer.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
 
 VERIFIERS = textwrap.dedent('''
     def lenient(response, row):  # the loophole: the answer anywhere in the response

@@ -5,7 +5,7 @@ import pytest
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.models.tiny import make_char_tokenizer
 from megatron_armor.rewards.math_verify_reward import verify
-from megatron_armor.trainer.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
 
 
 @pytest.mark.parametrize("response, answer, correct", [

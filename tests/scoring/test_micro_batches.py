@@ -36,7 +36,7 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
 
 def test_the_config_sets_the_micro_batching_of_the_step():
     from megatron_armor.config import load_config
-    from megatron_armor.trainer.plan import StepPlan
+    from megatron_armor.trainer.step_inputs.plan import StepPlan
 
     cfg = load_config(None, ["task.synthetic=arithmetic", "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=96",
                              "train.pack_sequences=true", "parallel.tensor_parallel_size=3"])
@@ -103,7 +103,7 @@ def test_token_budget_and_packed_micro_batches_score_and_train_as_padded_ones(ti
     batch = batch_of([6, 31, 9, 17, 4, 25, 12])
     scoring = ScoringConfig(with_entropy=True)
     algorithm = make_algorithm("grpo")
-    from megatron_armor.trainer.policy_update import PolicyLossCallback
+    from megatron_armor.trainer.update.policy_update import PolicyLossCallback
 
     results = {}
     for name, batching in LAYOUTS.items():

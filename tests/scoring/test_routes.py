@@ -161,6 +161,6 @@ def test_recompute_replays_the_old_pass_routing_and_gradients_reach_the_routers(
 
 
 def _loss():
-    from megatron_armor.trainer.policy_update import PolicyLossCallback
+    from megatron_armor.trainer.update.policy_update import PolicyLossCallback
 
     return PolicyLossCallback(make_algorithm("grpo"))

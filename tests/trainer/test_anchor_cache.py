@@ -13,8 +13,8 @@ from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import make_rows, verify
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
-from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
+from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
 
 REF_N = 3
 

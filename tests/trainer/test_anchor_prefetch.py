@@ -1,4 +1,4 @@
-"""ARMOR's anchors sampled beside and ahead of the actor's samples (trainer/anchor_prefetch.py) over a real
+"""ARMOR's anchors sampled beside and ahead of the actor's samples (trainer/rollouts/anchor_prefetch.py) over a real
 `PromptSampler`, with a rollout phase whose `sample_anchors` records what it was asked for, on which thread."""
 
 import threading
@@ -8,9 +8,9 @@ import pytest
 
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
-from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch, anchor_key
-from megatron_armor.trainer.rollout_phase import RolloutPhase
-from megatron_armor.trainer.samples import RolloutCounters
+from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch, anchor_key
+from megatron_armor.trainer.rollouts.rollout_phase import RolloutPhase
+from megatron_armor.trainer.rollouts.samples import RolloutCounters
 
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 

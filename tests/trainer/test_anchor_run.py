@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_armor.config import ConfigError, load_config
-from megatron_armor.trainer.run import run_training
+from megatron_armor.trainer.run.train import run_training
 from state_trees import bit_identical, saved_modules
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")

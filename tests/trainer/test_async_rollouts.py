@@ -1,5 +1,5 @@
-"""rollout.mode async (trainer/async_rollouts.py) over a real `PromptSampler` and a rollout phase that records which
-prompts each generation batch drew and which weights the engine held from its start to its end."""
+"""rollout.mode async (trainer/rollouts/async_rollouts.py) over a real `PromptSampler` and a rollout phase that records
+which prompts each generation batch drew and which weights the engine held from its start to its end."""
 
 import threading
 import time
@@ -15,11 +15,11 @@ from megatron_armor.data.types import Sample
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.pausable import PausableEngine
-from megatron_armor.trainer.anchor_prefetch import anchor_key
-from megatron_armor.trainer.async_rollouts import AsyncRollouts
-from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase
-from megatron_armor.trainer.rollout_schedule import ROLLOUT_SCHEDULES
-from megatron_armor.trainer.samples import RolloutCounters
+from megatron_armor.trainer.rollouts.anchor_prefetch import anchor_key
+from megatron_armor.trainer.rollouts.async_rollouts import AsyncRollouts
+from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollout, RolloutPhase
+from megatron_armor.trainer.rollouts.rollout_schedule import ROLLOUT_SCHEDULES
+from megatron_armor.trainer.rollouts.samples import RolloutCounters
 
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.config import ConfigError, load_config
-from megatron_armor.trainer.run import run_training
+from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 

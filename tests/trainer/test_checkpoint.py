@@ -9,13 +9,13 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.trainer.checkpoint import (
+from megatron_armor.trainer.checkpointing.best_checkpoint import BEST_FILE, BestCheckpoint
+from megatron_armor.trainer.checkpointing.checkpoint import (
     CheckpointExistsError, CheckpointFormatError, checkpoint_root, guard_run_dir, latest_checkpoint, list_checkpoints,
     load_checkpoint, saved_modules,
 )
-from megatron_armor.trainer.best_checkpoint import BEST_FILE, BestCheckpoint
-from megatron_armor.trainer.checkpoint_save import CheckpointSaver, save_checkpoint
-from megatron_armor.trainer.sharded_state import check_layout_change
+from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver, save_checkpoint
+from megatron_armor.trainer.checkpointing.sharded_state import check_layout_change
 
 
 @pytest.fixture(scope="module", autouse=True)

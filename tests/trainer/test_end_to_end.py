@@ -13,7 +13,7 @@ import torch
 from launcher import run_workers
 from state_trees import saved_modules
 from megatron_armor.config import load_config
-from megatron_armor.trainer.run import run_training
+from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 

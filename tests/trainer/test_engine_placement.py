@@ -1,4 +1,4 @@
-"""Where the trainer's in-process engines run (`trainer/build.py`): on the training GPU in the trainer's parameter
+"""Where the trainer's in-process engines run (`trainer/run/build.py`): on the training GPU in the trainer's parameter
 dtype when there is one, else on the CPU in float32. No GPU here, so the CPU stands in for it: the path a GPU run
 takes (the model cast to bf16 and moved to the device, the prepacked layers falling back to `F.linear`) runs for
 real; tests/rollout/test_cuda_local_engine.py checks the engine on a GPU (scripts/gpu_checks.sh engine)."""
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from megatron_armor.config import load_config
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.prepacked_linear import PrepackedLinear, prepacking_available
-from megatron_armor.trainer import build
+from megatron_armor.trainer.run import build
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 

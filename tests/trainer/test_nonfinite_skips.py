@@ -15,7 +15,7 @@ from launcher import run_workers
 from state_trees import bit_identical, saved_modules
 from megatron_armor.algorithms import register_algorithm, unregister_algorithm
 from megatron_armor.config import load_config
-from megatron_armor.trainer.run import run_training
+from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
@@ -140,7 +140,7 @@ def test_finite_gradients_whose_norm_overflows_fp32_count_as_nonfinite():
     infinite norm (a step with zeroed gradients), so the mini-batch is skipped like a NaN one."""
     from types import SimpleNamespace
 
-    from megatron_armor.trainer.faults import _grads_finite
+    from megatron_armor.trainer.update.faults import _grads_finite
 
     def ddp(*buffers):
         return SimpleNamespace(buffers=[SimpleNamespace(grad_data=b) for b in buffers], expert_parallel_buffers=[])

@@ -18,9 +18,9 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
-from megatron_armor.trainer.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
-from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
-from megatron_armor.trainer.policy_update import update_policy
+from megatron_armor.trainer.colocation.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
+from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.update.policy_update import update_policy
 from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm

@@ -10,9 +10,9 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.trainer.optimizer import AdamConfig, wrap_for_training
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.policy_update import update_policy
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training
+from megatron_armor.trainer.update.policy_update import update_policy
 
 from algorithm_factory import make_algorithm
 from sequence_batches import batch_of

@@ -16,7 +16,7 @@ from megatron_armor.cli import build_parser, main, overrides_from_args
 from megatron_armor.config import ConfigError, load_config
 from megatron_armor.config.base import doc, require
 from megatron_armor.config.section_registry import registered_sections, unregister_section
-from megatron_armor.trainer.run import run_training
+from megatron_armor.trainer.run.train import run_training
 
 CONFIG = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
 

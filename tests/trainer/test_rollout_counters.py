@@ -1,7 +1,7 @@
-"""RolloutCounters (trainer/samples.py): a step's counters are the sums of its generation batches'."""
+"""RolloutCounters (trainer/rollouts/samples.py): a step's counters are the sums of its generation batches'."""
 
 from megatron_armor.rewards.audit import AuditCounts
-from megatron_armor.trainer.samples import RolloutCounters
+from megatron_armor.trainer.rollouts.samples import RolloutCounters
 
 
 def test_merged_counters_sum_every_field_and_the_audit_counts():

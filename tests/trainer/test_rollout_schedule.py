@@ -1,13 +1,13 @@
-"""Rollout schedules (trainer/rollout_schedule.py) over a real `PromptSampler` and a rollout phase that records which
-prompts each step drew and which weights the engine held while it generated."""
+"""Rollout schedules (trainer/rollouts/rollout_schedule.py) over a real `PromptSampler` and a rollout phase that records
+which prompts each step drew and which weights the engine held while it generated."""
 
 import threading
 
 import pytest
 
 from megatron_armor.data.datasets import PromptRow, PromptSampler
-from megatron_armor.trainer.rollout_phase import Rollout
-from megatron_armor.trainer.rollout_schedule import ROLLOUT_SCHEDULES, OneStepOffRollouts, SyncRollouts
+from megatron_armor.trainer.rollouts.rollout_phase import Rollout
+from megatron_armor.trainer.rollouts.rollout_schedule import ROLLOUT_SCHEDULES, OneStepOffRollouts, SyncRollouts
 
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 

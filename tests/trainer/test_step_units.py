@@ -9,13 +9,13 @@ import torch
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.loop import RLTrainer
-from megatron_armor.trainer.snapshot import TrainingSnapshot
-from megatron_armor.trainer.optimizer import AdamConfig, learning_rate
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.rollout_phase import RolloutSources, trim_to_data_parallel
-from megatron_armor.trainer.samples import SampleScorer
-from megatron_armor.trainer.training_batch import local_mini_batch_groups
+from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources, trim_to_data_parallel
+from megatron_armor.trainer.rollouts.samples import SampleScorer
+from megatron_armor.trainer.step.loop import RLTrainer
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
+from megatron_armor.trainer.update.snapshot import TrainingSnapshot
+from megatron_armor.trainer.update.training_batch import local_mini_batch_groups
 from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm

@@ -12,12 +12,12 @@ from megatron_armor.algorithms import UpdateGateConfig
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.loop import RLTrainer, TrainerParts
-from megatron_armor.trainer.rollout_phase import RolloutSources
-from megatron_armor.trainer.update_gate import InferenceGapGate
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
+from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
+from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.update.update_gate import InferenceGapGate
 from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm

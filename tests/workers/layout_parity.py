@@ -39,11 +39,11 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
-from megatron_armor.trainer.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
-from megatron_armor.trainer.plan import StepPlan  # noqa: E402
-from megatron_armor.trainer.policies import PolicyHandles  # noqa: E402
-from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
-from megatron_armor.trainer.training_batch import advantage_batch, score_logprobs  # noqa: E402
+from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles  # noqa: E402
+from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
+from megatron_armor.trainer.update.training_batch import advantage_batch, score_logprobs  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 from megatron_armor.scoring.routes import REPLAY_MODES, routing_pass  # noqa: E402
 

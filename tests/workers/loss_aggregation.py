@@ -24,10 +24,10 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
-from megatron_armor.trainer.optimizer import (  # noqa: E402
+from megatron_armor.trainer.update.optimizer import (  # noqa: E402
     AdamConfig, learning_rate, optimizer_step, wrap_for_training, zero_grads,
 )
-from megatron_armor.trainer.policy_update import PolicyLossCallback, update_policy  # noqa: E402
+from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 out_dir, model_dir, batch_path = sys.argv[1:4]

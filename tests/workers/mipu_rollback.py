@@ -24,8 +24,8 @@ from state_trees import bit_identical  # noqa: E402
 from megatron_armor.algorithms import build_algorithm  # noqa: E402
 from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
-from megatron_armor.trainer.build import build_training  # noqa: E402
-from megatron_armor.trainer.task_setup import prepare_task  # noqa: E402
+from megatron_armor.trainer.run.build import build_training  # noqa: E402
+from megatron_armor.trainer.run.task_setup import prepare_task  # noqa: E402
 
 out_dir, config_path, *overrides = sys.argv[1:]
 cfg = load_config(config_path, overrides)

@@ -26,7 +26,7 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.planning.memory import Layout, state_bytes  # noqa: E402
-from megatron_armor.trainer.optimizer import AdamConfig, optimizer_step, wrap_for_training  # noqa: E402
+from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training  # noqa: E402
 
 RECOMPUTE = {"none": ActivationRecompute(), "selective": ActivationRecompute("selective"),
              "full": ActivationRecompute("full", "uniform", 1)}

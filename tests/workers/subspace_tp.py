@@ -7,7 +7,7 @@ argv: out_dir w0_dir wt_dir k. W0 (HF checkpoint w0_dir) is recorded, the weight
   projected:  after one projection (g V V^T)
   twice:      after projecting `projected` again (in-span gradients are unchanged)
   orthogonal: the projection of raw - projected (removed)
-  resumed:    raw projected by a constraint restored from a checkpoint (trainer/checkpoint.py)
+  resumed:    raw projected by a constraint restored from a checkpoint (trainer/checkpointing/checkpoint.py)
 """
 
 import os
@@ -27,11 +27,11 @@ from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.batch import build_sequence_batch  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward  # noqa: E402
-from megatron_armor.trainer.checkpoint import load_checkpoint  # noqa: E402
-from megatron_armor.trainer.checkpoint_save import save_checkpoint  # noqa: E402
-from megatron_armor.trainer.sharded_state import sharded_modules  # noqa: E402
-from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
-from megatron_armor.trainer.policy_update import PolicyLossCallback  # noqa: E402
+from megatron_armor.trainer.checkpointing.checkpoint import load_checkpoint  # noqa: E402
+from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
+from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
+from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
+from megatron_armor.trainer.update.policy_update import PolicyLossCallback  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
 out_dir, w0_dir, wt_dir, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

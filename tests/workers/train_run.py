@@ -6,7 +6,7 @@ sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
 from megatron_armor.config import load_config  # noqa: E402
-from megatron_armor.trainer.run import run_training  # noqa: E402
+from megatron_armor.trainer.run.train import run_training  # noqa: E402
 
 out_dir, config_path, *rest = sys.argv[1:]
 resume = "--resume" in rest

@@ -71,7 +71,7 @@ def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
 
 
 def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], cfg: ArmorConfig) -> Path:
-    from megatron_armor.trainer.warmstart import WarmStartConfig, cached_warm_start
+    from megatron_armor.trainer.run.warmstart import WarmStartConfig, cached_warm_start
 
     warm_start = WarmStartConfig.from_config(cfg.task, seed=cfg.train.seed)
     result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", warm_start)

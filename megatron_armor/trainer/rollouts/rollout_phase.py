@@ -21,12 +21,12 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
-from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch, anchor_key
-from megatron_armor.trainer.engine_weights import EngineWeights
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.samples import RolloutCounters, SampleScorer, generate_samples
+from megatron_armor.trainer.colocation.engine_weights import EngineWeights
+from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
+from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch, anchor_key
+from megatron_armor.trainer.rollouts.samples import RolloutCounters, SampleScorer, generate_samples
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class RolloutPhase:
 
     Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s, a
     shared engine's weights `engine_weights`' and anchors sampled ahead `anchors_ahead`'. Its
-    collectives run over `group` (default: the default group; background rollouts, trainer/rollout_schedule.py,
+    collectives run over `group` (default: the default group; background rollouts, trainer/rollouts/rollout_schedule.py,
     have one of their own).
     """
 
@@ -112,8 +112,8 @@ class RolloutPhase:
         group); the actor's sampling seeds derive from train.seed and `key`, the anchors' from train.seed and the
         sampler position the prompts were drawn at (`anchor_key`: anchors can be sampled before the batch is, in any
         mode). With `anchors_ahead` (the overlapped rollout modes) the anchors are sampled on a thread of their own,
-        ahead of the batch or while the actor samples it (trainer/anchor_prefetch.py). `on_actor_done()` is called
-        once the on-policy samples are drawn (the actor's engine is done with the batch)."""
+        ahead of the batch or while the actor samples it (trainer/rollouts/anchor_prefetch.py). `on_actor_done()` is
+        called once the on-policy samples are drawn (the actor's engine is done with the batch)."""
         plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
         position = self.sampler.state_dict()

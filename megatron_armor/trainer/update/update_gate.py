@@ -19,7 +19,7 @@ from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.trainer.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
 
 
 @dataclass(frozen=True)

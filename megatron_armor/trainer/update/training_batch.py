@@ -20,8 +20,8 @@ from megatron_armor.distributed.reduce import mean_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch, build_sequence_batch
 from megatron_armor.scoring.logprobs import LogprobResult, ScoringConfig, compute_logprobs
 from megatron_armor.scoring.routes import routing_pass
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 from megatron_armor.utils.seeding import stable_seed
 
 

@@ -1,4 +1,5 @@
-"""Writing trainer checkpoints (trainer/checkpoint.py's layout), synchronously or overlapped with training.
+"""Writing trainer checkpoints (trainer/checkpointing/checkpoint.py's layout), synchronously or overlapped with
+training.
 
 `CheckpointSaver.save` plans the Megatron distributed save (collective), then writes this rank's shards:
 at once, or with `async_save` in a background thread while training goes on. The checkpoint is finalized
@@ -27,12 +28,12 @@ from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-from megatron_armor.trainer.best_checkpoint import BestCheckpoint
-from megatron_armor.trainer.checkpoint import (
+from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
+from megatron_armor.trainer.checkpointing.checkpoint import (
     STATE_DIR, barrier, checkpoint_root, process_rank, publish, shared_record, step_dirs,
 )
-from megatron_armor.trainer.dist_state_io import plan_save, start_write
-from megatron_armor.trainer.rng_state import rng_sharded_object
+from megatron_armor.trainer.checkpointing.dist_state_io import plan_save, start_write
+from megatron_armor.trainer.checkpointing.rng_state import rng_sharded_object
 
 STALL_ENV = "ARMOR_CHECKPOINT_STALL_AT_STEP"
 

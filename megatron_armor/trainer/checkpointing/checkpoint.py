@@ -2,7 +2,7 @@
 
 A trainer state is `RLTrainer.sharded_state_dict()`: its "modules" entry maps names to Megatron sharded state
 dicts (actor, optimizer with the distributed optimizer's shards, the reference once trained, ...; see
-trainer/sharded_state.py) and its other entries are JSON-able and the same on every rank.
+trainer/checkpointing/sharded_state.py) and its other entries are JSON-able and the same on every rank.
 Layout under `<run_dir>/checkpoints/`:
     step_000010/state/              Megatron `dist_checkpointing` (torch_dist backend): every rank writes only
                                     its own shards (*.distcp) of the modules and its RNG states; `.metadata`
@@ -13,13 +13,13 @@ Layout under `<run_dir>/checkpoints/`:
                                     `armor convert megatron-to-hf` and `armor diagnose` read
     step_000010/COMPLETE            written last; a directory without it is never loaded
 A checkpoint is written into `.tmp_step_000010/` and renamed into place, with its COMPLETE marker, only once
-every rank has written its shards (trainer/checkpoint_save.py, also for the asynchronous save), so a crash or
-a SIGKILL mid-save never leaves a directory that looks complete and the previous checkpoint stays the latest.
+every rank has written its shards (trainer/checkpointing/checkpoint_save.py, also for the asynchronous save), so a crash
+or a SIGKILL mid-save never leaves a directory that looks complete and the previous checkpoint stays the latest.
 
 A checkpoint resumes at any TP x PP x DP layout (and with or without the distributed optimizer): tensors are
 stored under global keys and each rank reads the slices its layout needs. RNG states are per rank: at the saved
 layout each rank gets its own back; at another every rank is reseeded from (train.seed, step, rank)
-(trainer/rng_state.py). Checkpoints of the per-rank `rank_XXXXX.pt` format (format 1, before distributed
+(trainer/checkpointing/rng_state.py). Checkpoints of the per-rank `rank_XXXXX.pt` format (format 1, before distributed
 checkpointing) and unreadable ones are refused with `CheckpointFormatError`.
 """
 
@@ -33,10 +33,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_armor.trainer.best_checkpoint import BestCheckpoint
-from megatron_armor.trainer.dist_state_io import load_tree
-from megatron_armor.trainer.rng_state import layout, reseed_after_layout_change, restore_rng_state, rng_sharded_object
-from megatron_armor.trainer.sharded_state import check_layout_change
+from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
+from megatron_armor.trainer.checkpointing.dist_state_io import load_tree
+from megatron_armor.trainer.checkpointing.rng_state import (
+    layout, reseed_after_layout_change, restore_rng_state, rng_sharded_object,
+)
+from megatron_armor.trainer.checkpointing.sharded_state import check_layout_change
 
 COMPLETE_MARKER = "COMPLETE"
 STATE_DIR = "state"

@@ -12,7 +12,7 @@ as drawn, as those that filtering drops). So no step trains on a sample older th
 Without partial rollouts the actor engine's weights change only between generation batches: `settle` (before every
 weight push) stops the generator after the batch in flight, not the whole buffer, and waits only until the actor's
 engine is done with it (ARMOR's anchors, sampled ahead by the reference's engine, which no push changes, may still be
-coming: trainer/anchor_prefetch.py); `take` lets it go on with the new weights. Every rank's generator
+coming: trainer/rollouts/anchor_prefetch.py); `take` lets it go on with the new weights. Every rank's generator
 must make the same collective calls, so the point where it stops is agreed: `settle` takes the largest number of
 batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
 many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
@@ -50,8 +50,8 @@ from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import max_over_ranks
 from megatron_armor.rollout.pausable import PausableEngine
-from megatron_armor.trainer.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
-from megatron_armor.trainer.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
+from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
+from megatron_armor.trainer.rollouts.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
 
 
 @dataclasses.dataclass(frozen=True)

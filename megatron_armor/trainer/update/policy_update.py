@@ -18,9 +18,9 @@ from megatron_armor.scoring.logprobs import (
 from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.scoring.routes import routing_pass
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.trainer.moe_metrics import moe_aux_loss_metrics
-from megatron_armor.trainer.faults import NonFiniteUpdate, find_nonfinite
-from megatron_armor.trainer.optimizer import AdamConfig, learning_rate, optimizer_step, zero_grads
+from megatron_armor.trainer.update.faults import NonFiniteUpdate, find_nonfinite
+from megatron_armor.trainer.update.moe_metrics import moe_aux_loss_metrics
+from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate, optimizer_step, zero_grads
 
 
 class PolicyLossCallback:

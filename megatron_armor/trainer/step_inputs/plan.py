@@ -29,7 +29,7 @@ class StepPlan:
     baseline_quantile: float = 0.45
     nonfinite_rollback: bool = True  # undo a non-finite step's earlier mini-batches (train.nonfinite_rollback)
     routing_replay: ReplayMode = REPLAY_MODES["none"]  # MoE: whose routing the actor's forwards replay
-    rollout_mode: str = "sync"  # when rollouts run (rollout.mode; trainer/rollout_schedule.py)
+    rollout_mode: str = "sync"  # when rollouts run (rollout.mode; trainer/rollouts/rollout_schedule.py)
     max_steps: int | None = None  # RL steps of the run (train.max_steps): no rollout is generated ahead past them
     max_staleness: int = 1  # rollout.mode async: weight versions a trained sample may lag (rollout.max_staleness)
     async_buffer_batches: int = 2  # rollout.mode async: generation batches generated ahead (rollout.async_buffer_*)

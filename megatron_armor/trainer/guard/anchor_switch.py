@@ -2,11 +2,11 @@
 timed by the monitor instead of by hand.
 
 When an alarm whose action is anchor fires after RL step s, the run goes back to its best checkpoint so far
-(`checkpoint.keep_best`, trainer/best_checkpoint.py): its actor's weights become both the policy and the frozen
-reference, the optimizer starts afresh and the lr warmup counts again from step s, as the paper's restart does, and
-from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `anchored_config`:
-armor.alpha, rollout.anchors, groups of actor_n + 1). A grpo / grpo_kl run switches the first time; every later
-alarm (or any alarm of a run that was ARMOR from the start) resets policy and reference to the best checkpoint
+(`checkpoint.keep_best`, trainer/checkpointing/best_checkpoint.py): its actor's weights become both the policy and the
+frozen reference, the optimizer starts afresh and the lr warmup counts again from step s, as the paper's restart does,
+and from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `anchored_config`:
+armor.alpha, rollout.anchors, groups of the run's on-policy samples + 1). A grpo / grpo_kl run switches the first
+time; every later alarm (or any alarm of a run that was ARMOR from the start) resets policy and reference to the best checkpoint
 again: the paper's reference reset. `AnchorState` is the one record of it, carried in every checkpoint, so a
 resumed run trains ARMOR again with the reference its checkpoint holds.
 """
@@ -21,11 +21,11 @@ from typing import Any
 from megatron_armor.algorithms import ANCHORED_ALGORITHM, build_anchored_algorithm
 from megatron_armor.config import ArmorConfig
 from megatron_armor.monitor import Alarm
-from megatron_armor.trainer.best_checkpoint import BestCheckpoint
-from megatron_armor.trainer.checkpoint import load_modules, step_dirs
-from megatron_armor.trainer.checkpoint_save import CheckpointSaver
-from megatron_armor.trainer.collapse_watch import CollapseWatch
-from megatron_armor.trainer.loop import RLTrainer
+from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
+from megatron_armor.trainer.checkpointing.checkpoint import load_modules, step_dirs
+from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
+from megatron_armor.trainer.step.loop import RLTrainer
 
 log = logging.getLogger("megatron_armor")
 

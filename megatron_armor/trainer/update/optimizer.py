@@ -50,7 +50,7 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
 
     DDP's own NaN/Inf check (which raises) is off: `update_policy` checks every mini-batch's loss and
-    reduced gradients before its optimizer step and skips the RL step instead (trainer/faults.py).
+    reduced gradients before its optimizer step and skips the RL step instead (trainer/update/faults.py).
     Weight decay applies to every parameter, biases and norm weights too, as verl's single-group AdamW
     (armor.md §6); Megatron's own exemption of those needs its scheduler, which is not used here
     (`learning_rate` sets the rate per RL step).

@@ -20,7 +20,7 @@ STATE_KEY = "monitor"  # the monitor's entry in a checkpoint's trainer state (un
 @dataclass(frozen=True)
 class WatchVerdict:
     """What a step's alarms ask the run loop to do, the same on every rank: stop (checkpoint and raise), anchor
-    (trainer/anchor_switch.py). Each holds the alarms of that action (another rank's: kind "other_rank")."""
+    (trainer/guard/anchor_switch.py). Each holds the alarms of that action (another rank's: kind "other_rank")."""
 
     stopping: tuple[Alarm, ...] = ()
     anchoring: tuple[Alarm, ...] = ()

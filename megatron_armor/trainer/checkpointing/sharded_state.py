@@ -1,7 +1,7 @@
 """Megatron sharded state dicts of the trainer's checkpointed modules, and their restore after a load.
 
 `sharded_modules` maps `RLTrainer.checkpointed_modules()` to what Megatron's distributed checkpointing
-saves and loads (trainer/checkpoint.py):
+saves and loads (trainer/checkpointing/checkpoint.py):
     "actor"      the actor's `sharded_state_dict()`: tensors under their global keys, TP/PP shards as
                  offsets of the full tensor, so they load at any TP x PP layout
     "optimizer"  {"megatron": Megatron's optimizer `sharded_state_dict(actor's)`, "adam_step": ShardedObject}:
@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
-from megatron_armor.trainer.optimizer import torch_optimizers
+from megatron_armor.trainer.update.optimizer import torch_optimizers
 
 REF_PREFIX = "ref."
 DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -35,18 +35,18 @@ from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.colocation import Colocation
-from megatron_armor.trainer.loop import RLTrainer, TrainerParts
-from megatron_armor.trainer.memory_handoff import MemoryHandoff
-from megatron_armor.trainer.update_gate import InferenceGapGate
-from megatron_armor.trainer.offload import TrainerOffload
-from megatron_armor.trainer.optimizer import AdamConfig, subspace_constraint, wrap_for_training
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.rollout_phase import RolloutSources
-from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.samples import OverlongPenalty, SampleScorer
-from megatron_armor.trainer.task_setup import TaskPaths
+from megatron_armor.trainer.colocation.colocation import Colocation
+from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
+from megatron_armor.trainer.colocation.offload import TrainerOffload
+from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
+from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
+from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.run.task_setup import TaskPaths
+from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
 

@@ -11,20 +11,20 @@ hold the weights from before it again) or one skipped for a non-finite loss or g
 `one_step_off`: step t takes the rollout prepared during step t-1 and starts step t+1's in a background thread, from
 the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it
 pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate
-find no rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own (trainer/anchor_prefetch.py):
-the next rollout's while this one is generated. Samples are one weight version old: the loss corrects them with the
-behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1 weight against the engine's
-logprobs). When the gate rejects step t's update, the queued rollout is kept: the rollback restores theta_t, the
-weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an accepted update leaves it one
-version old. The background rollout's collectives run over a gloo group of their own, so they never interleave with
-the trainer's on the default group.
+find no rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own
+(trainer/rollouts/anchor_prefetch.py): the next rollout's while this one is generated. Samples are one weight version
+old: the loss corrects them with the behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1
+weight against the engine's logprobs). When the gate rejects step t's update, the queued rollout is kept: the rollback
+restores theta_t, the weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an accepted
+update leaves it one version old. The background rollout's collectives run over a gloo group of their own, so they never
+interleave with the trainer's on the default group.
 
 A checkpoint saves the sampler's position from before the queued rollout, so a resumed run regenerates it
 (with the checkpoint's weights): no prompt is trained twice or skipped. A reference reset drops the queued
 rollout the same way (its anchors came from the old reference).
 
 `async` (a generator filling a buffer of generation batches, at most rollout.max_staleness versions old when trained)
-is trainer/async_rollouts.py's; `OverlappedRollouts` holds what it shares with `one_step_off`.
+is trainer/rollouts/async_rollouts.py's; `OverlappedRollouts` holds what it shares with `one_step_off`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from megatron_armor.data.datasets import PromptSampler
-from megatron_armor.trainer.anchor_prefetch import AnchorPrefetch
-from megatron_armor.trainer.rollout_phase import Rollout, RolloutPhase, mean
+from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch
+from megatron_armor.trainer.rollouts.rollout_phase import Rollout, RolloutPhase, mean
 
 ROLLOUT_SCHEDULES: dict[str, type[RolloutSchedule]] = {}
 
@@ -82,8 +82,8 @@ class RolloutSchedule:
 
     def settle(self) -> None:
         """Make the actor's engine still (before its weights change): wait until no rollout is generating, or with
-        partial rollouts pause the engine mid-rollout (trainer/async_rollouts.py); the wait counts as the trainer's
-        idle time (`step_metrics`)."""
+        partial rollouts pause the engine mid-rollout (trainer/rollouts/async_rollouts.py); the wait counts as the
+        trainer's idle time (`step_metrics`)."""
 
     def close(self) -> None:
         """Let what generates finish (at the end of a run: no background rollout is left inside a collective)."""

@@ -17,8 +17,8 @@ from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
-from megatron_armor.trainer.colocation import Colocation
-from megatron_armor.trainer.policies import PolicyHandles
+from megatron_armor.trainer.colocation.colocation import Colocation
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 
 
 class EngineWeights:

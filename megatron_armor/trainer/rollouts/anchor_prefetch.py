@@ -7,8 +7,8 @@ async a thread of its own (its collectives over a gloo group of its own) samples
 (`submit_ahead`: a twin of the prompt sampler, `PromptSampler.at`, draws their prompts), and takes its own once its
 on-policy samples are drawn. So the reference's engine samples while the actor's does, and ahead of it: a batch waits
 for its anchors only when the reference's engine falls behind, and in async a weight push waits only for the actor's
-part of a batch (trainer/async_rollouts.py). The sampler's draws do not depend on RL steps, so anchors sampled ahead
-serve whichever step draws those prompts (one_step_off's next rollout, async's next batches).
+part of a batch (trainer/rollouts/async_rollouts.py). The sampler's draws do not depend on RL steps, so anchors sampled
+ahead serve whichever step draws those prompts (one_step_off's next rollout, async's next batches).
 
 Every rank submits the same jobs in the same order (the positions are the same on every rank), so every rank's thread
 makes the same collective calls. `reset` (a reference reset or the anchor action: the queued anchors came from the old
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
-from megatron_armor.trainer.samples import RolloutCounters
+from megatron_armor.trainer.rollouts.samples import RolloutCounters
 
 
 def anchor_key(position: dict[str, Any]) -> tuple:
@@ -39,7 +39,7 @@ def anchor_key(position: dict[str, Any]) -> tuple:
 
 
 class AnchorSampling(Protocol):
-    """What the thread needs of a rollout phase (trainer/rollout_phase.py `RolloutPhase`)."""
+    """What the thread needs of a rollout phase (trainer/rollouts/rollout_phase.py `RolloutPhase`)."""
 
     sampler: PromptSampler
 

@@ -22,22 +22,22 @@ from megatron_armor.planning.flops import rl_step_flops
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.scoring.logprobs import ScoringConfig
-from megatron_armor.trainer import async_rollouts  # noqa: F401 - registers rollout.mode async
-from megatron_armor.trainer.anchor_cache import AnchorCache
-from megatron_armor.trainer.colocation import Colocation
-from megatron_armor.trainer.engine_weights import EngineWeights
-from megatron_armor.trainer.faults import NonFiniteUpdate
-from megatron_armor.trainer.optimizer import AdamConfig, reset_optimizer
-from megatron_armor.trainer.plan import StepPlan
-from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.policy_update import update_policy
-from megatron_armor.trainer.rollout_phase import RolloutPhase, RolloutSources, mean
-from megatron_armor.trainer.rollout_schedule import RolloutSchedule
-from megatron_armor.trainer.samples import SampleScorer, generate_samples
-from megatron_armor.trainer.sharded_state import restore_module, restore_order, sharded_modules
-from megatron_armor.trainer.snapshot import TrainingSnapshot
-from megatron_armor.trainer.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
-from megatron_armor.trainer.update_gate import InferenceGapGate
+from megatron_armor.trainer.checkpointing.sharded_state import restore_module, restore_order, sharded_modules
+from megatron_armor.trainer.colocation.colocation import Colocation
+from megatron_armor.trainer.colocation.engine_weights import EngineWeights
+from megatron_armor.trainer.rollouts import async_rollouts  # noqa: F401 - registers rollout.mode async
+from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
+from megatron_armor.trainer.rollouts.rollout_phase import RolloutPhase, RolloutSources, mean
+from megatron_armor.trainer.rollouts.rollout_schedule import RolloutSchedule
+from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.update.faults import NonFiniteUpdate
+from megatron_armor.trainer.update.optimizer import AdamConfig, reset_optimizer
+from megatron_armor.trainer.update.policy_update import update_policy
+from megatron_armor.trainer.update.snapshot import TrainingSnapshot
+from megatron_armor.trainer.update.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
+from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
 
@@ -60,10 +60,10 @@ class RLTrainer:
 
     With a `gate` (MIPU Step 2) every step snapshots the actor first and rolls back actor, optimizer
     and engine when the post-update inference gap is out of tolerance. With an `anchor_cache` a
-    prompt's anchors are sampled once per reference (trainer/anchor_cache.py). Colocated with its
+    prompt's anchors are sampled once per reference (trainer/rollouts/anchor_cache.py). Colocated with its
     servers (`memory_handoff`, `offload`), the trainer and the servers take turns on the GPU
-    (trainer/colocation.py); with one engine shared by both policies their weights take turns in it
-    (trainer/engine_weights.py).
+    (trainer/colocation/colocation.py); with one engine shared by both policies their weights take turns in it
+    (trainer/colocation/engine_weights.py).
 
     An update whose loss or gradients are not finite on any rank is skipped as a whole: actor, optimizer
     state and engines keep the state from before the RL step (mini-batches already stepped are undone from
@@ -271,7 +271,7 @@ class RLTrainer:
         self.engine_weights.reference_became_actor()
         return {"armor/ref_reset": 1.0}
 
-    # ----- the monitor's anchor action (trainer/anchor_switch.py) -----------------------------
+    # ----- the monitor's anchor action (trainer/guard/anchor_switch.py) -----------------------------
     def use_algorithm(self, algorithm: Algorithm) -> None:
         """Train `algorithm` from the next step on (what it samples, scores and its loss); the batch geometry stays."""
         self.plan = dataclasses.replace(self.plan, algorithm=algorithm)
@@ -293,7 +293,7 @@ class RLTrainer:
         self.engine_weights.push_actor()
         return self.reset_reference()
 
-    # ----- run start-up and checkpoints ------------------------------------------------------
+    # ----- run start-up, end and checkpoints -------------------------------------------------
     def push_initial_weights(self, *, actor: bool, ref: bool) -> None:
         """Before the first step (collective): park the trainer (offloaded, only the weights each push needs
         come back for it), then push the actor's and/or the reference's weights into their engines."""
@@ -302,6 +302,11 @@ class RLTrainer:
             self.engine_weights.push_actor()
         if ref:
             self.engine_weights.push_ref()
+
+    def close(self) -> None:
+        """End the background work the trainer owns at the run's end (collective): the rollouts generating ahead
+        and the anchors sampled ahead finish what they began, so no thread is left inside a collective."""
+        self.rollouts.close()
 
     def state_resident(self) -> contextlib.AbstractContextManager:
         """Collective: all of the trainer's state readable inside (`Colocation.state_resident`): where
@@ -330,8 +335,8 @@ class RLTrainer:
         return {**self._shared_state(), "modules": {name: module.state_dict() for name, module in modules.items()}}
 
     def sharded_state_dict(self, *, is_loading: bool = False, names: list[str] | None = None) -> dict[str, Any]:
-        """`state_dict()` with "modules" as Megatron sharded state dicts (trainer/sharded_state.py), what a
-        distributed checkpoint saves, or (`is_loading`) the request it loads into for the modules `names`
+        """`state_dict()` with "modules" as Megatron sharded state dicts (trainer/checkpointing/sharded_state.py), what
+        a distributed checkpoint saves, or (`is_loading`) the request it loads into for the modules `names`
         (those a checkpoint holds; default `checkpointed_modules()`). Its loaded form goes to `load_state_dict`."""
         available = {**self.checkpointed_modules(), "ref": self.models.ref}
         chosen = self.checkpointed_modules() if names is None else {n: available[n] for n in names if n in available}

@@ -1,4 +1,4 @@
-"""`armor train`: set up a run from an `ArmorConfig` (trainer/build.py) and run the RL loop."""
+"""`armor train`: set up a run from an `ArmorConfig` (trainer/run/build.py) and run the RL loop."""
 
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, s
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.monitor import CollapseAlarmError
 from megatron_armor.rewards.reward_fns import RewardFns
-from megatron_armor.trainer.build import TrainingSetup, build_training
-from megatron_armor.trainer.checkpoint import guard_run_dir, load_checkpoint, saved_modules
-from megatron_armor.trainer.checkpoint_save import CheckpointSaver
-from megatron_armor.trainer.anchor_switch import AnchorSwitch
-from megatron_armor.trainer.best_checkpoint import BestCheckpoint
-from megatron_armor.trainer.collapse_watch import CollapseWatch
-from megatron_armor.trainer.faults import TooManySkipsError
-from megatron_armor.trainer.loop import RLTrainer, evaluate
-from megatron_armor.trainer.policies import PolicyHandles
-from megatron_armor.trainer.task_setup import TaskPaths, prepare_task
+from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
+from megatron_armor.trainer.checkpointing.checkpoint import guard_run_dir, load_checkpoint, saved_modules
+from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
+from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
+from megatron_armor.trainer.run.build import TrainingSetup, build_training
+from megatron_armor.trainer.run.task_setup import TaskPaths, prepare_task
+from megatron_armor.trainer.step.loop import RLTrainer, evaluate
+from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.update.faults import TooManySkipsError
 from megatron_armor.utils.extras import detect_gpu_extras
 from megatron_armor.utils.metrics import MetricsLogger
 from megatron_armor.utils.plotting import plot_metrics
@@ -74,7 +74,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     train.max_consecutive_skips skipped updates in a row (non-finite loss or gradients) it checkpoints the last good
     state and raises `TooManySkipsError`; on a collapse-monitor alarm whose action is stop it checkpoints and raises
     `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint
-    (trainer/anchor_switch.py)."""
+    (trainer/guard/anchor_switch.py)."""
     algorithm = build_algorithm(cfg)
     rewards = RewardFns.from_config(cfg.reward)  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
@@ -128,10 +128,10 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
 
 
 def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:
-    """End the run's background work: rollouts generating ahead, an asynchronous save still in flight (finalized
-    even when the rollouts fail), the metrics files."""
+    """End the run's background work: the trainer's (rollouts generating ahead), an asynchronous save still in flight
+    (finalized even when closing the trainer fails), the metrics files."""
     try:
-        trainer.rollouts.close()
+        trainer.close()
     finally:
         saver.finalize()
         metrics_log.close()

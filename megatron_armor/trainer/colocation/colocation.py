@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from megatron_armor.rollout.weight_sync import SyncReport
-from megatron_armor.trainer.memory_handoff import MemoryHandoff
-from megatron_armor.trainer.offload import TrainerOffload
+from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
+from megatron_armor.trainer.colocation.offload import TrainerOffload
 
 PushActor = Callable[[], SyncReport]  # collective: push the actor's weights into its engine
 
