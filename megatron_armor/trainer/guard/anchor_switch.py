@@ -6,9 +6,9 @@ When an alarm whose action is anchor fires after RL step s, the run goes back to
 frozen reference, the optimizer starts afresh and the lr warmup counts again from step s, as the paper's restart does,
 and from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `anchored_config`:
 armor.alpha, rollout.anchors, groups of the run's on-policy samples + 1). A grpo / grpo_kl run switches the first
-time; every later alarm (or any alarm of a run that was ARMOR from the start) resets policy and reference to the best checkpoint
-again: the paper's reference reset. `AnchorState` is the one record of it, carried in every checkpoint, so a
-resumed run trains ARMOR again with the reference its checkpoint holds.
+time; every later alarm (or any alarm of a run that was ARMOR from the start) resets policy and reference to the
+best checkpoint again: the paper's reference reset. `AnchorState` is the one record of it, carried in every
+checkpoint, so a resumed run trains ARMOR again with the reference its checkpoint holds.
 """
 
 from __future__ import annotations
