@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite (CI runs exactly this through .ci/run).
+# The whole test suite (CI runs exactly this through .ci/run). Arguments go to pytest; when some of them are test
+# paths (relative to the repository root, e.g. tests/test_config.py or tests/x.py::test_y), only those run.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 set +e
-.venv/bin/python -m pytest -q tests "$@"
+selected=0
+for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then selected=1; fi
+done
+if [[ $selected -eq 0 ]]; then set -- tests "$@"; fi
+.venv/bin/python -m pytest -q "$@"
 code=$?
 # pytest exits 5 when it collects no tests; that is not a failure.
 if [[ $code -eq 5 ]]; then code=0; fi

@@ -4,9 +4,11 @@
     base.py             ConfigError, documented fields, shared checks
     sections.py         model, parallel, data, reward, train, eval, checkpoint, task, logging
     rollout.py          rollout and its sub-sections: sampling, anchors, sglang, weight_sync, memory
-    algorithm.py        algorithm, armor, kl, mipu, opd
+    algorithm.py        algorithm, and the built-in algorithms' own sections armor, kl, mipu, opd
+    section_registry.py the algorithms' own sections (built-ins and plug-ins), by name
+    plugins.py          objects named by path (reward functions, plug-in algorithms)
     monitor.py          monitor (the collapse monitor's alarms)
-    root.py             ArmorConfig, config_fields
+    root.py             ArmorConfig (the fixed sections + the registered algorithm sections), config_fields
     cross_section.py    the rules between sections (the chosen algorithm's own rules are checked by its
                         object: megatron_armor.algorithms)
     moved_names.py      fields that moved (old name -> new place)
