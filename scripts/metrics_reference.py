@@ -2,7 +2,7 @@
 
 Each case is an `armor train` command line (the demo config, and short runs of the other algorithms);
 `record` stores its metrics (every key but the `perf/*` timings) under tests/data/metrics_reference/,
-`check` runs the cases again and compares, and `check-pins` runs one case twice, the second time as if on another
+`check` runs the cases again and compares, and `check-pins` runs `PINS_CASES` twice, the second time as if on another
 CPU (`OTHER_CPU`), and requires the same bits.
 
 Every run has the numerical environment `PORTABLE_NUMERICS` (each pin's reason is beside it): without it a run's
@@ -12,7 +12,7 @@ bits on any x86-64 CPU; the tolerance only keeps the reports of a real change sh
 `check-pins` compares with ==.
 
     .venv/bin/python scripts/metrics_reference.py check            # every case
-    .venv/bin/python scripts/metrics_reference.py check-pins       # grpo_kl as if on another CPU: same bits?
+    .venv/bin/python scripts/metrics_reference.py check-pins       # as if on another CPU: the same bits?
     .venv/bin/python scripts/metrics_reference.py record armor_demo  # after a deliberate change of behaviour
 """
 
@@ -52,15 +52,21 @@ PORTABLE_NUMERICS: dict[str, str] = {
     # Parallel reductions split the work by thread count (ATen's OpenMP threads, MKL's own): one thread each.
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    # glibc picks FMA (or AMD's FMA4) versions of libm's exp, log, pow, sin, ... where the CPU has them, and they
+    # round some results otherwise than the SSE2 versions every x86-64 CPU runs (measured: opd's grad norm moves in its
+    # last bit when this mask is left out on an FMA CPU); the mask makes glibc take the SSE2 ones.
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-FMA4",
 }
 # What another CPU would change and the pins must make irrelevant, all at once in `check-pins`' second run: MKL
-# limited to SSE4.2 kernels (an AVX2 machine's own would differ without MKL_CBWR), and glibc's CPU-specific variants
-# of its maths and string functions (libm's exp/log/pow have FMA versions) as on a CPU without AVX2, FMA or AVX-512.
+# limited to SSE4.2 kernels (an AVX2 machine's own would differ without MKL_CBWR), and glibc's other CPU-specific
+# variants (string functions, SSE4.1 rounding) as on a CPU without AVX, AVX-512 or SSE4.x, over the pinned mask.
 OTHER_CPU: dict[str, str] = {
     "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-AVX512F",
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-FMA4,-AVX,-AVX512F,-SSE4_1,-SSE4_2",
 }
-PINS_CASE = "grpo_kl"  # the case `check-pins` runs: short (2 steps), warm start included
+# The cases `check-pins` runs (short; their model and warm start made afresh under OTHER_CPU): GRPO + KL and OPD,
+# whose teacher-scored advantages take other code paths.
+PINS_CASES = ("grpo_kl", "opd")
 
 CASES: dict[str, list[str]] = {
     # The README's demo (ARMOR, TP 2 on two processes) for 10 steps, as the restructuring issue asks.
@@ -125,14 +131,17 @@ def _same_value(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
-def other_cpu_differences(work_dir: Path, baseline: list[dict] | None = None) -> list[str]:
-    """Run `PINS_CASE` under the pins with `OTHER_CPU`'s settings, the synthetic task's model and warm start made
-    afresh in the same process; its differences, bit for bit, from `baseline` (default: the same case run under the
-    pins alone, also from a fresh cache)."""
-    if baseline is None:
-        baseline = run_case(PINS_CASE, work_dir / "pinned", work_dir / "pinned-cache")
-    other = run_case(PINS_CASE, work_dir / "other-cpu", work_dir / "other-cpu-cache", environment=OTHER_CPU)
-    return differences(baseline, other, exact=True)
+def other_cpu_differences(work_dir: Path, baselines: dict[str, list[dict]] | None = None) -> list[str]:
+    """Run `PINS_CASES` under the pins with `OTHER_CPU`'s settings, the synthetic task's model and warm start made
+    afresh under them (one cache); their differences, bit for bit, from `baselines` (case -> rows; default: the
+    cases run under the pins alone, also from a fresh cache), each prefixed by its case."""
+    if baselines is None:
+        baselines = {case: run_case(case, work_dir / "pinned", work_dir / "pinned-cache") for case in PINS_CASES}
+    out = []
+    for case in PINS_CASES:
+        other = run_case(case, work_dir / "other-cpu", work_dir / "other-cpu-cache", environment=OTHER_CPU)
+        out += [f"{case}: {line}" for line in differences(baselines[case], other, exact=True)]
+    return out
 
 
 def reference_path(name: str) -> Path:
@@ -143,15 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["check", "record", "check-pins"])
     parser.add_argument("cases", nargs="*", help=f"cases to run (default: all of {list(CASES)}; check-pins: "
-                                                 f"{PINS_CASE} only)")
+                                                 f"{list(PINS_CASES)}, always)")
     args = parser.parse_args(argv)
     if args.action == "check-pins":
         if args.cases:
-            parser.error(f"check-pins runs {PINS_CASE} and takes no cases")
+            parser.error(f"check-pins runs {list(PINS_CASES)} and takes no cases")
         with tempfile.TemporaryDirectory() as tmp:
             diffs = other_cpu_differences(Path(tmp))
         verdict = "the same bits" if not diffs else "DIFFERS\n  " + "\n  ".join(diffs[:20])
-        print(f"{PINS_CASE} with {OTHER_CPU}: {verdict}")
+        print(f"{list(PINS_CASES)} with {OTHER_CPU}: {verdict}")
         return 1 if diffs else 0
     names = args.cases or (checked_cases() if args.action == "check" else [n for n in CASES if n not in REFERENCE_OF])
     unknown = sorted(set(names) - set(CASES))
