@@ -327,3 +327,13 @@ def test_overlong_buffer_defaults_to_half_the_response_budget_up_to_dapo_s_4096(
                                           r"\(40\)"):
         load_config(None, ["task.synthetic=arithmetic", "rollout.sampling.max_new_tokens=40",
                            "reward.overlong_buffer=64"])
+
+
+def test_a_plugin_path_that_does_not_import_is_refused_by_name_before_any_flag_is_parsed(capsys):
+    from megatron_armor.cli import main
+
+    assert main(["train", "--algo", "nosuch_module_here:Algo", "--help"]) == 2
+    message = capsys.readouterr().err
+    assert message.count("algorithm.name plug-in 'nosuch_module_here:Algo'") == 1 and "nosuch_module_here" in message
+    with pytest.raises(ConfigError, match="cannot import module 'nosuch_module_here'"):
+        load_config(DEMO, ["algorithm.name=nosuch_module_here:Algo"])

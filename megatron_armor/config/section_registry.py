@@ -61,6 +61,9 @@ def register_plugin_sections(path: object) -> None:
         return
     try:
         cls = import_attribute(path, "algorithm.name plug-in", "package.module:ClassName")
+    except ValueError as error:  # it names the plug-in and what is wrong
+        raise ConfigError(str(error)) from error
+    try:
         register_sections(getattr(cls, "config_sections", {}))
     except (TypeError, ValueError) as error:
         raise ConfigError(f"algorithm.name plug-in {path!r}: {error}") from error
