@@ -178,15 +178,14 @@ class Algorithm:
         require(not (cls.corrects_sampler and cfg.algorithm.behaviour_correction is not None),
                 f"{cls.name} weights tokens by pi_old / mu itself (mipu.is_correction): leave "
                 f"algorithm.behaviour_correction unset")
-        on_policy = cls.on_policy_samples(cfg.rollout.sampling)
-        require(cfg.rollout.sampling.actor_n in (None, on_policy),
+        sampling, anchors = cfg.rollout.sampling, cfg.rollout.anchors
+        on_policy = cls.on_policy_samples(sampling)
+        require(sampling.actor_n in (None, on_policy),
                 f"rollout.sampling.actor_n must be {on_policy} for {cls.name} with rollout.sampling.n_samples "
-                f"{cfg.rollout.sampling.n_samples}, got {cfg.rollout.sampling.actor_n} (leave it unset: {cls.name} "
-                f"derives it)")
+                f"{sampling.n_samples}, got {sampling.actor_n} (leave it unset: {cls.name} derives it)")
         clip = cls.resolve_clip(cfg)  # the section checked the values it was given; these are with the defaults
         require(clip.high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {clip.low}/{clip.high}")
         require(clip.dual > 1, f"algorithm.dual_clip must be > 1, got {clip.dual}")
-        sampling, anchors = cfg.rollout.sampling, cfg.rollout.anchors
         if cls.uses_anchors:
             require(anchors.ref_n >= 1, f"rollout.anchors.ref_n must be >= 1 for {cls.name}, got {anchors.ref_n}")
             require(cfg.rollout.backend != "sglang" or anchors.engine == "shared" or bool(cfg.rollout.sglang.ref_urls),

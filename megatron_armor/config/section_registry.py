@@ -30,8 +30,9 @@ def register_sections(sections: Mapping[str, type]) -> None:
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise TypeError(f"config section {name!r}: {cls!r} is not a dataclass")
         if not name.isidentifier() or name in _RESERVED:
-            raise ValueError(f"config section {name!r}: not a name a section can take (an identifier other than "
-                             f"{sorted(_RESERVED)})")
+            taken = sorted(n for n in _RESERVED if not n.startswith("_"))
+            raise ValueError(f"config section {name!r}: not a name a section can take (an identifier, not one of "
+                             f"ArmorConfig's fields or attributes: {', '.join(taken)})")
         if _SECTIONS.get(name, cls) is not cls:
             raise ValueError(f"config section {name!r} is already {_SECTIONS[name].__qualname__}")
         cls()  # its defaults build (a field without one would fail every config)
