@@ -56,3 +56,23 @@ def play(policy, tokenizer, stop_id: int, make_env=AddEnv, rows=({"prompt": "Wha
          max_in_flight: int = 1):
     ctx = RolloutContext(policy, tokenizer, SamplingParams(max_new_tokens=256, stop_token_ids=(stop_id,)), limits)
     return asyncio.run(run_rollouts(ctx, environment_rollout(make_env), list(rows), max_in_flight))
+
+
+class PolicyByPrompt:
+    """Concurrent trajectories' scripted policy: a call whose prompt decodes to text containing `marker` gets the next
+    of `scripts[marker]` (turn texts, each ended by the stop token)."""
+
+    def __init__(self, tokenizer, stop_id: int, scripts: dict[str, list[str]]) -> None:
+        self.tokenizer, self.stop_id = tokenizer, stop_id
+        self.scripts = {marker: list(turns) for marker, turns in scripts.items()}
+        self.calls = 0
+
+    async def generate(self, token_ids, sampling):
+        text = self.tokenizer.decode(list(token_ids))
+        (marker,) = [m for m in self.scripts if m in text]
+        turns = self.scripts[marker]
+        reply = turns.pop(0) if len(turns) > 1 else turns[0]
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.stop_id]
+        self.calls += 1
+        await asyncio.sleep(0)
+        return GenerateResult(ids, [-1.0] * len(ids), "stop")

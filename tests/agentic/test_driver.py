@@ -1,0 +1,131 @@
+"""The environment loop under bad input, all in one concurrent batch: an environment that raises, answers malformed
+messages or never ends; a tool that hangs, crashes or floods its output; malformed tool-call JSON. Each trajectory
+gets its status and one clear log line, the others finish, and no process or file descriptor is left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import psutil
+import pytest
+
+from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
+from megatron_armor.agentic.chat_templates import make_chat_tokenizer
+from megatron_armor.agentic.driver import AgentLimits
+from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
+from megatron_armor.agentic.metrics import agent_metrics
+from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
+from megatron_armor.agentic.tool_env import ToolEnv
+from megatron_armor.agentic.tools import Tool, tool_calls_text
+from megatron_armor.agentic.trajectory import Status
+
+
+def hang(seconds: float) -> str:
+    time.sleep(seconds)
+    return "late"
+
+
+def crash() -> str:
+    raise ZeroDivisionError("the tool divided by zero")
+
+
+class CaseEnv(ToolEnv):
+    """Behaves as its row's "case" says."""
+
+    def __init__(self) -> None:
+        super().__init__([
+            Tool(add, ADD_SCHEMA), Tool(hang, {"type": "object", "properties": {"seconds": {}}}, timeout_s=0.2),
+            Tool(crash, {"type": "object"}), python_tool(PythonSandbox(timeout_s=1.0, max_output_bytes=2000)),
+        ])
+
+    def reset(self, row):
+        self.case = row["case"]
+        return [{"role": "user", "content": f"case {row['case']}: go"}]
+
+    async def step(self, messages):
+        if self.case == "env raises" and len(messages) > 2:
+            raise KeyError("the environment lost its state")
+        if self.case == "env malformed":
+            return EnvReply([{"role": "user", "content": 42}])
+        if self.case == "env never ends":
+            return EnvReply([{"role": "user", "content": "again"}])
+        return await super().step(messages)
+
+    def score(self, messages):
+        return 1.0
+
+
+CASES = {
+    "ok": [tool_calls_text([("add", {"a": 2, "b": 3})]), "5"],
+    "env raises": [tool_calls_text([("add", {"a": 1, "b": 1})]), "again", "done"],
+    "env malformed": ["hello"],
+    "env never ends": ["more"],
+    "tool hangs": [tool_calls_text([("hang", {"seconds": 1.5})])],
+    "tool crashes": [tool_calls_text([("crash", {})])],
+    "python loops": [tool_calls_text([("python", {"code": "while True: pass"})]), "done"],
+    "python floods": [tool_calls_text([("python", {"code": "print('x' * 100_000_000)"})]), "done"],
+    "bad json": ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'],
+}
+EXPECTED = {
+    "ok": Status.COMPLETED, "env raises": Status.FAILED, "env malformed": Status.FAILED,
+    "env never ends": Status.TRUNCATED, "tool hangs": Status.FAILED, "tool crashes": Status.FAILED,
+    "python loops": Status.COMPLETED, "python floods": Status.COMPLETED, "bad json": Status.ABORTED,
+}
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_bad_input_gives_each_trajectory_its_status_and_one_log_line_and_leaks_nothing(caplog):
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = PolicyByPrompt(tokenizer, stop_id, {f"case {c}:": turns for c, turns in CASES.items()})
+    fds, children = open_fds(), len(psutil.Process().children(recursive=True))
+    with caplog.at_level(logging.ERROR, logger="megatron_armor.agentic.driver"):
+        trajectories = play(policy, tokenizer, stop_id, make_env=CaseEnv, rows=[{"case": c} for c in CASES],
+                            limits=AgentLimits(max_turns=4, max_invalid_turns=2), max_in_flight=len(CASES))
+    by_case = {t.row["case"]: t for t in trajectories}
+    assert {c: t.status for c, t in by_case.items()} == EXPECTED
+    failures = {c: r.getMessage() for r in caplog.records for c in CASES
+                if f"on row {{'case': {c!r}}}:" in r.getMessage()}
+    assert len(caplog.records) == 4 and set(failures) == {c for c, s in EXPECTED.items() if s is Status.FAILED}
+    assert "KeyError: 'the environment lost its state'" in failures["env raises"]
+    assert "Traceback" in failures["env raises"]  # an unexpected error: its traceback, once
+    assert "malformed message at index 0" in failures["env malformed"]
+    assert "tool 'hang' timed out after 0.2 s" in failures["tool hangs"]
+    assert "tool 'crash' raised ZeroDivisionError: the tool divided by zero" in failures["tool crashes"]
+    assert by_case["env never ends"].stats.turns == 4
+    tool_says = {c: [m["content"] for m in by_case[c].messages if m["role"] == "tool"] for c in by_case}
+    assert tool_says["ok"] == ["5"] and by_case["ok"].reward == 1.0 and by_case["tool crashes"].reward == 0.0
+    assert tool_says["python loops"] == ["[killed: time limit]"]
+    assert tool_says["python floods"][0].endswith("[killed: output limit]")
+    assert len(tool_says["python floods"][0]) < 2100  # the sandbox limit, not 100 MB
+    assert all("not valid JSON" in m for m in tool_says["bad json"]) and len(tool_says["bad json"]) == 1
+    assert by_case["bad json"].error == "2 invalid turns in a row"
+    metrics = agent_metrics(trajectories)
+    assert metrics["agent/status_failed"] == pytest.approx(4 / 9)
+    # tool calls: ok, env raises, python x2, bad json x2 (invalid) = 6 counted; errors: 2 invalid + hang + crash
+    assert metrics["agent/tool_calls_mean"] == pytest.approx(6 / 9)
+    assert metrics["agent/tool_error_rate"] == pytest.approx(4 / 6)
+    time.sleep(1.5)  # the hung tool's thread returns (a Python function cannot be stopped)
+    assert open_fds() == fds
+    assert len(psutil.Process().children(recursive=True)) == children
+
+
+def test_environment_classes_load_by_module_or_file_path(tmp_path):
+    file = tmp_path / "my_env.py"
+    file.write_text("from megatron_armor.agentic.environment import Environment\n"
+                    "class Echo(Environment):\n"
+                    "    def reset(self, row): return [{'role': 'user', 'content': row['prompt']}]\n"
+                    "    def step(self, messages): return None\n"
+                    "    def score(self, messages): return 0.0\n"
+                    "NotAnEnv = dict\n")
+    assert load_environment(f"{file}:Echo").__name__ == "Echo"
+    assert load_environment("agentic_helpers:AddEnv").__name__ == "AddEnv"
+    with pytest.raises(ValueError, match="is <class 'dict'>, not a subclass of .*Environment"):
+        load_environment(f"{file}:NotAnEnv")
+    with pytest.raises(ValueError, match="environment 'nowhere:Env': cannot import module 'nowhere'"):
+        load_environment("nowhere:Env")
