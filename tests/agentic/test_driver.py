@@ -4,6 +4,7 @@ gets its status and one clear log line, the others finish, and no process or fil
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -129,3 +130,42 @@ def test_environment_classes_load_by_module_or_file_path(tmp_path):
         load_environment(f"{file}:NotAnEnv")
     with pytest.raises(ValueError, match="environment 'nowhere:Env': cannot import module 'nowhere'"):
         load_environment("nowhere:Env")
+
+
+async def slow_lookup(key: str) -> str:
+    """Look a key up in a slow service."""
+    await asyncio.sleep(0.5)
+    return key.upper()
+
+
+class LookupEnv(ToolEnv):
+    finished: list[str] = []  # the cases, in the order their episodes ended
+
+    def __init__(self) -> None:
+        super().__init__([Tool(slow_lookup, {"type": "object", "properties": {"key": {}}}), Tool(add, ADD_SCHEMA)])
+
+    def reset(self, row):
+        self.case = row["case"]
+        return [{"role": "user", "content": f"case {row['case']}:"}]
+
+    def score(self, messages):
+        return 0.0
+
+    def close(self):
+        self.finished.append(self.case)
+
+
+def test_a_slow_tool_holds_only_its_own_trajectory():
+    """Per-trajectory tasks: a trajectory whose tool takes 0.5 s does not delay the one doing four quick turns,
+    which finishes first (a turn-synchronous loop would make every turn of it wait for the slow tool)."""
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    quick = [tool_calls_text([("add", {"a": i, "b": 1})]) for i in range(3)] + ["done"]
+    policy = PolicyByPrompt(tokenizer, stop_id, {"case slow:": [tool_calls_text([("slow_lookup", {"key": "k"})]),
+                                                                "done"],
+                                                 "case quick:": quick})
+    trajectories = play(policy, tokenizer, stop_id, make_env=LookupEnv, rows=[{"case": "slow"}, {"case": "quick"}],
+                        max_in_flight=2)
+    assert [t.stats.turns for t in trajectories] == [2, 4] and LookupEnv.finished == ["quick", "slow"]
+    assert [m["content"] for m in trajectories[0].messages if m["role"] == "tool"] == ["K"]
+    assert trajectories[0].stats.tool_s >= 0.5 > trajectories[1].stats.tool_s
