@@ -130,8 +130,9 @@ def main() -> None:
         for mode, synchronous in (("per-trajectory", False), ("turn-synchronous", True)):
             seconds, metrics = run(ctx, batch, synchronous)
             throughput[mode] = len(batch) / seconds
-            print(f"{latency_ms:>6.0f}ms {mode:>17} {throughput[mode]:>7.2f} {metrics['agent/generation_s_mean']:>6.2f} "
-                  f"{metrics['agent/tool_s_mean']:>6.2f} {metrics['agent/turns_mean']:>5.2f}")
+            print(f"{latency_ms:>6.0f}ms {mode:>17} {throughput[mode]:>7.2f} "
+                  f"{metrics['agent/generation_s_mean']:>6.2f} {metrics['agent/tool_s_mean']:>6.2f} "
+                  f"{metrics['agent/turns_mean']:>5.2f}")
         print(f"{latency_ms:>6.0f}ms per-trajectory / turn-synchronous: "
               f"{throughput['per-trajectory'] / throughput['turn-synchronous']:.2f}x")
     generator.close()

@@ -1,5 +1,5 @@
 """A calculator tool environment (docs/guides/agentic.md): the policy may call `calculate` before it answers;
-the reward is 1 when its last message holds the row's answer. Named `examples/agentic/calculator_env.py:CalculatorEnv`."""
+the reward is 1 when its last message holds the row's answer. Named examples/agentic/calculator_env.py:CalculatorEnv"""
 import ast
 import operator
 

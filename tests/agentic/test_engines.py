@@ -59,7 +59,8 @@ def tokenizer():
 
 def play(generator, tokenizer) -> list[Trajectory]:
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    ctx = RolloutContext(generator, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=(stop,)))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=(stop,))
+    ctx = RolloutContext(generator, tokenizer, sampling)
     return asyncio.run(run_rollouts(ctx, three_turns, ROWS, max_in_flight=len(ROWS)))
 
 
