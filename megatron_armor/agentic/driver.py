@@ -89,7 +89,7 @@ class _Episode:
 
     def trajectory(self, status: Status, reward: float, error: str | None = None) -> Trajectory:
         builder = self.builder
-        return Trajectory(self.row, builder.segments if builder else [], status, reward, self.turn_rewards,
+        return Trajectory(self.row, builder.trained_segments() if builder else [], status, reward, self.turn_rewards,
                           self.messages, self.stats, builder.final_render_matches if builder else None, error)
 
 

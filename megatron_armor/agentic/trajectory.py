@@ -78,6 +78,17 @@ class Segment:
     def sampled_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def prompt_length(self) -> int:
+        """Tokens before the first sampled one (the segment's prompt; the rest is its response: sampled tokens and
+        the context between them)."""
+        return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.token_ids)
+
+    def through_last_sampled(self) -> Segment:
+        """This segment cut after its last sampled token (context the policy never answered is not trained on)."""
+        end = len(self.loss_mask) - self.loss_mask[::-1].index(1) if 1 in self.loss_mask else 0
+        return Segment(self.token_ids[:end], self.loss_mask[:end], self.logprobs[:end])
+
 
 @dataclass
 class TrajectoryBuilder:
@@ -128,6 +139,10 @@ class TrajectoryBuilder:
         self.checks.append(check)
         return check
 
+    def trained_segments(self) -> list[Segment]:
+        """The segments to train on: those with sampled tokens, each cut after its last one."""
+        return [s.through_last_sampled() for s in self.segments if s.sampled_tokens]
+
     def finish(self, canonical: Sequence[int]) -> bool:
         """The final check: whether the last segment is a prefix of `canonical`, the finished conversation's full
         render (no generation prompt). Recorded in `final_render_matches`; a mismatch is reported, never raised."""
@@ -152,7 +167,8 @@ class TrajectoryStats:
 class Trajectory:
     """A finished rollout of one row: what the trainer's rollout source turns into samples.
 
-    segments: the samples (`Segment`), each sampled token in exactly one; reward: the environment's score
+    segments: the samples (`Segment`), each sampled token in exactly one, each ending with its last sampled token
+    (`TrajectoryBuilder.trained_segments`); reward: the environment's score
     (0.0 when the trajectory failed before scoring); turn_rewards: [turns] per-turn rewards where the environment
     gave them, else empty; messages: the conversation; error: what went wrong for a failed or aborted trajectory.
     """

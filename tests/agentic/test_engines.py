@@ -44,7 +44,7 @@ async def three_turns(ctx: RolloutContext, row: dict) -> Trajectory:
             messages += new
             builder.add_context(renderer.continuation(sampled.token_ids, new),
                                 renderer.ids(messages, generation_prompt=True))
-    return Trajectory(row, builder.segments, Status.COMPLETED, 0.0, [], messages, stats)
+    return Trajectory(row, builder.trained_segments(), Status.COMPLETED, 0.0, [], messages, stats)
 
 
 @pytest.fixture(scope="module")

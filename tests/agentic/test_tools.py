@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -39,10 +40,6 @@ def test_tool_schema_is_the_chat_templates_function_form():
         "name": "add", "description": "Add two integers.", "parameters": ADD_SCHEMA}}
 
 
-def worker_pid() -> int:
-    return os.getpid()
-
-
 def test_plain_tools_run_in_threads_cpu_bound_ones_in_processes_and_time_outs_raise():
     seen = []
 
@@ -53,9 +50,9 @@ def test_plain_tools_run_in_threads_cpu_bound_ones_in_processes_and_time_outs_ra
     async def slow() -> str:
         await asyncio.sleep(5)
 
-    with ProcessPoolExecutor(1) as processes:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as processes:
         runner = ToolRunner(processes=processes)
-        pid = asyncio.run(runner.run(ToolCall(Tool(worker_pid, {"type": "object"}, cpu_bound=True), {})))
+        pid = asyncio.run(runner.run(ToolCall(Tool(os.getpid, {"type": "object"}, cpu_bound=True), {})))
         assert pid != os.getpid()
         assert asyncio.run(runner.run(ToolCall(Tool(where, {"type": "object"}), {}))) == "ok" and seen == [False]
         with pytest.raises(ToolTimeout, match="tool 'slow' timed out after 0.1 s"):

@@ -54,7 +54,7 @@ def assert_token_exact(trajectory, policy: ScriptedPolicy) -> None:
     segment that its sampled tokens follow (masked 1); masks and logprobs as long as the tokens, 0.0 where masked."""
     segments = trajectory.segments
     for s in segments:
-        assert len(s.token_ids) == len(s.loss_mask) == len(s.logprobs)
+        assert len(s.token_ids) == len(s.loss_mask) == len(s.logprobs) and s.loss_mask[-1] == 1
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask) if not m)
     trained = [(t, lp) for s in segments for t, m, lp in zip(s.token_ids, s.loss_mask, s.logprobs) if m]
     assert trained == [(t, lp) for _, ids, lps in policy.calls for t, lp in zip(ids, lps)]
@@ -138,3 +138,19 @@ def test_builder_realigns_a_delta_tokenized_differently_and_forks_or_keeps_on_dr
     assert fork.segments == [Segment([1, 2, 3], [0, 0, 1], [0.0, 0.0, -0.5]),
                              Segment([1, 2, 30, 4, 5], [0, 0, 0, 0, 1], [0.0] * 4 + [-0.6])]
     assert fork.finish([1, 2, 30, 4, 5, 6])
+    assert [s.prompt_length for s in fork.segments] == [2, 4]
+
+
+def test_trained_segments_end_at_their_last_sampled_token_and_untrained_ones_go():
+    """A trajectory that ends after context was appended (a limit hit before the next turn) does not train on it; a
+    segment forked and never sampled from is dropped."""
+    builder = TrajectoryBuilder([1], on_drift="fork")
+    builder.add_sampled([2], [-0.2])
+    builder.add_context([3, 4], canonical=[1, 2, 3, 4])
+    builder.add_sampled([5], [-0.5])
+    builder.add_context([6], canonical=[9, 9])  # drift: forks
+    assert builder.trained_segments() == [Segment([1, 2, 3, 4, 5], [0, 1, 0, 0, 1], [0.0, -0.2, 0.0, 0.0, -0.5])]
+    builder = TrajectoryBuilder([1], on_drift="keep")
+    builder.add_sampled([2], [-0.2])
+    builder.add_context([3, 4], canonical=[1, 2, 3, 4])
+    assert builder.trained_segments() == [Segment([1, 2], [0, 1], [0.0, -0.2])]
