@@ -22,9 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_armor.agentic.render import Message
 from megatron_armor.config.plugins import import_attribute
-
-Message = dict[str, Any]
 
 
 class MalformedMessages(ValueError):

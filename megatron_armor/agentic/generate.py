@@ -52,36 +52,37 @@ class EngineGenerator:
         self._workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agentic-generate")
         self._queue: list[_Call] = []
-        self._serving = 0  # worker tasks running
+        self._serving: set[asyncio.Task] = set()  # worker tasks running (held: the loop keeps only weak references)
 
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams) -> GenerateResult:
         if not token_ids:
             raise ValueError("generate needs at least one prompt token")
         call = _Call(list(token_ids), sampling, asyncio.get_running_loop().create_future())
         self._queue.append(call)
-        if self._serving < self._workers:
-            self._serving += 1
-            asyncio.ensure_future(self._serve())
+        if len(self._serving) < self._workers:
+            self._serving.add(asyncio.create_task(self._serve()))
         return await call.future
 
     async def _serve(self) -> None:
         try:
             await asyncio.sleep(0)  # the other trajectories' calls of this tick join the first batch
             while self._queue:
-                batch = self._take_batch()
-                try:
-                    generations = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, self.engine.generate, [c.token_ids for c in batch], batch[0].sampling)
-                except Exception as error:  # every caller of the batch gets the engine's error
-                    for call in batch:
-                        if not call.future.done():
-                            call.future.set_exception(error)
-                    continue
-                for call, g in zip(batch, generations):
-                    if not call.future.done():
-                        call.future.set_result(GenerateResult(list(g.response_ids), list(g.logprobs), g.finish_reason))
-        finally:
-            self._serving -= 1
+                await self._run(self._take_batch())
+        finally:  # at once, not in a done callback: a call queued in between would find no worker
+            self._serving.discard(asyncio.current_task())
+
+    async def _run(self, batch: list[_Call]) -> None:
+        try:
+            generations = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.engine.generate, [c.token_ids for c in batch], batch[0].sampling)
+        except Exception as error:  # every caller of the batch gets the engine's error
+            for call in batch:
+                if not call.future.done():
+                    call.future.set_exception(error)
+            return
+        for call, g in zip(batch, generations):
+            if not call.future.done():
+                call.future.set_result(GenerateResult(list(g.response_ids), list(g.logprobs), g.finish_reason))
 
     def _take_batch(self) -> list[_Call]:
         """Up to `max_batch` queued calls sharing the first one's sampling settings (in queue order)."""

@@ -15,7 +15,7 @@ import pytest
 from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
 from megatron_armor.agentic.chat_templates import make_chat_tokenizer
 from megatron_armor.agentic.driver import AgentLimits
-from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
+from megatron_armor.agentic.environment import EnvReply, load_environment
 from megatron_armor.agentic.metrics import agent_metrics
 from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
 from megatron_armor.agentic.tool_env import ToolEnv

@@ -117,3 +117,18 @@ def test_sglang_client_on_a_serve_local_process(model_dir, tokenizer, tmp_path):
         server.kill()
         server.wait(timeout=30)
     assert_trained_logprobs_match_a_forward_pass(model_dir, trajectories)
+
+
+def test_an_engine_error_fails_the_trajectories_of_its_batch_and_the_run_goes_on(tiny_model_factory, tokenizer,
+                                                                                  caplog):
+    """A checkpoint whose vocabulary (128) is smaller than the tokenizer's (320): the engine raises on the batch;
+    every trajectory in it ends failed with the engine's error, logged with its row."""
+    generator = EngineGenerator(LocalEngine(tiny_model_factory("qwen2")), workers=1)
+    try:
+        trajectories = play(generator, tokenizer)
+    finally:
+        generator.close()
+    assert {t.status for t in trajectories} == {Status.FAILED} and all(t.segments == [] for t in trajectories)
+    assert all("IndexError" in t.error for t in trajectories)
+    assert sorted(r.getMessage().split(": IndexError")[0] for r in caplog.records) == sorted(
+        f"agentic: trajectory failed on row {row!r}" for row in ROWS)
