@@ -106,7 +106,9 @@ def environment_rollout(make_env: Callable[[], Environment]) -> RolloutFunction:
             reward = float(await _call(env.score, episode.messages))
             return episode.trajectory(status, reward, error)
         except Exception as error:
-            episode.stats.tool_errors += isinstance(error, ToolError)
+            if isinstance(error, ToolError):
+                episode.stats.tool_calls += error.calls
+                episode.stats.tool_errors += 1
             return episode.trajectory(Status.FAILED, 0.0, _log_failure(row, error))
         finally:
             await _call(env.close)

@@ -37,7 +37,9 @@ class ToolEnv(Environment):
         replies = [f"invalid tool call: {c.reason}" if isinstance(c, InvalidCall) else next(results) for c in calls]
         errors = [r for r in replies if isinstance(r, BaseException)]
         if errors:
-            raise errors[0] if isinstance(errors[0], ToolError) else ToolError(str(errors[0]))
+            error = errors[0] if isinstance(errors[0], ToolError) else ToolError(str(errors[0]))
+            error.calls = len(calls)
+            raise error
         invalid = sum(isinstance(c, InvalidCall) for c in calls)
         return EnvReply([{"role": "tool", "content": _as_text(r)} for r in replies], invalid=invalid > 0,
                         tool_calls=len(calls), tool_errors=invalid)

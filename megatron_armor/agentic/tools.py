@@ -28,7 +28,10 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class ToolError(RuntimeError):
-    """A tool that raised or timed out: the trajectory fails (`Status.FAILED`) with this message."""
+    """A tool that raised or timed out: the trajectory fails (`Status.FAILED`) with this message. `calls`: the tool
+    calls of the turn it ended (for the metrics), set by whoever ran them."""
+
+    calls: int = 1
 
 
 class ToolTimeout(ToolError):
