@@ -60,7 +60,7 @@ def play(policy, tokenizer, stop_id: int, make_env=AddEnv, rows=({"prompt": "Wha
 
 class PolicyByPrompt:
     """Concurrent trajectories' scripted policy: a call whose prompt decodes to text containing `marker` gets the next
-    of `scripts[marker]` (turn texts, each ended by the stop token)."""
+    of `scripts[marker]` (turn texts, each ended by the stop token; the last repeats), cut to max_new_tokens."""
 
     def __init__(self, tokenizer, stop_id: int, scripts: dict[str, list[str]]) -> None:
         self.tokenizer, self.stop_id = tokenizer, stop_id
@@ -73,6 +73,8 @@ class PolicyByPrompt:
         turns = self.scripts[marker]
         reply = turns.pop(0) if len(turns) > 1 else turns[0]
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.stop_id]
+        finish = "stop" if len(ids) <= sampling.max_new_tokens else "length"
+        ids = ids[:sampling.max_new_tokens]
         self.calls += 1
         await asyncio.sleep(0)
-        return GenerateResult(ids, [-1.0] * len(ids), "stop")
+        return GenerateResult(ids, [-1.0] * len(ids), finish)

@@ -15,7 +15,7 @@ import pytest
 from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
 from megatron_armor.agentic.chat_templates import make_chat_tokenizer
 from megatron_armor.agentic.driver import AgentLimits
-from megatron_armor.agentic.environment import EnvReply, load_environment
+from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
 from megatron_armor.agentic.metrics import agent_metrics
 from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
 from megatron_armor.agentic.tool_env import ToolEnv
@@ -169,3 +169,33 @@ def test_a_slow_tool_holds_only_its_own_trajectory():
     assert [t.stats.turns for t in trajectories] == [2, 4] and LookupEnv.finished == ["quick", "slow"]
     assert [m["content"] for m in trajectories[0].messages if m["role"] == "tool"] == ["K"]
     assert trajectories[0].stats.tool_s >= 0.5 > trajectories[1].stats.tool_s
+
+
+class GradedEnv(Environment):
+    """A simulated user who grades every turn (reward 0.5 per turn) and asks again until the third."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": f"case {row['case']}:"}]
+
+    def step(self, messages):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        return EnvReply([{"role": "user", "content": "Again."}], done=turns == 3, reward=0.5 * turns)
+
+    def score(self, messages):
+        return 1.0
+
+
+def test_per_turn_rewards_and_the_token_budget():
+    """Per-turn rewards are kept in order; a trajectory whose next turn would pass max_total_tokens is sampled only up
+    to the budget and ends truncated, its tokens within it."""
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = PolicyByPrompt(tokenizer, stop_id, {"case a:": ["one two three"]})
+    (graded,) = play(policy, tokenizer, stop_id, make_env=GradedEnv, rows=[{"case": "a"}])
+    assert (graded.status, graded.turn_rewards, graded.reward) == (Status.COMPLETED, [0.5, 1.0, 1.5], 1.0)
+    (segment,) = graded.segments
+    budget = len(segment.token_ids) - 2  # the third turn's last tokens do not fit
+    (cut,) = play(policy, tokenizer, stop_id, make_env=GradedEnv, rows=[{"case": "a"}],
+                  limits=AgentLimits(max_total_tokens=budget))
+    assert cut.status is Status.TRUNCATED and cut.stats.turns == 3 and cut.turn_rewards == [0.5, 1.0]
+    assert cut.segments[0].token_ids == segment.token_ids[:budget]

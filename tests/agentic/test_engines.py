@@ -132,3 +132,32 @@ def test_an_engine_error_fails_the_trajectories_of_its_batch_and_the_run_goes_on
     assert all("IndexError" in t.error for t in trajectories)
     assert sorted(r.getMessage().split(": IndexError")[0] for r in caplog.records) == sorted(
         f"agentic: trajectory failed on row {row!r}" for row in ROWS)
+
+
+def test_an_interrupted_engine_aborts_the_trajectories(model_dir, tokenizer):
+    """After `interrupt` the in-process engine returns every generation partial ("abort"): the trajectories end
+    aborted, keeping what was sampled."""
+    from megatron_armor.agentic.driver import environment_rollout
+    from megatron_armor.agentic.environment import EnvReply, Environment
+
+    class Chat(Environment):
+        def reset(self, row):
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def step(self, messages):
+            return EnvReply([{"role": "user", "content": "Go on."}])
+
+        def score(self, messages):
+            return 0.0
+
+    engine = LocalEngine(model_dir)
+    engine.interrupt()
+    generator = EngineGenerator(engine)
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ctx = RolloutContext(generator, tokenizer, SamplingParams(max_new_tokens=5, stop_token_ids=(stop,)))
+    try:
+        trajectories = asyncio.run(run_rollouts(ctx, environment_rollout(Chat), ROWS))
+    finally:
+        generator.close()
+    assert {(t.status, t.error, t.stats.turns) for t in trajectories} == {
+        (Status.ABORTED, "the engine interrupted the turn", 1)}
