@@ -17,6 +17,7 @@ import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from megatron_armor.agentic.environment import Environment, MalformedMessages, Message, check_messages
 from megatron_armor.agentic.generate import GenerateResult, Generator
 from megatron_armor.agentic.render import ChatRenderer
-from megatron_armor.agentic.tools import ToolError
+from megatron_armor.agentic.tools import WORKER_THREADS, ToolError, in_thread
 from megatron_armor.agentic.trajectory import (
     DRIFT_POLICIES, DriftPolicy, Status, Trajectory, TrajectoryBuilder, TrajectoryStats, TurnCheck,
 )
@@ -74,7 +75,7 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)`: awaited on the loop when a coroutine function, else run in a worker thread."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    return await in_thread(fn, *args)
 
 
 @dataclass
@@ -170,10 +171,15 @@ def _log_failure(row: dict, error: Exception) -> str:
 async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequence[dict],
                        max_in_flight: int = 64) -> list[Trajectory]:
     """One task per row running `rollout`, at most `max_in_flight` at once; trajectories in the order of `rows`.
-    A rollout function that raises gives a `failed` trajectory without segments."""
+    A rollout function that raises gives a `failed` trajectory without segments. Synchronous environment methods and
+    plain-function tools run meanwhile on a pool of `max_in_flight` threads (`tools.WORKER_THREADS`), so every
+    trajectory in flight may wait on one; the pool is shut down on return without waiting for a call past its
+    time-out."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     admission = asyncio.Semaphore(max_in_flight)
+    threads = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="agentic-worker")
+    token = WORKER_THREADS.set(threads)  # the tasks below copy this context
 
     async def one(row: dict) -> Trajectory:
         async with admission:
@@ -183,4 +189,8 @@ async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequ
                 return Trajectory(row, [], Status.FAILED, 0.0, [], [], TrajectoryStats(),
                                   error=_log_failure(row, error))
 
-    return list(await asyncio.gather(*(one(row) for row in rows)))
+    try:
+        return list(await asyncio.gather(*(one(row) for row in rows)))
+    finally:
+        WORKER_THREADS.reset(token)
+        threads.shutdown(wait=False)

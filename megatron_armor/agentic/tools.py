@@ -16,15 +16,26 @@ run code that may never end in the sandbox (agentic/sandbox.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+# Where plain-function tools and synchronous environment methods run: the thread pool `driver.run_rollouts` owns
+# while it runs (a thread per trajectory in flight), else (None) the event loop's default pool.
+WORKER_THREADS: ContextVar[Executor | None] = ContextVar("agentic_worker_threads", default=None)
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a worker thread (`WORKER_THREADS`), awaited without blocking the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(WORKER_THREADS.get(), functools.partial(fn, *args))
 
 
 class ToolError(RuntimeError):
@@ -113,8 +124,8 @@ def parse_tool_calls(text: str, tools: Mapping[str, Tool]) -> list[ToolCall | In
 
 @dataclass(frozen=True)
 class ToolRunner:
-    """Where tool calls run (module docstring). `threads`: the executor of plain functions (None: the event loop's
-    default thread pool); `processes`: that of `cpu_bound` ones (e.g. a `ProcessPoolExecutor` the environment's
+    """Where tool calls run (module docstring). `threads`: the executor of plain functions (None: `WORKER_THREADS`);
+    `processes`: that of `cpu_bound` ones (e.g. a `ProcessPoolExecutor` the environment's
     module owns), required by such tools."""
 
     threads: Executor | None = None
@@ -126,18 +137,14 @@ class ToolRunner:
         if inspect.iscoroutinefunction(tool.fn):
             work = tool.fn(**call.arguments)
         else:
-            executor = self.processes if tool.cpu_bound else self.threads
-            work = asyncio.get_running_loop().run_in_executor(executor, _call, tool.fn, call.arguments)
+            executor = self.processes if tool.cpu_bound else (self.threads or WORKER_THREADS.get())
+            work = asyncio.get_running_loop().run_in_executor(executor, functools.partial(tool.fn, **call.arguments))
         try:
             return await asyncio.wait_for(work, tool.timeout_s)
         except TimeoutError:
             raise ToolTimeout(f"tool {tool.name!r} timed out after {tool.timeout_s:g} s") from None
         except Exception as error:
             raise ToolError(f"tool {tool.name!r} raised {type(error).__name__}: {error}") from error
-
-
-def _call(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    return fn(**arguments)
 
 
 def tool_calls_text(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:

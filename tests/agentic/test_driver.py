@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 
 import psutil
@@ -199,3 +200,33 @@ def test_per_turn_rewards_and_the_token_budget():
                   limits=AgentLimits(max_total_tokens=budget))
     assert cut.status is Status.TRUNCATED and cut.stats.turns == 3 and cut.turn_rewards == [0.5, 1.0]
     assert cut.segments[0].token_ids == segment.token_ids[:budget]
+
+
+def test_every_trajectory_in_flight_gets_a_thread_for_its_plain_function_tool():
+    """24 trajectories whose tool is a plain (blocking) function that returns only once all 24 calls are inside it
+    at the same time: more than the event loop's default pool (min(32, cores + 4) threads) would run at once here."""
+    calls = 24
+    barrier = threading.Barrier(calls, timeout=20)
+
+    def meet() -> str:
+        barrier.wait()
+        return "met"
+
+    class MeetEnv(ToolEnv):
+        def __init__(self):
+            super().__init__([Tool(meet, {"type": "object"}, timeout_s=30)])
+
+        def reset(self, row):
+            return [{"role": "user", "content": f"case {row['case']}:"}]
+
+        def score(self, messages):
+            return 0.0
+
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = PolicyByPrompt(tokenizer, stop_id, {f"case {i}:": [tool_calls_text([("meet", {})]), "done"]
+                                                 for i in range(calls)})
+    trajectories = play(policy, tokenizer, stop_id, make_env=MeetEnv, rows=[{"case": i} for i in range(calls)],
+                        max_in_flight=calls)
+    assert {t.status for t in trajectories} == {Status.COMPLETED}
+    assert all([m["content"] for m in t.messages if m["role"] == "tool"] == ["met"] for t in trajectories)
