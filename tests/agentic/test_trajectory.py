@@ -92,6 +92,9 @@ def test_random_conversations_are_token_exact(chat, canonical, on_drift):
         stripped = name == "chatml_strip_think" and any("</think>" in m["content"] for m in assistants[:-1])
         # The last segment is a prefix of the tokenizer's own full render unless a stripped reasoning was kept.
         assert trajectory.final_render_matches is not (stripped and on_drift == "keep")
+        last = trajectory.segments[-1].token_ids
+        full = reference_ids(tokenizer, trajectory.messages, AddEnv().tools)
+        assert (full[:len(last)] == last) is trajectory.final_render_matches
         if on_drift == "keep" or not stripped:
             assert len(trajectory.segments) == 1
         assert trajectory.stats.drift_turns == len(trajectory.segments) - 1 or on_drift == "keep"
