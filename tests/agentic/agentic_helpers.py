@@ -1,5 +1,5 @@
-"""Shared by the agentic tests: a scripted policy (a `Generator` that plays given turns and records every call) and a
-tool environment with an `add` tool."""
+"""Shared by the agentic tests: scripted policies (`Generator`s that play given turns: the policy is the test's input
+here; tests/agentic/test_engines.py samples from real engines) and a tool environment with an `add` tool."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class AddEnv(ToolEnv):
         return [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": row["prompt"]}]
 
     def score(self, messages):
-        return float(str(self.answer) in messages[-1]["content"]) if hasattr(self, "answer") else 0.0
+        return float("answer" in messages[-1]["content"])
 
 
 class ScriptedPolicy:
