@@ -249,7 +249,12 @@ class TrainConfig:
 class EvalConfig:
     every: int = doc(5, "validate every N steps (0: never)")
     before_train: bool = doc(True, "validate before the first step")
-    max_prompts: int | None = doc(None, "use only the first N validation prompts")
+    max_prompts: int | None = doc(None, "use only the first N validation prompts (of data.val_path)")
+    datasets: str | None = doc(
+        None, "YAML list of evaluation datasets, the file `armor eval --datasets` reads (docs/guides/evaluation.md): "
+        "each is validated and logged as val/<name>/avg@n, pass@k, ...; the first one's avg@n is val/accuracy. "
+        "None: data.val_path, sampled rollout.sampling.val_n times, logged as val/accuracy"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("eval", self, ("every",), 0)

@@ -1,0 +1,115 @@
+"""`armor eval`: evaluate checkpoints on a dataset list with the code validation runs (trainer/step/validation.py).
+
+Every rank loads each checkpoint into an in-process engine (an HF checkpoint directly; a Megatron checkpoint's
+tensors read at TP=1 and pushed into an engine built from its HF config, as training pushes the actor's) and
+generates its round-robin share of every dataset's requests; rank 0 writes the outputs (evaluation/writers.py).
+A checkpoint of step N is sampled with the seed validation after step N used, (seed, N, "val"): with the run's
+train.seed and as many ranks as the run had, its numbers are those the run logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megatron_armor.convert.hf_export import MegatronStageReader
+from megatron_armor.data.datasets import check_tokenizer_fits_model
+from megatron_armor.distributed.device import training_device
+from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
+from megatron_armor.evaluation.checkpoints import EvalCheckpoint, resolve_checkpoints
+from megatron_armor.evaluation.settings import load_eval_datasets
+from megatron_armor.evaluation.writers import CheckpointResult, clear_outputs, write_results, write_samples
+from megatron_armor.models.hf_config import load_model_shape
+from megatron_armor.models.tokenizer import load_tokenizer
+from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.trainer.step.validation import EvalSet, evaluate_set
+
+log = logging.getLogger("megatron_armor")
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """What `armor eval` was asked: checkpoint names (evaluation/checkpoints.py), the dataset list's YAML file,
+    the output directory and the seed (the run's train.seed reproduces its validation)."""
+
+    checkpoints: list[str]
+    datasets: str
+    out: str
+    seed: int = 0
+    progress_bar: bool = True
+
+
+def run_eval(run: EvalRun) -> list[CheckpointResult]:
+    """Evaluate on this rank (collective over the launched ranks, all of them data parallel); every rank returns
+    the results. Every input is checked (datasets, their rows, the checkpoints and their models) before any
+    generation."""
+    ctx = initialize_distributed(1, 1, None, seed=run.seed)
+    try:
+        return _evaluate(ctx, run)
+    finally:
+        destroy_distributed()
+
+
+def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
+    datasets = load_eval_datasets(run.datasets)
+    checkpoints = resolve_checkpoints(run.checkpoints)
+    tokenizer = load_tokenizer(checkpoints[0].path)
+    check_same_model(checkpoints, tokenizer)
+    sets = [EvalSet.load(d, tokenizer, (tokenizer.eos_token_id,)) for d in datasets]
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = Path(run.out)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        clear_outputs(out)
+    progress = tqdm(total=len(checkpoints) * len(sets), desc="eval", disable=not (ctx.is_main and run.progress_bar),
+                    dynamic_ncols=True)
+    results = []
+    for checkpoint in checkpoints:
+        engine = load_engine(checkpoint, pad_token_id)
+        metrics = {}
+        for eval_set in sets:
+            progress.set_postfix(checkpoint=checkpoint.label, dataset=eval_set.dataset.name)
+            result = evaluate_set(engine, eval_set, seed=(run.seed, checkpoint.step or 0, "val"))
+            if ctx.is_main:
+                write_samples(out, checkpoint.label, result.name, result.records)
+            metrics[result.name] = result.metrics
+            progress.update()
+        engine.close()
+        results.append(CheckpointResult(checkpoint.label, checkpoint.step, str(checkpoint.path), metrics))
+    progress.close()
+    if ctx.is_main:
+        write_results(out, results, seed=run.seed)
+        log.info("wrote %s (results.json, results.md, samples/%s)", out, ", plots/" if len(results) > 1 else "")
+    dist.barrier()
+    return results
+
+
+def check_same_model(checkpoints: list[EvalCheckpoint], tokenizer) -> None:
+    """Every checkpoint has the first one's architecture (`ModelShape`), which the tokenizer fits."""
+    first = load_model_shape(checkpoints[0].path)
+    check_tokenizer_fits_model(tokenizer, first.vocab_size)
+    for checkpoint in checkpoints[1:]:
+        shape = load_model_shape(checkpoint.path)
+        if shape != first:
+            raise ValueError(f"{checkpoint.path} is not the model of {checkpoints[0].path} (its config.json differs: "
+                             f"{shape} vs {first}); evaluate one model's checkpoints at a time")
+
+
+def load_engine(checkpoint: EvalCheckpoint, pad_token_id: int) -> LocalEngine:
+    """An in-process engine holding the checkpoint's weights in float32, on the GPU when there is one."""
+    if checkpoint.megatron:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint.path), dtype=torch.float32)
+        engine = LocalEngine(model, pad_token_id=pad_token_id)
+        reader = MegatronStageReader(checkpoint.path, pp=1)  # at TP=1 under this run's parallel state
+        engine.update_weights((name, tensor) for mapping in reader.mappings
+                              for name, tensor in zip(mapping.hf_names, reader.read(mapping)))
+    else:
+        engine = LocalEngine(checkpoint.path, pad_token_id=pad_token_id)
+    engine.model.to(training_device())
+    return engine
