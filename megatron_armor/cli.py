@@ -75,7 +75,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from megatron_armor.trainer.run.evaluate import EvalRun, run_eval as evaluate
 
     try:
-        evaluate(EvalRun(args.checkpoints, args.datasets, args.out, seed=args.seed, progress_bar=args.progress_bar))
+        evaluate(EvalRun(args.checkpoints, args.datasets, args.out, seed=args.seed, progress_bar=args.progress_bar,
+                         sglang_urls=args.sglang_urls))
     except ValueError as error:  # settings, dataset rows, checkpoint names and models (all ValueError subclasses)
         print(f"error: {error}", file=sys.stderr)
         return 2

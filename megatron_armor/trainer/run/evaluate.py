@@ -1,8 +1,7 @@
 """`armor eval`: evaluate checkpoints on a dataset list with the code validation runs (trainer/step/validation.py).
 
-Every rank loads each checkpoint into an in-process engine (an HF checkpoint directly; a Megatron checkpoint's
-tensors read at TP=1 and pushed into an engine built from its HF config, as training pushes the actor's) and
-generates its round-robin share of every dataset's requests; rank 0 writes the outputs (evaluation/writers.py).
+Every rank loads each checkpoint into an in-process engine (`LocalEngines`), or rank 0 into SGLang servers all
+ranks share (`SGLangEngines`), and generates its round-robin share of every dataset's requests; rank 0 writes the outputs (evaluation/writers.py).
 A checkpoint of step N is sampled with the seed validation after step N used, (seed, N, "val"): with the run's
 train.seed and as many ranks as the run had, its numbers are those the run logged.
 """
@@ -10,6 +9,7 @@ train.seed and as many ranks as the run had, its numbers are those the run logge
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,9 @@ from megatron_armor.evaluation.settings import load_eval_datasets
 from megatron_armor.evaluation.writers import CheckpointResult, clear_outputs, write_results, write_samples
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
+from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.sglang_engine import SGLangEngine
 from megatron_armor.trainer.step.validation import EvalSet, evaluate_set
 
 log = logging.getLogger("megatron_armor")
@@ -43,6 +45,7 @@ class EvalRun:
     out: str
     seed: int = 0
     progress_bar: bool = True
+    sglang_urls: str | None = None  # comma-separated SGLang servers to generate with (None: in-process engines)
 
 
 def run_eval(run: EvalRun) -> list[CheckpointResult]:
@@ -70,8 +73,10 @@ def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
     progress = tqdm(total=len(checkpoints) * len(sets), desc="eval", disable=not (ctx.is_main and run.progress_bar),
                     dynamic_ncols=True)
     results = []
+    engines = (SGLangEngines(run.sglang_urls.split(","), is_main=ctx.is_main) if run.sglang_urls
+               else LocalEngines(pad_token_id))
     for checkpoint in checkpoints:
-        engine = load_engine(checkpoint, pad_token_id)
+        engine = engines.load(checkpoint)
         metrics = {}
         for eval_set in sets:
             progress.set_postfix(checkpoint=checkpoint.label, dataset=eval_set.dataset.name)
@@ -80,9 +85,9 @@ def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
                 write_samples(out, checkpoint.label, result.name, result.records)
             metrics[result.name] = result.metrics
             progress.update()
-        engine.close()
         results.append(CheckpointResult(checkpoint.label, checkpoint.step, str(checkpoint.path), metrics))
     progress.close()
+    engines.close()
     if ctx.is_main:
         write_results(out, results, seed=run.seed)
         log.info("wrote %s (results.json, results.md, samples/%s)", out, ", plots/" if len(results) > 1 else "")
@@ -101,15 +106,58 @@ def check_same_model(checkpoints: list[EvalCheckpoint], tokenizer) -> None:
                              f"{shape} vs {first}); evaluate one model's checkpoints at a time")
 
 
-def load_engine(checkpoint: EvalCheckpoint, pad_token_id: int) -> LocalEngine:
-    """An in-process engine holding the checkpoint's weights in float32, on the GPU when there is one."""
-    if checkpoint.megatron:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint.path), dtype=torch.float32)
-        engine = LocalEngine(model, pad_token_id=pad_token_id)
-        reader = MegatronStageReader(checkpoint.path, pp=1)  # at TP=1 under this run's parallel state
-        engine.update_weights((name, tensor) for mapping in reader.mappings
-                              for name, tensor in zip(mapping.hf_names, reader.read(mapping)))
-    else:
-        engine = LocalEngine(checkpoint.path, pad_token_id=pad_token_id)
-    engine.model.to(training_device())
-    return engine
+def megatron_tensors(checkpoint: EvalCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF-named tensors of a Megatron checkpoint, read at TP=1 under this run's parallel state."""
+    reader = MegatronStageReader(checkpoint.path, pp=1)
+    for mapping in reader.mappings:
+        yield from zip(mapping.hf_names, reader.read(mapping))
+
+
+class LocalEngines:
+    """An in-process engine per checkpoint on every rank, in float32, on the GPU when there is one."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+        self.engine: LocalEngine | None = None
+
+    def load(self, checkpoint: EvalCheckpoint) -> RolloutEngine:
+        """An HF checkpoint loads directly; a Megatron checkpoint's tensors go into an engine built from its HF
+        config, as training pushes the actor's."""
+        self.close()
+        if checkpoint.megatron:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint.path), dtype=torch.float32)
+            self.engine = LocalEngine(model, pad_token_id=self.pad_token_id)
+            self.engine.update_weights(megatron_tensors(checkpoint))
+        else:
+            self.engine = LocalEngine(checkpoint.path, pad_token_id=self.pad_token_id)
+        self.engine.model.to(training_device())
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class SGLangEngines:
+    """Running SGLang servers (or `armor serve-local`), shared by the ranks; rank 0 gives them each checkpoint:
+    an HF directory they load from disk (a path they can read), a Megatron checkpoint's tensors pushed through
+    shared memory (servers on this host; else export it with `armor convert megatron-to-hf` first)."""
+
+    def __init__(self, urls: list[str], *, is_main: bool) -> None:
+        rank = dist.get_rank()
+        self.is_main = is_main
+        self.engine = SGLangEngine(urls, push_urls=urls if is_main else [], first_server=rank)
+
+    def load(self, checkpoint: EvalCheckpoint) -> RolloutEngine:
+        dist.barrier()  # every rank's generations of the previous checkpoint are done
+        if self.is_main:
+            if checkpoint.megatron:
+                self.engine.update_weights(megatron_tensors(checkpoint))
+            else:
+                self.engine.update_weights_from_disk(str(checkpoint.path.resolve()))
+        dist.barrier()
+        return self.engine
+
+    def close(self) -> None:
+        self.engine.close()
