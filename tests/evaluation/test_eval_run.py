@@ -63,7 +63,7 @@ def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_pa
     greedy_only.write_text(yaml.safe_dump([GREEDY]))
     single = tmp_path / "eval-dp1"
     assert main(["eval", "--checkpoints", str(run / "checkpoints" / "step_000002"), "--datasets", str(greedy_only),
-                 "--out", str(single), "--seed", "5", "--no-progress-bar"]) == 0
+                 "--out", str(single), "--seed", str(SEED), "--no-progress-bar"]) == 0
     dp1 = json.loads((single / "results.json").read_text())["checkpoints"][0]["datasets"]["greedy"]
     assert dp1 == results["checkpoints"][1]["datasets"]["greedy"]
     assert ((single / "samples" / "step_000002" / "greedy.jsonl").read_text()

@@ -8,7 +8,6 @@ train.seed and as many ranks as the run had, its numbers are those the run logge
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +23,16 @@ from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.evaluation.checkpoints import EvalCheckpoint, resolve_checkpoints
 from megatron_armor.evaluation.settings import load_eval_datasets
-from megatron_armor.evaluation.writers import CheckpointResult, clear_outputs, write_results, write_samples
+from megatron_armor.evaluation.writers import (
+    PLOTS_DIR, RESULTS_JSON, RESULTS_MD, SAMPLES_DIR, CheckpointResult, clear_outputs, markdown_table, write_results,
+    write_samples,
+)
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngine
 from megatron_armor.trainer.step.validation import EvalSet, evaluate_set
-
-log = logging.getLogger("megatron_armor")
-
 
 @dataclass(frozen=True)
 class EvalRun:
@@ -66,6 +65,8 @@ def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
     check_same_model(checkpoints, tokenizer)
     sets = [EvalSet.load(d, tokenizer, (tokenizer.eos_token_id,)) for d in datasets]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engines = (SGLangEngines(run.sglang_urls.split(","), is_main=ctx.is_main) if run.sglang_urls
+               else LocalEngines(pad_token_id))
     out = Path(run.out)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -73,8 +74,6 @@ def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
     progress = tqdm(total=len(checkpoints) * len(sets), desc="eval", disable=not (ctx.is_main and run.progress_bar),
                     dynamic_ncols=True)
     results = []
-    engines = (SGLangEngines(run.sglang_urls.split(","), is_main=ctx.is_main) if run.sglang_urls
-               else LocalEngines(pad_token_id))
     for checkpoint in checkpoints:
         engine = engines.load(checkpoint)
         metrics = {}
@@ -90,7 +89,8 @@ def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
     engines.close()
     if ctx.is_main:
         write_results(out, results, seed=run.seed)
-        log.info("wrote %s (results.json, results.md, samples/%s)", out, ", plots/" if len(results) > 1 else "")
+        print(f"{markdown_table(results)}\nwrote {out}: {RESULTS_JSON}, {RESULTS_MD}, {SAMPLES_DIR}/"
+              + (f", {PLOTS_DIR}/" if len(results) > 1 else ""))
     dist.barrier()
     return results
 
