@@ -24,7 +24,7 @@ def add_eval_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0,
                         help="sampling seed; a run's train.seed (and its number of ranks) reproduces its validation")
     parser.add_argument("--sglang-urls", help="comma-separated SGLang servers (or `armor serve-local`) to generate with, "
-                        "shared by the ranks (default: an in-process engine on every rank)")
+                        "shared by the ranks (none: an in-process engine on every rank)")
     parser.add_argument("--nproc", type=int, default=1, help="local data-parallel ranks (torchrun)")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="no progress bar")
     return parser
