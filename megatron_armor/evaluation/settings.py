@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,14 +131,25 @@ def _dataset(entry: Any, index: int, source: Path) -> EvalDataset:
     missing = [name for name in ("name", "path") if name not in entry]
     if missing:
         raise EvalSettingsError(f"{where}: missing {missing}")
-    values = dict(entry)
+    values = dict(entry)  # pass_k a tuple, path relative to the list's file
     values["path"] = str((source.parent / str(values["path"])).resolve())
     values["pass_k"] = tuple(values.get("pass_k") or ())
+    hints = typing.get_type_hints(EvalDataset)
     for name, value in values.items():
-        expected = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(known[name].type).split(" |")[0])
-        if expected is not None and value is not None and (not isinstance(value, expected)
-                                                           or (expected is int and isinstance(value, bool))):
+        if not _has_type(value, hints[name]):
             raise EvalSettingsError(f"{where}: {name} must be {known[name].type}, got {value!r}")
     if not Path(values["path"]).is_file():
         raise EvalSettingsError(f"{where}: dataset file {values['path']} does not exist")
     return EvalDataset(**values)
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    """Whether a YAML `value` fits a field's `annotation` (an int is a float; a bool is no int)."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if value is None:
+        return type(None) in options
+    if typing.get_origin(annotation) is tuple:
+        return isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if isinstance(value, bool):
+        return bool in options
+    return any(isinstance(value, (int, float) if o is float else o) for o in options if o in (int, float, str))

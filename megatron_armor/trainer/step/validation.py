@@ -94,7 +94,7 @@ class Validation:
             return cls([], per_dataset=False)
         data, sampling = cfg.data, cfg.rollout.sampling
         dataset = EvalDataset(
-            name="val", path=str(cfg.data.val_path), prompt_key=data.prompt_key, answer_key=data.answer_key,
+            name="val", path=cfg.data.val_path or "", prompt_key=data.prompt_key, answer_key=data.answer_key,
             reward_fn=cfg.reward.val_fn or cfg.reward.train_fn, n=sampling.val_n, temperature=val_sampling.temperature,
             top_p=val_sampling.top_p, max_new_tokens=val_sampling.max_new_tokens,
             apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length,
