@@ -198,12 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.train.logprob_head == "fused":
         _enable_triton_interpreter_without_gpu()
     from megatron_armor.algorithms import check_algorithm_config  # imports torch: not for --help
+    from megatron_armor.evaluation.settings import EvalSettingsError, validation_datasets
     from megatron_armor.rewards.reward_fns import RewardFns
 
     try:
         check_algorithm_config(cfg)  # its own rules, before any process starts
         RewardFns.from_config(cfg.reward)  # every reward function loads (module or file, function)
-    except (ConfigError, RewardError) as error:
+        if cfg.eval.datasets is not None:
+            validation_datasets(cfg.eval.datasets, cfg.eval.primary)  # the list, its files and functions
+    except (ConfigError, RewardError, EvalSettingsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.command == "ray-train":

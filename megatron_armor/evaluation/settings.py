@@ -120,6 +120,15 @@ def load_eval_datasets(path: str | Path) -> list[EvalDataset]:
     return datasets
 
 
+def validation_datasets(path: str | Path, primary: str | None) -> tuple[list[EvalDataset], int]:
+    """The training config's eval.datasets list and the index of eval.primary in it (None: 0, the first)."""
+    datasets = load_eval_datasets(path)
+    names = [d.name for d in datasets]
+    if primary is not None and primary not in names:
+        raise EvalSettingsError(f"eval.primary {primary!r} is not a dataset of {path}: {names}")
+    return datasets, names.index(primary) if primary is not None else 0
+
+
 def _dataset(entry: Any, index: int, source: Path) -> EvalDataset:
     where = f"{source} entry {index}"
     if not isinstance(entry, dict):

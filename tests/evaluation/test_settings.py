@@ -1,11 +1,15 @@
 """The dataset list: defaults, the k of pass@k, and the errors a bad list gets before anything loads."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
-from megatron_armor.evaluation.settings import EvalDataset, EvalSettingsError, load_eval_datasets
+from megatron_armor.cli import main
+from megatron_armor.evaluation.settings import EvalDataset, EvalSettingsError, load_eval_datasets, validation_datasets
 
 VERIFY = "megatron_armor.rewards.arithmetic:verify"
+CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
 
 def write(tmp_path, entries):
@@ -42,3 +46,22 @@ def test_bad_lists(tmp_path):
         load_eval_datasets(write(tmp_path, [{"name": "a", "path": "val.jsonl"}] * 2))
     with pytest.raises(EvalSettingsError, match="non-empty YAML list"):
         load_eval_datasets(write(tmp_path, {"name": "a"}))
+
+
+def test_validation_datasets_and_primary(tmp_path):
+    path = write(tmp_path, [{"name": "a", "path": "val.jsonl"}, {"name": "b", "path": "val.jsonl"}])
+    assert [d.name for d in validation_datasets(path, None)[0]] == ["a", "b"]
+    assert validation_datasets(path, None)[1] == 0 and validation_datasets(path, "b")[1] == 1
+    with pytest.raises(EvalSettingsError, match=r"eval.primary 'c' is not a dataset of .*\['a', 'b'\]"):
+        validation_datasets(path, "c")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--eval.datasets", "LIST", "--eval.primary", "nope"], "eval.primary 'nope' is not a dataset"),
+    (["--eval.primary", "a"], "names a dataset of eval.datasets, which is not set"),
+])
+def test_armor_train_refuses_a_bad_validation_list_before_starting(tmp_path, capsys, flags, message):
+    path = write(tmp_path, [{"name": "a", "path": "val.jsonl", "reward_fn": VERIFY}])
+    flags = [str(path) if flag == "LIST" else flag for flag in flags]
+    assert main(["train", "--config", CONFIG, *flags]) == 2
+    assert message in capsys.readouterr().err

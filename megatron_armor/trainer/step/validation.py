@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from megatron_armor.config import ArmorConfig
 from megatron_armor.data.datasets import PromptRow, load_prompt_rows
 from megatron_armor.evaluation.scores import SampleRecord, dataset_metrics
-from megatron_armor.evaluation.settings import AnswerFn, EvalDataset, load_eval_datasets
+from megatron_armor.evaluation.settings import AnswerFn, EvalDataset, validation_datasets
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
 from megatron_armor.utils.seeding import stable_seed
 
-# What validation logged before dataset lists, from the first dataset: kept under these names (the collapse
-# monitor and checkpoint.keep_best read val/accuracy).
-_FIRST_DATASET_KEYS = {"val/reward_mean": "reward_mean", "val/response_length": "response_length",
+# What validation logged before dataset lists, from the primary dataset (the first, or eval.primary): kept under these
+# names (the collapse monitor and checkpoint.keep_best read val/accuracy).
+_PRIMARY_KEYS = {"val/reward_mean": "reward_mean", "val/response_length": "response_length",
                        "val/aborted_fraction": "aborted_fraction"}
 
 
@@ -76,11 +76,12 @@ def evaluate_set(engine: RolloutEngine, eval_set: EvalSet, *, seed: tuple) -> Da
 @dataclass(frozen=True)
 class Validation:
     """The datasets validated during training. `per_dataset` (eval.datasets given): every dataset's metrics are
-    logged as val/<name>/<metric>; in any case the first dataset's avg@n is val/accuracy, beside its reward,
+    logged as val/<name>/<metric>; in any case the primary dataset's avg@n is val/accuracy, beside its reward,
     response length and aborted fraction (what validation of data.val_path logs)."""
 
     sets: list[EvalSet]
     per_dataset: bool
+    primary: int = 0  # the set whose avg@n is val/accuracy
 
     @classmethod
     def from_config(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
@@ -88,8 +89,9 @@ class Validation:
         """eval.datasets' list, else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
         rollout.sampling.val_n times with `val_sampling` and scored by `val_scorer`; none without either."""
         if cfg.eval.datasets is not None:
-            return cls([EvalSet.load(d, tokenizer, stop_token_ids) for d in load_eval_datasets(cfg.eval.datasets)],
-                       per_dataset=True)
+            datasets, primary = validation_datasets(cfg.eval.datasets, cfg.eval.primary)
+            return cls([EvalSet.load(d, tokenizer, stop_token_ids) for d in datasets], per_dataset=True,
+                       primary=primary)
         if not val_rows:
             return cls([], per_dataset=False)
         data, sampling = cfg.data, cfg.rollout.sampling
@@ -106,15 +108,15 @@ class Validation:
         if not self.sets:
             return {}
         return validation_metrics([evaluate_set(engine, s, seed=seed) for s in self.sets],
-                                  per_dataset=self.per_dataset)
+                                  per_dataset=self.per_dataset, primary=self.primary)
 
 
-def validation_metrics(results: Sequence[DatasetResult], *, per_dataset: bool) -> dict[str, float]:
-    """val/accuracy (the first dataset's avg@n) and the first dataset's reward, length and aborted fraction; with
+def validation_metrics(results: Sequence[DatasetResult], *, per_dataset: bool, primary: int = 0) -> dict[str, float]:
+    """val/accuracy (the avg@n of dataset `primary`) and that dataset's reward, length and aborted fraction; with
     `per_dataset` also val/<name>/<metric> of every dataset."""
-    first = results[0].metrics
-    (accuracy,) = [value for key, value in first.items() if key.startswith("avg@") and not key.endswith("_stderr")]
-    metrics = {"val/accuracy": accuracy, **{key: first[name] for key, name in _FIRST_DATASET_KEYS.items()}}
+    chosen = results[primary].metrics
+    (accuracy,) = [value for key, value in chosen.items() if key.startswith("avg@") and not key.endswith("_stderr")]
+    metrics = {"val/accuracy": accuracy, **{key: chosen[name] for key, name in _PRIMARY_KEYS.items()}}
     if per_dataset:
         metrics.update({f"val/{r.name}/{key}": value for r in results for key, value in r.metrics.items()})
     return metrics
