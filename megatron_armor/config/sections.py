@@ -253,8 +253,8 @@ class EvalConfig:
     datasets: str | None = doc(
         None, "YAML list of evaluation datasets, the file `armor eval --datasets` reads (docs/guides/evaluation.md): "
         "each is validated and logged as val/<name>/avg@n, pass@k, ...; the first one's (or eval.primary's) avg@n is "
-        "val/accuracy. "
-        "None: data.val_path, sampled rollout.sampling.val_n times, logged as val/accuracy"
+        "val/accuracy. None: data.val_path, sampled rollout.sampling.val_n times, logged as val/accuracy (the MIPU "
+        "gate reads data.val_path either way)"
     )
     primary: str | None = doc(
         None, "the dataset of eval.datasets whose avg@n is val/accuracy (which the collapse monitor's alarms and "
