@@ -112,11 +112,14 @@ class Validation:
 
 
 def validation_metrics(results: Sequence[DatasetResult], *, per_dataset: bool, primary: int = 0) -> dict[str, float]:
-    """val/accuracy (the avg@n of dataset `primary`) and that dataset's reward, length and aborted fraction; with
+    """val/accuracy (the avg@n of dataset `primary`), its standard error val/accuracy_stderr (the bootstrap's over
+    prompts: the collapse monitor's val_drop_se measures drops in it) and that dataset's reward, length and aborted
+    fraction; with
     `per_dataset` also val/<name>/<metric> of every dataset."""
     chosen = results[primary].metrics
-    (accuracy,) = [value for key, value in chosen.items() if key.startswith("avg@") and not key.endswith("_stderr")]
-    metrics = {"val/accuracy": accuracy, **{key: chosen[name] for key, name in _PRIMARY_KEYS.items()}}
+    (accuracy,) = [key for key in chosen if key.startswith("avg@") and not key.endswith("_stderr")]
+    metrics = {"val/accuracy": chosen[accuracy], "val/accuracy_stderr": chosen[f"{accuracy}_stderr"],
+               **{key: chosen[name] for key, name in _PRIMARY_KEYS.items()}}
     if per_dataset:
         metrics.update({f"val/{r.name}/{key}": value for r in results for key, value in r.metrics.items()})
     return metrics
