@@ -2,6 +2,8 @@
 mapping names exactly the tensors transformers' own model of that type has, and what a family cannot build is
 refused by name."""
 
+import math
+
 import pytest
 from safetensors.torch import load_file
 
@@ -10,6 +12,7 @@ from megatron_armor.models.families import (
     ModelConfigError, ModelFamily, known_shapes, model_family, register_family, registered_families, unregister_family,
 )
 from megatron_armor.models.hf_config import load_model_shape, model_shape_from_dict
+from megatron_armor.planning.memory import parameter_count
 from megatron_armor.planning.shapes import resolve_model_shape
 
 BUILT_IN = ["llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
@@ -38,6 +41,22 @@ def test_a_family_s_shape_maps_exactly_the_tensors_of_transformers_model(model_t
                 "shared_expert": any(".mlp.shared_expert." in name for name in saved)}
     assert features == {"qkv_bias": shape.qkv_bias, "qk_norm": shape.qk_norm, "experts": shape.num_experts > 0,
                         "shared_expert": shape.shared_expert_ffn_hidden_size > 0}
+
+
+@pytest.mark.parametrize("model_type", registered_families())
+def test_config_mapping_weight_mapping_and_planner_agree_on_the_parameter_count(model_type, tiny_model_factory):
+    """Every registered family's tiny model (transformers' own, from its config class): each tensor the weight
+    mapping names has the shape the mapping gives it, and the parameter count that transformers saved, the mapping's
+    and the planner's (less the vocabulary padding rows of the embedding and output layer) are one number."""
+    model_dir = tiny_model_factory(model_type)
+    shape = load_model_shape(model_dir)
+    saved = load_file(model_dir / "model.safetensors")
+    mapped = {name: tensor_shape for m in model_mappings(shape) if m.exported
+              for name, tensor_shape in zip(m.hf_names, m.hf_shapes)}
+    assert {name: tuple(tensor.shape) for name, tensor in saved.items()} == mapped
+    padding = 2 * (shape.padded_vocab_size - shape.vocab_size) * shape.hidden_size
+    assert sum(t.numel() for t in saved.values()) == sum(map(math.prod, mapped.values())) == \
+        parameter_count(shape) - padding
 
 
 def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_name():
