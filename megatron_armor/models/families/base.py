@@ -19,6 +19,14 @@ class ModelConfigError(ValueError):
     """An HF checkpoint whose architecture this project cannot build."""
 
 
+def refuse_sliding_window(hf: dict, source: str, model_type: str) -> None:
+    """A ModelConfigError for a set config.sliding_window (Mistral's and Mixtral's attention over a window of that
+    many tokens): the Megatron model here attends to every earlier token."""
+    if hf.get("sliding_window") is not None:
+        raise ModelConfigError(f"{source}: {model_type} with sliding_window {hf['sliding_window']} (attention over a "
+                               f"window) is not supported; supported: sliding_window null (full attention)")
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """An HF `model_type` this project builds (decoder-only, RoPE, RMSNorm, SwiGLU): what its config.json means
