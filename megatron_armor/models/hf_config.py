@@ -110,10 +110,9 @@ class MoERouting:
     aux_loss_coeff: float = 0.0
 
     def megatron_fields(self, shape: ModelShape, ep_size: int, etp_size: int | None) -> dict:
-        """TransformerConfig's MoE fields for `shape` (none for a dense model), its experts over `ep_size` ranks and
-        each over `etp_size` (None: TP; `initialize_model_parallel` must have the same sizes). HF's router takes the
-        softmax over all experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over
-        the top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k.
+        """TransformerConfig's MoE fields for `shape` (none for a dense model) that are not its family's (how its
+        router scores and its shared expert: `ModelFamily.megatron_fields`), its experts over `ep_size` ranks and
+        each over `etp_size` (None: TP; `initialize_model_parallel` must have the same sizes).
         Tokens reach experts on other EP ranks by Megatron's all-to-all dispatcher (`transformer_config` sets it:
         gloo has the uneven all-to-all on CPU, and the allgather dispatcher refuses the variable sequence lengths
         set under pipeline parallelism)."""
@@ -121,23 +120,12 @@ class MoERouting:
             return {}
         return {
             "num_moe_experts": shape.num_experts, "moe_router_topk": shape.moe_top_k,
-            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_score_function": "softmax",
-            "moe_router_pre_softmax": not shape.norm_topk_prob, "moe_router_dtype": "fp32",
+            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_dtype": "fp32",
             "moe_router_load_balancing_type": self.load_balancing if self.aux_loss_coeff > 0 else "none",
             "moe_aux_loss_coeff": self.aux_loss_coeff, "moe_grouped_gemm": False,
             "moe_layer_freq": [int(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)],
             "expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
-            **self._shared_expert_fields(shape),
         }
-
-    @staticmethod
-    def _shared_expert_fields(shape: ModelShape) -> dict:
-        """Qwen2-MoE's gated shared expert: Megatron's `SharedExpertMLP` (split over TP as a dense MLP) with its
-        sigmoid gate vector (`moe_shared_expert_gate`)."""
-        if not shape.shared_expert_ffn_hidden_size:
-            return {}
-        return {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
-                "moe_shared_expert_gate": True}
 
 
 @dataclass(frozen=True)
@@ -196,8 +184,6 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -224,4 +210,5 @@ def transformer_config(
                                                # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
         **moe.megatron_fields(shape, ep_size, etp_size),
+        **model_family(shape.arch).megatron_fields(shape),
     )

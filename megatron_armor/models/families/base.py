@@ -31,11 +31,11 @@ def refuse_sliding_window(hf: dict, source: str, model_type: str) -> None:
 class ModelFamily:
     """An HF `model_type` this project builds (decoder-only, RoPE, RMSNorm, SwiGLU): what its config.json means
     beyond the fields every family shares (`models.hf_config.model_shape_from_dict` reads those, `shape_fields`),
-    the weight mapping table of its decoder layers (`layer_mappings`, which `convert.mapping` completes with the
-    embedding and head), its Megatron layer spec (`layer_spec`), its parameters' checkpoint names in an in-memory
-    transformers model (`engine_named_views`, for the rollout engine's weight push), the transformers config class
-    its tiny test checkpoints are made with (`models.tiny`), and the public models of the family whose shapes
-    `armor plan` knows without a checkpoint.
+    the Megatron `TransformerConfig` fields of its layers (`megatron_fields`), the weight mapping table of its decoder
+    layers (`layer_mappings`, which `convert.mapping` completes with the embedding and head), its Megatron layer spec
+    (`layer_spec`), its parameters' checkpoint names in an in-memory transformers model (`engine_named_views`, for
+    the rollout engine's weight push), the transformers config class its tiny test checkpoints are made with
+    (`models.tiny`), and the public models of the family whose shapes `armor plan` knows without a checkpoint.
 
     This base class is the dense family: standard attention (q/k/v biases, q/k norms as configured) and a dense
     SwiGLU MLP in every layer (`models.families.weights`, `models.layer_specs`); a family of other layers composes
@@ -62,6 +62,11 @@ class ModelFamily:
             raise ModelConfigError(f"{source}: biased {self.model_type} projections (attention_bias/mlp_bias) are "
                                    f"not supported")
         return {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm}
+
+    def megatron_fields(self, shape: ModelShape) -> dict[str, Any]:
+        """The `TransformerConfig` fields of this family's layers beyond those every family shares
+        (`models.hf_config.transformer_config`): the attention's q/k/v biases and q/k norms."""
+        return {"add_qkv_bias": shape.qkv_bias, "qk_layernorm": shape.qk_norm}
 
     def layer_mappings(self, m: str, h: str, layer: int, shape: ModelShape, *, fused_norms: bool,
                        ep_size: int) -> list[ParamMapping]:

@@ -1,4 +1,4 @@
-"""`MoEFamily`: a family whose MLPs are routed experts (Qwen2-MoE, Qwen3-MoE)."""
+"""`MoEFamily`: a family whose MLPs are routed experts with a softmax router (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,21 @@ class MoEFamily(ModelFamily):
         return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
                 "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense),
                 "shared_expert_ffn_hidden_size": shared}
+
+    def megatron_fields(self, shape: ModelShape) -> dict[str, Any]:
+        """The attention's fields, the router's scores and the shared expert. HF's router takes the softmax over all
+        experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over the top-k logits
+        (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k. A shared expert is
+        Megatron's `SharedExpertMLP` (split over TP as a dense MLP), with its sigmoid gate vector
+        (`moe_shared_expert_gate`) where the checkpoint has one (`expert_names.shared_gate`)."""
+        fields = super().megatron_fields(shape)
+        if not shape.num_experts:
+            return fields
+        fields |= {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not shape.norm_topk_prob}
+        if shape.shared_expert_ffn_hidden_size:
+            fields |= {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
+                       "moe_shared_expert_gate": self.expert_names.shared_gate is not None}
+        return fields
 
     def mlp_mappings(self, m: str, h: str, layer: int, shape: ModelShape, *, fused_norms: bool,
                      ep_size: int) -> list[ParamMapping]:
