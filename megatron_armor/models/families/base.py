@@ -84,9 +84,10 @@ class ModelFamily:
         return dense_mlp_mappings(m, h, shape, fused_norms)
 
     def layer_spec(self, shape: ModelShape, layer: int, *, sequence_parallel: bool) -> ModuleSpec:
-        """Megatron's spec of global decoder layer `layer`: Megatron's GPT layer (`models.layer_specs.layer_spec`)."""
-        return layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=sequence_parallel,
-                          num_experts=shape.num_experts if shape.is_moe_layer(layer) else None)
+        """Megatron's spec of global decoder layer `layer`: Megatron's GPT layer with a dense MLP
+        (`models.layer_specs.layer_spec`)."""
+        del layer
+        return layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=sequence_parallel)
 
     def engine_named_views(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parameters of an in-memory transformers model of this family (name -> tensor) by the HF checkpoint

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_armor.models.families.base import ModelConfigError, ModelFamily
 from megatron_armor.models.families.weights import ExpertNames, ParamMapping, moe_mappings
+from megatron_armor.models.layer_specs import layer_spec
 from megatron_armor.models.shape import ModelShape
 
 # A tiny test checkpoint's experts: 4 of width 32, top-2, every layer MoE, no auxiliary loss.
@@ -55,10 +57,8 @@ class MoEFamily(ModelFamily):
         (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k. A shared expert is
         Megatron's `SharedExpertMLP` (split over TP as a dense MLP), with its sigmoid gate vector
         (`moe_shared_expert_gate`) where the checkpoint has one (`expert_names.shared_gate`)."""
-        fields = super().megatron_fields(shape)
-        if not shape.num_experts:
-            return fields
-        fields |= {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not shape.norm_topk_prob}
+        fields = super().megatron_fields(shape) | {"moe_router_score_function": "softmax",
+                                                   "moe_router_pre_softmax": not shape.norm_topk_prob}
         if shape.shared_expert_ffn_hidden_size:
             fields |= {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
                        "moe_shared_expert_gate": self.expert_names.shared_gate is not None}
@@ -70,6 +70,12 @@ class MoEFamily(ModelFamily):
         if not shape.is_moe_layer(layer):
             return super().mlp_mappings(m, h, layer, shape, fused_norms=fused_norms, ep_size=ep_size)
         return moe_mappings(m, h, shape, ep_size, self.expert_names)
+
+    def layer_spec(self, shape: ModelShape, layer: int, *, sequence_parallel: bool) -> ModuleSpec:
+        """Megatron's GPT layer with its `MoELayer` (router, this rank's experts, the shared expert) in a MoE layer,
+        with a dense MLP in `shape.dense_layers`."""
+        return layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=sequence_parallel,
+                          num_experts=shape.num_experts if shape.is_moe_layer(layer) else None)
 
     def engine_named_views(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers 5 holds a MoE layer's experts as two stacked tensors, `mlp.experts.gate_up_proj`
