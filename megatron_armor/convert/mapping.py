@@ -28,7 +28,6 @@ serves all of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import torch
 
 from megatron_armor.models.families import model_family
