@@ -73,10 +73,11 @@ class AnchorSwitch:
             return False
         self.saver.finalize()  # the best checkpoint may be the save still in flight
         checkpoint = step_dirs(self.saver.root, self.best.step)[0]
-        request = self.trainer.sharded_state_dict(is_loading=True, names=["actor"])["modules"]
-        actor = load_modules(checkpoint, request)["actor"]
+        actor = self.trainer.models.actor.name
+        request = self.trainer.sharded_state_dict(is_loading=True, names=[actor])["modules"]
+        actor_state = load_modules(checkpoint, request)[actor]
         self.trainer.use_algorithm(build_anchored_algorithm(self.cfg))
-        metrics.update(self.trainer.restart_from(actor, step))
+        metrics.update(self.trainer.restart_from(actor_state, step))
         self.watch.rearm()  # a collapse that goes on from the restored weights fires (and restarts) again
         switched = self.record.mode != ANCHORED_ALGORITHM
         self.record = AnchorState(ANCHORED_ALGORITHM, self.record.anchors + 1, step, self.best.step)
