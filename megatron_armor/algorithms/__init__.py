@@ -21,8 +21,9 @@ from megatron_armor.algorithms.registry import (
 )
 
 __all__ = [
-    "ACTOR", "ANCHORED_ALGORITHM", "ANCHORS", "REFERENCE", "TEACHER", "StepSources", "IS_CORRECTIONS", "Algorithm", "Armor", "GroupCollector", "GroupStats", "Grpo", "GrpoKL", "LossInputs", "Mipu",
-    "Opd", "PolicyLossTerms", "UpdateGateConfig", "accept_update", "algorithm_class", "anchored_config", "armor_policy_loss",
+    "ACTOR", "ANCHORED_ALGORITHM", "ANCHORS", "IS_CORRECTIONS", "REFERENCE", "TEACHER", "Algorithm", "Armor",
+    "GroupCollector", "GroupStats", "Grpo", "GrpoKL", "LossInputs", "Mipu", "Opd", "PolicyLossTerms", "StepSources",
+    "UpdateGateConfig", "accept_update", "algorithm_class", "anchored_config", "armor_policy_loss",
     "build_algorithm", "build_anchored_algorithm", "build_groups", "check_algorithm_config", "dual_clip_ppo", "gap_proxy", "group_advantages",
     "kl_penalty", "mismatch_k3", "mix_kl_metrics", "opd_token_advantages", "register_algorithm",
     "registered_algorithms", "reverse_kl", "sampler_corrected_loss", "sampler_weights", "select_group",
