@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 # The trainer's policies, by the names an algorithm asks for them (`trainer/step_inputs/policies.py` `Policy.name`;
-# also their entries in a checkpoint), and ARMOR's anchors, a rollout source of the trainer (trainer/rollouts/anchors.py).
+# also their entries in a checkpoint), and ARMOR's anchors, a rollout source of the trainer
+# (trainer/rollouts/anchors.py).
 ACTOR, REFERENCE, TEACHER = "actor", "ref", "teacher"
 ANCHORS = "anchors"
 

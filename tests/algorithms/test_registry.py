@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_armor.algorithms import (
-    ACTOR, ANCHORS, REFERENCE, TEACHER, Algorithm, LossInputs, StepSources, algorithm_class, armor_policy_loss, build_algorithm, kl_penalty, register_algorithm,
+    ACTOR, ANCHORS, REFERENCE, TEACHER, Algorithm, LossInputs, StepSources, algorithm_class, armor_policy_loss,
+    build_algorithm, kl_penalty, register_algorithm,
     registered_algorithms, sampler_corrected_loss, unregister_algorithm,
 )
 from megatron_armor.algorithms.reduce import aggregate_loss

@@ -86,7 +86,7 @@ class AnchorPrefetch:
         self._thread: threading.Thread | None = None
 
     def submit(self, key: tuple, prompts: list[PromptRow], phase: AnchorSampling) -> None:
-        """Sample the anchors of the generation batch `key` (its `prompts`, the seed `phase.seed(key, ANCHOR_SEED_TAG)`) on the
+        """Sample the anchors of the generation batch `key` (its `prompts`, seeded `phase.seed(key, ANCHOR_SEED_TAG)`) on the
         thread; nothing to do if it was submitted (ahead) already, for the same prompts (else RuntimeError: the
         batches drawn ahead are not the ones the generator draws)."""
         job = _Job(key, prompts, phase.seed(key, ANCHOR_SEED_TAG), phase.on_group(self.group))

@@ -23,7 +23,9 @@ from megatron_armor.data.types import Sample
 from megatron_armor.trainer.colocation.engine_weights import EngineWeights
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.anchor_prefetch import ANCHOR_SEED_TAG, anchor_key
-from megatron_armor.trainer.rollouts.samples import RolloutCounters, SampleScorer, engine_counters, generate_samples, mean
+from megatron_armor.trainer.rollouts.samples import (
+    RolloutCounters, SampleScorer, engine_counters, generate_samples, mean,
+)
 from megatron_armor.trainer.step_inputs.policies import Policy
 
 if TYPE_CHECKING:

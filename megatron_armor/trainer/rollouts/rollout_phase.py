@@ -134,8 +134,8 @@ class RolloutPhase:
         def sample_extras() -> list[Sample]:
             if ahead is not None:
                 return ahead.take(anchor_key(position), counters)
-            return [s for source in extras
-                    for s in self.sample_extra(source, prompts, self.seed(source.key(position), source.seed_tag), counters)]
+            seeds = [self.seed(source.key(position), source.seed_tag) for source in extras]
+            return [s for source, seed in zip(extras, seeds) for s in self.sample_extra(source, prompts, seed, counters)]
 
         sampler_first = self.models.policy(plan.algorithm.sources.sampler).holds_weights
         extra = [] if sampler_first else sample_extras()

@@ -94,12 +94,12 @@ def build_training(
     sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
     val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
     teacher = trainer_models.teacher
+    teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
         actor=Policy(ACTOR, trainer_models.ddp, actor_engine),
         ref=Policy(REFERENCE, trainer_models.ref, ref_engine, checkpoint_prefix="ref."),
         optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
-        teacher=None if teacher is None else Policy(TEACHER, teacher.model if isinstance(teacher, InProcessTeacher) else None,
-                                                    teacher_engine, teacher),
+        teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)

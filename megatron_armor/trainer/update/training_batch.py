@@ -26,7 +26,7 @@ from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 from megatron_armor.utils.seeding import stable_seed
 
-SCORE_FIELDS = {REFERENCE: "ref_logprobs", TEACHER: "teacher_logprobs"}  # the `SequenceBatch` field of a policy's scores
+SCORE_FIELDS = {REFERENCE: "ref_logprobs", TEACHER: "teacher_logprobs"}  # `SequenceBatch` field of a policy's scores
 
 
 @dataclass
@@ -106,10 +106,11 @@ def score_logprobs(
 ) -> PreparedBatch:
     """The actor's logprobs and entropy before the update (unless the update gives them:
     `StepPlan.old_logprobs_from_update`), and what the algorithm asks for: the logprobs of the policies it is scored
-    by (`StepSources.scores`: the reference's, the teacher's; into their `SCORE_FIELDS`), and per-token advantages from the scored batch (its random draws: one stream per optimizer-step
-    count and data shard). A MoE actor's old-logprob pass replays the batch's routes (R3) and reports its routing
-    metrics; under R2 its routers' choices become the routes the update replays. Collective over the model-parallel
-    group; fills in `advantaged.batch` in place."""
+    by (`StepSources.scores`: the reference's, the teacher's; into their `SCORE_FIELDS`), and per-token advantages
+    from the scored batch (its random draws: one stream per optimizer-step count and data shard). A MoE actor's
+    old-logprob pass replays the batch's routes (R3) and reports its routing metrics; under R2 its routers' choices
+    become the routes the update replays. Collective over the model-parallel group; fills in `advantaged.batch` in
+    place."""
     batch, algorithm = advantaged.batch, plan.algorithm
     old_entropy, routing_metrics = None, {}
     if not plan.old_logprobs_from_update:
