@@ -15,7 +15,7 @@ from megatron_armor.algorithms.losses import armor_policy_loss, dual_clip_ppo
 from megatron_armor.algorithms.mipu import Mipu, accept_update, gap_proxy, tolerance
 from megatron_armor.algorithms.opd import Opd, opd_token_advantages, reverse_kl, sparse_token_mask, sparsify_log_ratio
 from megatron_armor.algorithms.registry import (
-    ANCHORED_ALGORITHM, algorithm_class, anchored_config, build_algorithm, build_anchored_algorithm,
+    ANCHORED_ALGORITHM, algorithm_class, build_algorithm, build_anchored_algorithm,
     check_algorithm_config, register_algorithm, registered_algorithms,
     unregister_algorithm,
 )
@@ -23,7 +23,7 @@ from megatron_armor.algorithms.registry import (
 __all__ = [
     "ACTOR", "ANCHORED_ALGORITHM", "ANCHORS", "IS_CORRECTIONS", "REFERENCE", "TEACHER", "Algorithm", "Armor",
     "GroupCollector", "GroupStats", "Grpo", "GrpoKL", "LossInputs", "Mipu", "Opd", "PolicyLossTerms", "StepSources",
-    "UpdateGateConfig", "accept_update", "algorithm_class", "anchored_config", "armor_policy_loss",
+    "UpdateGateConfig", "accept_update", "algorithm_class", "armor_policy_loss",
     "build_algorithm", "build_anchored_algorithm", "build_groups", "check_algorithm_config", "dual_clip_ppo", "gap_proxy", "group_advantages",
     "kl_penalty", "mismatch_k3", "mix_kl_metrics", "opd_token_advantages", "register_algorithm",
     "registered_algorithms", "reverse_kl", "sampler_corrected_loss", "sampler_weights", "select_group",

@@ -137,9 +137,6 @@ class Algorithm:
     # something before the update reads the actor's old-policy logprobs (e.g. `token_advantages`), so an exactly
     # on-policy step cannot take them from the update's own forward
     reads_old_logprobs_before_update: ClassVar[bool] = False
-    # the collapse monitor's anchor action may switch a run of it to ARMOR (monitor.actions, registry.py): its groups
-    # and loss are GRPO's, so ARMOR's anchors and mixed ratio continue it
-    can_anchor: ClassVar[bool] = False
 
     def __init__(self, cfg: ArmorConfig) -> None:
         section = cfg.algorithm
@@ -171,6 +168,12 @@ class Algorithm:
         """On-policy samples per prompt: the whole group of rollout.sampling.n_samples (an algorithm whose groups
         hold other samples, ARMOR's anchor, says otherwise); rollout.sampling.actor_n, when set, must agree."""
         return sampling.n_samples
+
+    @classmethod
+    def anchored_config(cls, cfg: ArmorConfig) -> ArmorConfig | None:
+        """The config a run of `cfg` continues with once the collapse monitor's anchor action fires
+        (trainer/guard/anchor_switch.py), or None when a run of this algorithm cannot be anchored (the default)."""
+        return None
 
     @classmethod
     def default_clip_high(cls, clip_low: float) -> float:

@@ -108,7 +108,6 @@ class Opd(Grpo):
     name = "opd"
     config_sections = {"opd": OpdConfig}
     reads_old_logprobs_before_update = True  # the token advantages are computed from them
-    can_anchor = False  # its teacher, not an anchor, is what keeps it close
 
     def __init__(self, cfg: ArmorConfig) -> None:
         super().__init__(cfg)
@@ -120,6 +119,11 @@ class Opd(Grpo):
         """The teacher's logprobs for the token advantages; the training responses sampled by the actor, or with
         opd.rollouts teacher by the teacher's engine."""
         return StepSources(sampler=TEACHER if cfg.opd.rollouts == "teacher" else ACTOR, scores=(TEACHER,))
+
+    @classmethod
+    def anchored_config(cls, cfg: ArmorConfig) -> None:
+        """None: its teacher, not an anchor, is what keeps it close."""
+        return None
 
     @classmethod
     def resolve_behaviour_correction(cls, cfg: ArmorConfig) -> ISCorrection:

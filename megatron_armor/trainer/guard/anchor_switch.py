@@ -4,7 +4,7 @@ timed by the monitor instead of by hand.
 When an alarm whose action is anchor fires after RL step s, the run goes back to its best checkpoint so far
 (`checkpoint.keep_best`, trainer/checkpointing/best_checkpoint.py): its actor's weights become both the policy and the
 frozen reference, the optimizer starts afresh and the lr warmup counts again from step s, as the paper's restart does,
-and from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `anchored_config`:
+and from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `Algorithm.anchored_config`:
 armor.alpha, rollout.anchors, groups of the run's on-policy samples + 1). A grpo / grpo_kl run switches the first
 time; every later alarm (or any alarm of a run that was ARMOR from the start) resets policy and reference to the
 best checkpoint again: the paper's reference reset. `AnchorState` is the one record of it, carried in every
