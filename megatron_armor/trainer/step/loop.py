@@ -81,7 +81,7 @@ class RLTrainer:
         self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sources.sampler
         self.scoring, self.optim = scoring, optim
         self.gate = parts.gate
-        # ARMOR's anchors, the source an algorithm may ask for (and the anchor action switch to)
+        # ARMOR's anchors: the rollout source an algorithm may ask for (ARMOR, or a run the anchor action switched)
         self.anchors = AnchorSource(models.ref, plan.ref_n, parts.anchor_cache)
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
         self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
@@ -179,9 +179,9 @@ class RLTrainer:
         fault. On a fault the step counts as skipped and the mini-batches already stepped are undone from
         `snapshot` (`snapshot_before_update`); without one (train.nonfinite_rollback false) they stay applied."""
         update = update_policy(
-            self.models.actor.model, self.models.optimizer, prepared.mini_batches, micro_batching=self.plan.micro_batching,
-            algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
-            constraint=self.constraint, warmup_from=self.warmup_from,
+            self.models.actor.model, self.models.optimizer, prepared.mini_batches,
+            micro_batching=self.plan.micro_batching, algorithm=self.plan.algorithm, scoring=self.scoring,
+            optim=self.optim, rl_step=step, constraint=self.constraint, warmup_from=self.warmup_from,
         )
         if update.old_scores is not None:  # an on-policy update scored the batch's old policy itself
             prepared.record_old_scores(update.old_scores)
