@@ -208,15 +208,17 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
 
 def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tuple[tuple[str, ModelShape], ...]:
     """(("teacher", shape),) when the algorithm scores with a teacher in the trainer's processes, else ()."""
+    from megatron_armor.algorithms import TEACHER  # imports torch, as building `algorithm` did
+
     opd = cfg.opd
-    if not algorithm.needs_teacher or opd.teacher_url or opd.teacher_layout is not None:
+    if not algorithm.sources.uses(TEACHER) or opd.teacher_url or opd.teacher_layout is not None:
         return ()
     return (("teacher", resolve_model_shape(opd.teacher_path)[0] if opd.teacher_path else student),)
 
 
 def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     """Plan `cfg` on `hardware` (the trainer takes tp x pp x dp of its GPUs)."""
-    from megatron_armor.algorithms import build_algorithm  # imports torch
+    from megatron_armor.algorithms import REFERENCE, TEACHER, build_algorithm  # imports torch
 
     algorithm = build_algorithm(cfg)
     inputs = plan_inputs(cfg, algorithm, hardware)
@@ -224,11 +226,11 @@ def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
     sequences = cfg.train.train_batch_size * cfg.rollout.sampling.n_samples
     teacher = None
-    if algorithm.needs_teacher:  # in-process or a server: its forward counts alike
+    if algorithm.sources.uses(TEACHER):  # in-process or a server: its forward counts alike
         teacher = resolve_model_shape(cfg.opd.teacher_path)[0] if cfg.opd.teacher_path else inputs.shape
     return RunPlan(
         memory=memory, advice=[] if memory.fits else advice(inputs, max_len),
-        flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=algorithm.needs_ref_logprobs,
+        flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=REFERENCE in algorithm.sources.scores,
                             teacher=teacher, old_logprobs=not algorithm.old_logprobs_from_update(
                                 cfg.train.train_batch_size // cfg.train.mini_batch_size)),
         sequences=sequences, max_len=max_len, gpus=hardware.gpus, trainer_gpus=cfg.parallel.world_size,

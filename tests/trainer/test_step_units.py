@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_armor.algorithms import ACTOR, REFERENCE
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -13,6 +14,7 @@ from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources, trim_t
 from megatron_armor.trainer.rollouts.samples import SampleScorer
 from megatron_armor.trainer.step.loop import RLTrainer
 from megatron_armor.trainer.step_inputs.plan import StepPlan
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
 from megatron_armor.trainer.update.snapshot import TrainingSnapshot
 from megatron_armor.trainer.update.training_batch import local_mini_batch_groups
@@ -75,7 +77,8 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
                     micro_batching=MicroBatching(2),
                     actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
                     ref_reset_period=0, seed=0)
-    handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
+    handles = PolicyHandles(actor=Policy(ACTOR, None, SimpleNamespace(metrics=dict)), ref=Policy(REFERENCE, None),
+                            optimizer=None, shape=None, pad_token_id=0)
     prompts = PromptSampler([PromptRow(i, [1, 2], {}) for i in range(2)], 2, seed=0, shuffle=False)
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan,
                         RolloutSources(prompts, sampling=None, scorer=SampleScorer(None, None)), scoring=None, optim=None)

@@ -40,7 +40,7 @@ from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles  # noqa: E402
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles  # noqa: E402
 from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.trainer.update.training_batch import advantage_batch, score_logprobs  # noqa: E402
@@ -118,8 +118,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
 
     optim = AdamConfig(lr=1e-3, warmup_steps=0, distributed="distopt" in options)
     ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
-    handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
-                            actor_engine=None, ref_engine=None, pad_token_id=0)
+    handles = PolicyHandles(actor=Policy("actor", ddp), ref=Policy("ref", model(ref_dir, False)), optimizer=optimizer,
+                            shape=shape, pad_token_id=0)
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
     # layouts are compared on clipped and unclipped tokens alike.
     algorithm = make_algorithm("armor", "armor.alpha=0.75", "algorithm.clip_low=0.003", "algorithm.clip_high=0.003")
@@ -156,7 +156,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     geometry = StepGeometry.capture(ddp.module)
     update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batching=plan.micro_batching,
                            algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
-    step_geometry = geometry.metrics(ddp.module, handles.ref)
+    step_geometry = geometry.metrics(ddp.module, handles.ref.model)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     state_bytes = optimizer_state_bytes(optimizer)
     round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(

@@ -1,8 +1,8 @@
 """Megatron sharded state dicts of the trainer's checkpointed modules, and their restore after a load.
 
 `sharded_modules` maps `RLTrainer.checkpointed_modules()` to what Megatron's distributed checkpointing
-saves and loads (trainer/checkpointing/checkpoint.py):
-    "actor"      the actor's `sharded_state_dict()`: tensors under their global keys, TP/PP shards as
+saves and loads (trainer/checkpointing/checkpoint.py); a policy's entry is its `Policy.sharded_state_dict()`:
+    "actor"      the actor's model's: tensors under their global keys, TP/PP shards as
                  offsets of the full tensor, so they load at any TP x PP layout
     "optimizer"  {"megatron": Megatron's optimizer `sharded_state_dict(actor's)`, "adam_step": ShardedObject}:
                  the Adam moments (and a bf16 model's fp32 master weights) per parameter, sharded as the
@@ -12,7 +12,7 @@ saves and loads (trainer/checkpointing/checkpoint.py):
                  and DP and moves between the plain and the distributed optimizer (fp32 models: their master
                  weights are the weights, saved once as the actor's). The Adam step count (one for every
                  parameter) travels beside it
-    "ref"        the reference's `sharded_state_dict(prefix="ref.")` (when the trainer checkpoints it)
+    "ref"        the reference's sharded state dict, its keys behind "ref." (when the trainer checkpoints it)
     other        e.g. "subspace": the module's `state_dict()` as one object per (PP, TP) position,
                  replicated over DP: it resumes only at the TP x PP layout it was saved at
 """
@@ -25,52 +25,44 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 
+from megatron_armor.algorithms import ACTOR, REFERENCE
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
+from megatron_armor.trainer.step_inputs.policies import Policy
 from megatron_armor.trainer.update.optimizer import torch_optimizers
 
-REF_PREFIX = "ref."
+OPTIMIZER = "optimizer"  # the actor's optimizer's entry
 DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 MASTER_WEIGHT_KEYS = ("optimizer.state.param.", "optimizer.state.fp32_param.")  # distributed, plain optimizer
 
 
 def sharded_modules(modules: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
-    """{name: Megatron sharded state dict} of `modules` ({"actor": DDP model, "optimizer": its Megatron optimizer,
-    ...}); the tensors are the live ones (a load fills them, or returns new ones to restore with `restore_module`)."""
-    actor = _model_state(modules["actor"], "")
-    sharded: dict[str, Any] = {}
+    """{name: Megatron sharded state dict} of `modules` ({"actor": the actor `Policy`, "optimizer": its Megatron
+    optimizer, ...}); the tensors are the live ones (a load fills them, or returns new ones to restore with
+    `restore_module`)."""
+    sharded = {name: module.sharded_state_dict() for name, module in modules.items() if isinstance(module, Policy)}
     for name, module in modules.items():
-        if name == "actor":
-            sharded[name] = actor
-        elif name == "optimizer":
-            sharded[name] = _optimizer_state(module, actor, is_loading=is_loading)
-        elif name == "ref":
-            sharded[name] = _model_state(module, REF_PREFIX)
-        else:
+        if name == OPTIMIZER:
+            sharded[name] = _optimizer_state(module, sharded[ACTOR], is_loading=is_loading)
+        elif name not in sharded:
             sharded[name] = _layout_bound_object(name, module.state_dict())
-    return sharded
+    return {name: sharded[name] for name in modules}
 
 
 def restore_order(names: list[str]) -> list[str]:
     """The order to restore modules in: the optimizer first, as a distributed optimizer's load also writes its
     fp32 master weights, views of the actor's weights; the actor's own restore then puts the saved weights."""
-    return sorted(names, key=lambda name: name != "optimizer")
+    return sorted(names, key=lambda name: name != OPTIMIZER)
 
 
 def restore_module(name: str, module: Any, state: Any) -> None:
-    """Load `state` into `module`: a loaded `sharded_modules()` entry, or the module's own `state_dict()`."""
-    if name == "optimizer" and isinstance(state, dict) and "adam_step" in state:
+    """Load `state` into `module`: a loaded `sharded_modules()` entry, or the module's own `state_dict()` (a `Policy`
+    takes its checkpoint prefix off the keys itself)."""
+    if name == OPTIMIZER and isinstance(state, dict) and "adam_step" in state:
         target = getattr(module, "megatron_optimizer", module)  # ShardedStateOptimizer: Megatron's own load
         with megatron_device_scope():  # the distributed optimizer scatters its state on CUDA buffers
             _load_with_adam_step(target, state["megatron"], state["adam_step"])
-    elif name == "ref":
-        module.load_state_dict({key.removeprefix(REF_PREFIX): value for key, value in state.items()})
     else:
         module.load_state_dict(state)
-
-
-def _model_state(model: torch.nn.Module, prefix: str) -> dict[str, Any]:
-    """A (DDP-wrapped) GPTModel's sharded state dict with its tensor keys under `prefix`."""
-    return getattr(model, "module", model).sharded_state_dict(prefix=prefix)
 
 
 def _optimizer_state(optimizer: Any, actor: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
@@ -149,7 +141,7 @@ def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-RESHARDABLE = ("actor", "optimizer", "ref")
+RESHARDABLE = (ACTOR, OPTIMIZER, REFERENCE)
 
 
 def check_layout_change(names: list[str], saved: dict[str, int], current: dict[str, int]) -> None:

@@ -4,7 +4,7 @@ timed by the monitor instead of by hand.
 When an alarm whose action is anchor fires after RL step s, the run goes back to its best checkpoint so far
 (`checkpoint.keep_best`, trainer/checkpointing/best_checkpoint.py): its actor's weights become both the policy and the
 frozen reference, the optimizer starts afresh and the lr warmup counts again from step s, as the paper's restart does,
-and from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `anchored_config`:
+and from step s on the run trains ARMOR (`ANCHORED_ALGORITHM`, built through the registry from `Algorithm.anchored_config`:
 armor.alpha, rollout.anchors, groups of the run's on-policy samples + 1). A grpo / grpo_kl run switches the first
 time; every later alarm (or any alarm of a run that was ARMOR from the start) resets policy and reference to the
 best checkpoint again: the paper's reference reset. `AnchorState` is the one record of it, carried in every
@@ -73,10 +73,11 @@ class AnchorSwitch:
             return False
         self.saver.finalize()  # the best checkpoint may be the save still in flight
         checkpoint = step_dirs(self.saver.root, self.best.step)[0]
-        request = self.trainer.sharded_state_dict(is_loading=True, names=["actor"])["modules"]
-        actor = load_modules(checkpoint, request)["actor"]
+        actor = self.trainer.models.actor.name
+        request = self.trainer.sharded_state_dict(is_loading=True, names=[actor])["modules"]
+        actor_state = load_modules(checkpoint, request)[actor]
         self.trainer.use_algorithm(build_anchored_algorithm(self.cfg))
-        metrics.update(self.trainer.restart_from(actor, step))
+        metrics.update(self.trainer.restart_from(actor_state, step))
         self.watch.rearm()  # a collapse that goes on from the restored weights fires (and restarts) again
         switched = self.record.mode != ANCHORED_ALGORITHM
         self.record = AnchorState(ANCHORED_ALGORITHM, self.record.anchors + 1, step, self.best.step)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_armor.algorithms import Algorithm, UpdateGateConfig
+from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, UpdateGateConfig
 from megatron_armor.config import ArmorConfig, RolloutConfig, resolve_distributed_optimizer
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
@@ -45,7 +45,7 @@ from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step.validation import Validation
 from megatron_armor.trainer.step_inputs.plan import StepPlan
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
 from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
@@ -85,17 +85,20 @@ def build_training(
         log.warning("%s (%s)", warning, paths.model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id, ctx.rank)
-    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.samples_from_teacher else None
+    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.sources.sampler == TEACHER else None
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
     optim = AdamConfig.from_config(cfg.train, distributed=resolve_distributed_optimizer(cfg))
     trainer_models = _build_models(cfg, algorithm, paths, shape, optim, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
     val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
+    teacher = trainer_models.teacher
+    teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
-        actor=trainer_models.ddp, optimizer=trainer_models.optimizer, ref=trainer_models.ref, shape=shape,
-        actor_engine=actor_engine, ref_engine=ref_engine, pad_token_id=pad_token_id, teacher=trainer_models.teacher,
-        teacher_engine=teacher_engine,
+        actor=Policy(ACTOR, trainer_models.ddp, actor_engine),
+        ref=Policy(REFERENCE, trainer_models.ref, ref_engine, checkpoint_prefix="ref."),
+        optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
+        teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
@@ -167,12 +170,12 @@ def _build_models(
                                sequence_parallel=sequence_parallel, moe=moe)
         ddp, optimizer = wrap_for_training(actor, optim)
         ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
-        teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None
+        teacher = _teacher(cfg, paths, shape) if algorithm.sources.uses(TEACHER) else None
         constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
                       if cfg.train.subspace_capture_step else None)
         offload = None
         if cfg.rollout.memory.offload_trainer:
-            frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
+            frozen = {REFERENCE: ref, **({TEACHER: teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
         elif _pushes_cpu_weights_by_handle(cfg):  # the models this rank pushes to servers (engines: actor, ref)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_armor.algorithms import Algorithm, build_algorithm
+from megatron_armor.algorithms import TEACHER, Algorithm, build_algorithm
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
@@ -26,7 +26,7 @@ from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.run.build import TrainingSetup, build_training
 from megatron_armor.trainer.run.task_setup import TaskPaths, prepare_task
 from megatron_armor.trainer.step.loop import RLTrainer
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.faults import TooManySkipsError
 from megatron_armor.utils.extras import detect_gpu_extras
 from megatron_armor.utils.metrics import MetricsLogger
@@ -89,8 +89,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     trackers = [tracker for tracker in (watch, best, anchor) if tracker is not None]  # their state rides in checkpoints
     start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
-    trainer.push_initial_weights(**_stale_engines(setup.models, paths, resumed=resume_from is not None,
-                                                  ref_restored=ref_restored))
+    trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
+                                                 ref_restored=ref_restored))
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
@@ -139,7 +139,7 @@ def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogg
 
 def _prepare_run(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, run_dir: Path) -> TaskPaths:
     """The task's files (prepared once), the run directory with the run's config in it, and a log line."""
-    paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.needs_teacher)
+    paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.sources.uses(TEACHER))
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -165,7 +165,7 @@ def _resume(
         raise ValueError(f"{checkpoint}: {error}") from error
     for tracker in trackers:
         tracker.load(state)
-    ref_restored = "ref" in state["modules"]
+    ref_restored = trainer.models.ref.name in state["modules"]
     if ref_restored:
         log.info("reference policy restored from %s (not from %s)", checkpoint, paths.ref_path)
     log.info("resumed from %s (step %d)", checkpoint, step)
@@ -175,23 +175,24 @@ def _resume(
     return step, ref_restored
 
 
-def _stale_engines(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, ref_restored: bool) -> dict[str, bool]:
-    """Which engines may not hold their policy's weights at the start: {"actor": ..., "ref": ...}.
+def _stale_policies(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, ref_restored: bool) -> list[Policy]:
+    """The policies whose engines may not hold their weights at the start (actor, reference), to push them.
 
     Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything; a
     local engine for a Megatron checkpoint is built from its config). A shared engine gets the reference's
     weights before its first anchor phase.
     """
-    remote_engines = models.actor_engine.shared_across_ranks
+    remote_engines = models.actor.engine.shared_across_ranks
     actor = resumed or remote_engines or is_megatron_checkpoint(paths.model_path)
     ref_stale = remote_engines or is_megatron_checkpoint(paths.ref_path) or ref_restored
-    return {"actor": actor, "ref": not models.shared_engine and ref_stale}
+    stale = {models.actor: actor, models.ref: not models.shared_engine and ref_stale}
+    return [policy for policy, is_stale in stale.items() if is_stale]
 
 
 def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, step: int) -> dict[str, float]:
     """Validation metrics of the actor's engine after `step` steps (trainer/step/validation.py; {} without validation
     prompts; collective)."""
-    result = setup.validation.run(setup.models.actor_engine, seed=(cfg.train.seed, step, "val"))
+    result = setup.validation.run(setup.models.actor.engine, seed=(cfg.train.seed, step, "val"))
     if result and ctx.is_main:
         tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
     return result
@@ -221,7 +222,7 @@ def _teardown(ctx: DistributedContext, cfg: ArmorConfig, models: PolicyHandles, 
     for engine in models.engines():
         engine.close()
     if models.teacher is not None:
-        models.teacher.close()
+        models.teacher.scorer.close()
     if ctx.is_main and cfg.logging.plot:
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
         log.info("run directory %s: metrics.jsonl, curves.png, checkpoints/", run_dir)
