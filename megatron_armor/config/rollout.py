@@ -215,3 +215,11 @@ class RolloutConfig:
         require(self.anchors.engine == "separate" or not s.ref_urls,
                 f"rollout.sglang.ref_urls ({s.ref_urls}) is unused with rollout.anchors.engine shared (anchors come "
                 f"from the actor's servers): drop it, or set rollout.anchors.engine separate")
+
+    def check_with(self, routing_replay: str) -> None:
+        """Partial rollouts mix weight versions within a response, which train.`routing_replay` rollout cannot
+        replay."""
+        require(not self.partial_rollouts or routing_replay != "rollout",
+                "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
+                "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix "
+                "of both; use routing_replay recompute (R2) or none with partial rollouts")

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.algorithms import Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig, RolloutConfig, resolve_distributed_optimizer
+from megatron_armor.config import ArmorConfig, RolloutConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.weights import parameters_exported_as_views
@@ -22,7 +22,7 @@ from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import (
-    ActivationRecompute, ModelShape, MoERouting, check_parallel_layout, load_model_shape,
+    ModelShape, MoERouting, check_parallel_layout, load_model_shape,
 )
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
@@ -45,7 +45,7 @@ from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
-from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training
 from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
@@ -88,8 +88,7 @@ def build_training(
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id, ctx.rank)
     teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.samples_from_teacher else None
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
-    optim = AdamConfig.from_config(cfg.train, distributed=resolve_distributed_optimizer(cfg))
-    trainer_models = _build_models(cfg, algorithm, paths, shape, optim, handoff, (actor_engine, ref_engine))
+    trainer_models = _build_models(cfg, algorithm, paths, shape, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
     val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
@@ -110,7 +109,7 @@ def build_training(
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
-                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim, parts)
+                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
     return TrainingSetup(trainer=trainer, models=models, val_rows=all_val_rows[: cfg.eval.max_prompts],
                          val_scorer=val_scorer, val_sampling=val_sampling)
 
@@ -151,8 +150,8 @@ class TrainerModels:
 
 
 def _build_models(
-    cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, shape: ModelShape, optim: AdamConfig,
-    handoff: MemoryHandoff | None, engines: tuple[RolloutEngine, RolloutEngine],
+    cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, shape: ModelShape, handoff: MemoryHandoff | None,
+    engines: tuple[RolloutEngine, RolloutEngine],
 ) -> TrainerModels:
     """The models of this rank (collective). Colocated, the servers release their GPU memory while the
     models are built (`handoff`), and an offloaded trainer parks them before the servers take it back
@@ -162,11 +161,11 @@ def _build_models(
     with handoff.training_phase() if handoff else contextlib.nullcontext():
         sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda",
                                                                    moe=bool(shape.num_experts))
-        recompute = ActivationRecompute.from_config(cfg.train)
         moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
-        actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
+        actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=cfg.recompute,
                                sequence_parallel=sequence_parallel, moe=moe)
-        ddp, optimizer = wrap_for_training(actor, optim)
+        ddp, optimizer = wrap_for_training(
+            actor, cfg.optimizer, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.train, cfg.rollout.memory))
         ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None
         constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
