@@ -49,6 +49,7 @@ MOVED_FIELDS: dict[str, str] = {
     "rollout.sglang_update_bucket_mb": "rollout.weight_sync.bucket_mb",
     "rollout.release_memory": "rollout.memory.release_servers",
     "rollout.offload_trainer": "rollout.memory.offload_trainer",
+    "rollout.engine_precision": "rollout.local.engine_precision",
     "train.lr": "optimizer.lr",
     "train.warmup_steps": "optimizer.warmup_steps",
     "train.weight_decay": "optimizer.weight_decay",
