@@ -236,12 +236,12 @@ def test_scaling_knobs_defaults_and_resolution():
 
     def distributed(*overrides):
         run = load_config(None, [*synthetic, *overrides])
-        return run.optimizer.distributed(run.parallel, run.train, run.rollout.memory)
+        return run.optimizer.distributed(run.parallel, run.subspace, run.rollout.memory)
 
     assert not distributed()  # DP 1
     assert distributed("parallel.data_parallel_size=2")
     assert not distributed("parallel.data_parallel_size=2", "optimizer.use_distributed_optimizer=false")
-    assert not distributed("parallel.data_parallel_size=2", "train.subspace_capture_step=3")
+    assert not distributed("parallel.data_parallel_size=2", "subspace.capture_step=3")
     assert ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=True)
     assert not ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=False)
     assert ParallelConfig(tensor_parallel_size=2, sequence_parallel=True).resolve_sequence_parallel(on_gpu=False)
@@ -258,13 +258,13 @@ def test_scaling_knobs_defaults_and_resolution():
     (["recompute.granularity=partial"], "recompute.granularity"),
     (["recompute.method=interleaved"], "recompute.method"),
     (["recompute.num_layers=0"], "recompute.num_layers must be >= 1, got 0"),
-    (["optimizer.use_distributed_optimizer=true", "train.subspace_capture_step=3"],
-     "optimizer.use_distributed_optimizer does not work with train.subspace_capture_step yet"),
+    (["optimizer.use_distributed_optimizer=true", "subspace.capture_step=3"],
+     "optimizer.use_distributed_optimizer does not work with subspace.capture_step yet"),
     (["optimizer.use_distributed_optimizer=true", "rollout.memory.offload_trainer=true"],
      "optimizer.use_distributed_optimizer does not work with rollout.memory.offload_trainer yet"),
-    (["train.subspace_capture_step=3", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
+    (["subspace.capture_step=3", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
       "train.mini_batch_size=4"],
-     r"train.subspace_capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
+     r"subspace.capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
 ])
 def test_scaling_knobs_refuse_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,6 +5,7 @@
     sections.py         model, parallel, data, reward, train, eval, checkpoint, task, logging
     optimizer.py        optimizer (Adam, grad clip, warmup, the distributed optimizer)
     recompute.py        recompute (activation recomputation)
+    subspace.py         subspace (subspace-constrained training)
     rollout.py          rollout and its sub-sections: sampling, anchors, sglang, weight_sync, memory
     algorithm.py        algorithm, and the built-in algorithms' own sections armor, kl, mipu, opd
     section_registry.py the algorithms' own sections (built-ins and plug-ins), by name
@@ -32,6 +33,7 @@ from megatron_armor.config.rollout import (
     AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig, WeightSyncConfig,
 )
 from megatron_armor.config.root import ArmorConfig, config_fields
+from megatron_armor.config.subspace import SubspaceConfig
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
     TrainConfig, check_expert_layout, expert_tp_size,
@@ -41,6 +43,6 @@ __all__ = [
     "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
-    "SGLangClientConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout",
+    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout",
     "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
 ]

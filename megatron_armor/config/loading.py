@@ -171,8 +171,9 @@ def validate(cfg: ArmorConfig) -> None:
     when it is built (`megatron_armor.algorithms.check_algorithm_config`). Each rule lives with the section whose
     field it checks (`check_with`), which is handed the sections it reads."""
     cfg.reward.check_with(cfg.rollout.sampling.max_new_tokens)
-    cfg.train.check_with(cfg.parallel, cfg.recompute, cfg.model)
-    cfg.optimizer.check_with(cfg.train, cfg.rollout.memory)
+    cfg.train.check_with(cfg.parallel, cfg.recompute)
+    cfg.subspace.check_with(cfg.model, cfg.parallel)
+    cfg.optimizer.check_with(cfg.subspace, cfg.rollout.memory)
     cfg.checkpoint.check_with(cfg.eval)
     cfg.monitor.check_with(cfg.checkpoint.keep_best)
     cfg.rollout.check_with(cfg.train.routing_replay)

@@ -61,4 +61,7 @@ MOVED_FIELDS: dict[str, str] = {
     "train.recompute": "recompute.granularity",
     "train.recompute_method": "recompute.method",
     "train.recompute_num_layers": "recompute.num_layers",
+    "train.subspace_capture_step": "subspace.capture_step",
+    "train.subspace_k": "subspace.k",
+    "train.subspace_mode": "subspace.mode",
 }

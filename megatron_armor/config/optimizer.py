@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
 from megatron_armor.config.rollout import MemoryHandoffConfig
-from megatron_armor.config.sections import ParallelConfig, TrainConfig
+from megatron_armor.config.sections import ParallelConfig
+from megatron_armor.config.subspace import SubspaceConfig
 
 
 @dataclass
@@ -40,20 +41,20 @@ class OptimizerConfig:
         require(self.grad_clip >= 0, f"optimizer.grad_clip must be >= 0, got {self.grad_clip}")
         require(0 <= self.weight_decay, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
 
-    def check_with(self, train: TrainConfig, memory: MemoryHandoffConfig) -> None:
-        """The distributed optimizer shards the state that subspace-constrained training (`train`) and trainer
-        offload (rollout.`memory`) read or move whole: a set use_distributed_optimizer must not meet them."""
-        for refused, name in ((train.subspace_capture_step > 0, "train.subspace_capture_step"),
+    def check_with(self, subspace: SubspaceConfig, memory: MemoryHandoffConfig) -> None:
+        """The distributed optimizer shards the state that subspace-constrained training and trainer offload
+        (rollout.`memory`) read or move whole: a set use_distributed_optimizer must not meet them."""
+        for refused, name in ((subspace.enabled, "subspace.capture_step"),
                               (memory.offload_trainer, "rollout.memory.offload_trainer")):
             require(not (refused and self.use_distributed_optimizer),
                     f"optimizer.use_distributed_optimizer does not work with {name} yet (they read or move the whole "
                     f"optimizer state, which the distributed optimizer shards): set optimizer.use_distributed_optimizer "
                     f"false")
 
-    def distributed(self, parallel: ParallelConfig, train: TrainConfig, memory: MemoryHandoffConfig) -> bool:
+    def distributed(self, parallel: ParallelConfig, subspace: SubspaceConfig, memory: MemoryHandoffConfig) -> bool:
         """use_distributed_optimizer as the run uses it (a runtime value: it depends on three other sections): the
-        value if set, else on when parallel.data_parallel_size > 1 and neither subspace-constrained training
-        (`train`) nor trainer offload (rollout.`memory`), which do not support it yet, is on."""
+        value if set, else on when parallel.data_parallel_size > 1 and neither subspace-constrained training nor
+        trainer offload (rollout.`memory`), which do not support it yet, is on."""
         if self.use_distributed_optimizer is not None:
             return self.use_distributed_optimizer
-        return parallel.data_parallel_size > 1 and train.subspace_capture_step == 0 and not memory.offload_trainer
+        return parallel.data_parallel_size > 1 and not subspace.enabled and not memory.offload_trainer

@@ -12,6 +12,7 @@ from megatron_armor.config.base import section
 from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.optimizer import OptimizerConfig
 from megatron_armor.config.recompute import RecomputeConfig
+from megatron_armor.config.subspace import SubspaceConfig
 from megatron_armor.config.rollout import RolloutConfig
 from megatron_armor.config.section_registry import (
     default_sections, register_plugin_sections, registered_sections, reserve_names,
@@ -40,6 +41,7 @@ class ArmorConfig:
     train: TrainConfig = section(TrainConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
     recompute: RecomputeConfig = section(RecomputeConfig)
+    subspace: SubspaceConfig = section(SubspaceConfig)
     eval: EvalConfig = section(EvalConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     monitor: MonitorConfig = section(MonitorConfig)

@@ -165,14 +165,6 @@ class TrainConfig:
     gen_batch_size: int = doc(2048, "prompts per generation batch")
     mini_batch_size: int = doc(32, "prompts per optimizer step")
     micro_batch_size: int = doc(8, "sequences per forward/backward")
-    subspace_capture_step: int = doc(
-        0, "subspace-constrained training: after this RL step, confine updates to the top-K span of the "
-        "cumulative update so far (0: off)"
-    )
-    subspace_k: int = doc(16, "K of subspace-constrained training")
-    subspace_mode: Literal["gradient", "update"] = doc(
-        "gradient", "project the gradient before Adam, or the parameter change after it"
-    )
     logprob_head: Literal["auto", "torch", "fused"] = doc(
         "auto", "LM head scoring: torch (vocab-sharded logits), fused (Triton kernel; GPU, or interpreter on CPU), "
         "auto (fused on GPU, torch on CPU)"
@@ -218,14 +210,10 @@ class TrainConfig:
         require(self.train_batch_size % self.mini_batch_size == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
                 f"({self.train_batch_size})")
-        require(self.subspace_capture_step >= 0,
-                f"train.subspace_capture_step must be >= 0, got {self.subspace_capture_step}")
-        require(self.subspace_k >= 1, f"train.subspace_k must be >= 1, got {self.subspace_k}")
 
-    def check_with(self, parallel: ParallelConfig, recompute: RecomputeConfig, model: ModelConfig) -> None:
-        """The rules this section shares with others: the data-parallel split of a mini-batch (`parallel`), routing
-        replay under `recompute`, and where subspace-constrained training works (`model`'s dtype, `parallel`'s
-        expert parallelism)."""
+    def check_with(self, parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
+        """The rules this section shares with others: the data-parallel split of a mini-batch (`parallel`) and
+        routing replay under `recompute`."""
         dp = parallel.data_parallel_size
         require(self.mini_batch_size % dp == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must be divisible by parallel.data_parallel_size "
@@ -234,15 +222,6 @@ class TrainConfig:
                 f"train.routing_replay {self.routing_replay} cannot run with recompute.granularity full: a recomputed "
                 f"layer's router would route again in the backward, without the replayed experts; use selective or "
                 f"none")
-        if self.subspace_capture_step == 0:
-            return
-        require(self.subspace_mode == "gradient" or model.params_dtype == "float32",
-                "train.subspace_mode update needs model.params_dtype float32 (with bf16 the optimizer steps fp32 "
-                "copies)")
-        require(parallel.expert_parallel_size == 1,
-                f"train.subspace_capture_step does not work with parallel.expert_parallel_size "
-                f"({parallel.expert_parallel_size}) > 1 yet: its bases are checkpointed by the first data-parallel "
-                f"rank only, which holds other experts than the rest of its expert-parallel group")
 
 
 @dataclass

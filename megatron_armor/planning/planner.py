@@ -186,7 +186,7 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
         ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size,
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
-        distributed_optimizer=cfg.optimizer.distributed(par, train, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
+        distributed_optimizer=cfg.optimizer.distributed(par, cfg.subspace, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
         recompute=cfg.recompute,
         head="torch" if train.logprob_head == "torch" else "fused",
     )

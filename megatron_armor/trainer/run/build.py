@@ -104,7 +104,7 @@ def build_training(
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
-                         constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
+                         constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
@@ -164,11 +164,10 @@ def _build_models(
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=cfg.recompute,
                                sequence_parallel=sequence_parallel, moe=moe)
         ddp, optimizer = wrap_for_training(
-            actor, cfg.optimizer, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.train, cfg.rollout.memory))
+            actor, cfg.optimizer, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.subspace, cfg.rollout.memory))
         ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None
-        constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
-                      if cfg.train.subspace_capture_step else None)
+        constraint = subspace_constraint(ddp.module, cfg.subspace.k, cfg.subspace.mode) if cfg.subspace.enabled else None
         offload = None
         if cfg.rollout.memory.offload_trainer:
             frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
