@@ -151,7 +151,7 @@ class RewardConfig:
         counts back from it)."""
         require(self.overlong_buffer_for(max_new_tokens) <= max_new_tokens,
                 f"reward.overlong_buffer ({self.overlong_buffer}) must be <= rollout.sampling.max_new_tokens "
-                f"({max_new_tokens})")
+                f"({max_new_tokens}): the penalty starts that many tokens before the longest response allowed")
 
     def overlong_buffer_for(self, max_new_tokens: int) -> int:
         """The overlong buffer (tokens) for responses of at most `max_new_tokens`: overlong_buffer if set, else
