@@ -12,7 +12,6 @@ from megatron_armor.config.base import section
 from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.optimizer import OptimizerConfig
 from megatron_armor.config.recompute import RecomputeConfig
-from megatron_armor.config.subspace import SubspaceConfig
 from megatron_armor.config.rollout import RolloutConfig
 from megatron_armor.config.section_registry import (
     default_sections, register_plugin_sections, registered_sections, reserve_names,
@@ -21,6 +20,7 @@ from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
     TrainConfig,
 )
+from megatron_armor.config.subspace import SubspaceConfig
 
 ALGORITHM_SECTIONS = "algorithm_sections"
 
@@ -28,8 +28,8 @@ ALGORITHM_SECTIONS = "algorithm_sections"
 @dataclass
 class ArmorConfig:
     """One run, composed of one section per component (a dataclass, some with sub-sections): each checks its own
-    fields when built, and `loading.validate` has each check the rules it shares with others (`check_with`). The registered algorithms' sections (armor, kl, mipu, opd and
-    a plug-in's own) are held by name in `algorithm_sections` and read as attributes: `cfg.armor.alpha`."""
+    fields when built, and `loading.validate` has each check the rules it shares with others (`check_with`). The
+    registered algorithms' sections (armor, kl, mipu, opd and a plug-in's own) are held by name in `algorithm_sections` and read as attributes: `cfg.armor.alpha`."""
 
     model: ModelConfig = section(ModelConfig)
     parallel: ParallelConfig = section(ParallelConfig)
