@@ -217,7 +217,8 @@ class Algorithm:
         sources = cls.step_sources(cfg)
         if ANCHORS in sources.extra_samples:
             require(anchors.ref_n >= 1, f"rollout.anchors.ref_n must be >= 1 for {cls.name}, got {anchors.ref_n}")
-            require(cfg.rollout.backend != "sglang" or anchors.engine == "shared" or bool(cfg.rollout.sglang.ref_urls),
+            require(cfg.rollout.backend_settings.in_process or anchors.engine == "shared"
+                    or bool(cfg.rollout.sglang.ref_urls),
                     f"rollout.sglang.ref_urls is required for {cls.name} with rollout.backend sglang (servers of the "
                     f"reference policy), or set rollout.anchors.engine shared to sample anchors from the actor's servers")
         else:

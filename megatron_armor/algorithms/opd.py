@@ -154,7 +154,7 @@ class Opd(Grpo):
             require(not cfg.rollout.partial_rollouts,
                     "rollout.partial_rollouts pauses the actor's engine at weight pushes, but opd.rollouts teacher "
                     "samples from the teacher's engine, which no push changes: set rollout.partial_rollouts false")
-            require(cfg.rollout.backend == "local",
+            require(cfg.rollout.backend_settings.in_process,
                     "opd.rollouts teacher samples from an in-process engine of opd.teacher_path; rollout.backend "
                     "sglang has no teacher rollout servers: use rollout.backend local, or opd.rollouts student")
             require(opd.teacher_path is not None or warm_start,

@@ -80,6 +80,11 @@ class MonitorConfig:
             require(threshold is None or threshold >= 0, f"monitor.{kind} must be >= 0 (or null: off), got {threshold}")
         self.action_of()  # every entry of `actions` names a kind and an allowed action
 
+    def check_with(self, keep_best: str | None) -> None:
+        """The anchor action restarts from the best checkpoint: checkpoint.`keep_best` must keep one."""
+        require(not self.anchors or keep_best is not None,
+                "monitor.actions: anchor restarts from the best checkpoint: set checkpoint.keep_best (e.g. val/accuracy)")
+
     @classmethod
     def alarm_kinds(cls) -> tuple[str, ...]:
         """The alarm kinds this section configures: every field but the monitor's own settings."""

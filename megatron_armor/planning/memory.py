@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import expert_tp_size
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape
+from megatron_armor.config import RecomputeConfig, expert_tp_size
+from megatron_armor.models.hf_config import ModelShape
 
 FP32 = 4
 PARAM_ALIGN = 64  # Megatron's distributed optimizer starts every parameter at a multiple of 64 elements
@@ -36,7 +36,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     dtype_bytes: int = 2
-    recompute: ActivationRecompute = ActivationRecompute()
+    recompute: RecomputeConfig = RecomputeConfig()
     head: str = "fused"
     local_attention: bool = False
 

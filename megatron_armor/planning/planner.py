@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import ArmorConfig, check_expert_layout, resolve_distributed_optimizer
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout
+from megatron_armor.config import ArmorConfig, RecomputeConfig, check_expert_layout
+from megatron_armor.models.hf_config import ModelShape, check_parallel_layout
 from megatron_armor.planning.activations import ActivationBytes, LogitsBytes, activation_bytes, logits_bytes
 from megatron_armor.planning.flops import RLStepFlops, rl_step_flops
 from megatron_armor.planning.memory import Layout, StateBytes, parameter_count, state_bytes
@@ -93,12 +93,12 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
     """(the knob to turn, the inputs with it turned) for every memory knob this layout has not turned yet."""
     layout, changes = inputs.layout, []
     if layout.recompute.granularity != "full":
-        changes.append(("turn on train.recompute full", replace(inputs, layout=layout.with_(
-            recompute=ActivationRecompute("full", "uniform", 1)))))
+        changes.append(("turn on recompute.granularity full", replace(inputs, layout=layout.with_(
+            recompute=RecomputeConfig("full", "uniform", 1)))))
     if layout.head != "fused":
         changes.append(("set train.logprob_head fused", replace(inputs, layout=layout.with_(head="fused"))))
     if layout.dp > 1 and not layout.distributed_optimizer:
-        changes.append(("set train.use_distributed_optimizer true", replace(
+        changes.append(("set optimizer.use_distributed_optimizer true", replace(
             inputs, layout=layout.with_(distributed_optimizer=True))))
     if layout.tp > 1 and not layout.sequence_parallel:
         changes.append(("set parallel.sequence_parallel true", replace(
@@ -186,8 +186,8 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
         ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size,
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
-        distributed_optimizer=resolve_distributed_optimizer(cfg), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
-        recompute=ActivationRecompute.from_config(train),
+        distributed_optimizer=cfg.optimizer.distributed(par, cfg.subspace, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
+        recompute=cfg.recompute,
         head="torch" if train.logprob_head == "torch" else "fused",
     )
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens

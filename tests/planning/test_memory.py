@@ -7,12 +7,13 @@ import torch
 from saved_bytes import estimated_saved_bytes, measured_saved_bytes
 
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config
+from megatron_armor.config import OptimizerConfig, RecomputeConfig
+from megatron_armor.models.hf_config import load_model_shape, transformer_config
 from megatron_armor.planning.memory import Layout, state_bytes
-from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training
+from megatron_armor.trainer.update.optimizer import optimizer_step, wrap_for_training
 
-RECOMPUTE = [ActivationRecompute(), ActivationRecompute("selective"), ActivationRecompute("full", "uniform", 1),
-             ActivationRecompute("full", "uniform", 2), ActivationRecompute("full", "block", 2)]
+RECOMPUTE = [RecomputeConfig(), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1),
+             RecomputeConfig("full", "uniform", 2), RecomputeConfig("full", "block", 2)]
 RECOMPUTE_IDS = ["none", "selective", "full-uniform-1", "full-uniform-2", "full-block-2"]
 
 
@@ -26,7 +27,7 @@ def adam_state_bytes(optimizer) -> int:
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", False), ("llama", True)])
 def test_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, arch, tied):
     shape = load_model_shape(tiny_model_factory(arch, num_layers=3, tie_word_embeddings=tied))
-    ddp, optimizer = wrap_for_training(build_gpt_model(shape, transformer_config(shape), trainable=True), AdamConfig())
+    ddp, optimizer = wrap_for_training(build_gpt_model(shape, transformer_config(shape), trainable=True), OptimizerConfig())
     tokens = torch.randint(1, 96, (2, 8))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)  # Adam's moments exist after the first step

@@ -40,7 +40,7 @@ def _overrides(cache: Path, run_dir: Path, val_fn: str) -> list[str]:
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.every=1", f"eval.max_prompts={VAL_PROMPTS}",
         f"rollout.sampling.val_n={VAL_N}", "eval.before_train=false", "checkpoint.save_model=false",
         "checkpoint.every=1", "checkpoint.keep_last=0", "checkpoint.keep_best=val/accuracy", "train.max_steps=4",
-        f"train.lr={LR}", "train.warmup_steps=2", "logging.tensorboard=false", "logging.plot=false",
+        f"optimizer.lr={LR}", "optimizer.warmup_steps=2", "logging.tensorboard=false", "logging.plot=false",
         "logging.progress_bar=false", f"reward.val_fn={val_fn}",
         "monitor.enabled=true", "monitor.val_drop=0.3", "monitor.actions=[val_drop=anchor]",
     ]

@@ -15,17 +15,18 @@ from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.trainer.colocation.offload import ParkedWeightsError, TrainerOffload, optimizer_tensors
-from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training
 from megatron_armor.trainer.update.policy_update import update_policy
 from megatron_armor.scoring.micro_batches import MicroBatching
 
 from algorithm_factory import make_algorithm
 
-OPTIM = AdamConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1)
+OPTIM = OptimizerConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1)
 ALGORITHM = make_algorithm("grpo")  # plain dual-clip PPO: no reference logprobs needed
 SCORING = ScoringConfig(temperature=1.0, head="torch")
 

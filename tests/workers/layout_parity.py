@@ -36,12 +36,13 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.config import OptimizerConfig  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
 from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles  # noqa: E402
-from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.update.optimizer import wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.trainer.update.training_batch import advantage_batch, score_logprobs  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
@@ -116,8 +117,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         load_hf_weights(m, path, shape)
         return m
 
-    optim = AdamConfig(lr=1e-3, warmup_steps=0, distributed="distopt" in options)
-    ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
+    optim = OptimizerConfig(lr=1e-3, warmup_steps=0)
+    ddp, optimizer = wrap_for_training(model(actor_dir, True), optim, distributed="distopt" in options)
     handles = PolicyHandles(actor=Policy("actor", ddp), ref=Policy("ref", model(ref_dir, False)), optimizer=optimizer,
                             shape=shape, pad_token_id=0)
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the

@@ -24,12 +24,13 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
-from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.config import OptimizerConfig, RecomputeConfig  # noqa: E402
+from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.planning.memory import Layout, state_bytes  # noqa: E402
-from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training  # noqa: E402
+from megatron_armor.trainer.update.optimizer import optimizer_step, wrap_for_training  # noqa: E402
 
-RECOMPUTE = {"none": ActivationRecompute(), "selective": ActivationRecompute("selective"),
-             "full": ActivationRecompute("full", "uniform", 1)}
+RECOMPUTE = {"none": RecomputeConfig(), "selective": RecomputeConfig("selective"),
+             "full": RecomputeConfig("full", "uniform", 1)}
 
 
 def tensor_parallel_activations(shape) -> list:
@@ -51,7 +52,7 @@ def tensor_parallel_activations(shape) -> list:
 def trained(shape, tp: int, distributed: bool):
     """A model of this layout wrapped for training after one optimizer step (Adam's state exists)."""
     model = build_gpt_model(shape, transformer_config(shape, tp_size=tp), trainable=True)
-    ddp, optimizer = wrap_for_training(model, AdamConfig(distributed=distributed))
+    ddp, optimizer = wrap_for_training(model, OptimizerConfig(), distributed=distributed)
     tokens = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)

@@ -30,8 +30,9 @@ from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, for
 from megatron_armor.trainer.checkpointing.checkpoint import load_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
+from megatron_armor.config import OptimizerConfig  # noqa: E402
 from megatron_armor.trainer.step_inputs.policies import Policy  # noqa: E402
-from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
+from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
@@ -40,7 +41,7 @@ ctx = initialize_distributed(int(os.environ["WORLD_SIZE"]), 1, seed=0)
 shape = load_model_shape(w0_dir)
 model = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size), trainable=True)
 load_hf_weights(model, w0_dir, shape)
-ddp, optimizer = wrap_for_training(model, AdamConfig())
+ddp, optimizer = wrap_for_training(model, OptimizerConfig())
 constraint = subspace_constraint(ddp.module, k, "gradient")
 load_hf_weights(ddp.module, wt_dir, shape)
 constraint.capture(step=1)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron_armor.algorithms import REFERENCE, TEACHER, Algorithm
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.step_geometry import StepGeometry
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -33,7 +34,7 @@ from megatron_armor.trainer.rollouts.rollout_schedule import RolloutSchedule
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.faults import NonFiniteUpdate
-from megatron_armor.trainer.update.optimizer import AdamConfig, reset_optimizer
+from megatron_armor.trainer.update.optimizer import reset_optimizer
 from megatron_armor.trainer.update.policy_update import update_policy
 from megatron_armor.trainer.update.snapshot import TrainingSnapshot
 from megatron_armor.trainer.update.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
@@ -72,7 +73,7 @@ class RLTrainer:
 
     def __init__(
         self, ctx: DistributedContext, models: PolicyHandles, plan: StepPlan, sources: RolloutSources,
-        scoring: ScoringConfig, optim: AdamConfig, parts: TrainerParts | None = None,
+        scoring: ScoringConfig, optim: OptimizerConfig, parts: TrainerParts | None = None,
     ) -> None:
         parts = parts or TrainerParts()
         self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sources.sampler
