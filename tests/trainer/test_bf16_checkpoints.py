@@ -11,9 +11,11 @@ group-normalised rewards keep under sqrt(group size - 1) ~ 2.7) and the ratios' 
 16U relative, as each gradient entry."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from launcher import run_workers
 from training_runs import resume_from, run_metrics, run_overrides
@@ -39,6 +41,15 @@ def uninterrupted(synthetic_cache, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("bf16-full") / "run"
     _run(run_dir.parent / "w", synthetic_cache, run_dir, 3, TP2_DP2, resume=False)
     return run_dir
+
+
+def test_the_engines_get_bf16_weights(uninterrupted, synthetic_cache):
+    """Every push of the actor's weights into the engine after an update sends them as the trainer holds them, in
+    bf16: 2 bytes per parameter of the tiny model (its HF checkpoint's tensors, counted)."""
+    with safe_open(synthetic_cache / "tiny-qwen2" / "model.safetensors", "pt") as checkpoint:
+        params = sum(math.prod(checkpoint.get_slice(name).get_shape()) for name in checkpoint.keys())
+    for step, row in run_metrics(uninterrupted).items():
+        assert row["perf/weight_sync_bytes"] == 2 * params, step
 
 
 def assert_resumed_step(got: dict, expected: dict) -> None:
