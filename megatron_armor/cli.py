@@ -6,6 +6,7 @@
     armor serve-teacher --model DIR --tp N --pp M --port P   a Megatron OPD teacher scoring tokens over HTTP
     armor diagnose --base DIR --checkpoints DIR ...          parameter-space diagnostics of updates
     armor convert hf-to-megatron|megatron-to-hf ...          checkpoint conversion (HF <-> Megatron dist ckpt)
+    armor eval --checkpoints CKPT... --datasets FILE --out DIR   avg@k / pass@k / maj@k of checkpoints on benchmarks
     armor plan --config FILE --gpus N --gpu-memory-gb M      per-GPU memory and RL-step FLOPs of a layout
 """
 
@@ -22,6 +23,7 @@ from megatron_armor.config.section_registry import register_plugin_sections
 from megatron_armor.config.base import default_of
 from megatron_armor.convert.cli import add_convert_subcommand
 from megatron_armor.diagnostics.cli import add_diagnose_subcommand
+from megatron_armor.evaluation.cli import add_eval_subcommand
 from megatron_armor.distributed.launch import torchrun_command
 from megatron_armor.launch.ray_cli import add_ray_arguments, run_ray_train
 from megatron_armor.planning.cli import add_plan_subcommand, run_plan
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_teacher_subcommand(commands).set_defaults(handler=run_serve_teacher)
     add_diagnose_subcommand(commands)
     add_convert_subcommand(commands)
+    add_eval_subcommand(commands).set_defaults(handler=run_eval)
     add_plan_subcommand(commands, add_config_arguments)
     return parser
 
@@ -58,6 +61,26 @@ def run_serve_local(args: argparse.Namespace) -> int:
     from megatron_armor.rollout.http_server import run_serve_local as serve
 
     return serve(args)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """`armor eval`: on --nproc > 1 local ranks relaunched under torchrun; the run (torch, the engines) is imported
+    only when the command runs. A bad dataset list, row or checkpoint is exit code 2, before any generation."""
+    if "WORLD_SIZE" not in os.environ and args.nproc > 1:
+        import subprocess
+
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        return subprocess.call(torchrun_argv(sys.argv[1:], args.nproc, free_port()), env=env)
+    quiet_third_party_noise()
+    from megatron_armor.trainer.run.evaluate import EvalRun, run_eval as evaluate
+
+    try:
+        evaluate(EvalRun(args.checkpoints, args.datasets, args.out, seed=args.seed, progress_bar=args.progress_bar,
+                         sglang_urls=args.sglang_urls))
+    except ValueError as error:  # settings, dataset rows, checkpoint names and models (all ValueError subclasses)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -175,12 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.train.logprob_head == "fused":
         _enable_triton_interpreter_without_gpu()
     from megatron_armor.algorithms import check_algorithm_config  # imports torch: not for --help
+    from megatron_armor.evaluation.settings import EvalSettingsError, validation_datasets
     from megatron_armor.rewards.reward_fns import RewardFns
 
     try:
         check_algorithm_config(cfg)  # its own rules, before any process starts
         RewardFns.from_config(cfg.reward)  # every reward function loads (module or file, function)
-    except (ConfigError, RewardError) as error:
+        if cfg.eval.datasets is not None:
+            validation_datasets(cfg.eval.datasets, cfg.eval.primary)  # the list, its files and functions
+    except (ConfigError, RewardError, EvalSettingsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.command == "ray-train":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from megatron_armor.config.base import doc, require, require_at_least
 
 ACTIONS = ("warn", "stop", "anchor")  # anchor: ARMOR from the best checkpoint (trainer/guard/anchor_switch.py)
-SETTINGS = ("enabled", "window", "actions")  # every other field is an alarm's threshold
+SETTINGS = ("enabled", "window", "trend_window", "actions")  # every other field is an alarm's threshold
 
 
 @dataclass
@@ -21,6 +21,9 @@ class MonitorConfig:
         5, "steps in the windows of the per-step alarms (means, and the baseline jumps are measured against), and "
         "validations in the reward-gap trend"
     )
+    trend_window: int = doc(
+        20, "steps over which the trend alarms (hack_rate_trend, length_trend, entropy_trend) fit their slope"
+    )
     actions: list[str] = doc(
         [], "per-alarm actions as <kind>=<action>, e.g. [hack_rate=stop, val_drop=stop]; an alarm not listed warns. "
         "warn: log the alarm's reason and go on; stop: checkpoint, then exit with an error naming the alarm; anchor: "
@@ -33,7 +36,16 @@ class MonitorConfig:
         0.2, "alarm reward_gap: train/accuracy (mean over the window's steps) minus val/accuracy above this while the "
         "gap widens (positive slope over the window's validations)"
     )
+    reward_gap_trend: float | None = doc(
+        0.03, "alarm reward_gap_trend: the train/accuracy - val/accuracy gap widens faster than this per validation "
+        "(slope over a full window of validations), whatever its size: the exploit is starting"
+    )
     val_drop: float | None = doc(0.1, "alarm val_drop: val/accuracy this far below its best so far")
+    val_drop_se: float | None = doc(
+        3.0, "alarm val_drop_se: val/accuracy below its best by more than this many standard errors of the "
+        "difference (each validation's val/accuracy_stderr, from its per-prompt accuracies and sample count), so "
+        "small validation sets do not fire on noise"
+    )
     clip_fraction: float | None = doc(0.2, "alarm clip_fraction: loss/clip_fraction's mean over the window above this")
     entropy_jump: float | None = doc(
         1.0, "alarm entropy_jump: policy/entropy above (1 + this) or below 1 / (1 + this) times its mean over the "
@@ -47,9 +59,22 @@ class MonitorConfig:
         "async/importance_weight_mean (the behaviour correction's) averaged over the window above this"
     )
     hack_rate: float | None = doc(0.1, "alarm hack_rate: audit/hack_rate (reward.audit_fns) averaged over the window above this")
+    hack_rate_trend: float | None = doc(
+        0.002, "alarm hack_rate_trend: audit/hack_rate rises faster than this per step (slope over trend_window "
+        "steps): the exploit spreading before its level reaches hack_rate"
+    )
+    length_trend: float | None = doc(
+        0.02, "alarm length_trend: response/length_mean grows faster than this fraction of its mean per step (slope "
+        "over trend_window steps)"
+    )
+    entropy_trend: float | None = doc(
+        0.05, "alarm entropy_trend: policy/entropy moves (up or down) faster than this fraction of its mean per step "
+        "(slope over trend_window steps)"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("monitor", self, ("window",), 1)
+        require_at_least("monitor", self, ("trend_window",), 2)  # a slope needs two points
         for kind in self.alarm_kinds():
             threshold = getattr(self, kind)
             require(threshold is None or threshold >= 0, f"monitor.{kind} must be >= 0 (or null: off), got {threshold}")

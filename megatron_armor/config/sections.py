@@ -249,12 +249,24 @@ class TrainConfig:
 class EvalConfig:
     every: int = doc(5, "validate every N steps (0: never)")
     before_train: bool = doc(True, "validate before the first step")
-    max_prompts: int | None = doc(None, "use only the first N validation prompts")
+    max_prompts: int | None = doc(None, "use only the first N validation prompts (of data.val_path)")
+    datasets: str | None = doc(
+        None, "YAML list of evaluation datasets, the file `armor eval --datasets` reads (docs/guides/evaluation.md): "
+        "each is validated and logged as val/<name>/avg@n, pass@k, ...; the first one's (or eval.primary's) avg@n is "
+        "val/accuracy. None: data.val_path, sampled rollout.sampling.val_n times, logged as val/accuracy (the MIPU "
+        "gate reads data.val_path either way)"
+    )
+    primary: str | None = doc(
+        None, "the dataset of eval.datasets whose avg@n is val/accuracy (which the collapse monitor's alarms and "
+        "checkpoint.keep_best: val/accuracy read); None: the first"
+    )
 
     def __post_init__(self) -> None:
         require_at_least("eval", self, ("every",), 0)
         require(self.max_prompts is None or self.max_prompts >= 1,
                 f"eval.max_prompts must be >= 1 or null, got {self.max_prompts}")
+        require(self.primary is None or self.datasets is not None,
+                f"eval.primary ({self.primary!r}) names a dataset of eval.datasets, which is not set")
 
 
 @dataclass

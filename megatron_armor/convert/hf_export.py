@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
 from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, WrittenShard, name_shards
-from megatron_armor.convert.mapping import ParamMapping, hf_tensor_shape, megatron_shards_to_hf
+from megatron_armor.convert.mapping import ParamMapping, megatron_shards_to_hf
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, copy_side_files, read_checkpoint_info
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.weights import CheckpointError, stage_mappings
@@ -78,8 +78,8 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
         stage = MegatronStageReader(megatron_dir, pp)
         check_tensor_keys(stage.sharded, stage.reader, megatron_dir)
         stage_rank = parallel_state.get_pipeline_model_parallel_rank()
-        plan = [TensorSpec(name, hf_tensor_shape(name, stage.shape), stage.info.torch_dtype)
-                for mapping in stage.mappings for name in mapping.hf_names]
+        plan = [TensorSpec(name, tensor_shape, stage.info.torch_dtype)
+                for mapping in stage.mappings for name, tensor_shape in zip(mapping.hf_names, mapping.hf_shapes)]
         with SafetensorsShardWriter(staging, plan, max_shard_bytes, prefix=f"model-s{stage_rank:02d}") as writer:
             for mapping in stage.mappings:
                 for name, tensor in zip(mapping.hf_names, stage.read(mapping)):

@@ -14,8 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from megatron_armor.convert.hf_shards import SAFETENSORS_DTYPES
 from megatron_armor.convert.mapping import (
-    ParamMapping, for_expert_rank, hf_shard_index, hf_tensor_shape, hf_to_megatron_shard, megatron_shards_to_hf,
-    model_mappings,
+    ParamMapping, for_expert_rank, hf_shard_index, hf_to_megatron_shard, megatron_shards_to_hf, model_mappings,
 )
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import ModelShape
@@ -104,7 +103,8 @@ def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str,
     check that otherwise reads only headers.
     """
     headers = reader.headers()
-    expected = [n for m in model_mappings(shape) for n in m.hf_names]  # model order: the first mismatch is named
+    # name -> shape config.json implies, in model order: the first mismatch is named
+    expected = {n: tensor_shape for m in model_mappings(shape) for n, tensor_shape in zip(m.hf_names, m.hf_shapes)}
     stored = reader.names() - ({TIED_HEAD} if shape.tie_word_embeddings else set())
     missing, unexpected = set(expected) - stored, stored - set(expected)
     if missing or unexpected:
@@ -112,8 +112,8 @@ def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str,
             f"{reader.model_dir}: tensors do not match a {shape.arch} model with this config.json; "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    for name in expected:
-        got, want = headers[name][0], hf_tensor_shape(name, shape)
+    for name, want in expected.items():
+        got = headers[name][0]
         if got != want:
             raise CheckpointError(
                 f"{reader.model_dir}/{reader.weight_map[name]}: tensor {name!r} has shape {list(got)}, config.json "
@@ -280,8 +280,9 @@ def _stage_header(model: GPTModel, shape: ModelShape, use_grads: bool) -> list[t
     from the mapping table and config.json's shapes alone (no collective)."""
     params = dict(model.named_parameters())
     return [
-        (name, hf_tensor_shape(name, shape), _value(params[m.megatron_name], use_grads).dtype)
-        for m in stage_mappings(model, shape, every_expert=True) if m.exported for name in m.hf_names
+        (name, tensor_shape, _value(params[m.megatron_name], use_grads).dtype)
+        for m in stage_mappings(model, shape, every_expert=True) if m.exported
+        for name, tensor_shape in zip(m.hf_names, m.hf_shapes)
     ]
 
 

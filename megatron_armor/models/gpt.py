@@ -9,13 +9,9 @@ exactly a GPTModel, so nothing HybridModel adds is needed here; moving is a buil
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
@@ -24,68 +20,26 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
-from megatron_armor.models.attention import SDPAttention
+from megatron_armor.models.families import model_family
+from megatron_armor.models.layer_specs import transformer_engine_usable
 from megatron_armor.models.norm import SequenceParallelRMSNorm
-from megatron_armor.models.hf_config import ModelShape
-
-
-def transformer_engine_usable() -> bool:
-    """True when Transformer Engine is installed and a CUDA device exists (its layers need both)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
+from megatron_armor.models.shape import ModelShape
 
 # Logit given to padded vocabulary rows: exp() underflows to exactly 0 and, unlike -inf, 0 * it is 0.
 PADDED_VOCAB_LOGIT = -1e30
 
 
-def layer_spec(
-    *, qk_layernorm: bool = False, use_transformer_engine: bool | None = None, sequence_parallel: bool = False,
-    num_experts: int | None = None,
-) -> ModuleSpec:
-    """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
-    local layers with SDPA core attention (runs on CPU and GPU); with `sequence_parallel` their norms are
-    `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism). With `num_experts` the MLP
-    is Megatron's `MoELayer`: a `TopKRouter` and a `SequentialMLP` of this rank's experts (one SwiGLU MLP each,
-    `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels), and with the config's
-    `moe_shared_expert_intermediate_size` its `SharedExpertMLP` (Qwen2-MoE)."""
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_usable()
-    if use_transformer_engine:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    attention = spec.submodules.self_attention
-    attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
-    layer_norms = {}
-    if sequence_parallel:
-        norm = SequenceParallelRMSNorm
-        attention_submodules = dataclasses.replace(
-            attention_submodules, **({"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {})
-        )
-        layer_norms = {"input_layernorm": norm, "pre_mlp_layernorm": norm}
-    self_attention = dataclasses.replace(attention, submodules=attention_submodules)
-    return dataclasses.replace(
-        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention, **layer_norms)
-    )
-
-
 def decoder_spec(shape: ModelShape, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
-    """The decoder of this pipeline stage: the layer spec, or its layers and final norm (as Megatron builds the
-    block from a layer spec) where they differ: a `SequenceParallelRMSNorm` final norm under sequence parallelism
-    on the local spec, and in a MoE model each layer's spec (MoE, or dense for `shape.dense_layers`)."""
-    spec = layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=config.sequence_parallel)
+    """The decoder of this pipeline stage: its family's layer spec (`ModelFamily.layer_spec`), or its layers and
+    final norm (as Megatron builds the block from a layer spec) where they differ: a `SequenceParallelRMSNorm` final
+    norm under sequence parallelism on the local spec, and in a MoE model each layer's spec (MoE, or dense for
+    `shape.dense_layers`)."""
+    family, first = model_family(shape.arch), get_transformer_layer_offset(config)
     sequence_parallel_norm = config.sequence_parallel and not transformer_engine_usable()
     if not sequence_parallel_norm and not shape.num_experts:
-        return spec
-    specs = [spec] * get_num_layers_to_build(config)
-    if shape.num_experts:
-        moe = layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=config.sequence_parallel,
-                         num_experts=shape.num_experts)
-        first = get_transformer_layer_offset(config)
-        specs = [moe if shape.is_moe_layer(first + local) else spec for local in range(len(specs))]
+        return family.layer_spec(shape, first, sequence_parallel=config.sequence_parallel)
+    specs = [family.layer_spec(shape, first + local, sequence_parallel=config.sequence_parallel)
+             for local in range(get_num_layers_to_build(config))]
     return TransformerBlockSubmodules(layer_specs=specs,
                                       layer_norm=SequenceParallelRMSNorm if sequence_parallel_norm else LayerNormImpl)
 

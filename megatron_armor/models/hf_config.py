@@ -12,57 +12,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.config import TrainConfig, expert_tp_size
 from megatron_armor.models.families import ModelConfigError, model_family
+from megatron_armor.models.shape import ModelShape
 
-VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; independent of TP, so
-# a checkpoint saved at one tensor-parallel size loads at any size that divides the padded vocab.
 # Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The architecture facts both the HF and the Megatron side need (decoder-only, RoPE, SwiGLU)."""
-
-    arch: str  # the HF model_type, whose `models.families` entry read the config
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
-    rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (None: unscaled)
-    # Mixture of experts (Qwen2-MoE, Qwen3-MoE): 0 experts is a dense model. A MoE layer routes each token to the
-    # `moe_top_k` of `num_experts` SwiGLU experts of width `moe_ffn_hidden_size` with a softmax router (its top-k
-    # probabilities renormalised to sum 1 when `norm_topk_prob`); `dense_layers` (global indices) keep a dense MLP
-    # of width `ffn_hidden_size` (HF's `mlp_only_layers` and the layers `decoder_sparse_step` skips). Qwen2-MoE adds
-    # to every MoE layer a shared SwiGLU expert of width `shared_expert_ffn_hidden_size` (0: none) that every token
-    # passes through, its output scaled by sigmoid(x . g) of a learned gate vector g [hidden].
-    num_experts: int = 0
-    moe_top_k: int = 0
-    moe_ffn_hidden_size: int = 0
-    norm_topk_prob: bool = False
-    dense_layers: tuple[int, ...] = ()
-    shared_expert_ffn_hidden_size: int = 0
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_attention_heads // self.num_kv_heads
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether global decoder layer `layer` has routed experts (else a dense SwiGLU MLP)."""
-        return self.num_experts > 0 and layer not in self.dense_layers
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Megatron's vocabulary: `vocab_size` rounded up to a multiple of 128 (extra rows are masked)."""
-        return -(-self.vocab_size // VOCAB_PADDING_MULTIPLE) * VOCAB_PADDING_MULTIPLE
 
 
 def load_model_shape(model_dir: str | Path) -> ModelShape:
@@ -157,10 +110,9 @@ class MoERouting:
     aux_loss_coeff: float = 0.0
 
     def megatron_fields(self, shape: ModelShape, ep_size: int, etp_size: int | None) -> dict:
-        """TransformerConfig's MoE fields for `shape` (none for a dense model), its experts over `ep_size` ranks and
-        each over `etp_size` (None: TP; `initialize_model_parallel` must have the same sizes). HF's router takes the
-        softmax over all experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over
-        the top-k logits (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k.
+        """TransformerConfig's MoE fields for `shape` (none for a dense model) that are not its family's (how its
+        router scores and its shared expert: `ModelFamily.megatron_fields`), its experts over `ep_size` ranks and
+        each over `etp_size` (None: TP; `initialize_model_parallel` must have the same sizes).
         Tokens reach experts on other EP ranks by Megatron's all-to-all dispatcher (`transformer_config` sets it:
         gloo has the uneven all-to-all on CPU, and the allgather dispatcher refuses the variable sequence lengths
         set under pipeline parallelism)."""
@@ -168,23 +120,12 @@ class MoERouting:
             return {}
         return {
             "num_moe_experts": shape.num_experts, "moe_router_topk": shape.moe_top_k,
-            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_score_function": "softmax",
-            "moe_router_pre_softmax": not shape.norm_topk_prob, "moe_router_dtype": "fp32",
+            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_dtype": "fp32",
             "moe_router_load_balancing_type": self.load_balancing if self.aux_loss_coeff > 0 else "none",
             "moe_aux_loss_coeff": self.aux_loss_coeff, "moe_grouped_gemm": False,
             "moe_layer_freq": [int(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)],
             "expert_model_parallel_size": ep_size, "expert_tensor_parallel_size": etp_size,
-            **self._shared_expert_fields(shape),
         }
-
-    @staticmethod
-    def _shared_expert_fields(shape: ModelShape) -> dict:
-        """Qwen2-MoE's gated shared expert: Megatron's `SharedExpertMLP` (split over TP as a dense MLP) with its
-        sigmoid gate vector (`moe_shared_expert_gate`)."""
-        if not shape.shared_expert_ffn_hidden_size:
-            return {}
-        return {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
-                "moe_shared_expert_gate": True}
 
 
 @dataclass(frozen=True)
@@ -243,8 +184,6 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -271,4 +210,5 @@ def transformer_config(
                                                # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
         **moe.megatron_fields(shape, ep_size, etp_size),
+        **model_family(shape.arch).megatron_fields(shape),
     )

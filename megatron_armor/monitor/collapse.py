@@ -64,7 +64,9 @@ class CollapseMonitor:
         unknown = sorted(set(kinds) - set(ALARM_RULES))
         if unknown:
             raise ValueError(f"monitor alarms {unknown} have no registered rule (megatron_armor.monitor.rules)")
-        self.rules: dict[str, AlarmRule] = {kind: ALARM_RULES[kind](getattr(cfg, kind), cfg.window) for kind in kinds}
+        self.rules: dict[str, AlarmRule] = {
+            kind: ALARM_RULES[kind](getattr(cfg, kind), getattr(cfg, ALARM_RULES[kind].window_setting)) for kind in kinds
+        }
         self.actions = cfg.action_of()
         self.active: set[str] = set()
 

@@ -2,11 +2,15 @@
 needs in `Window`s (its checkpointed state) and says whether its condition holds.
 
 A rule whose metric is absent on a step (no validation ran, an algorithm without that statistic) observes nothing
-on that step. Thresholds and actions come from the `monitor` section: field `<kind>` and `<kind>_action`.
+on that step. Thresholds and actions come from the `monitor` section: field `<kind>` and its entry in `actions`.
+Level alarms fire once a condition is reached (val_drop, hack_rate, ...); trend alarms fire while it is coming
+(the least-squares slope of a metric over a window: hack_rate_trend, reward_gap_trend, length_trend, entropy_trend),
+and val_drop_se measures the validation drop against the validation set's own noise.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -38,6 +42,8 @@ class AlarmRule:
     values (`state_dict`)."""
 
     kind: ClassVar[str]
+    # the monitor setting that sizes its windows: `window` (steps, or validations), or `trend_window` (steps)
+    window_setting: ClassVar[str] = "window"
     # windows that hold facts of the task rather than of the policy, kept when the policy is restarted (`rearm`)
     kept_on_rearm: ClassVar[tuple[str, ...]] = ()
 
@@ -78,6 +84,13 @@ class RewardGap(AlarmRule):
         self.train, self.gaps = Window(window), Window(window)
         self.windows = {"train_accuracy": self.train, "gaps": self.gaps}
 
+    def breaches(self, gap: float, trend: float) -> bool:
+        return gap > self.threshold and len(self.gaps.values) >= 2 and trend > 0
+
+    def describe(self, train: float, val: float, gap: float, trend: float) -> str:
+        return (f"train/accuracy {train:.3f} (mean of {len(self.train.values)} steps) exceeds val/accuracy "
+                f"{val:.3f} by {gap:.3f} > {self.threshold}, widening by {trend:+.3f} per validation")
+
     def observe(self, metrics: Mapping[str, float]) -> Observation | None:
         if "train/accuracy" in metrics:
             self.train.push(metrics["train/accuracy"])
@@ -86,10 +99,23 @@ class RewardGap(AlarmRule):
         train, val = self.train.mean(), metrics["val/accuracy"]
         self.gaps.push(train - val)
         gap, trend = train - val, self.gaps.slope()
-        breached = gap > self.threshold and len(self.gaps.values) >= 2 and trend > 0
-        reason = (f"train/accuracy {train:.3f} (mean of {len(self.train.values)} steps) exceeds val/accuracy "
-                  f"{val:.3f} by {gap:.3f} > {self.threshold}, widening by {trend:+.3f} per validation")
-        return Observation({"monitor/reward_gap": gap, "monitor/reward_gap_trend": trend}, breached, reason)
+        return Observation({"monitor/reward_gap": gap, "monitor/reward_gap_trend": trend}, self.breaches(gap, trend),
+                           self.describe(train, val, gap, trend))
+
+
+@register_alarm
+class RewardGapTrend(RewardGap):
+    """The train/validation gap widens, whatever its size: fires while the gap's slope over a full window of
+    validations exceeds threshold (accuracy per validation), before the gap itself is large."""
+
+    kind = "reward_gap_trend"
+
+    def breaches(self, gap: float, trend: float) -> bool:
+        return self.gaps.full and trend > self.threshold
+
+    def describe(self, train: float, val: float, gap: float, trend: float) -> str:
+        return (f"the gap of train/accuracy over val/accuracy ({gap:.3f} now) widens by {trend:+.3f} per validation "
+                f"over the last {len(self.gaps.values)} validations (> {self.threshold})")
 
 
 @register_alarm
@@ -220,3 +246,98 @@ class HackRate(WindowMean):
     """Audit verifiers disagree with the training verifier on samples it calls correct (reward.audit_fns)."""
 
     kind, what, value = "hack_rate", "audit/hack_rate", staticmethod(_metric("audit/hack_rate"))
+
+
+@register_alarm
+class ValDropStdErr(AlarmRule):
+    """Validation accuracy falls from its best by more than its noise; logged as monitor/val_drop_se (the drop in
+    standard errors).
+
+    Each validation logs its standard error se (val/accuracy_stderr, from the spread of its per-prompt accuracies
+    and its number of samples). The best so far is the maximum of k noisy validations, biased upwards by up to
+    se_best * sqrt(2 ln k) (the expected maximum of k standard normals is below sqrt(2 ln k)); the rule takes that
+    off and fires while (best - se_best * sqrt(2 ln k)) - val/accuracy > threshold * sqrt(se_best^2 + se^2). So a
+    healthy run's noise does not fire it however long it runs, a small validation set (large se) needs a larger
+    drop, and a large one (small se) fires on a smaller drop than val_drop's fixed threshold.
+    """
+
+    kind = "val_drop_se"
+    kept_on_rearm = ("best", "validations")  # facts of the task: the bar a restarted policy is held to
+
+    def __init__(self, threshold: float, window: int) -> None:
+        super().__init__(threshold, window)
+        self.best = Window(2)  # [best val/accuracy, its standard error]
+        self.validations = Window(1)  # [validations seen]
+        self.windows = {"best": self.best, "validations": self.validations}
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        if "val/accuracy" not in metrics or "val/accuracy_stderr" not in metrics:
+            return None
+        val, stderr = metrics["val/accuracy"], metrics["val/accuracy_stderr"]
+        seen = int(self.validations.values[0]) + 1 if self.validations.values else 1
+        self.validations.push(seen)
+        if not self.best.values or val > self.best.values[0]:
+            self.best.values = [val, stderr]
+        best, best_stderr = self.best.values
+        bar = best - best_stderr * math.sqrt(2 * math.log(seen))
+        noise, drop = math.hypot(best_stderr, stderr), bar - val
+        in_errors = drop / noise if noise > 0 else (math.inf if drop > 0 else 0.0)
+        reason = (f"val/accuracy {val:.3f} is {in_errors:.1f} standard errors (noise {noise:.3f}) below its best "
+                  f"{best:.3f} less its selection bias over {seen} validations ({bar:.3f}) (> {self.threshold})")
+        return Observation({"monitor/val_drop_se": max(min(in_errors, 1e6), -1e6)}, in_errors > self.threshold, reason)
+
+
+class Trend(AlarmRule):
+    """A per-step statistic's least-squares slope over the last `trend_window` steps (per step; divided by the
+    window's mean when `relative`): fires while the window is full and the slope (its size, when `two_sided`) >
+    threshold; logged as monitor/<kind>."""
+
+    window_setting = "trend_window"
+    value: ClassVar[Callable[[Mapping[str, float]], float | None]]
+    what: ClassVar[str]
+    relative: ClassVar[bool] = False
+    two_sided: ClassVar[bool] = False
+
+    def __init__(self, threshold: float, window: int) -> None:
+        super().__init__(threshold, window)
+        self.recent = Window(window)
+        self.windows = {"recent": self.recent}
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        value = self.value(metrics)
+        if value is None:
+            return None
+        self.recent.push(value)
+        mean = self.recent.mean()
+        if not self.recent.full or (self.relative and mean <= 0):
+            return Observation()
+        slope = self.recent.slope() / (mean if self.relative else 1.0)
+        size = abs(slope) if self.two_sided else slope
+        unit = "of its mean per step" if self.relative else "per step"
+        reason = (f"{self.what} moves by {slope:+.4g} {unit} over the last {self.size} steps (threshold "
+                  f"{self.threshold})")
+        return Observation({f"monitor/{self.kind}": slope}, size > self.threshold, reason)
+
+
+@register_alarm
+class HackRateTrend(Trend):
+    """The audits' hack rate climbs: the exploit is spreading, before its level reaches hack_rate's threshold."""
+
+    kind, what, value = "hack_rate_trend", "audit/hack_rate", staticmethod(_metric("audit/hack_rate"))
+
+
+@register_alarm
+class LengthTrend(Trend):
+    """Responses lengthen steadily (relative slope of response/length_mean), a common sign of a length exploit."""
+
+    kind, what, value = "length_trend", "response/length_mean", staticmethod(_metric("response/length_mean"))
+    relative = True
+
+
+@register_alarm
+class EntropyTrend(Trend):
+    """Policy entropy drifts steadily up or down (relative slope of policy/entropy, either sign): collapse onto one
+    answer pattern, or a policy coming apart."""
+
+    kind, what, value = "entropy_trend", "policy/entropy", staticmethod(_metric("policy/entropy"))
+    relative, two_sided = True, True

@@ -40,11 +40,17 @@ def make_rows(num_rows: int, seed: int, min_terms: int = 2, max_terms: int = 3) 
     return rows
 
 
+def extract_answer(response: str) -> str | None:
+    """The integer of the last `Answer: <int>` in the final 300 characters, as `verify` reads it (None: none)."""
+    matches = _ANSWER.findall(response[-300:])
+    return str(int(matches[-1])) if matches else None
+
+
 def verify(response: str, row: dict) -> tuple[float, bool]:
     """Strict verifier: the last `Answer: <int>` in the final 300 characters must equal the answer.
 
     Returns (1.0, True) when correct and (-1.0, False) otherwise (also when no answer is given).
     """
-    matches = _ANSWER.findall(response[-300:])
-    correct = bool(matches) and int(matches[-1]) == int(row["answer"])
+    answer = extract_answer(response)
+    correct = answer is not None and int(answer) == int(row["answer"])
     return (1.0, True) if correct else (-1.0, False)

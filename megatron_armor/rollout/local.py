@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from megatron_armor.config import RolloutConfig
+from megatron_armor.models.families import model_family
 from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
-from megatron_armor.rollout.expert_views import checkpoint_named_views
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 from megatron_armor.rollout.prepacked_linear import drop_layouts, prepack_linears
 from megatron_armor.rollout.route_capture import RouteCapture
@@ -358,8 +358,10 @@ class LocalEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def named_parameters_hf(self) -> dict[str, torch.Tensor]:
-        """The engine's current weights by HF checkpoint name (detached views; `expert_views`)."""
-        return checkpoint_named_views({name: p.detach() for name, p in self.model.named_parameters()})
+        """The engine's current weights by HF checkpoint name (detached views; its family's
+        `ModelFamily.engine_named_views`)."""
+        family = model_family(self.model.config.model_type, source="the engine's model")
+        return family.engine_named_views({name: p.detach() for name, p in self.model.named_parameters()})
 
     def health(self) -> bool:
         return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,17 +12,20 @@ DEFAULT_KEYS = (
     "train/reward_mean", "val/accuracy", "loss/clip_fraction", "mismatch/logprob_abs_diff",
     "policy/entropy", "armor/anchors_used",
 )
+DATASET_KEY = re.compile(r"^val/[^/]+/(avg|pass)@\d+$")  # eval.datasets' per-dataset avg@n and pass@k: drawn too
 
 
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path, keys: Sequence[str] = DEFAULT_KEYS) -> Path:
-    """One panel per metric present in the file, against the step; val/* drawn with markers."""
+    """One panel per metric present in the file, against the step (`keys`, then every dataset's avg@n and pass@k of
+    eval.datasets); val/* drawn with markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in Path(jsonl_path).read_text().splitlines() if line.strip()]
-    present = [k for k in keys if any(isinstance(r.get(k), float) for r in rows)]
+    datasets = dict.fromkeys(k for r in rows for k in r if DATASET_KEY.match(k))
+    present = [k for k in (*keys, *datasets) if any(isinstance(r.get(k), float) for r in rows)]
     columns = min(3, max(1, len(present)))
     nrows = max(1, math.ceil(len(present) / columns))
     fig, axes = plt.subplots(nrows, columns, figsize=(4.5 * columns, 3.2 * nrows), squeeze=False)

@@ -64,7 +64,7 @@ def test_unknown_architecture_lists_supported(hf_copy, tmp_path, capsys):
     edit_config(hf_copy, model_type="gpt2")
     out = tmp_path / "out"
     assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported",
-                   "'llama', 'mistral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'")
+                   "'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'")
 
 
 @pytest.mark.parametrize("edit, phrase", [

@@ -21,6 +21,8 @@ CASES = {
     "dense0-pp2": ("qwen3_moe", {"moe": {"mlp_only_layers": [0]}}, {"pp": 2}, 2),
     # Qwen2-MoE: QKV biases and a gated shared expert, split over TP=2 beside EP=2.
     "qwen2-moe-shared-expert-tp2-ep2": ("qwen2_moe", {}, {"tp": 2, "ep": 2}, 1),
+    # Mixtral: its checkpoint's names (block_sparse_moe, w1 / w3 / w2), saved at TP=2 x EP=2, exported over PP=2.
+    "mixtral-tp2-ep2": ("mixtral", {}, {"tp": 2, "ep": 2}, 2),
 }
 
 

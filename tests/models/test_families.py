@@ -2,6 +2,8 @@
 mapping names exactly the tensors transformers' own model of that type has, and what a family cannot build is
 refused by name."""
 
+import math
+
 import pytest
 from safetensors.torch import load_file
 
@@ -10,9 +12,10 @@ from megatron_armor.models.families import (
     ModelConfigError, ModelFamily, known_shapes, model_family, register_family, registered_families, unregister_family,
 )
 from megatron_armor.models.hf_config import load_model_shape, model_shape_from_dict
+from megatron_armor.planning.memory import parameter_count
 from megatron_armor.planning.shapes import resolve_model_shape
 
-BUILT_IN = ["llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+BUILT_IN = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 DENSE = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
          "intermediate_size": 64}
 
@@ -34,20 +37,41 @@ def test_a_family_s_shape_maps_exactly_the_tensors_of_transformers_model(model_t
     assert mapped == set(saved)
     features = {"qkv_bias": any(name.endswith("q_proj.bias") for name in saved),
                 "qk_norm": any(name.endswith("q_norm.weight") for name in saved),
-                "experts": any(".mlp.experts." in name for name in saved),
-                "shared_expert": any(".mlp.shared_expert." in name for name in saved)}
+                "experts": any(".experts." in name for name in saved),
+                "shared_expert": any(".shared_expert" in name for name in saved)}
     assert features == {"qkv_bias": shape.qkv_bias, "qk_norm": shape.qk_norm, "experts": shape.num_experts > 0,
                         "shared_expert": shape.shared_expert_ffn_hidden_size > 0}
 
 
+@pytest.mark.parametrize("model_type", registered_families())
+def test_config_mapping_weight_mapping_and_planner_agree_on_the_parameter_count(model_type, tiny_model_factory):
+    """Every registered family's tiny model (transformers' own, from its config class): each tensor the weight
+    mapping names has the shape the mapping gives it, and the parameter count that transformers saved, the mapping's
+    and the planner's (less the vocabulary padding rows of the embedding and output layer) are one number."""
+    model_dir = tiny_model_factory(model_type)
+    shape = load_model_shape(model_dir)
+    saved = load_file(model_dir / "model.safetensors")
+    mapped = {name: tensor_shape for m in model_mappings(shape) if m.exported
+              for name, tensor_shape in zip(m.hf_names, m.hf_shapes)}
+    assert {name: tuple(tensor.shape) for name, tensor in saved.items()} == mapped
+    padding = 2 * (shape.padded_vocab_size - shape.vocab_size) * shape.hidden_size
+    assert sum(t.numel() for t in saved.values()) == sum(map(math.prod, mapped.values())) == \
+        parameter_count(shape) - padding
+
+
 def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_name():
     shapes = known_shapes()
-    assert {"qwen2.5-math-7b", "qwen3-8b-base", "qwen3-1.7b", "qwen3-30b-a3b", "mistral-7b-v0.3"} <= set(shapes)
+    assert {"qwen2.5-math-7b", "qwen3-8b-base", "qwen3-1.7b", "qwen3-30b-a3b", "mistral-7b-v0.3", "mixtral-8x7b",
+            "mixtral-8x22b"} <= set(shapes)
     for name, fields in shapes.items():
         shape = model_shape_from_dict(fields, source=name)
         assert resolve_model_shape(f"/hub/{name.upper()}")[0] == shape, name
     mistral = resolve_model_shape("mistralai/Mistral-7B-v0.3")[0]
     assert (mistral.arch, mistral.num_kv_heads, mistral.head_dim, mistral.qkv_bias) == ("mistral", 8, 128, False)
+    mixtral = resolve_model_shape("mistralai/Mixtral-8x22B-v0.1")[0]  # 141B parameters, 39B active (Mistral AI)
+    assert (mixtral.arch, mixtral.num_experts, mixtral.moe_top_k, mixtral.moe_ffn_hidden_size) == ("mixtral", 8, 2, 16384)
+    assert round(parameter_count(mixtral) / 1e9) == 141
+    assert round(parameter_count(resolve_model_shape("Mixtral-8x7B-Instruct-v0.1")[0]) / 1e9, 1) == 46.7
 
 
 def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggestion():
@@ -58,6 +82,11 @@ def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggest
 
 @pytest.mark.parametrize("model_type, fields, phrase", [
     ("mistral", {"sliding_window": 4096}, "mistral with sliding_window 4096"),  # Mistral-7B-v0.1's window
+    ("mixtral", {"sliding_window": 4096, "num_local_experts": 4, "num_experts_per_tok": 2},
+     "mixtral with sliding_window 4096"),
+    ("mixtral", {"router_jitter_noise": 0.1, "num_local_experts": 4, "num_experts_per_tok": 2},
+     "mixtral with router_jitter_noise 0.1"),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok <= num_local_experts"),
     ("llama", {"attention_bias": True}, "biased llama projections"),
     ("qwen2_moe", {"mlp_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 48}, "biased qwen2_moe projections"),

@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Qwen2-MoE (a gated shared expert) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
+"""Qwen3-MoE, Qwen2-MoE (a gated shared expert) and Mixtral on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
 sequence parallelism, EP=2 x TP=2, and EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
 
 import re
@@ -24,6 +24,8 @@ VARIANTS = {  # name -> (arch, make_tiny_checkpoint options)
                                               "tie_word_embeddings": True}),
     # Qwen2-MoE: QKV bias, unnormalised top-2, a sigmoid-gated shared expert (width 48) in every MoE layer.
     "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    # Mixtral: renormalised top-2 of 4 experts of width intermediate_size (176), checkpoint names block_sparse_moe / w1-3.
+    "mixtral": ("mixtral", {}),
 }
 
 

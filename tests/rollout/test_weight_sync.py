@@ -30,11 +30,12 @@ def test_sync_weights_reports_bytes_and_updates_the_engine(tiny_model_factory, m
     assert all(torch.equal(engine.named_parameters_hf()[name], t) for name, t in new.items())
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_engine_takes_checkpoint_named_experts(tiny_model_factory, arch):
-    """A Qwen3-MoE / Qwen2-MoE engine (transformers keeps each layer's experts fused) names and takes its weights as
-    the checkpoint and the trainer's push do, one tensor per expert projection; updates land in the fused tensors
-    (and in Qwen2-MoE's shared expert and its gate)."""
+    """A Qwen3-MoE / Qwen2-MoE / Mixtral engine (transformers keeps each layer's experts fused, in a block it names
+    `mlp`) names and takes its weights as the checkpoint and the trainer's push do, one tensor per expert projection
+    (Mixtral's: `block_sparse_moe.experts.{e}.w1` / `w3` / `w2`); updates land in the fused tensors (and in
+    Qwen2-MoE's shared expert and its gate)."""
     from safetensors.torch import load_file
 
     model_dir = tiny_model_factory(arch)
@@ -47,4 +48,6 @@ def test_moe_engine_takes_checkpoint_named_experts(tiny_model_factory, arch):
     sync_weights(engine, iter(new.items()))
     assert all(torch.equal(engine.named_parameters_hf()[name], t) for name, t in new.items())
     fused = dict(engine.model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
-    assert torch.equal(fused[2, 32:], new["model.layers.1.mlp.experts.2.up_proj.weight"])
+    up = next(name for name in new if name.startswith("model.layers.1.") and name.endswith(
+        ".experts.2.w3.weight" if arch == "mixtral" else ".experts.2.up_proj.weight"))
+    assert torch.equal(fused[2, fused.shape[1] // 2:], new[up])

@@ -1,6 +1,6 @@
-"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE in one process: the local engine
-records its routes, and the actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics
-against counts taken from the HF model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
+"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE and a tiny Mixtral in one
+process: the local engine records its routes, and the actor's forward replays them (R3) or its own earlier ones (R2);
+the routing metrics against counts taken from the HF model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
 
 import pytest
 import torch
@@ -40,10 +40,10 @@ def bias_routing(model, bias: torch.Tensor) -> None:
         gate.forward = forward
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def setup(tiny_model_factory, request):
     """(checkpoint, biased engine, its samples' batch, its HF model's router logits of every sample [B][L] [T, E])."""
-    checkpoint = tiny_model_factory("qwen3_moe")
+    checkpoint = tiny_model_factory(request.param)
     engine = LocalEngine(AutoModelForCausalLM.from_pretrained(checkpoint), record_routes=True)
     bias_routing(engine.model, ENGINE_BIAS)
     prompts = [[5, 17, 30, 2], [40, 8, 9], [5, 17, 30, 2], [11, 90]]  # rows 0 and 2 share a prefill

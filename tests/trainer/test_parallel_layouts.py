@@ -36,6 +36,7 @@ MODELS = {
     "tied": {"arch": "qwen3", "tie_word_embeddings": True, "vocab_size": 100, "head_dim": 32},
     "moe": {"arch": "qwen3_moe"},  # 4 experts, top-2 (tests/trainer/test_moe_layouts.py)
     "qwen2-moe": {"arch": "qwen2_moe"},  # 4 experts, top-2 unnormalised, a gated shared expert, QKV biases
+    "mixtral": {"arch": "mixtral"},  # 4 experts of width intermediate_size, top-2 renormalised, block_sparse_moe names
 }
 
 # job name -> (checkpoint kind, tp, pp, head, worker options...); the jobs of one process count share one launch.
@@ -44,8 +45,8 @@ JOBS = {
         "budget-packed": ("dense", 1, 1, "torch", "budget=40", "packed"),
         "moe-base": ("moe", 1, 1, "torch"), "moe-aux": ("moe", 1, 1, "torch", "aux=0.1"),
         "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute"),
-        "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"),
-        "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2")},
+        "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
+        "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -62,6 +63,7 @@ JOBS = {
         "moe-tp2-sp-etp1": ("moe", 2, 1, "torch", "sp", "etp=1"),
         "moe-tp2-sp-ep2-etp1": ("moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
         "qwen2-moe-tp2-sp-ep2-etp1": ("qwen2-moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
+        "mixtral-pp2": ("mixtral", 1, 2, "torch"),
         "bf16-tp2": ("dense", 2, 1, "torch", "bf16", "clip=0.2"), "bf16-pp2": ("dense", 1, 2, "torch", "bf16", "clip=0.2"),
         "bf16-dp2-distopt": ("dense", 1, 1, "torch", "bf16", "distopt", "clip=0.2")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
@@ -266,6 +268,14 @@ def test_moe_ep2_and_pp2_steps_match_single_rank(runs):
     assert "moe/aux_loss" not in base["metrics"] and 0.5 < aux["metrics"]["moe/aux_loss"] < 2.5, aux["metrics"]
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.o_proj.weight"):
         assert not torch.equal(aux["grads"][name], base["grads"][name]), name
+
+
+def test_mixtral_pp2_step_matches_single_rank(runs):
+    """A Mixtral ARMOR step over PP=2 equals the one-process step (its TP=2 and EP=2 logprobs and gradients:
+    tests/models/test_moe.py); the gradients come back under its checkpoint's names."""
+    base = runs["mixtral-base"][0]
+    assert any(".block_sparse_moe.experts.3.w2." in name for name in base["grads"])
+    assert_same_step(runs["mixtral-pp2"], base)
 
 
 def test_moe_expert_tp1_steps_match_single_rank(runs):

@@ -7,7 +7,9 @@ Adding a family that reuses the layer kinds built here (attention with or withou
 dense or routed SwiGLU MLPs, a shared expert) is one module here, imported below, plus its tests.
 """
 
-from megatron_armor.models.families import llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 (register)
+from megatron_armor.models.families import (  # noqa: F401 (register)
+    llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe,
+)
 from megatron_armor.models.families.base import ModelConfigError, ModelFamily
 from megatron_armor.models.families.moe import MoEFamily
 from megatron_armor.models.families.registry import (

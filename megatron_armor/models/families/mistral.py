@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_armor.models.families.base import ModelConfigError, ModelFamily
+from megatron_armor.models.families.base import ModelFamily, refuse_sliding_window
 from megatron_armor.models.families.registry import register_family
 
 
@@ -16,9 +16,7 @@ class MistralFamily(ModelFamily):
     """Refuses a set `sliding_window` (MistralConfig's default is 4096; the v0.2+ releases write null)."""
 
     def shape_fields(self, hf: dict, source: str) -> dict[str, Any]:
-        if hf.get("sliding_window") is not None:
-            raise ModelConfigError(f"{source}: mistral with sliding_window {hf['sliding_window']} (attention over a "
-                                   f"window) is not supported; supported: sliding_window null (full attention)")
+        refuse_sliding_window(hf, source, self.model_type)
         return super().shape_fields(hf, source)
 
 

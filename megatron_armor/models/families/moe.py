@@ -1,11 +1,17 @@
-"""`MoEFamily`: a family whose MLPs are routed experts (Qwen2-MoE, Qwen3-MoE)."""
+"""`MoEFamily`: a family whose MLPs are routed experts with a softmax router (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+
 from megatron_armor.models.families.base import ModelConfigError, ModelFamily
+from megatron_armor.models.families.weights import ExpertNames, ParamMapping, moe_mappings
+from megatron_armor.models.layer_specs import layer_spec
+from megatron_armor.models.shape import ModelShape
 
 # A tiny test checkpoint's experts: 4 of width 32, top-2, every layer MoE, no auxiliary loss.
 TINY_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
@@ -20,6 +26,7 @@ class MoEFamily(ModelFamily):
     `shared_expert_intermediate_size` that every token passes through, scaled by a learned sigmoid gate, too."""
 
     shared_expert: bool = False
+    expert_names: ExpertNames = field(default_factory=ExpertNames)  # its checkpoint's names of a MoE block
 
     def shape_fields(self, hf: dict, source: str) -> dict[str, Any]:
         return {**super().shape_fields(hf, source), **self._expert_fields(hf, source)}
@@ -43,3 +50,52 @@ class MoEFamily(ModelFamily):
         return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
                 "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": tuple(dense),
                 "shared_expert_ffn_hidden_size": shared}
+
+    def megatron_fields(self, shape: ModelShape) -> dict[str, Any]:
+        """The attention's fields, the router's scores and the shared expert. HF's router takes the softmax over all
+        experts, then the top k, renormalised when `norm_topk_prob`: that is Megatron's softmax over the top-k logits
+        (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k. A shared expert is
+        Megatron's `SharedExpertMLP` (split over TP as a dense MLP), with its sigmoid gate vector
+        (`moe_shared_expert_gate`) where the checkpoint has one (`expert_names.shared_gate`)."""
+        fields = super().megatron_fields(shape) | {"moe_router_score_function": "softmax",
+                                                   "moe_router_pre_softmax": not shape.norm_topk_prob}
+        if shape.shared_expert_ffn_hidden_size:
+            fields |= {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
+                       "moe_shared_expert_gate": self.expert_names.shared_gate is not None}
+        return fields
+
+    def mlp_mappings(self, m: str, h: str, layer: int, shape: ModelShape, *, fused_norms: bool,
+                     ep_size: int) -> list[ParamMapping]:
+        """Routed experts (and the shared expert) in a MoE layer, a dense SwiGLU MLP in `shape.dense_layers`."""
+        if not shape.is_moe_layer(layer):
+            return super().mlp_mappings(m, h, layer, shape, fused_norms=fused_norms, ep_size=ep_size)
+        return moe_mappings(m, h, shape, ep_size, self.expert_names)
+
+    def layer_spec(self, shape: ModelShape, layer: int, *, sequence_parallel: bool) -> ModuleSpec:
+        """Megatron's GPT layer with its `MoELayer` (router, this rank's experts, the shared expert) in a MoE layer,
+        with a dense MLP in `shape.dense_layers`."""
+        return layer_spec(qk_layernorm=shape.qk_norm, sequence_parallel=sequence_parallel,
+                          num_experts=shape.num_experts if shape.is_moe_layer(layer) else None)
+
+    def engine_named_views(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers 5 holds a MoE layer's experts as two stacked tensors, `mlp.experts.gate_up_proj`
+        [E, 2 * I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I], and names
+        the block `mlp` whatever the checkpoint calls it; these become one view per expert and projection under the
+        checkpoint's names (`expert_names`): `{block}.experts.{e}.{gate}.weight` [I, H], `{up}` [I, H], `{down}`
+        [H, I], and the block's other tensors (router, shared expert) are renamed to `{block}`."""
+        names, views = self.expert_names, {}
+        for name, tensor in params.items():
+            layer, dot_mlp, rest = name.partition(".mlp.")
+            block = f"{layer}.{names.block}."
+            if not dot_mlp:
+                views[name] = tensor
+            elif rest == "experts.gate_up_proj":
+                for expert, fused in enumerate(tensor):
+                    gate, up = fused.chunk(2, dim=0)
+                    views[f"{block}experts.{expert}.{names.gate}.weight"] = gate
+                    views[f"{block}experts.{expert}.{names.up}.weight"] = up
+            elif rest == "experts.down_proj":
+                views.update({f"{block}experts.{expert}.{names.down}.weight": down for expert, down in enumerate(tensor)})
+            else:
+                views[block + rest] = tensor
+        return views

@@ -43,6 +43,7 @@ from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
 from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
 from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
+from megatron_armor.trainer.step.validation import Validation
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
@@ -58,9 +59,7 @@ class TrainingSetup:
 
     trainer: RLTrainer
     models: PolicyHandles
-    val_rows: list[PromptRow]
-    val_scorer: SampleScorer
-    val_sampling: SamplingParams
+    validation: Validation
 
 
 def context_length_warning(cfg: ArmorConfig, shape: ModelShape) -> str | None:
@@ -111,8 +110,8 @@ def build_training(
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
                         ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim, parts)
-    return TrainingSetup(trainer=trainer, models=models, val_rows=all_val_rows[: cfg.eval.max_prompts],
-                         val_scorer=val_scorer, val_sampling=val_sampling)
+    validation = Validation.from_config(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling)
+    return TrainingSetup(trainer=trainer, models=models, validation=validation)
 
 
 def _memory_handoff(cfg: ArmorConfig, actor_engine: RolloutEngine, ref_engine: RolloutEngine) -> MemoryHandoff | None:

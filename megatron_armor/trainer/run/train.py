@@ -25,7 +25,7 @@ from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.run.build import TrainingSetup, build_training
 from megatron_armor.trainer.run.task_setup import TaskPaths, prepare_task
-from megatron_armor.trainer.step.loop import RLTrainer, evaluate
+from megatron_armor.trainer.step.loop import RLTrainer
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 from megatron_armor.trainer.update.faults import TooManySkipsError
 from megatron_armor.utils.extras import detect_gpu_extras
@@ -189,12 +189,10 @@ def _stale_engines(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, re
 
 
 def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, step: int) -> dict[str, float]:
-    """Validation metrics of the actor's engine after `step` steps ({} without validation prompts; collective)."""
-    if not setup.val_rows:
-        return {}
-    result = evaluate(setup.models.actor_engine, setup.val_rows, setup.val_scorer, setup.val_sampling,
-                      n=cfg.rollout.sampling.val_n, seed=(cfg.train.seed, step, "val"))
-    if ctx.is_main:
+    """Validation metrics of the actor's engine after `step` steps (trainer/step/validation.py; {} without validation
+    prompts; collective)."""
+    result = setup.validation.run(setup.models.actor_engine, seed=(cfg.train.seed, step, "val"))
+    if result and ctx.is_main:
         tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
     return result
 

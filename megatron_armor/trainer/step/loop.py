@@ -13,13 +13,11 @@ from typing import Any
 import torch
 
 from megatron_armor.algorithms import Algorithm
-from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.step_geometry import StepGeometry
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.planning.flops import rl_step_flops
-from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.trainer.checkpointing.sharded_state import restore_module, restore_order, sharded_modules
@@ -27,9 +25,8 @@ from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.engine_weights import EngineWeights
 from megatron_armor.trainer.rollouts import async_rollouts  # noqa: F401 - registers rollout.mode async
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
-from megatron_armor.trainer.rollouts.rollout_phase import RolloutPhase, RolloutSources, mean
+from megatron_armor.trainer.rollouts.rollout_phase import RolloutPhase, RolloutSources
 from megatron_armor.trainer.rollouts.rollout_schedule import RolloutSchedule
-from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 from megatron_armor.trainer.update.faults import NonFiniteUpdate
@@ -380,17 +377,3 @@ class RLTrainer:
         if self.anchor_cache is not None and "anchor_cache" in state:
             self.anchor_cache.load_state_dict(state["anchor_cache"])
 
-
-def evaluate(
-    engine: RolloutEngine, prompts: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *, n: int, seed: tuple
-) -> dict[str, float]:
-    """Validation accuracy (mean correctness over `n` samples of every prompt), reward, response length (tokens) and
-    the share of responses an interrupted engine cut short (finish_reason "abort"; 0 unless something interrupted
-    the validation engine, whose responses must be whole)."""
-    samples = generate_samples(engine, prompts, n, sampling, scorer, is_anchor=False, seed=seed)
-    return {
-        "val/accuracy": mean([float(s.correct) for s in samples]),
-        "val/reward_mean": mean([s.reward for s in samples]),
-        "val/response_length": mean([len(s.response_ids) for s in samples]),
-        "val/aborted_fraction": mean([float(s.finish_reason == "abort") for s in samples]),
-    }

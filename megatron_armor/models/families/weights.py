@@ -1,0 +1,129 @@
+"""Building blocks of a family's weight mapping table: the `ParamMapping`s of standard attention, a dense SwiGLU MLP
+and a routed-expert MLP, which a `ModelFamily` composes into its decoder layers (`ModelFamily.layer_mappings`).
+
+Every Megatron parameter is produced from one or more HF tensors (full shapes in `hf_shapes`) by one of five
+layouts (`convert.mapping` slices and joins them):
+
+- ``replicated``: identical on every tensor-parallel (TP) rank (norm weights, routers).
+- ``column``: split along dim 0 (vocab-parallel embedding / output layer).
+- ``row``: split along dim 1 (attention output projection, MLP down projection).
+- ``qkv``: q, k, v fused per query group: for each KV group g, the rows of its ``heads_per_group`` query heads, then
+  its key head, then its value head; TP ranks own contiguous groups. Applies to the weight ``[groups*(hpg+2)*d, H]``
+  and the bias ``[groups*(hpg+2)*d]``.
+- ``gate_up``: SwiGLU fc1; each TP rank holds ``cat(gate_shard, up_shard)``.
+
+Megatron names follow the layer spec: Megatron's local spec keeps separate ``input_layernorm`` /
+``pre_mlp_layernorm`` modules, Transformer Engine fuses them into ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight`` (``fused_norms``); a MoE layer's norm is a module of its own in either spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_armor.models.shape import ModelShape
+
+Layout = Literal["replicated", "column", "row", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """Megatron parameter `megatron_name` <-> HF tensors `hf_names` (in fusion order) of full shapes `hf_shapes`."""
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    layout: Layout
+    hf_shapes: tuple[tuple[int, ...], ...]
+    exported: bool = True  # False for a copy that another stage already exports (tied output layer)
+    expert_rank: int | None = None  # the expert-parallel rank holding this expert (None: every EP rank has it)
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a family's HF checkpoint names a MoE block's tensors: ``model.layers.{i}.{block}.{router}.weight`` [E, H],
+    ``{block}.experts.{e}.{gate|up|down}.weight``, and a shared expert's ``{block}.{shared}.{gate|up|down}.weight``
+    with, where `shared_gate` is set, its sigmoid gate vector ``{block}.{shared_gate}.weight`` [1, H]."""
+
+    block: str = "mlp"
+    router: str = "gate"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str = "shared_expert"
+    shared_gate: str | None = "shared_expert_gate"
+
+
+def attention_mappings(
+    m: str, h: str, shape: ModelShape, fused_norms: bool
+) -> tuple[list[ParamMapping], list[ParamMapping]]:
+    """Standard (GQA) self-attention of the layer whose Megatron / HF prefixes are `m` / `h` and its input norm (fused
+    into the QKV projection by Transformer Engine), then its optional parts (QKV bias, q/k norms), which the table
+    lists after the MLP."""
+    attn, hidden, d = h + "self_attn.", shape.hidden_size, shape.head_dim
+    q, kv = shape.num_attention_heads * d, shape.num_kv_heads * d
+    input_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+    mappings = [
+        ParamMapping(m + input_norm, (h + "input_layernorm.weight",), "replicated", ((hidden,),)),
+        ParamMapping(m + "self_attention.linear_qkv.weight",
+                     (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), "qkv",
+                     ((q, hidden), (kv, hidden), (kv, hidden))),
+        ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row", ((hidden, q),)),
+    ]
+    extras = []
+    if shape.qkv_bias:
+        extras.append(ParamMapping(m + "self_attention.linear_qkv.bias",
+                                   (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), "qkv",
+                                   ((q,), (kv,), (kv,))))
+    if shape.qk_norm:
+        extras += [
+            ParamMapping(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated", ((d,),)),
+            ParamMapping(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated", ((d,),)),
+        ]
+    return mappings, extras
+
+
+def dense_mlp_mappings(m: str, h: str, shape: ModelShape, fused_norms: bool) -> list[ParamMapping]:
+    """A dense SwiGLU MLP of width `shape.ffn_hidden_size` and its norm (fused into fc1 by Transformer Engine)."""
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
+    return [ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated",
+                         ((shape.hidden_size,),))] + _swiglu(
+        m + "mlp.", h + "mlp.", ExpertNames(), shape.ffn_hidden_size, shape.hidden_size)
+
+
+def moe_mappings(m: str, h: str, shape: ModelShape, ep_size: int, names: ExpertNames) -> list[ParamMapping]:
+    """A MoE layer's norm, router and the experts of every EP rank (HF expert ``e`` is local expert ``j`` of EP rank
+    ``r``, ``e = r * experts_per_rank + j``, ``mlp.experts.local_experts.{j}``), ordered by local expert, then fc1 /
+    fc2, then EP rank (a parameter's EP copies are consecutive), then the shared expert, split over TP as a dense MLP
+    on every EP rank (`shape.shared_expert_ffn_hidden_size` > 0), and its gate vector where the family has one."""
+    per_rank, hidden, block = shape.num_experts // ep_size, shape.hidden_size, f"{h}{names.block}."
+    mappings = [
+        ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated",
+                     ((hidden,),)),
+        ParamMapping(m + "mlp.router.weight", (f"{block}{names.router}.weight",), "replicated",
+                     ((shape.num_experts, hidden),)),
+    ]
+    experts = [_swiglu(f"{m}mlp.experts.local_experts.{local}.", f"{block}experts.{rank * per_rank + local}.", names,
+                       shape.moe_ffn_hidden_size, hidden, expert_rank=rank)
+               for local in range(per_rank) for rank in range(ep_size)]
+    mappings += [fc[i] for local in range(per_rank) for i in (0, 1)
+                 for fc in experts[local * ep_size:(local + 1) * ep_size]]
+    if shape.shared_expert_ffn_hidden_size:
+        mappings += _swiglu(m + "mlp.shared_experts.", f"{block}{names.shared}.", names,
+                            shape.shared_expert_ffn_hidden_size, hidden)
+        if names.shared_gate:
+            mappings.append(ParamMapping(m + "mlp.shared_experts.gate_weight", (f"{block}{names.shared_gate}.weight",),
+                                         "replicated", ((1, hidden),)))
+    return mappings
+
+
+def _swiglu(m: str, h: str, names: ExpertNames, width: int, hidden: int, *,
+            expert_rank: int | None = None) -> list[ParamMapping]:
+    """fc1 (gate, up: [width, hidden] each) and fc2 (down: [hidden, width]) of one SwiGLU MLP under Megatron / HF
+    prefixes `m` / `h`."""
+    return [
+        ParamMapping(m + "linear_fc1.weight", (f"{h}{names.gate}.weight", f"{h}{names.up}.weight"), "gate_up",
+                     ((width, hidden), (width, hidden)), expert_rank=expert_rank),
+        ParamMapping(m + "linear_fc2.weight", (f"{h}{names.down}.weight",), "row", ((hidden, width),),
+                     expert_rank=expert_rank),
+    ]

@@ -1,0 +1,55 @@
+"""Decoder layer specs a model family chooses from (`ModelFamily.layer_spec`): Megatron-Core's GPT layer with
+standard self-attention and a dense or routed SwiGLU MLP, on Transformer Engine where it runs, else on Megatron's
+local layers made to run on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_armor.models.attention import SDPAttention
+from megatron_armor.models.norm import SequenceParallelRMSNorm
+
+
+def transformer_engine_usable() -> bool:
+    """True when Transformer Engine is installed and a CUDA device exists (its layers need both)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+
+def layer_spec(
+    *, qk_layernorm: bool = False, use_transformer_engine: bool | None = None, sequence_parallel: bool = False,
+    num_experts: int | None = None,
+) -> ModuleSpec:
+    """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
+    local layers with SDPA core attention (runs on CPU and GPU); with `sequence_parallel` their norms are
+    `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism). With `num_experts` the MLP
+    is Megatron's `MoELayer`: a `TopKRouter` and a `SequentialMLP` of this rank's experts (one SwiGLU MLP each,
+    `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels), and with the config's
+    `moe_shared_expert_intermediate_size` its `SharedExpertMLP` (Qwen2-MoE)."""
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_usable()
+    if use_transformer_engine:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention
+    attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
+    layer_norms = {}
+    if sequence_parallel:
+        norm = SequenceParallelRMSNorm
+        attention_submodules = dataclasses.replace(
+            attention_submodules, **({"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {})
+        )
+        layer_norms = {"input_layernorm": norm, "pre_mlp_layernorm": norm}
+    self_attention = dataclasses.replace(attention, submodules=attention_submodules)
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention, **layer_norms)
+    )

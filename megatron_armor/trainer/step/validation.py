@@ -1,0 +1,125 @@
+"""Evaluate datasets on a rollout engine: validation during training and `armor eval` both run this.
+
+Each dataset's prompts are sampled n times through `generate_samples` (the requests dealt round-robin over the
+ranks, each rank seeded from the call's seed and its rank, as training's rollouts are), scored by the dataset's
+reward function, and turned into `SampleRecord`s and the dataset's metrics (evaluation/scores.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_armor.config import ArmorConfig
+from megatron_armor.data.datasets import PromptRow, load_prompt_rows
+from megatron_armor.evaluation.scores import SampleRecord, dataset_metrics
+from megatron_armor.evaluation.settings import AnswerFn, EvalDataset, validation_datasets
+from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
+from megatron_armor.utils.seeding import stable_seed
+
+# What validation logged before dataset lists, from the primary dataset (the first, or eval.primary): kept under these
+# names (the collapse monitor and checkpoint.keep_best read val/accuracy).
+_PRIMARY_KEYS = {"val/reward_mean": "reward_mean", "val/response_length": "response_length",
+                       "val/aborted_fraction": "aborted_fraction"}
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A dataset ready to evaluate: its settings, tokenized prompts, scorer, sampling and answer extractor."""
+
+    dataset: EvalDataset
+    rows: list[PromptRow]
+    scorer: SampleScorer
+    sampling: SamplingParams
+    extract: AnswerFn | None = None
+
+    @classmethod
+    def load(cls, dataset: EvalDataset, tokenizer, stop_token_ids: tuple[int, ...]) -> EvalSet:
+        """Read and tokenize `dataset`'s prompts (a row without the prompt or answer key is an error here, before
+        anything generates) and import its functions."""
+        rows = load_prompt_rows(dataset.path, tokenizer=tokenizer, prompt_key=dataset.prompt_key,
+                                answer_key=dataset.answer_key, apply_chat_template=dataset.apply_chat_template,
+                                max_prompt_length=dataset.max_prompt_length)
+        sampling = SamplingParams(temperature=dataset.temperature, top_p=dataset.top_p,
+                                  max_new_tokens=dataset.max_new_tokens, stop_token_ids=stop_token_ids)
+        return cls(dataset, rows[: dataset.max_prompts], SampleScorer(tokenizer, dataset.reward()), sampling,
+                   dataset.answer_extractor())
+
+
+@dataclass(frozen=True)
+class DatasetResult:
+    """One dataset evaluated: every response (prompt-major) and the dataset's metrics."""
+
+    name: str
+    records: list[SampleRecord]
+    metrics: dict[str, float]
+
+
+def evaluate_set(engine: RolloutEngine, eval_set: EvalSet, *, seed: tuple) -> DatasetResult:
+    """Sample, score and measure `eval_set` on `engine` (collective when torch.distributed is initialised: every
+    rank returns the whole result). The same `seed` and number of ranks give the same samples."""
+    dataset, scorer = eval_set.dataset, eval_set.scorer
+    samples = generate_samples(engine, eval_set.rows, dataset.n, eval_set.sampling, scorer, is_anchor=False,
+                               seed=seed)
+    records = []
+    for i, sample in enumerate(samples):
+        text = scorer.response_text(sample.response_ids, sample.finish_reason)
+        records.append(SampleRecord(
+            prompt_id=sample.prompt_index, sample=i % dataset.n, response=text,
+            answer=None if eval_set.extract is None else eval_set.extract(text), reward=sample.reward,
+            correct=sample.correct, length=len(sample.response_ids), finish_reason=sample.finish_reason,
+        ))
+    return DatasetResult(dataset.name, records, dataset_metrics(records, dataset, seed=stable_seed(*seed)))
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The datasets validated during training. `per_dataset` (eval.datasets given): every dataset's metrics are
+    logged as val/<name>/<metric>; in any case the primary dataset's avg@n is val/accuracy, beside its reward,
+    response length and aborted fraction (what validation of data.val_path logs)."""
+
+    sets: list[EvalSet]
+    per_dataset: bool
+    primary: int = 0  # the set whose avg@n is val/accuracy
+
+    @classmethod
+    def from_config(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
+                    val_scorer: SampleScorer, val_sampling: SamplingParams) -> Validation:
+        """eval.datasets' list, else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
+        rollout.sampling.val_n times with `val_sampling` and scored by `val_scorer`; none without either."""
+        if cfg.eval.datasets is not None:
+            datasets, primary = validation_datasets(cfg.eval.datasets, cfg.eval.primary)
+            return cls([EvalSet.load(d, tokenizer, stop_token_ids) for d in datasets], per_dataset=True,
+                       primary=primary)
+        if not val_rows:
+            return cls([], per_dataset=False)
+        data, sampling = cfg.data, cfg.rollout.sampling
+        dataset = EvalDataset(
+            name="val", path=cfg.data.val_path or "", prompt_key=data.prompt_key, answer_key=data.answer_key,
+            reward_fn=cfg.reward.val_fn or cfg.reward.train_fn, n=sampling.val_n, temperature=val_sampling.temperature,
+            top_p=val_sampling.top_p, max_new_tokens=val_sampling.max_new_tokens,
+            apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length,
+        )
+        return cls([EvalSet(dataset, val_rows[: cfg.eval.max_prompts], val_scorer, val_sampling)], per_dataset=False)
+
+    def run(self, engine: RolloutEngine, *, seed: tuple) -> dict[str, float]:
+        """The validation metrics ({} without datasets; collective)."""
+        if not self.sets:
+            return {}
+        return validation_metrics([evaluate_set(engine, s, seed=seed) for s in self.sets],
+                                  per_dataset=self.per_dataset, primary=self.primary)
+
+
+def validation_metrics(results: Sequence[DatasetResult], *, per_dataset: bool, primary: int = 0) -> dict[str, float]:
+    """val/accuracy (the avg@n of dataset `primary`), its standard error val/accuracy_stderr (the bootstrap's over
+    prompts: the collapse monitor's val_drop_se measures drops in it) and that dataset's reward, length and aborted
+    fraction; with
+    `per_dataset` also val/<name>/<metric> of every dataset."""
+    chosen = results[primary].metrics
+    (accuracy,) = [key for key in chosen if key.startswith("avg@") and not key.endswith("_stderr")]
+    metrics = {"val/accuracy": chosen[accuracy], "val/accuracy_stderr": chosen[f"{accuracy}_stderr"],
+               **{key: chosen[name] for key, name in _PRIMARY_KEYS.items()}}
+    if per_dataset:
+        metrics.update({f"val/{r.name}/{key}": value for r in results for key, value in r.metrics.items()})
+    return metrics
