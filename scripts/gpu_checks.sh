@@ -66,7 +66,7 @@ for part in $PARTS; do
     engine)
       timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/rollout/test_cuda_local_engine.py 2>&1 \
         | tee "$OUT/engine_tests.log" || status=1
-      timeout 280 python3 benchmarks/bench_rollout.py --vs-hf --device cuda --dtype bfloat16 --repeats 3 2>&1 \
+      timeout 280 python3 benchmarks/bench_rollout.py --vs-hf --device cuda --dtype bfloat16 --repeats 5 2>&1 \
         | tee "$OUT/bench_rollout_cuda.txt" || status=1
       ;;
     train)
