@@ -9,9 +9,10 @@ saves and loads (trainer/checkpointing/checkpoint.py); a policy's entry is its `
                  parameter, as "optimizer.state.<exp_avg|exp_avg_sq>.<parameter key>"; the distributed optimizer
                  uses Megatron's `fully_reshardable` format (its DP shards gathered to DP rank 0 of each group
                  for the save, sliced again on load), the same tensors, so a checkpoint reshards over TP, PP
-                 and DP and moves between the plain and the distributed optimizer (fp32 models: their master
-                 weights are the weights, saved once as the actor's). The Adam step count (one for every
-                 parameter) travels beside it
+                 and DP and moves between the plain and the distributed optimizer (bf16 models: the distributed
+                 optimizer's master weights are saved under the plain one's key, "optimizer.state.fp32_param.<key>";
+                 fp32 models: their master weights are the weights, saved once as the actor's). The Adam step
+                 count (one for every parameter) travels beside it
     "ref"        the reference's sharded state dict, its keys behind "ref." (when the trainer checkpoints it)
     other        e.g. "subspace": the module's `state_dict()` as one object per (PP, TP) position,
                  replicated over DP: it resumes only at the TP x PP layout it was saved at
@@ -32,7 +33,8 @@ from megatron_armor.trainer.update.optimizer import torch_optimizers
 
 OPTIMIZER = "optimizer"  # the actor's optimizer's entry
 DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-MASTER_WEIGHT_KEYS = ("optimizer.state.param.", "optimizer.state.fp32_param.")  # distributed, plain optimizer
+DISTRIBUTED_MASTER_KEY, PLAIN_MASTER_KEY = "optimizer.state.param.", "optimizer.state.fp32_param."
+MASTER_WEIGHT_KEYS = (DISTRIBUTED_MASTER_KEY, PLAIN_MASTER_KEY)
 
 
 def sharded_modules(modules: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
@@ -76,6 +78,8 @@ def _optimizer_state(optimizer: Any, actor: dict[str, Any], *, is_loading: bool)
     config = megatron.config
     if not (config.bf16 or config.fp16):
         _drop_master_weights(state, keep_data=is_loading)
+    else:
+        _rename_master_weights(state)
     step = ShardedObject("optimizer.adam_step", adam_step(megatron), (1,), (0,), replica_id=_global_rank())
     return {"megatron": state, "adam_step": step}
 
@@ -102,6 +106,44 @@ def _drop_master_weights(tree: Any, *, keep_data: bool) -> None:
             tree[key] = value.data if keep_data else None
         else:
             _drop_master_weights(value, keep_data=keep_data)
+
+
+def _rename_master_weights(tree: Any) -> None:
+    """Put the distributed optimizer's fp32 master weights ("optimizer.state.param.<key>") under the plain optimizer's
+    key ("optimizer.state.fp32_param.<key>"), in place, in a save or a load request: both shard them as the parameter
+    (the distributed one in its `fully_reshardable` form), so under one key a bf16 model's checkpoint moves between
+    the two optimizers."""
+    for value in tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else ():
+        if isinstance(value, ShardedBase) and value.key.startswith(DISTRIBUTED_MASTER_KEY):
+            value.key = PLAIN_MASTER_KEY + value.key.removeprefix(DISTRIBUTED_MASTER_KEY)
+        else:
+            _rename_master_weights(value)
+
+
+def check_precision_change(saved_keys: set[str], request: dict[str, Any]) -> None:
+    """Refuse to resume an "optimizer" across parameter dtypes: a bf16 model's optimizer keeps fp32 master weights
+    (under `PLAIN_MASTER_KEY`, or `DISTRIBUTED_MASTER_KEY` in a distributed optimizer's checkpoint written before the
+    two shared a key), an fp32 model's has none, so neither state is the other's. `saved_keys`: the checkpoint's
+    tensor keys; `request`: the loading trainer's sharded modules."""
+    if "optimizer" not in request:
+        return
+    wanted = _has_key(request["optimizer"], PLAIN_MASTER_KEY)
+    saved = any(key.startswith(MASTER_WEIGHT_KEYS) for key in saved_keys)
+    if wanted != saved:
+        dtypes = ("float32", "bfloat16") if wanted else ("bfloat16", "float32")
+        raise ValueError(
+            f"the checkpoint's optimizer was saved with model.params_dtype {dtypes[0]} and this run trains in "
+            f"{dtypes[1]}: Adam's state of one is not the other's (a bf16 model's holds fp32 master weights, an fp32 "
+            f"model's none). Resume with model.params_dtype {dtypes[0]}, or start a new run (fresh optimizer) from the "
+            f"checkpoint's weights: checkpoint.save_model writes them to step_N/model/, for model.path")
+
+
+def _has_key(tree: Any, prefix: str) -> bool:
+    """Whether a sharded leaf of `tree` has a key starting with `prefix`."""
+    if isinstance(tree, ShardedBase):
+        return tree.key.startswith(prefix)
+    children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else ()
+    return any(_has_key(value, prefix) for value in children)
 
 
 def adam_step(optimizer: Any) -> int:

@@ -1,9 +1,11 @@
 """Actor wrapping for training: Megatron DDP + Megatron's Adam optimizer + the warmup schedule.
 
 Megatron's own optimizer runs here on CPU and GPU alike (Adam with decoupled weight decay, global
-grad-norm clipping across TP/PP/DP ranks). On CPU it falls back to `torch.optim.AdamW` inside
-Megatron's `FP32Optimizer` (no apex / Transformer Engine fused Adam) and its grad clipping goes
-through adaptation 5 of `distributed.cpu_compat`; on GPU the fused kernels are used when present.
+grad-norm clipping across TP/PP/DP ranks), for fp32 models (`FP32Optimizer`) and bf16 ones (Megatron's
+mixed-precision `Float16OptimizerWithFloat16Params` or distributed optimizer: fp32 main grads and master weights,
+bf16 weights copied from them after each step). On CPU it falls back to torch's Adam (no apex / Transformer
+Engine fused Adam) and its grad clipping goes through adaptation 5 of `distributed.cpu_compat` (bf16:
+adaptation 12); on GPU the fused kernels are used when present.
 """
 
 from __future__ import annotations
@@ -44,9 +46,6 @@ def wrap_for_training(
     The returned optimizer's `state_dict()` then holds this rank's shard (`ShardedStateOptimizer`).
     """
     config = model.config
-    if config.bf16 and not next(model.parameters()).is_cuda:
-        raise ValueError("model.params_dtype bfloat16 trains through Megatron's mixed-precision optimizer, which "
-                         "needs CUDA tensors: on CPU train in float32")
     config.finalize_model_grads_func = finalize_model_grads
     with megatron_device_scope():
         ddp = DistributedDataParallel(
