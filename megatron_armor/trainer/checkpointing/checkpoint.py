@@ -122,7 +122,7 @@ def publish(tmp: Path, final: Path, record: dict[str, Any], *, keep_last: int, b
             shutil.rmtree(final)
         os.replace(tmp, final)
         if best is not None and best.step == record["step"]:
-            best.write_note(final)
+            best.write_note(final.parent, final.name)
         if keep_last > 0:
             for step, old in list_checkpoints(final.parent)[:-keep_last]:
                 if best is None or step != best.step:

@@ -46,12 +46,13 @@ class EngineWeights:
         None when it does."""
         return None if policy.holds_weights else self.push(policy)
 
-    def reference_became_actor(self) -> None:
-        """After a reference reset: a separate reference engine gets the new reference's weights; a shared engine
-        holding the actor's needs no push (it holds both now)."""
+    def reference_changed(self, *, to_actor: bool) -> None:
+        """After the reference's weights changed (`to_actor`: they are now the actor's): a separate reference engine
+        gets them; a shared engine holds them only when they are the actor's and it holds the actor's (else it loads
+        them before its next anchor phase)."""
         ref, actor = self.models.ref, self.models.actor
         if self.models.shared_engine:
-            ref.holds_weights = actor.holds_weights
+            ref.holds_weights = to_actor and actor.holds_weights
         else:
             self.push(ref)
 

@@ -160,8 +160,7 @@ def _build_models(
     for the push alone)."""
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
-        sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda",
-                                                                   moe=bool(shape.num_experts))
+        sequence_parallel = _sequence_parallel(cfg, shape)
         moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=cfg.recompute,
                                sequence_parallel=sequence_parallel, moe=moe)
@@ -181,6 +180,19 @@ def _build_models(
             if pushed:
                 log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)
     return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
+
+
+def _sequence_parallel(cfg: ArmorConfig, shape: ModelShape) -> bool:
+    """parallel.sequence_parallel as this run's models use it (on by default on GPU at TP > 1, and for MoE)."""
+    return cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda", moe=bool(shape.num_experts))
+
+
+def start_weights(cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape) -> dict[str, Any]:
+    """The weights the run's actor started from (model.path), at this rank's layout and under the actor's state-dict
+    keys (collective): what the anchor actions restore when the best checkpoint is the start."""
+    model = load_gpt_model(paths.model_path, shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype],
+                           sequence_parallel=_sequence_parallel(cfg, shape))
+    return model.state_dict()
 
 
 def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:

@@ -23,7 +23,8 @@ from megatron_armor.trainer.checkpointing.checkpoint import guard_run_dir, load_
 from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
-from megatron_armor.trainer.run.build import TrainingSetup, build_training
+from megatron_armor.trainer.guard.reference_reset import ReferenceReset
+from megatron_armor.trainer.run.build import TrainingSetup, build_training, start_weights
 from megatron_armor.trainer.run.task_setup import TaskPaths, prepare_task
 from megatron_armor.trainer.step.loop import RLTrainer
 from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
@@ -81,12 +82,16 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
-    trainer, watch = setup.trainer, CollapseWatch(cfg.monitor, is_main=ctx.is_main)
+    trainer = setup.trainer
+    watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
     best = BestCheckpoint.from_config(cfg.checkpoint)
     saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                             best=best)
-    anchor = AnchorSwitch.from_config(cfg, trainer, best, saver, watch, is_main=ctx.is_main)
-    trackers = [tracker for tracker in (watch, best, anchor) if tracker is not None]  # their state rides in checkpoints
+    start = functools.partial(start_weights, cfg, paths, setup.models.shape)
+    anchor = AnchorSwitch.from_config(cfg, trainer, best, saver, watch, start, is_main=ctx.is_main)
+    reset = ReferenceReset.from_config(cfg.monitor, trainer, watch, is_main=ctx.is_main)
+    # their state rides in checkpoints
+    trackers = [tracker for tracker in (watch, best, anchor, reset) if tracker is not None]
     start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
@@ -97,6 +102,10 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
         watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
+        if best is not None:  # the start is the first restore point
+            best.consider_start(initial, Path(paths.model_path), saver.root, is_main=ctx.is_main)
+        if reset is not None:
+            reset.observe_start(initial)
         metrics_log.log(0, initial)
     progress = tqdm(
         range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
@@ -109,7 +118,9 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
             metrics.update(validate(done))
         verdict = watch.observe(done, metrics)
         alarms = verdict.stopping
-        anchored = anchor is not None and anchor.act(done, verdict.anchoring, metrics)
+        anchored = anchor is not None and anchor.act(done, verdict.anchoring, metrics, restart=verdict.restarting)
+        if reset is not None and not anchored:
+            reset.act(done, metrics)
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
         saving = stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps

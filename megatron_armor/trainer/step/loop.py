@@ -269,7 +269,21 @@ class RLTrainer:
             for ref_param, actor_param in zip(ref.module.parameters(), actor.module.parameters(), strict=True):
                 ref_param.copy_(actor_param)
         self.anchors.reference_changed()
-        self.engine_weights.reference_became_actor()
+        self.engine_weights.reference_changed(to_actor=True)
+        return {"armor/ref_reset": 1.0}
+
+    def set_reference(self, reference_state: dict[str, Any]) -> dict[str, float]:
+        """The anchor_keep action (collective): the reference gets the weights `reference_state` (a loaded actor
+        entry of `sharded_state_dict`, e.g. the best checkpoint's) and is checkpointed from now on; the actor, its
+        optimizer and the lr schedule go on untouched. Cached anchors and a rollout generated ahead are dropped (the
+        old reference's), and the reference's engine gets the new weights. Its metrics."""
+        self.rollouts.discard_queued()
+        ref = self.models.ref
+        with torch.no_grad(), self.colocation.weights_resident(ref.name):
+            ref.load_state_dict(reference_state)
+        self.checkpoints_reference = True
+        self.anchors.reference_changed()
+        self.engine_weights.reference_changed(to_actor=False)
         return {"armor/ref_reset": 1.0}
 
     # ----- the monitor's anchor action (trainer/guard/anchor_switch.py) -----------------------------
