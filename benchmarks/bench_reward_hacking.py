@@ -1,7 +1,7 @@
 """Reward hacking, side by side: GRPO (DAPO-style), GRPO + KL, ARMOR, GRPO with the collapse monitor's anchor
 action on level alarms (grpo+anchor), GRPO guarded by the trend alarms and the gentle action (grpo+guard: anchor_keep
-on hack_rate_trend / reward_gap_trend, anchor on val_drop_se / hack_rate) and ARMOR with the monitor-timed reference
-reset (armor+reset), trained from the same warm-started tiny model with the same seed and budget on a task whose
+on hack_rate_trend / reward_gap_trend, anchor on val_drop_se / hack_rate; grpo+keep: anchor_keep only, never a
+restart) and ARMOR with the monitor-timed reference reset (armor+reset), trained from the same warm-started tiny model with the same seed and budget on a task whose
 training grader has a loophole (megatron_armor/rewards/loophole.py); --seeds repeats the whole comparison.
 
 The task is the synthetic arithmetic one ("3+5-2=" -> "3+5=8,8-2=6 Answer: 6"). The training reward is `lenient`:
@@ -46,9 +46,13 @@ RUNS = {
     "armor": ["algorithm.name=armor", f"rollout.sampling.n_samples={ACTOR_N + 1}", f"armor.alpha={ACTOR_N / (ACTOR_N + 1)}"],
     "grpo+anchor": ["algorithm.name=grpo", f"rollout.sampling.n_samples={ACTOR_N}", "checkpoint.keep_best=val/accuracy",
                     "monitor.actions=[hack_rate=anchor, val_drop=anchor]"],
+    # the trend alarms over 8 steps: this task's exploit spreads within 10-20 steps of a restart
     "grpo+guard": ["algorithm.name=grpo", f"rollout.sampling.n_samples={ACTOR_N}", "checkpoint.keep_best=val/accuracy",
-                   "monitor.actions=[hack_rate_trend=anchor_keep, reward_gap_trend=anchor_keep, val_drop_se=anchor, "
-                   "hack_rate=anchor]"],
+                   "monitor.trend_window=8", "monitor.actions=[hack_rate_trend=anchor_keep, reward_gap_trend=anchor_keep, "
+                   "val_drop_se=anchor, hack_rate=anchor]"],
+    "grpo+keep": ["algorithm.name=grpo", f"rollout.sampling.n_samples={ACTOR_N}", "checkpoint.keep_best=val/accuracy",
+                  "monitor.trend_window=8", "monitor.actions=[hack_rate_trend=anchor_keep, hack_rate=anchor_keep, "
+                  "val_drop_se=anchor_keep]"],
     "armor+reset": ["algorithm.name=armor", f"rollout.sampling.n_samples={ACTOR_N + 1}",
                     f"armor.alpha={ACTOR_N / (ACTOR_N + 1)}", "monitor.reference_reset=true"],
 }
