@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Qwen2-MoE HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
 (expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one process, or one per pipeline
 stage) round trips are bitwise."""
 
@@ -23,6 +23,9 @@ CASES = {
     "qwen2-moe-shared-expert-tp2-ep2": ("qwen2_moe", {}, {"tp": 2, "ep": 2}, 1),
     # Mixtral: its checkpoint's names (block_sparse_moe, w1 / w3 / w2), saved at TP=2 x EP=2, exported over PP=2.
     "mixtral-tp2-ep2": ("mixtral", {}, {"tp": 2, "ep": 2}, 2),
+    # GLM-4.5: the routers' expert-bias buffers, QKV biases, q/k norms and an ungated shared expert, written by TP=2
+    # ranks that are EP=2 at expert TP 1, exported over PP=2.
+    "glm4-moe-tp2-ep2-etp1": ("glm4_moe", {}, {"tp": 2, "ep": 2, "etp": 1}, 2),
 }
 
 
