@@ -81,6 +81,7 @@ def write_megatron_shards(
         config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype, ep_size=ep, etp_size=etp)
         with torch.device("meta"):
             model = build_gpt_model(shape, config, trainable=False)
+        model.to("meta")  # Megatron's routers allocate their buffers (an expert bias) on an explicit device
         strategy = StreamingSaveStrategy(model, hf_parameter_source(model, hf_dir, shape))
         save_model_checkpoint(model, shape, staging, side_files_from=hf_dir, strategy=strategy)
     finally:
