@@ -13,6 +13,7 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     extra state), by their qualified names."""
     tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
     for prefix, child in module.named_modules():
-        tensors.update({f"{prefix}.{name}" if prefix else name: buffer for name, buffer in child.named_buffers(recurse=False)
-                        if buffer is not None and name not in child._non_persistent_buffers_set})
+        tensors.update({f"{prefix}.{name}" if prefix else name: buffer
+                        for name, buffer in child.named_buffers(recurse=False)
+                        if name not in child._non_persistent_buffers_set})
     return tensors
