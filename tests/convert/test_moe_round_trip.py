@@ -42,3 +42,26 @@ def test_moe_round_trip_is_bitwise(case, tiny_model_factory, tmp_path):
     expected = {name: original[name] for name in reader.names() if not (tied and name == "lm_head.weight")}
     assert exported.keys() == expected.keys()
     assert all(exported[name].equal(tensor) for name, tensor in expected.items())
+
+
+def test_a_bf16_glm_checkpoint_keeps_its_fp32_expert_bias_bit_for_bit(tiny_model_factory, tmp_path):
+    """transformers keeps GLM's routers' expert bias in fp32 beside bf16 weights (as the released checkpoints store
+    it): conversion accepts the mix, Megatron keeps the bias in fp32, and the round trip returns every tensor in its
+    own dtype, bit for bit."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    source = tiny_model_factory("glm4_moe")
+    hf_dir = tmp_path / "bf16"
+    shutil.copytree(source, hf_dir)
+    original = {name: t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+                for name, t in load_file(str(source / "model.safetensors")).items()}
+    save_file(original, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    megatron = convert_hf_to_megatron(hf_dir, tmp_path / "megatron", tp=2, pp=1, ep=2)
+    back = convert_megatron_to_hf(megatron, tmp_path / "hf", pp=1)
+    exported = load_file(str(back / "model.safetensors"))
+    assert {t.dtype for name, t in exported.items() if "e_score_correction_bias" in name} == {torch.float32}
+    assert exported.keys() == original.keys()
+    assert all(exported[name].dtype == t.dtype and exported[name].equal(t) for name, t in original.items())
