@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_armor.convert.carried import export_carried_tensors
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
 from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, WrittenShard, name_shards
 from megatron_armor.convert.mapping import ParamMapping, megatron_shards_to_hf
@@ -87,8 +88,9 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
             shards = writer.close()
         written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp
         dist.all_gather_object(written, (stage_rank, shards))
-        if dist.get_rank() == 0:
-            name_shards(staging, [shard for _, stage_shards in sorted(written) for shard in stage_shards])
+        if dist.get_rank() == 0:  # the stages' shards, then the carried tensors' (multi-token prediction)
+            carried = export_carried_tensors(megatron_dir, staging, max_shard_bytes)
+            name_shards(staging, [shard for _, stage_shards in sorted(written) for shard in stage_shards] + carried)
             copy_side_files(megatron_dir, staging)
         dist.barrier()
     finally:

@@ -93,11 +93,20 @@ class HFCheckpointReader:
         return headers
 
 
+def carried_names(reader: HFCheckpointReader, shape: ModelShape) -> list[str]:
+    """The tensors of `reader`'s checkpoint in its multi-token-prediction layers (`shape.mtp_layers` layers after the
+    decoder's: `model.layers.{num_layers + i}.*`), which the model does not build and conversion carries verbatim
+    (`convert.carried`)."""
+    prefixes = tuple(f"model.layers.{shape.num_layers + i}." for i in range(shape.mtp_layers))
+    return sorted(name for name in reader.names() if prefixes and name.startswith(prefixes))
+
+
 def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of the HF tensors a `shape` model is built from (all stages together),
     from the safetensors headers only; raises `CheckpointError` unless the checkpoint of `reader` holds
     exactly those, each in the shape config.json implies (so reading TP slices of them is safe).
 
+    Tensors of the multi-token-prediction layers (`carried_names`) are accepted and not checked here.
     With tied embeddings a stored `lm_head.weight` is also accepted and never read, as vLLM's loaders
     skip it: the model's output layer is the embedding itself, and some exporters still write the tied
     copy. It is not compared with the embedding, which would read two [vocab, hidden] tensors in a
@@ -106,7 +115,7 @@ def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str,
     headers = reader.headers()
     # name -> shape config.json implies, in model order: the first mismatch is named
     expected = {n: tensor_shape for m in model_mappings(shape) for n, tensor_shape in zip(m.hf_names, m.hf_shapes)}
-    stored = reader.names() - ({TIED_HEAD} if shape.tie_word_embeddings else set())
+    stored = reader.names() - ({TIED_HEAD} if shape.tie_word_embeddings else set()) - set(carried_names(reader, shape))
     missing, unexpected = set(expected) - stored, stored - set(expected)
     if missing or unexpected:
         raise CheckpointError(

@@ -50,6 +50,9 @@ class ModelShape:
     router_groups: int = 1
     router_group_topk: int = 1
     routed_scaling_factor: float = 1.0
+    # Multi-token-prediction layers the HF checkpoint holds after its decoder layers (GLM's num_nextn_predict_layers,
+    # `model.layers.{num_layers + i}.*`): not built or trained, their tensors carried through conversion verbatim.
+    mtp_layers: int = 0
 
     @property
     def heads_per_group(self) -> int:

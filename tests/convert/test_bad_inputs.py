@@ -78,17 +78,18 @@ def test_options_the_model_would_not_build_are_refused(hf_copy, tmp_path, capsys
     assert_refused(capsys, convert(hf_copy, out), out, phrase)
 
 
-def test_glm_multi_token_prediction_layer_and_unrenormalised_router_are_refused_by_name(tiny_model_factory, tmp_path,
-                                                                                       capsys):
-    """A GLM-4.5 checkpoint's multi-token-prediction layer (after the last decoder layer) is not built: its tensors
-    are named as unexpected; a sigmoid router without renormalisation is refused by its config field."""
+def test_glm_layers_the_config_does_not_declare_and_an_unrenormalised_router_are_refused_by_name(
+        tiny_model_factory, tmp_path, capsys):
+    """Tensors of a GLM-4.5 layer after the last decoder layer that config.json does not declare a
+    multi-token-prediction layer (num_nextn_predict_layers 0) are named as unexpected (with 1 they are carried:
+    tests/convert/test_moe_round_trip.py); a sigmoid router without renormalisation is refused by its config field."""
     source = tiny_model_factory("glm4_moe")
     copy = tmp_path / "hf"
     shutil.copytree(source, copy)
     tensors = load_file(copy / "model.safetensors")
     save_file({**tensors, "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, copy / "model.safetensors",
               metadata={"format": "pt"})
-    edit_config(copy, num_nextn_predict_layers=1)
+    edit_config(copy, num_nextn_predict_layers=0)
     out = tmp_path / "out"
     assert_refused(capsys, convert(copy, out), out, "unexpected ['model.layers.2.eh_proj.weight']")
     edit_config(copy, norm_topk_prob=False)

@@ -16,8 +16,8 @@ trained nor updated, and exports as loaded.
 Refused by name: `norm_topk_prob` false (Megatron's sigmoid router renormalises top-k > 1 always), grouped routing
 whose group merit is not the two best scores of a group (Megatron scores a group by its top
 `num_experts_per_tok / topk_group`), and an expert count the groups do not divide. The multi-token-prediction
-layers real checkpoints carry after the last decoder layer (`num_nextn_predict_layers`) are not built: their tensors
-are refused as unexpected by conversion (transformers' model does not build them either).
+layers real checkpoints hold after the last decoder layer (`num_nextn_predict_layers`) are not built (nor by
+transformers' model) and not trained: conversion carries their tensors verbatim (`convert.carried`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class Glm4MoEFamily(MoEFamily):
                 "norm_topk_prob": True, "dense_layers": tuple(range(min(dense, hf["num_hidden_layers"]))),
                 "shared_expert_ffn_hidden_size": hf.get("n_shared_experts", 1) * hf["moe_intermediate_size"],
                 "router_score": "sigmoid", "expert_bias": True, "router_groups": groups,
-                "router_group_topk": group_topk, "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0))}
+                "router_group_topk": group_topk, "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                "mtp_layers": hf.get("num_nextn_predict_layers", 0)}
 
     def router_fields(self, shape: ModelShape) -> dict[str, Any]:
         """Megatron's sigmoid router with its expert bias held fixed (update rate 0), groups where there are several,
