@@ -94,8 +94,8 @@ def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggest
 def test_glm4_moe_reads_its_router_attention_and_dense_layers():
     shape = model_shape_from_dict({"model_type": "glm4_moe", **DENSE, **GLM, "n_group": 2, "topk_group": 1,
                                    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5})
-    assert (shape.router_score, shape.expert_bias, shape.router_groups, shape.router_group_topk,
-            shape.routed_scaling_factor) == ("sigmoid", True, 2, 1, 2.5)
+    assert (shape.expert_bias, shape.router_groups, shape.router_group_topk, shape.routed_scaling_factor,
+            shape.mtp_layers) == (True, 2, 1, 2.5, 0)
     assert (shape.dense_layers, shape.shared_expert_ffn_hidden_size, shape.rotary_percent) == ((0,), 32, 0.5)
     assert not shape.qkv_bias and not shape.qk_norm  # transformers' defaults: attention_bias, use_qk_norm false
     fields = model_family("glm4_moe").megatron_fields(shape)

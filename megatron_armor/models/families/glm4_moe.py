@@ -71,7 +71,7 @@ class Glm4MoEFamily(MoEFamily):
         return {"num_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
                 "norm_topk_prob": True, "dense_layers": tuple(range(min(dense, hf["num_hidden_layers"]))),
                 "shared_expert_ffn_hidden_size": hf.get("n_shared_experts", 1) * hf["moe_intermediate_size"],
-                "router_score": "sigmoid", "expert_bias": True, "router_groups": groups,
+                "expert_bias": True, "router_groups": groups,
                 "router_group_topk": group_topk, "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
                 "mtp_layers": hf.get("num_nextn_predict_layers", 0)}
 
