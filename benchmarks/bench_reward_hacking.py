@@ -69,7 +69,7 @@ def overrides(run: str, out: Path, start: Path, args: argparse.Namespace) -> lis
         "parallel.tensor_parallel_size=1", f"task.cache_dir={out / 'cache'}", f"logging.run_dir={out / run}",
         f"model.path={start}", "task.warm_start_steps=0",
         f"reward.train_fn={GRADERS}:lenient", f"reward.val_fn={GRADERS}:strict", f"reward.audit_fns=[{GRADERS}:strict]",
-        f"rollout.sampling.actor_n={ACTOR_N}", f"train.max_steps={args.steps}", f"train.lr={args.lr}",
+        f"rollout.sampling.actor_n={ACTOR_N}", f"train.max_steps={args.steps}", f"optimizer.lr={args.lr}",
         f"train.seed={args.seed}", f"eval.every={args.eval_every}", "eval.before_train=true",
         f"eval.max_prompts={args.val_prompts}", f"checkpoint.every={args.eval_every}", "checkpoint.keep_last=1",
         "checkpoint.save_model=false", "monitor.enabled=true", "logging.tensorboard=false", "logging.plot=false",

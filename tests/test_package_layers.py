@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_armor", "utils", "config", "data", "rewards"),
     ("algorithms", "models", "kernels", "distributed", "monitor"),
     ("rollout", "convert", "scoring", "planning"),
-    ("teacher", "diagnostics", "evaluation"),
+    ("teacher", "diagnostics", "evaluation", "agentic"),
     ("trainer",),
     ("launch", "cli", "__main__"),
 )

@@ -190,9 +190,8 @@ class LengthGrowth(RatioToRecent):
         return ratio > 1 + self.threshold
 
 
-class WindowMean(AlarmRule):
-    """A per-step statistic (`value` of the metrics) averaged over the window: fires while the window is full and
-    its mean > threshold; logged as monitor/<kind>_mean."""
+class RecentValues(AlarmRule):
+    """A per-step statistic (`value` of the metrics, named `what` in reasons) kept over the last `size` steps."""
 
     value: ClassVar[Callable[[Mapping[str, float]], float | None]]
     what: ClassVar[str]  # the statistic, for the reason
@@ -202,11 +201,21 @@ class WindowMean(AlarmRule):
         self.recent = Window(window)
         self.windows = {"recent": self.recent}
 
-    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+    def pushed(self, metrics: Mapping[str, float]) -> bool:
+        """Push the step's statistic; False when the step has none (the rule observes nothing)."""
         value = self.value(metrics)
-        if value is None:
+        if value is not None:
+            self.recent.push(value)
+        return value is not None
+
+
+class WindowMean(RecentValues):
+    """A per-step statistic averaged over the window: fires while the window is full and its mean > threshold;
+    logged as monitor/<kind>_mean."""
+
+    def observe(self, metrics: Mapping[str, float]) -> Observation | None:
+        if not self.pushed(metrics):
             return None
-        self.recent.push(value)
         mean = self.recent.mean()
         reason = f"{self.what} averages {mean:.4g} over the last {len(self.recent.values)} steps (> {self.threshold})"
         return Observation({f"monitor/{self.kind}_mean": mean}, self.recent.full and mean > self.threshold, reason)
@@ -287,27 +296,18 @@ class ValDropStdErr(AlarmRule):
         return Observation({"monitor/val_drop_se": max(min(in_errors, 1e6), -1e6)}, in_errors > self.threshold, reason)
 
 
-class Trend(AlarmRule):
+class Trend(RecentValues):
     """A per-step statistic's least-squares slope over the last `trend_window` steps (per step; divided by the
     window's mean when `relative`): fires while the window is full and the slope (its size, when `two_sided`) >
     threshold; logged as monitor/<kind>."""
 
     window_setting = "trend_window"
-    value: ClassVar[Callable[[Mapping[str, float]], float | None]]
-    what: ClassVar[str]
     relative: ClassVar[bool] = False
     two_sided: ClassVar[bool] = False
 
-    def __init__(self, threshold: float, window: int) -> None:
-        super().__init__(threshold, window)
-        self.recent = Window(window)
-        self.windows = {"recent": self.recent}
-
     def observe(self, metrics: Mapping[str, float]) -> Observation | None:
-        value = self.value(metrics)
-        if value is None:
+        if not self.pushed(metrics):
             return None
-        self.recent.push(value)
         mean = self.recent.mean()
         if not self.recent.full or (self.relative and mean <= 0):
             return Observation()

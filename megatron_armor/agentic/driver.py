@@ -1,0 +1,196 @@
+"""Multi-turn rollouts: the rollout-function API, the environment loop built on it, and one asyncio task per
+trajectory under a cap on those in flight.
+
+A rollout function is `async def rollout(ctx: RolloutContext, row: dict) -> Trajectory`: it samples with
+`ctx.generate(token_ids)` and builds its trajectory with a `TrajectoryBuilder` (users who write their own loop
+start here). `environment_rollout(make_env)` is the rollout function of an `Environment`: render the first
+messages, then per turn sample, let the environment answer, append the template's delta, until the environment ends
+the episode or a limit (`AgentLimits`) does. Whatever a trajectory's environment, tools or rollout function raise,
+the trajectory ends `failed`, its error logged once with its row, and the other trajectories go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from megatron_armor.agentic.environment import Environment, MalformedMessages, Message, check_messages
+from megatron_armor.agentic.generate import GenerateResult, Generator
+from megatron_armor.agentic.render import ChatRenderer
+from megatron_armor.agentic.tools import WORKER_THREADS, ToolError, in_thread
+from megatron_armor.agentic.trajectory import (
+    DRIFT_POLICIES, DriftPolicy, Status, Trajectory, TrajectoryBuilder, TrajectoryStats, TurnCheck,
+)
+from megatron_armor.rollout.base import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """max_turns: policy turns per trajectory (truncated after); max_total_tokens: tokens of the growing segment
+    (the next prompt plus what it may sample; truncated when spent); max_invalid_turns: invalid turns in a row
+    (e.g. malformed tool calls) before the trajectory is aborted; on_drift: agentic/trajectory.py's drift policy."""
+
+    max_turns: int = 8
+    max_total_tokens: int = 4096
+    max_invalid_turns: int = 3
+    on_drift: DriftPolicy = "keep"
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "max_invalid_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.on_drift not in DRIFT_POLICIES:
+            raise ValueError(f"AgentLimits.on_drift must be one of {DRIFT_POLICIES}, got {self.on_drift!r}")
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What a rollout function gets: `generate` on the policy's engine, the tokenizer (with its chat template), the
+    turn's sampling settings (stop tokens: those that end an assistant turn) and the limits."""
+
+    generator: Generator
+    tokenizer: PreTrainedTokenizerBase
+    sampling: SamplingParams
+    limits: AgentLimits = AgentLimits()
+
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams | None = None) -> GenerateResult:
+        return await self.generator.generate(token_ids, sampling or self.sampling)
+
+
+RolloutFunction = Callable[[RolloutContext, dict], Awaitable[Trajectory]]
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`: awaited on the loop when a coroutine function, else run in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await in_thread(fn, *args)
+
+
+@dataclass
+class _Episode:
+    """The state of one environment trajectory while it runs."""
+
+    row: dict
+    stats: TrajectoryStats
+    messages: list[Message]
+    turn_rewards: list[float]
+    builder: TrajectoryBuilder | None = None
+
+    def trajectory(self, status: Status, reward: float, error: str | None = None) -> Trajectory:
+        builder = self.builder
+        return Trajectory(self.row, builder.trained_segments() if builder else [], status, reward, self.turn_rewards,
+                          self.messages, self.stats, builder.final_render_matches if builder else None, error)
+
+
+def environment_rollout(make_env: Callable[[], Environment]) -> RolloutFunction:
+    """The rollout function of the environments `make_env` makes (one per trajectory; agentic/environment.py)."""
+
+    async def rollout(ctx: RolloutContext, row: dict) -> Trajectory:
+        env = make_env()
+        episode = _Episode(row, TrajectoryStats(), [], [])
+        try:
+            renderer = ChatRenderer(ctx.tokenizer, ctx.sampling.stop_token_ids, env.tools)
+            status, error = await _play(ctx, env, renderer, episode)
+            episode.builder.finish(renderer.ids(episode.messages, generation_prompt=False))
+            reward = float(await _call(env.score, episode.messages))
+            return episode.trajectory(status, reward, error)
+        except Exception as error:
+            if isinstance(error, ToolError):
+                episode.stats.tool_calls += error.calls
+                episode.stats.tool_errors += 1
+            return episode.trajectory(Status.FAILED, 0.0, _log_failure(row, error))
+        finally:
+            await _call(env.close)
+
+    return rollout
+
+
+async def _play(ctx: RolloutContext, env: Environment, renderer: ChatRenderer,
+                episode: _Episode) -> tuple[Status, str | None]:
+    """Run the episode's turns; how it ended (and why, when aborted)."""
+    limits, stats, messages = ctx.limits, episode.stats, episode.messages
+    messages += check_messages(await _call(env.reset, episode.row), f"{type(env).__name__}.reset")
+    builder = episode.builder = TrajectoryBuilder(renderer.ids(messages, generation_prompt=True), limits.on_drift)
+    invalid_in_a_row = 0
+    while True:
+        budget = limits.max_total_tokens - builder.total_tokens
+        if budget <= 0:
+            return Status.TRUNCATED, None
+        start = time.perf_counter()
+        sampled = await ctx.generate(builder.prompt, replace(ctx.sampling, max_new_tokens=min(
+            ctx.sampling.max_new_tokens, budget)))
+        stats.generation_s += time.perf_counter() - start
+        builder.add_sampled(sampled.token_ids, sampled.logprobs)
+        stats.turns += 1
+        messages.append(renderer.assistant_message(sampled.token_ids))
+        if sampled.finish_reason != "stop":  # "length": a turn or the token budget ran out; "abort": interrupted
+            return (Status.ABORTED, "the engine interrupted the turn") if sampled.finish_reason == "abort" else (
+                Status.TRUNCATED, None)
+        start = time.perf_counter()
+        reply = await _call(env.step, messages)
+        stats.tool_s += time.perf_counter() - start
+        new = check_messages(reply.messages, f"{type(env).__name__}.step")
+        stats.tool_calls += reply.tool_calls
+        stats.tool_errors += reply.tool_errors
+        if reply.reward is not None:
+            episode.turn_rewards.append(float(reply.reward))
+        if reply.done:
+            return Status.COMPLETED, None
+        invalid_in_a_row = invalid_in_a_row + 1 if reply.invalid else 0
+        if invalid_in_a_row >= limits.max_invalid_turns:
+            return Status.ABORTED, f"{invalid_in_a_row} invalid turns in a row"
+        if stats.turns >= limits.max_turns:
+            return Status.TRUNCATED, None
+        messages += new
+        check = builder.add_context(renderer.continuation(sampled.token_ids, new),
+                                    renderer.ids(messages, generation_prompt=True))
+        stats.drift_turns += check in (TurnCheck.DRIFT, TurnCheck.FORK)
+
+
+def _log_failure(row: dict, error: Exception) -> str:
+    """Log a failed trajectory once (a traceback unless the error is a known kind with a full message); its error."""
+    message = f"{type(error).__name__}: {error}"
+    known = isinstance(error, (ToolError, MalformedMessages))
+    trace = "" if known else "\n" + "".join(traceback.format_exception(error)).rstrip()
+    logger.error("agentic: trajectory failed on row %.300r: %s%s", row, message, trace)
+    return message
+
+
+async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequence[dict],
+                       max_in_flight: int = 64) -> list[Trajectory]:
+    """One task per row running `rollout`, at most `max_in_flight` at once; trajectories in the order of `rows`.
+    A rollout function that raises gives a `failed` trajectory without segments. Synchronous environment methods and
+    plain-function tools run meanwhile on a pool of `max_in_flight` threads (`tools.WORKER_THREADS`), so every
+    trajectory in flight may wait on one; the pool is shut down on return without waiting for a call past its
+    time-out."""
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    admission = asyncio.Semaphore(max_in_flight)
+    threads = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="agentic-worker")
+    token = WORKER_THREADS.set(threads)  # the tasks below copy this context
+
+    async def one(row: dict) -> Trajectory:
+        async with admission:
+            try:
+                return await rollout(ctx, row)
+            except Exception as error:
+                return Trajectory(row, [], Status.FAILED, 0.0, [], [], TrajectoryStats(),
+                                  error=_log_failure(row, error))
+
+    try:
+        return list(await asyncio.gather(*(one(row) for row in rows)))
+    finally:
+        WORKER_THREADS.reset(token)
+        threads.shutdown(wait=False)

@@ -1,0 +1,232 @@
+"""The environment loop under bad input, all in one concurrent batch: an environment that raises, answers malformed
+messages or never ends; a tool that hangs, crashes or floods its output; malformed tool-call JSON. Each trajectory
+gets its status and one clear log line, the others finish, and no process or file descriptor is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
+from megatron_armor.agentic.chat_templates import make_chat_tokenizer
+from megatron_armor.agentic.driver import AgentLimits
+from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
+from megatron_armor.agentic.metrics import agent_metrics
+from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
+from megatron_armor.agentic.tool_env import ToolEnv
+from megatron_armor.agentic.tools import Tool, tool_calls_text
+from megatron_armor.agentic.trajectory import Status
+
+
+def hang(seconds: float) -> str:
+    time.sleep(seconds)
+    return "late"
+
+
+def crash() -> str:
+    raise ZeroDivisionError("the tool divided by zero")
+
+
+class CaseEnv(ToolEnv):
+    """Behaves as its row's "case" says."""
+
+    def __init__(self) -> None:
+        super().__init__([
+            Tool(add, ADD_SCHEMA), Tool(hang, {"type": "object", "properties": {"seconds": {}}}, timeout_s=0.2),
+            Tool(crash, {"type": "object"}), python_tool(PythonSandbox(timeout_s=1.0, max_output_bytes=2000)),
+        ])
+
+    def reset(self, row):
+        self.case = row["case"]
+        return [{"role": "user", "content": f"case {row['case']}: go"}]
+
+    async def step(self, messages):
+        if self.case == "env raises" and len(messages) > 2:
+            raise KeyError("the environment lost its state")
+        if self.case == "env malformed":
+            return EnvReply([{"role": "user", "content": 42}])
+        if self.case == "env never ends":
+            return EnvReply([{"role": "user", "content": "again"}])
+        return await super().step(messages)
+
+    def score(self, messages):
+        return 1.0
+
+
+CASES = {
+    "ok": [tool_calls_text([("add", {"a": 2, "b": 3})]), "5"],
+    "env raises": [tool_calls_text([("add", {"a": 1, "b": 1})]), "again", "done"],
+    "env malformed": ["hello"],
+    "env never ends": ["more"],
+    "tool hangs": [tool_calls_text([("hang", {"seconds": 1.5})])],
+    "tool crashes": [tool_calls_text([("crash", {})])],
+    "python loops": [tool_calls_text([("python", {"code": "while True: pass"})]), "done"],
+    "python floods": [tool_calls_text([("python", {"code": "print('x' * 100_000_000)"})]), "done"],
+    "bad json": ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'],
+}
+EXPECTED = {
+    "ok": Status.COMPLETED, "env raises": Status.FAILED, "env malformed": Status.FAILED,
+    "env never ends": Status.TRUNCATED, "tool hangs": Status.FAILED, "tool crashes": Status.FAILED,
+    "python loops": Status.COMPLETED, "python floods": Status.COMPLETED, "bad json": Status.ABORTED,
+}
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_bad_input_gives_each_trajectory_its_status_and_one_log_line_and_leaks_nothing(caplog):
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = PolicyByPrompt(tokenizer, stop_id, {f"case {c}:": turns for c, turns in CASES.items()})
+    fds, children = open_fds(), len(psutil.Process().children(recursive=True))
+    with caplog.at_level(logging.ERROR, logger="megatron_armor.agentic.driver"):
+        trajectories = play(policy, tokenizer, stop_id, make_env=CaseEnv, rows=[{"case": c} for c in CASES],
+                            limits=AgentLimits(max_turns=4, max_invalid_turns=2), max_in_flight=len(CASES))
+    by_case = {t.row["case"]: t for t in trajectories}
+    assert {c: t.status for c, t in by_case.items()} == EXPECTED
+    failures = {c: r.getMessage() for r in caplog.records for c in CASES
+                if f"on row {{'case': {c!r}}}:" in r.getMessage()}
+    assert len(caplog.records) == 4 and set(failures) == {c for c, s in EXPECTED.items() if s is Status.FAILED}
+    assert "KeyError: 'the environment lost its state'" in failures["env raises"]
+    assert "Traceback" in failures["env raises"]  # an unexpected error: its traceback, once
+    assert "malformed message at index 0" in failures["env malformed"]
+    assert "tool 'hang' timed out after 0.2 s" in failures["tool hangs"]
+    assert "tool 'crash' raised ZeroDivisionError: the tool divided by zero" in failures["tool crashes"]
+    assert by_case["env never ends"].stats.turns == 4
+    tool_says = {c: [m["content"] for m in by_case[c].messages if m["role"] == "tool"] for c in by_case}
+    assert tool_says["ok"] == ["5"] and by_case["ok"].reward == 1.0 and by_case["tool crashes"].reward == 0.0
+    assert tool_says["python loops"] == ["[killed: time limit]"]
+    assert tool_says["python floods"][0].endswith("[killed: output limit]")
+    assert len(tool_says["python floods"][0]) < 2100  # the sandbox limit, not 100 MB
+    assert all("not valid JSON" in m for m in tool_says["bad json"]) and len(tool_says["bad json"]) == 1
+    assert by_case["bad json"].error == "2 invalid turns in a row"
+    metrics = agent_metrics(trajectories)
+    assert metrics["agent/status_failed"] == pytest.approx(4 / 9)
+    # calls: ok, env raises, hang, crash, python loops, python floods, bad json x2; errors: hang, crash, bad json x2
+    assert metrics["agent/tool_calls_mean"] == pytest.approx(8 / 9)
+    assert metrics["agent/tool_error_rate"] == pytest.approx(4 / 8)
+    time.sleep(1.5)  # the hung tool's thread returns (a Python function cannot be stopped)
+    assert open_fds() == fds
+    assert len(psutil.Process().children(recursive=True)) == children
+
+
+def test_environment_classes_load_by_module_or_file_path(tmp_path):
+    file = tmp_path / "my_env.py"
+    file.write_text("from megatron_armor.agentic.environment import Environment\n"
+                    "class Echo(Environment):\n"
+                    "    def reset(self, row): return [{'role': 'user', 'content': row['prompt']}]\n"
+                    "    def step(self, messages): return None\n"
+                    "    def score(self, messages): return 0.0\n"
+                    "NotAnEnv = dict\n")
+    assert load_environment(f"{file}:Echo").__name__ == "Echo"
+    assert load_environment("agentic_helpers:AddEnv").__name__ == "AddEnv"
+    with pytest.raises(ValueError, match="is <class 'dict'>, not a subclass of .*Environment"):
+        load_environment(f"{file}:NotAnEnv")
+    with pytest.raises(ValueError, match="environment 'nowhere:Env': cannot import module 'nowhere'"):
+        load_environment("nowhere:Env")
+
+
+async def slow_lookup(key: str) -> str:
+    """Look a key up in a slow service."""
+    await asyncio.sleep(0.5)
+    return key.upper()
+
+
+class LookupEnv(ToolEnv):
+    finished: list[str] = []  # the cases, in the order their episodes ended
+
+    def __init__(self) -> None:
+        super().__init__([Tool(slow_lookup, {"type": "object", "properties": {"key": {}}}), Tool(add, ADD_SCHEMA)])
+
+    def reset(self, row):
+        self.case = row["case"]
+        return [{"role": "user", "content": f"case {row['case']}:"}]
+
+    def score(self, messages):
+        return 0.0
+
+    def close(self):
+        self.finished.append(self.case)
+
+
+def test_a_slow_tool_holds_only_its_own_trajectory():
+    """Per-trajectory tasks: a trajectory whose tool takes 0.5 s does not delay the one doing four quick turns,
+    which finishes first (a turn-synchronous loop would make every turn of it wait for the slow tool)."""
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    quick = [tool_calls_text([("add", {"a": i, "b": 1})]) for i in range(3)] + ["done"]
+    policy = PolicyByPrompt(tokenizer, stop_id, {"case slow:": [tool_calls_text([("slow_lookup", {"key": "k"})]),
+                                                                "done"],
+                                                 "case quick:": quick})
+    trajectories = play(policy, tokenizer, stop_id, make_env=LookupEnv, rows=[{"case": "slow"}, {"case": "quick"}],
+                        max_in_flight=2)
+    assert [t.stats.turns for t in trajectories] == [2, 4] and LookupEnv.finished == ["quick", "slow"]
+    assert [m["content"] for m in trajectories[0].messages if m["role"] == "tool"] == ["K"]
+    assert trajectories[0].stats.tool_s >= 0.5 > trajectories[1].stats.tool_s
+
+
+class GradedEnv(Environment):
+    """A simulated user who grades every turn (reward 0.5 per turn) and asks again until the third."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": f"case {row['case']}:"}]
+
+    def step(self, messages):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        return EnvReply([{"role": "user", "content": "Again."}], done=turns == 3, reward=0.5 * turns)
+
+    def score(self, messages):
+        return 1.0
+
+
+def test_per_turn_rewards_and_the_token_budget():
+    """Per-turn rewards are kept in order; a trajectory whose next turn would pass max_total_tokens is sampled only up
+    to the budget and ends truncated, its tokens within it."""
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = PolicyByPrompt(tokenizer, stop_id, {"case a:": ["one two three"]})
+    (graded,) = play(policy, tokenizer, stop_id, make_env=GradedEnv, rows=[{"case": "a"}])
+    assert (graded.status, graded.turn_rewards, graded.reward) == (Status.COMPLETED, [0.5, 1.0, 1.5], 1.0)
+    (segment,) = graded.segments
+    budget = len(segment.token_ids) - 2  # the third turn's last tokens do not fit
+    (cut,) = play(policy, tokenizer, stop_id, make_env=GradedEnv, rows=[{"case": "a"}],
+                  limits=AgentLimits(max_total_tokens=budget))
+    assert cut.status is Status.TRUNCATED and cut.stats.turns == 3 and cut.turn_rewards == [0.5, 1.0]
+    assert cut.segments[0].token_ids == segment.token_ids[:budget]
+
+
+def test_every_trajectory_in_flight_gets_a_thread_for_its_plain_function_tool():
+    """24 trajectories whose tool is a plain (blocking) function that returns only once all 24 calls are inside it
+    at the same time: more than the event loop's default pool (min(32, cores + 4) threads) would run at once here."""
+    calls = 24
+    barrier = threading.Barrier(calls, timeout=20)
+
+    def meet() -> str:
+        barrier.wait()
+        return "met"
+
+    class MeetEnv(ToolEnv):
+        def __init__(self):
+            super().__init__([Tool(meet, {"type": "object"}, timeout_s=30)])
+
+        def reset(self, row):
+            return [{"role": "user", "content": f"case {row['case']}:"}]
+
+        def score(self, messages):
+            return 0.0
+
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    policy = PolicyByPrompt(tokenizer, stop_id, {f"case {i}:": [tool_calls_text([("meet", {})]), "done"]
+                                                 for i in range(calls)})
+    trajectories = play(policy, tokenizer, stop_id, make_env=MeetEnv, rows=[{"case": i} for i in range(calls)],
+                        max_in_flight=calls)
+    assert {t.status for t in trajectories} == {Status.COMPLETED}
+    assert all([m["content"] for m in t.messages if m["role"] == "tool"] == ["met"] for t in trajectories)

@@ -1,0 +1,28 @@
+"""The batch's agent/* metrics, against sums done by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_armor.agentic.metrics import agent_metrics
+from megatron_armor.agentic.trajectory import Segment, Status, Trajectory, TrajectoryStats
+
+
+def trajectory(status, segments, stats, final=True):
+    return Trajectory({}, segments, status, 0.0, [], [], stats, final)
+
+
+def test_agent_metrics_are_batch_means_and_fractions():
+    a = trajectory(Status.COMPLETED, [Segment([1, 2, 3, 4], [0, 1, 0, 1], [0, -1, 0, -1])],
+                   TrajectoryStats(turns=2, tool_calls=3, tool_errors=1, generation_s=1.0, tool_s=3.0))
+    b = trajectory(Status.FAILED, [Segment([1, 2], [0, 1], [0, -1]), Segment([5, 6, 7], [0, 0, 1], [0, 0, -1])],
+                   TrajectoryStats(turns=2, tool_calls=1, generation_s=2.0, drift_turns=1), final=False)
+    c = trajectory(Status.FAILED, [], TrajectoryStats(), final=None)
+    metrics = agent_metrics([a, b, c])
+    assert metrics == pytest.approx({
+        "agent/turns_mean": 4 / 3, "agent/tool_calls_mean": 4 / 3, "agent/tool_error_rate": 1 / 4,
+        "agent/status_completed": 1 / 3, "agent/status_truncated": 0.0, "agent/status_aborted": 0.0,
+        "agent/status_failed": 2 / 3, "agent/trainable_token_fraction": 4 / 9, "agent/generation_s_mean": 1.0,
+        "agent/tool_s_mean": 1.0, "agent/drift_turn_fraction": 1 / 4, "agent/final_render_mismatch": 1 / 2,
+    })
+    assert agent_metrics([]) == {}
