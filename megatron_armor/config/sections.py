@@ -58,7 +58,12 @@ def check_expert_layout(tp: int, dp: int, ep: int, etp: int | None, *, where: st
 class ParallelConfig:
     tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
-    data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x dp processes")
+    data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x cp x dp processes")
+    context_parallel_size: int = doc(
+        1, "context parallelism: each sequence split over this many ranks in 2 x context_parallel_size zig-zag "
+        "chunks (rank r keeps chunks r and 2cp-1-r), keys and values exchanged inside attention; for responses "
+        "whose activations do not fit one GPU. Weights are not split (no effect on checkpoints or weight sync)"
+    )
     expert_parallel_size: int = doc(
         1, "MoE models: the routed experts split over this many ranks (each holds num_experts / expert_parallel_size); "
         "divides the expert count, and times expert_tensor_parallel_size divides tensor_parallel_size x "
@@ -76,7 +81,8 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"), 1)
+        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                                            "data_parallel_size"), 1)
         check_expert_layout(self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size,
                             self.expert_tensor_parallel_size, where="parallel.")
         require(not (self.sequence_parallel and self.tensor_parallel_size == 1),
@@ -96,7 +102,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return (self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+                * self.data_parallel_size)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from megatron_armor.config import SamplingConfig, TrainConfig
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
+from megatron_armor.scoring.context_split import ContextSplit
 from megatron_armor.scoring.micro_batches import MicroBatch, MicroBatching
 from megatron_armor.scoring.routes import RoutingPass
 
@@ -105,27 +106,44 @@ def forward_backward(
     the model; with `calculate_per_token_loss` Megatron's `finalize_model_grads` divides them by the
     total token count. With `routing` (a MoE model) each micro-batch's forward replays its routes and its routers'
     choices are recorded there (`scoring/routes.py`); the stage's forward is done when `chunk` returns, so under PP
-    each stage handles its own layers.
+    each stage handles its own layers. Under context parallelism each rank feeds the model its zig-zag chunks of
+    the rows and `loss_fn` sees the whole rows' scores, gathered over the CP group (`scoring/context_split.py`).
     """
     batches = list(micro_batches)
     mb_size, seq_len = batches[0].model_tokens[0].shape
     device = training_device()
 
+    split = ContextSplit.current()
+
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)  # host-to-GPU (or no-op): safe to overlap
         input_ids, position_ids, labels, packing = mb.model_tokens
+        if split is not None:
+            if packing is not None or routing is not None:
+                raise NotImplementedError("context parallelism does not yet split packed micro-batches or replay "
+                                          "a MoE model's routes")
+            input_ids, position_ids, labels = split.tokens(input_ids, labels)
         if routing is not None:
             routing.before(mb)
         if scoring.head == "fused":
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
                            output_processor=_fused_head(scoring), output_processor_context=labels)
-            head = lambda scores: loss_fn(_unpack(scores, mb), mb.rows)  # noqa: E731
+            head = lambda scores: _loss(scores, mb)  # noqa: E731
         else:
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
-            head = lambda logits: loss_fn(_unpack(_torch_head(logits, labels, scoring), mb), mb.rows)  # noqa: E731
+            head = lambda logits: _loss(_torch_head(logits, labels, scoring), mb)  # noqa: E731
         if routing is not None:
             routing.after(mb)
         return output, head
+
+    def _loss(scores: TokenScores, mb: MicroBatch):
+        """`loss_fn` on the micro-batch's rows: its scores unpacked, or under CP gathered from the CP ranks."""
+        if split is None:
+            return loss_fn(_unpack(scores, mb), mb.rows)
+        width = mb.rows.labels.shape[1]
+        entropy = None if scores.entropy is None else split.gather(scores.entropy, width)
+        loss, units, stats = loss_fn(TokenScores(split.gather(scores.logprobs, width), entropy), mb.rows)
+        return loss, split.count_once(units), stats
 
     with megatron_device_scope():
         return get_forward_backward_func()(
