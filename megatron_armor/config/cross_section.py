@@ -39,6 +39,9 @@ def check_cross_section(cfg: ArmorConfig) -> None:
             "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
             "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix of "
             "both; use routing_replay recompute (R2) or none with partial rollouts")
+    require(cfg.parallel.context_parallel_size == 1 or not t.pack_sequences,
+            f"parallel.context_parallel_size ({cfg.parallel.context_parallel_size}) does not split packed "
+            f"micro-batches yet: set train.pack_sequences false")
     require(t.mini_batch_size % dp == 0,
             f"train.mini_batch_size ({t.mini_batch_size}) must be divisible by parallel.data_parallel_size ({dp}) so "
             f"every data-parallel rank trains on the same number of prompts")
