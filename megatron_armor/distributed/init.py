@@ -82,6 +82,26 @@ def initialize_distributed(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     world_size = dist.get_world_size()
+    _check_world_size(world_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
+                      data_parallel_size)
+    check_expert_layout(tensor_parallel_size, world_size // (tensor_parallel_size * pipeline_parallel_size),
+                        expert_parallel_size, expert_tensor_parallel_size)
+    enable_cpu_compat()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel_size,
+            pipeline_model_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
+            expert_model_parallel_size=expert_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+        )
+    seed_everything(seed)
+    return current_context()
+
+
+def _check_world_size(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int,
+                      context_parallel_size: int, data_parallel_size: int | None) -> None:
+    """Raise ValueError unless TP x PP x CP (x DP, when given) fits `world_size` processes."""
     model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     layout = (f"tensor_parallel_size ({tensor_parallel_size}) x pipeline_parallel_size ({pipeline_parallel_size}) x "
               f"context_parallel_size ({context_parallel_size})")
@@ -96,19 +116,6 @@ def initialize_distributed(
     if world_size % model_parallel != 0:
         raise ValueError(f"world size {world_size} is not divisible by {layout}; launch a multiple of "
                          f"{model_parallel} processes")
-    check_expert_layout(tensor_parallel_size, world_size // (tensor_parallel_size * pipeline_parallel_size),
-                        expert_parallel_size, expert_tensor_parallel_size)
-    enable_cpu_compat()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel_size,
-            pipeline_model_parallel_size=pipeline_parallel_size,
-            context_parallel_size=context_parallel_size,
-            expert_model_parallel_size=expert_parallel_size,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-        )
-    seed_everything(seed)
-    return current_context()
 
 
 def current_context() -> DistributedContext:

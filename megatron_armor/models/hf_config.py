@@ -161,8 +161,7 @@ def transformer_config(
     shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None, recompute: ActivationRecompute = ActivationRecompute(),
     sequence_parallel: bool = False, ep_size: int = 1, etp_size: int | None = None, moe: MoERouting = MoERouting(),
-    cp_size: int = 1,
-) -> TransformerConfig:
+    cp_size: int = 1) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
 
     `recompute`: which activations the backward recomputes instead of keeping (none by default).
@@ -175,8 +174,7 @@ def transformer_config(
     `ep_size`, `etp_size`, `moe` (MoE models): experts over `ep_size` ranks, each split over `etp_size` ranks (expert
     TP; None: TP, Megatron's default here and in `initialize_model_parallel`, which must agree); load balancing
     (`MoERouting`). Training under TP needs `sequence_parallel` (Megatron's MoE layer refuses otherwise).
-    `cp_size`: context parallelism, each sequence over that many ranks (`parallel_state`'s CP group, which must
-    agree); the layer spec's core attention exchanges keys and values over it.
+    `cp_size`: each sequence over that many context-parallel ranks (`parallel_state`'s CP group must agree).
     """
     check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size, cp_size)
     return TransformerConfig(
@@ -200,8 +198,7 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=pp_size,
-        context_parallel_size=cp_size,
+        pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -106,8 +106,7 @@ def forward_backward(
     the model; with `calculate_per_token_loss` Megatron's `finalize_model_grads` divides them by the
     total token count. With `routing` (a MoE model) each micro-batch's forward replays its routes and its routers'
     choices are recorded there (`scoring/routes.py`); the stage's forward is done when `chunk` returns, so under PP
-    each stage handles its own layers. Under context parallelism each rank feeds the model its zig-zag chunks of
-    the rows and `loss_fn` sees the whole rows' scores, gathered over the CP group (`scoring/context_split.py`).
+    each stage handles its own layers. Under CP the model gets this rank's zig-zag chunks (`scoring/context_split`).
     """
     batches = list(micro_batches)
     mb_size, seq_len = batches[0].model_tokens[0].shape
@@ -128,22 +127,13 @@ def forward_backward(
         if scoring.head == "fused":
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
                            output_processor=_fused_head(scoring), output_processor_context=labels)
-            head = lambda scores: _loss(scores, mb)  # noqa: E731
+            head = lambda scores: _rows_loss(loss_fn, scores, mb, split)  # noqa: E731
         else:
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
-            head = lambda logits: _loss(_torch_head(logits, labels, scoring), mb)  # noqa: E731
+            head = lambda logits: _rows_loss(loss_fn, _torch_head(logits, labels, scoring), mb, split)  # noqa: E731
         if routing is not None:
             routing.after(mb)
         return output, head
-
-    def _loss(scores: TokenScores, mb: MicroBatch):
-        """`loss_fn` on the micro-batch's rows: its scores unpacked, or under CP gathered from the CP ranks."""
-        if split is None:
-            return loss_fn(_unpack(scores, mb), mb.rows)
-        width = mb.rows.labels.shape[1]
-        entropy = None if scores.entropy is None else split.gather(scores.entropy, width)
-        loss, units, stats = loss_fn(TokenScores(split.gather(scores.logprobs, width), entropy), mb.rows)
-        return loss, split.count_once(units), stats
 
     with megatron_device_scope():
         return get_forward_backward_func()(
@@ -155,6 +145,17 @@ def forward_backward(
             micro_batch_size=mb_size,
             forward_only=forward_only,
         )
+
+
+def _rows_loss(loss_fn: LossFn, scores: TokenScores, mb: MicroBatch, split: ContextSplit | None):
+    """`loss_fn` on the micro-batch's rows: its scores unpacked, or under CP gathered from the CP ranks (the units
+    counted once over the CP group)."""
+    if split is None:
+        return loss_fn(_unpack(scores, mb), mb.rows)
+    width = mb.rows.labels.shape[1]
+    entropy = None if scores.entropy is None else split.gather(scores.entropy, width)
+    loss, units, stats = loss_fn(TokenScores(split.gather(scores.logprobs, width), entropy), mb.rows)
+    return loss, split.count_once(units), stats
 
 
 def _torch_head(logits: torch.Tensor, labels: torch.Tensor, scoring: ScoringConfig) -> TokenScores:
