@@ -31,10 +31,11 @@ class ContextSplit:
 
     @classmethod
     def current(cls) -> ContextSplit | None:
-        """The split `parallel_state` asks for; None without context parallelism."""
-        if parallel_state.get_context_parallel_world_size() == 1:
+        """The split `parallel_state` asks for; None without context parallelism (or without its groups)."""
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+        if group is None or group.size() == 1:
             return None
-        return cls(ZigZag.current(), parallel_state.get_tensor_model_parallel_world_size())
+        return cls(ZigZag.current(group), parallel_state.get_tensor_model_parallel_world_size())
 
     def tokens(self, input_ids: torch.Tensor,
                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
