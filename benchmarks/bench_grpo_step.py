@@ -68,7 +68,7 @@ def armor_overrides(steps: int, run_dir: Path, cache: Path) -> list[str]:
         "--rollout.sampling.actor_n", str(GROUP), "--rollout.sampling.n_samples", str(GROUP),
         "--rollout.sampling.max_new_tokens", str(NEW_TOKENS), "--train.train_batch_size", str(PROMPTS),
         "--train.gen_batch_size", str(PROMPTS), "--train.mini_batch_size", str(PROMPTS),
-        "--train.micro_batch_size", str(PROMPTS * GROUP), "--train.lr", str(LR), "--train.warmup_steps", "0",
+        "--train.micro_batch_size", str(PROMPTS * GROUP), "--optimizer.lr", str(LR), "--optimizer.warmup_steps", "0",
         "--algorithm.filter_groups", "false", "--eval.every", "0", "--eval.before_train", "false",
         "--checkpoint.every", "100000", "--checkpoint.save_model", "false", "--logging.tensorboard", "false",
         "--logging.plot", "false", "--logging.progress_bar", "false",

@@ -26,9 +26,10 @@ from bench_models import qwen2_of_width
 
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.trainer.colocation.offload import TrainerOffload
-from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training
+from megatron_armor.trainer.update.optimizer import optimizer_step, wrap_for_training
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -61,7 +62,7 @@ def main() -> None:
     ctx = initialize_distributed(1, 1, 1)
     try:
         shape = load_model_shape(model_dir)
-        ddp, optimizer = wrap_for_training(load_gpt_model(model_dir, shape, trainable=True), AdamConfig())
+        ddp, optimizer = wrap_for_training(load_gpt_model(model_dir, shape, trainable=True), OptimizerConfig())
         ref = load_gpt_model(model_dir, shape)
         for buffer in ddp.buffers:
             buffer.grad_data.normal_(std=1e-3)

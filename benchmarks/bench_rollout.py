@@ -12,7 +12,8 @@ HTTP server (`--http`), to show the protocol overhead. Ratios are against (b), m
     python benchmarks/bench_rollout.py --vs-hf --device cuda --dtype bfloat16   # the same on a GPU
 
 `--vs-hf` instead times HF `model.generate` against `LocalEngine.generate` on the same model, prompts,
-sampling (T = 1, seeded) and threads, alternating the two `--repeats` times, for three cases: (a) a tiny
+sampling (T = 1, seeded) and threads, alternating the two `--repeats` times (median and spread of each side's
+tokens/s, and the machine's load around each case), for three cases: (a) a tiny
 model with short EOS-terminated responses, (b) 8 layers x 512 hidden x 32k vocabulary, 128-token
 prompts, 64 new tokens ((b') the same with RL's layout, 2 prompts x 8 samples each: the engine prefills a shared
 prompt once), (c) the model of (b) with long-tailed lengths (most rows stop after a few
@@ -23,6 +24,8 @@ with `prepack_weights=False` (its linear layers on `F.linear`, as HF's are) to s
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,23 +104,28 @@ def _hf_generate(model, prompts: list[list[int]], sampling: SamplingParams) -> i
 
 def _vs_hf_case(name: str, path: Path, prompts, sampling: SamplingParams, repeats: int, **placement) -> None:
     """Alternate HF generate, the engine on `F.linear` (`prepack_weights=False`) and the engine `repeats` times, each
-    on its own copy of the checkpoint at `path` (on `placement`'s device and dtype); print the best tokens/s of each
-    and the engine's ratios to both."""
+    on its own copy of the checkpoint at `path` (on `placement`'s device and dtype); print each side's tokens/s as the
+    median [min-max] over the repeats (tokens/s, as the sides may stop rows after different token counts: each run's
+    response tokens over its seconds), the engine's ratios of medians, and the machine's 1-minute load average before
+    and after the case (other processes on the machine slow both sides alike only when the load stays flat)."""
+    load_before = os.getloadavg()[0]
     hf_model = _load(path, **placement)
     engines = {"unpacked": LocalEngine(_load(path, **placement), prepack_weights=False),
                "engine": LocalEngine(_load(path, **placement))}
-    seconds = {"hf": [], "unpacked": [], "engine": []}
+    rates: dict[str, list[float]] = {"hf": [], "unpacked": [], "engine": []}
     tokens = {}
     for _ in range(repeats):
         t, tokens["hf"] = timed(lambda: _hf_generate(hf_model, prompts, sampling))
-        seconds["hf"].append(t)
+        rates["hf"].append(tokens["hf"] / t)
         for side, engine in engines.items():
             t, generations = timed(lambda: engine.generate(prompts, sampling))
-            seconds[side].append(t)
             tokens[side] = sum(len(g.response_ids) for g in generations)
-    rate = {k: tokens[k] / min(seconds[k]) for k in seconds}
-    print(f"{name:>34} {tokens['hf']:>7} {rate['hf']:>9.1f} {rate['unpacked']:>10.1f} {tokens['engine']:>7} "
-          f"{rate['engine']:>9.1f} {rate['engine'] / rate['hf']:>6.2f}x {rate['engine'] / rate['unpacked']:>9.2f}x")
+            rates[side].append(tokens[side] / t)
+    median = {side: statistics.median(values) for side, values in rates.items()}
+    spread = {side: f"{median[side]:.1f} [{min(values):.1f}-{max(values):.1f}]" for side, values in rates.items()}
+    print(f"{name:>34} {tokens['hf']:>7} {spread['hf']:>24} {spread['unpacked']:>24} {tokens['engine']:>7} "
+          f"{spread['engine']:>24} {median['engine'] / median['hf']:>6.2f}x {median['engine'] / median['unpacked']:>9.2f}x"
+          f"  load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
 
 
 def _load(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -129,10 +137,11 @@ def vs_hf(repeats: int, device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     placement = {"device": device, "dtype": dtype}
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{torch.get_num_threads()} threads"
-    print(f"{where}, {dtype}; best of {repeats} alternating runs; T = 1, top-p 1")
-    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>9} {'F.linear/s':>10} {'eng tok':>7} {'eng tok/s':>9} "
+    print(f"{where}, {dtype}; median [min-max] of {repeats} alternating runs; T = 1, top-p 1; "
+          f"{os.cpu_count()} CPUs, their 1-minute load average around each case")
+    print(f"{'case':>34} {'hf tok':>7} {'hf tok/s':>24} {'F.linear tok/s':>24} {'eng tok':>7} {'eng tok/s':>24} "
           f"{'vs hf':>7} {'vs F.lin':>10}")
-    print("(F.linear/s: the engine with prepack_weights=False, tokens/s; eng: the engine as it runs by default)")
+    print("(F.linear: the engine with prepack_weights=False; eng: the engine as it runs by default; ratios of medians)")
     with tempfile.TemporaryDirectory() as tmp:
         tiny = make_tiny_checkpoint(Path(tmp) / "tiny", seed=0)  # 2 layers x 64 hidden, 128-token vocabulary
         prompts = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 17, (32,), generator=g)]
@@ -168,7 +177,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--http", action="store_true", help="also time the SGLang-schema HTTP path")
     parser.add_argument("--vs-hf", action="store_true", help="time HF generate against the engine (cases a-c)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="--vs-hf: where the models run (cpu, cuda)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--vs-hf: model dtype")
     args = parser.parse_args()

@@ -18,7 +18,7 @@ import time
 import torch
 
 from megatron_armor.algorithms import build_algorithm
-from megatron_armor.config import load_config
+from megatron_armor.config import OptimizerConfig, load_config
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.step_geometry import StepGeometry
@@ -28,7 +28,7 @@ from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training
+from megatron_armor.trainer.update.optimizer import wrap_for_training
 from megatron_armor.trainer.update.policy_update import update_policy
 
 
@@ -64,7 +64,7 @@ def main() -> None:
                                           intermediate_size=int(2.75 * args.hidden), num_attention_heads=4,
                                           num_key_value_heads=2)
         shape = load_model_shape(checkpoint)
-        optim = AdamConfig(lr=1e-5, warmup_steps=0)
+        optim = OptimizerConfig(lr=1e-5, warmup_steps=0)
         ddp, optimizer = wrap_for_training(load_gpt_model(checkpoint, shape, trainable=True), optim)
         ref = load_gpt_model(checkpoint, shape)
     algorithm = build_algorithm(load_config(None, ["task.synthetic=arithmetic", "algorithm.name=grpo", "rollout.sampling.actor_n=16"]))

@@ -47,7 +47,7 @@ from megatron_armor.rewards.arithmetic import make_rows
 from megatron_armor.trainer.checkpointing.checkpoint import list_checkpoints
 from megatron_armor.trainer.run.task_setup import prepare_task
 from megatron_armor.trainer.run.warmstart import WarmStartConfig, _sft_batch, cached_warm_start, sampled_accuracy
-from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
+from megatron_armor.trainer.update.optimizer import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "examples" / "tiny" / "opd.yaml"
@@ -74,7 +74,7 @@ class TensorDictSource:
 def task_config(args: argparse.Namespace) -> ArmorConfig:
     """The tiny config at TP 1 with this benchmark's learning rate (a non-OPD algorithm, so the task's
     model is the warm start rather than the untrained student)."""
-    return load_config(TINY_CONFIG, ["algorithm.name=grpo", "parallel.tensor_parallel_size=1", f"train.lr={args.lr}"])
+    return load_config(TINY_CONFIG, ["algorithm.name=grpo", "parallel.tensor_parallel_size=1", f"optimizer.lr={args.lr}"])
 
 
 def task_rows(cfg: ArmorConfig) -> tuple[list[dict], list[dict]]:
@@ -100,11 +100,9 @@ def run_sft(cfg: ArmorConfig, base: Path, steps: int, save_every: int) -> dict[i
     tokenizer = load_tokenizer(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.train()
-    schedule = AdamConfig(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
-                                 adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-                                 grad_clip=t.grad_clip)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
+    schedule = cfg.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=(schedule.adam_beta1, schedule.adam_beta2),
+                                  eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
     updates_per_step = t.train_batch_size // t.mini_batch_size
     batch_rows = t.mini_batch_size * cfg.rollout.sampling.n_samples
     snapshots = {}
@@ -127,7 +125,7 @@ def run_rl(args: argparse.Namespace, algo: str, base: Path, run_dir: Path, extra
     command = [
         sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(TINY_CONFIG), "--algo", algo, "--tp", "1",
         "--max-steps", str(args.steps), "--run-dir", str(run_dir), "--overwrite", "--model.path", str(base),
-        "--task.warm_start_steps", "0", "--train.lr", str(args.lr),
+        "--task.warm_start_steps", "0", "--optimizer.lr", str(args.lr),
         "--checkpoint.every", str(args.steps // args.checkpoints), "--checkpoint.keep_last", "0",
         "--eval.every", "0", "--eval.before_train", "false", "--logging.plot", "false",
         "--logging.tensorboard", "false", *extra,

@@ -12,27 +12,27 @@ from megatron_armor.algorithms import build_algorithm, check_algorithm_config
 from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import (
     MOVED_FIELDS, AlgorithmConfig, ConfigError, KLConfig, OpdConfig, ParallelConfig, SamplingConfig, WeightSyncConfig,
-    config_fields, load_config, resolve_distributed_optimizer, save_config,
+    config_fields, load_config, save_config,
 )
 
 DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
 
 
 def test_demo_config_loads_with_typed_overrides():
-    cfg = load_config(DEMO, ["train.lr=1e-4", "algorithm.name=armor", "eval.max_prompts=null", "logging.plot=off"])
+    cfg = load_config(DEMO, ["optimizer.lr=1e-4", "algorithm.name=armor", "eval.max_prompts=null", "logging.plot=off"])
     assert cfg.parallel.tensor_parallel_size == 2 and cfg.rollout.sampling.actor_n is None  # derived: 7
     assert build_algorithm(cfg).on_policy_samples(cfg.rollout.sampling) == 7
-    assert cfg.train.lr == 1e-4 and cfg.eval.max_prompts is None and cfg.logging.plot is False
+    assert cfg.optimizer.lr == 1e-4 and cfg.eval.max_prompts is None and cfg.logging.plot is False
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["train.lr=fast"], "train.lr: expected float, got 'fast'"),
+        (["optimizer.lr=fast"], "optimizer.lr: expected float, got 'fast'"),
         (["train.max_steps=2.5"], "train.max_steps: expected int"),
         (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not a registered algorithm; choose one of \\['grpo', "
                                  "'armor', 'grpo_kl', 'mipu', 'opd'"),
-        (["train.lrr=1"], "unknown config field 'train.lrr'; did you mean 'train.lr'"),
+        (["optimizer.lrr=1"], "unknown config field 'optimizer.lrr'; did you mean 'optimizer.lr'"),
         (["trian.lr=1"], "unknown config section 'trian'; did you mean 'train'"),
         (["armor.alpha=0"], "armor.alpha must be in \\(0, 1\\], got 0.0"),
         (["rollout.sampling.actor_n=8"],
@@ -42,7 +42,7 @@ def test_demo_config_loads_with_typed_overrides():
         (["train.mini_batch_size=3"], "train.mini_batch_size \\(3\\) must divide train.train_batch_size \\(8\\)"),
         (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p must be in \\(0, 1\\], got 1.5"),
         (["logging.plot=maybe"], "logging.plot: expected a boolean"),
-        (["train.lr"], "must look like section.field=value"),
+        (["optimizer.lr"], "must look like section.field=value"),
         (["rollout.backend=sglang", "rollout.sglang.urls=http://a:1"],
          "rollout.sglang.ref_urls is required for armor .* or set rollout.anchors.engine shared"),
         (["rollout.anchors.engine=shared", "rollout.sglang.ref_urls=http://b:1"],
@@ -140,8 +140,8 @@ def test_cli_exposes_every_field_and_maps_shorthands():
     help_text = parser._subparsers._group_actions[0].choices["train"].format_help()
     for dotted, _ in config_fields():
         assert f"--{dotted}" in help_text
-    args = parser.parse_args(["train", "--config", str(DEMO), "--max-steps", "4", "--train.lr", "0.01"])
-    assert sorted(overrides_from_args(args)) == ["train.lr=0.01", "train.max_steps=4"]
+    args = parser.parse_args(["train", "--config", str(DEMO), "--max-steps", "4", "--optimizer.lr", "0.01"])
+    assert sorted(overrides_from_args(args)) == ["optimizer.lr=0.01", "train.max_steps=4"]
     ray = parser.parse_args(["ray-train", "--config", str(DEMO), "--tp", "2", "--num-servers", "3"])
     assert overrides_from_args(ray) == ["parallel.tensor_parallel_size=2"] and ray.num_servers == 3
 
@@ -174,7 +174,7 @@ def test_nested_sections_from_yaml_and_overrides(tmp_path):
         (["rollout.sampling.temprature=1"],
          "unknown config field 'rollout.sampling.temprature'; did you mean 'rollout.sampling.temperature'"),
         (["rollout.sampling=3"], "section 'rollout.sampling' must be a mapping"),
-        (["train.lr.x=1"], "unknown config field 'train.lr.x': train.lr is a value, not a section"),
+        (["optimizer.lr.x=1"], "unknown config field 'optimizer.lr.x': optimizer.lr is a value, not a section"),
     ],
 )
 def test_unknown_nested_names(overrides, message):
@@ -187,6 +187,10 @@ def test_moved_fields_name_their_new_place(tmp_path):
         load_config(DEMO, ["algorithm.mipu_w_max=3"])
     with pytest.raises(ConfigError, match="^rollout.weight_sync moved to rollout.weight_sync.method$"):
         load_config(DEMO, ["rollout.weight_sync=disk"])  # the old field's name is now its section's
+    with pytest.raises(ConfigError, match="^train.lr moved to optimizer.lr$"):
+        load_config(DEMO, ["train.lr=1e-3"])
+    with pytest.raises(ConfigError, match="^train.recompute moved to recompute.granularity$"):
+        load_config(DEMO, ["train.recompute=full"])  # the old field's name is now a section's
     old = tmp_path / "old.yaml"
     old.write_text("task:\n  synthetic: arithmetic\nmodel:\n  teacher_path: /teacher\n")
     with pytest.raises(ConfigError, match="old.yaml: model.teacher_path moved to opd.teacher_path"):
@@ -232,15 +236,18 @@ def test_config_package_imports_only_itself():
 
 def test_scaling_knobs_defaults_and_resolution():
     cfg = load_config(DEMO)
-    assert (cfg.train.use_distributed_optimizer, cfg.parallel.sequence_parallel) == (None, None)
-    assert (cfg.train.recompute, cfg.train.recompute_method, cfg.train.recompute_num_layers) == ("none", "uniform", 1)
+    assert (cfg.optimizer.use_distributed_optimizer, cfg.parallel.sequence_parallel) == (None, None)
+    assert (cfg.recompute.granularity, cfg.recompute.method, cfg.recompute.num_layers) == ("none", "uniform", 1)
     synthetic = ["task.synthetic=arithmetic", "train.mini_batch_size=2", "train.train_batch_size=4"]
-    assert not resolve_distributed_optimizer(load_config(None, synthetic))  # DP 1
-    assert resolve_distributed_optimizer(load_config(None, [*synthetic, "parallel.data_parallel_size=2"]))
-    assert not resolve_distributed_optimizer(load_config(None, [*synthetic, "parallel.data_parallel_size=2",
-                                                                "train.use_distributed_optimizer=false"]))
-    assert not resolve_distributed_optimizer(load_config(None, [*synthetic, "parallel.data_parallel_size=2",
-                                                                "train.subspace_capture_step=3"]))
+
+    def distributed(*overrides):
+        run = load_config(None, [*synthetic, *overrides])
+        return run.optimizer.distributed(run.parallel, run.subspace, run.rollout.memory)
+
+    assert not distributed()  # DP 1
+    assert distributed("parallel.data_parallel_size=2")
+    assert not distributed("parallel.data_parallel_size=2", "optimizer.use_distributed_optimizer=false")
+    assert not distributed("parallel.data_parallel_size=2", "subspace.capture_step=3")
     assert ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=True)
     assert not ParallelConfig(tensor_parallel_size=2).resolve_sequence_parallel(on_gpu=False)
     assert ParallelConfig(tensor_parallel_size=2, sequence_parallel=True).resolve_sequence_parallel(on_gpu=False)
@@ -254,16 +261,16 @@ def test_scaling_knobs_defaults_and_resolution():
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.sequence_parallel=true", "parallel.tensor_parallel_size=1"],
      "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1"),
-    (["train.recompute=partial"], "train.recompute"),
-    (["train.recompute_method=interleaved"], "train.recompute_method"),
-    (["train.recompute_num_layers=0"], "train.recompute_num_layers must be >= 1, got 0"),
-    (["train.use_distributed_optimizer=true", "train.subspace_capture_step=3"],
-     "train.use_distributed_optimizer does not work with train.subspace_capture_step yet"),
-    (["train.use_distributed_optimizer=true", "rollout.memory.offload_trainer=true"],
-     "train.use_distributed_optimizer does not work with rollout.memory.offload_trainer yet"),
-    (["train.subspace_capture_step=3", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
+    (["recompute.granularity=partial"], "recompute.granularity"),
+    (["recompute.method=interleaved"], "recompute.method"),
+    (["recompute.num_layers=0"], "recompute.num_layers must be >= 1, got 0"),
+    (["optimizer.use_distributed_optimizer=true", "subspace.capture_step=3"],
+     "optimizer.use_distributed_optimizer does not work with subspace.capture_step yet"),
+    (["optimizer.use_distributed_optimizer=true", "rollout.memory.offload_trainer=true"],
+     "optimizer.use_distributed_optimizer does not work with rollout.memory.offload_trainer yet"),
+    (["subspace.capture_step=3", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
       "train.mini_batch_size=4"],
-     r"train.subspace_capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
+     r"subspace.capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size must be >= 1, got 0"),
     (["parallel.context_parallel_size=2", "train.pack_sequences=true"],
      r"parallel.context_parallel_size \(2\) does not split packed micro-batches yet"),

@@ -3,6 +3,7 @@ the mixed ratio (a pi_theta + (1 - a) pi_ref) / (a pi_old + (1 - a) pi_ref), dua
 
 from __future__ import annotations
 
+from megatron_armor.algorithms.base import ANCHORS, REFERENCE, StepSources
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.registry import register_algorithm
 from megatron_armor.config import ArmorConfig, MixedRatioConfig, SamplingConfig
@@ -15,15 +16,16 @@ class Armor(Grpo):
 
     name = "armor"
     config_sections = {"armor": MixedRatioConfig}
-    uses_anchors = True
 
     def __init__(self, cfg: ArmorConfig) -> None:
         super().__init__(cfg)
         self.alpha = cfg.armor.alpha
 
-    @property
-    def needs_ref_logprobs(self) -> bool:
-        return True
+    @classmethod
+    def step_sources(cls, cfg: ArmorConfig) -> StepSources:
+        """The actor's samples and the anchors (trainer/rollouts/anchors.py), scored by the reference for the mixed
+        ratio."""
+        return StepSources(extra_samples=(ANCHORS,), scores=(REFERENCE,))
 
     @classmethod
     def on_policy_samples(cls, sampling: SamplingConfig) -> int:

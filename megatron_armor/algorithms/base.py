@@ -1,11 +1,13 @@
-"""The `Algorithm` protocol: what an RL objective needs from the trainer, and its loss.
+"""The `Algorithm` protocol: what an RL objective contributes to an RL step, and its loss.
 
-An algorithm is an object built from the run config. The trainer never asks for its name; it asks:
-- which samples a step needs: anchors from the reference (`uses_anchors`), prompt filtering
-  (`filters_groups`), responses sampled by the OPD teacher instead of the actor (`samples_from_teacher`);
-- which scores a batch needs: reference logprobs (`needs_ref_logprobs`), teacher logprobs (`needs_teacher`);
-- its per-micro-batch loss (`policy_loss`), and optional hooks: per-token advantages computed from the
-  scored batch (`token_advantages`, OPD) and a post-update accept/roll-back gate (`update_gate`, MIPU).
+An algorithm is an object built from the run config. The trainer never asks for its name, nor interprets flags of
+it; it takes what the algorithm contributes:
+- `sources` (`StepSources`): the rollout sources a step samples from (the policy whose engine samples the training
+  responses; sources that add samples to the groups, ARMOR's anchors) and the policies whose logprobs every batch
+  needs (the reference, the OPD teacher), by the names the trainer's policies carry (`ACTOR`, `REFERENCE`, `TEACHER`);
+- its group filter (`filters_groups`), its per-micro-batch loss (`policy_loss`), and its hooks: per-token advantages
+  computed from the scored batch (`token_advantages`, OPD) and a post-update accept/roll-back gate (`update_gate`,
+  MIPU).
 Each built-in lives in its own module and registers itself (`algorithms/registry.py`).
 """
 
@@ -25,6 +27,33 @@ from megatron_armor.config.base import require
 
 if TYPE_CHECKING:
     from megatron_armor.config import ArmorConfig, SamplingConfig
+
+
+# The trainer's policies, by the names an algorithm asks for them (`trainer/step_inputs/policies.py` `Policy.name`;
+# also their entries in a checkpoint), and ARMOR's anchors, a rollout source of the trainer
+# (trainer/rollouts/anchors.py).
+ACTOR, REFERENCE, TEACHER = "actor", "ref", "teacher"
+ANCHORS = "anchors"
+
+
+@dataclass(frozen=True)
+class StepSources:
+    """What an algorithm asks the trainer to bring to every RL step.
+
+    sampler: the policy whose engine samples the training responses (ACTOR; OPD's off-policy variant: TEACHER);
+    extra_samples: rollout sources whose samples join each prompt's group (ANCHORS: ARMOR's reference samples, a
+    group kept only with a correct one);
+    scores: the policies besides the actor whose logprobs every training batch carries (REFERENCE: the KL penalty,
+    ARMOR's mixed ratio; TEACHER: OPD's advantages).
+    """
+
+    sampler: str = ACTOR
+    extra_samples: tuple[str, ...] = ()
+    scores: tuple[str, ...] = ()
+
+    def uses(self, policy: str) -> bool:
+        """Whether a step needs the policy `policy` (it samples, or it scores; ANCHORS are the reference's samples)."""
+        return policy in (self.sampler, *self.scores) or (policy == REFERENCE and ANCHORS in self.extra_samples)
 
 
 @dataclass(frozen=True)
@@ -91,8 +120,9 @@ class ClipConfig:
 class Algorithm:
     """Base of the registered RL objectives (see the module docstring for what the trainer asks).
 
-    Subclasses set `name` and implement `ppo_loss`; class attributes give their needs, class methods
-    their config defaults and rules. The settings of their own config section they read in `__init__`.
+    Subclasses set `name` and implement `ppo_loss`; `step_sources` says what a step brings them (default: the
+    actor's samples, and the reference's logprobs for the KL penalty), class methods their config defaults and rules.
+    The settings of their own config section they read in `__init__`.
     """
 
     name: ClassVar[str]
@@ -100,8 +130,6 @@ class Algorithm:
     # registers them, so they load from YAML and flags and `--help` lists them. (Every algorithm also reads the
     # built-in kl and opd sections, which the config package registers itself.)
     config_sections: ClassVar[Mapping[str, type]] = {}
-    uses_anchors: ClassVar[bool] = False
-    needs_teacher: ClassVar[bool] = False
     default_loss_aggregation: ClassVar[LossAggregation] = "token_mean"
     uses_kl_penalty: ClassVar[bool] = False  # adds kl.coef * KL(pi_theta || pi_ref) to the loss
     # its own loss weights each token by pi_old / mu (MIPU), so algorithm.behaviour_correction does not apply
@@ -109,9 +137,6 @@ class Algorithm:
     # something before the update reads the actor's old-policy logprobs (e.g. `token_advantages`), so an exactly
     # on-policy step cannot take them from the update's own forward
     reads_old_logprobs_before_update: ClassVar[bool] = False
-    # the collapse monitor's anchor action may switch a run of it to ARMOR (monitor.actions, registry.py): its groups
-    # and loss are GRPO's, so ARMOR's anchors and mixed ratio continue it
-    can_anchor: ClassVar[bool] = False
 
     def __init__(self, cfg: ArmorConfig) -> None:
         section = cfg.algorithm
@@ -123,17 +148,14 @@ class Algorithm:
         self.filters_groups = section.filter_groups
         self.behaviour_correction: ISCorrection = self.resolve_behaviour_correction(cfg)
         self.behaviour_w_max = section.behaviour_w_max
+        self.sources = self.step_sources(cfg)
 
-    # ----- what a step needs ------------------------------------------------------------------
-    @property
-    def needs_ref_logprobs(self) -> bool:
-        """Reference logprobs per batch: for the KL penalty (and, in subclasses, the mixed ratio)."""
-        return self.kl_coef > 0
-
-    @property
-    def samples_from_teacher(self) -> bool:
-        """Training responses come from the OPD teacher's engine instead of the actor's."""
-        return False
+    # ----- what a step brings it --------------------------------------------------------------
+    @classmethod
+    def step_sources(cls, cfg: ArmorConfig) -> StepSources:
+        """What every RL step of a run of `cfg` brings this algorithm: the actor's samples, and the reference's
+        logprobs when it adds a KL penalty (kl.coef > 0)."""
+        return StepSources(scores=(REFERENCE,) if cls.uses_kl_penalty and cfg.kl.coef > 0 else ())
 
     @property
     def per_unit_stats(self) -> tuple[str, ...]:
@@ -146,6 +168,12 @@ class Algorithm:
         """On-policy samples per prompt: the whole group of rollout.sampling.n_samples (an algorithm whose groups
         hold other samples, ARMOR's anchor, says otherwise); rollout.sampling.actor_n, when set, must agree."""
         return sampling.n_samples
+
+    @classmethod
+    def anchored_config(cls, cfg: ArmorConfig) -> ArmorConfig | None:
+        """The config a run of `cfg` continues with once the collapse monitor's anchor action fires
+        (trainer/guard/anchor_switch.py), or None when a run of this algorithm cannot be anchored (the default)."""
+        return None
 
     @classmethod
     def default_clip_high(cls, clip_low: float) -> float:
@@ -186,16 +214,18 @@ class Algorithm:
         clip = cls.resolve_clip(cfg)  # the section checked the values it was given; these are with the defaults
         require(clip.high >= 0, f"algorithm.clip_low/clip_high must be >= 0, got {clip.low}/{clip.high}")
         require(clip.dual > 1, f"algorithm.dual_clip must be > 1, got {clip.dual}")
-        if cls.uses_anchors:
+        sources = cls.step_sources(cfg)
+        if ANCHORS in sources.extra_samples:
             require(anchors.ref_n >= 1, f"rollout.anchors.ref_n must be >= 1 for {cls.name}, got {anchors.ref_n}")
-            require(cfg.rollout.backend != "sglang" or anchors.engine == "shared" or bool(cfg.rollout.sglang.ref_urls),
+            require(cfg.rollout.backend_settings.in_process or anchors.engine == "shared"
+                    or bool(cfg.rollout.sglang.ref_urls),
                     f"rollout.sglang.ref_urls is required for {cls.name} with rollout.backend sglang (servers of the "
                     f"reference policy), or set rollout.anchors.engine shared to sample anchors from the actor's servers")
         else:
             require(anchors.engine == "separate" and not anchors.cache,
                     f"rollout.anchors.engine ({anchors.engine}) and rollout.anchors.cache ({anchors.cache}) apply to "
                     f"anchors; {cls.name} samples none: leave them at separate / false")
-        if not cls.needs_teacher:
+        if not sources.uses(TEACHER):
             cls.check_no_teacher_settings(cfg)
 
     @classmethod

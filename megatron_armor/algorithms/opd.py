@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from megatron_armor.config.base import require
+from megatron_armor.algorithms.base import ACTOR, TEACHER, StepSources
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.algorithms.importance import ISCorrection
@@ -106,18 +107,23 @@ class Opd(Grpo):
 
     name = "opd"
     config_sections = {"opd": OpdConfig}
-    needs_teacher = True
     reads_old_logprobs_before_update = True  # the token advantages are computed from them
-    can_anchor = False  # its teacher, not an anchor, is what keeps it close
 
     def __init__(self, cfg: ArmorConfig) -> None:
         super().__init__(cfg)
         self.settings = cfg.opd
         self.filters_groups = False  # OPD learns from every prompt
 
-    @property
-    def samples_from_teacher(self) -> bool:
-        return self.settings.rollouts == "teacher"
+    @classmethod
+    def step_sources(cls, cfg: ArmorConfig) -> StepSources:
+        """The teacher's logprobs for the token advantages; the training responses sampled by the actor, or with
+        opd.rollouts teacher by the teacher's engine."""
+        return StepSources(sampler=TEACHER if cfg.opd.rollouts == "teacher" else ACTOR, scores=(TEACHER,))
+
+    @classmethod
+    def anchored_config(cls, cfg: ArmorConfig) -> None:
+        """None: its teacher, not an anchor, is what keeps it close."""
+        return None
 
     @classmethod
     def resolve_behaviour_correction(cls, cfg: ArmorConfig) -> ISCorrection:
@@ -148,7 +154,7 @@ class Opd(Grpo):
             require(not cfg.rollout.partial_rollouts,
                     "rollout.partial_rollouts pauses the actor's engine at weight pushes, but opd.rollouts teacher "
                     "samples from the teacher's engine, which no push changes: set rollout.partial_rollouts false")
-            require(cfg.rollout.backend == "local",
+            require(cfg.rollout.backend_settings.in_process,
                     "opd.rollouts teacher samples from an in-process engine of opd.teacher_path; rollout.backend "
                     "sglang has no teacher rollout servers: use rollout.backend local, or opd.rollouts student")
             require(opd.teacher_path is not None or warm_start,

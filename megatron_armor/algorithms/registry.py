@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from typing import TYPE_CHECKING
 
@@ -83,31 +82,22 @@ def _import_plugin(path: str) -> type[Algorithm]:
 
 def check_algorithm_config(cfg: ArmorConfig) -> type[Algorithm]:
     """The run's algorithm class, after its config rules passed (ConfigError otherwise), and, when an alarm's
-    action is anchor, those of the run it may switch to."""
+    action is anchor, those of the run it may switch to (`Algorithm.anchored_config`)."""
     cls = algorithm_class(cfg.algorithm.name)
     cls.check_config(cfg)
     if cfg.monitor.anchors:
-        require(cls.can_anchor, f"monitor.actions: anchor switches a run to {ANCHORED_ALGORITHM}, which continues "
-                                f"grpo-style runs only; {cls.name} cannot switch (use warn or stop)")
-        algorithm_class(ANCHORED_ALGORITHM).check_config(anchored_config(cfg))
+        anchored = cls.anchored_config(cfg)
+        require(anchored is not None, f"monitor.actions: anchor switches a run to {ANCHORED_ALGORITHM}, which "
+                                      f"continues grpo-style runs only; {cls.name} cannot switch (use warn or stop)")
+        algorithm_class(anchored.algorithm.name).check_config(anchored)
     return cls
 
 
-def anchored_config(cfg: ArmorConfig) -> ArmorConfig:
-    """The config a run continues with once the monitor's anchor action switched it (`build_anchored_algorithm`):
-    algorithm.name ARMOR, groups of the run's on-policy samples per prompt + 1 anchor, every other setting the
-    run's own (ARMOR's from the armor section and rollout.anchors)."""
-    rollout = cfg.rollout
-    on_policy = algorithm_class(cfg.algorithm.name).on_policy_samples(rollout.sampling)
-    sampling = dataclasses.replace(rollout.sampling, n_samples=on_policy + 1, actor_n=None)
-    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, name=ANCHORED_ALGORITHM),
-                               rollout=dataclasses.replace(rollout, sampling=sampling))
-
-
 def build_anchored_algorithm(cfg: ArmorConfig) -> Algorithm:
-    """The algorithm object the anchor action switches the run of `cfg` to (registered as ANCHORED_ALGORITHM)."""
-    anchored = anchored_config(cfg)
-    cls = algorithm_class(ANCHORED_ALGORITHM)
+    """The algorithm object the anchor action switches the run of `cfg` to: the one its algorithm's
+    `anchored_config` names (ANCHORED_ALGORITHM for the built-ins), built from that config."""
+    anchored = algorithm_class(cfg.algorithm.name).anchored_config(cfg)
+    cls = algorithm_class(anchored.algorithm.name)
     cls.check_config(anchored)
     return cls(anchored)
 

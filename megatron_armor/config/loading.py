@@ -16,7 +16,6 @@ from typing import Any, Literal
 import yaml
 
 from megatron_armor.config.base import ConfigError
-from megatron_armor.config.cross_section import check_cross_section
 from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.root import ALGORITHM_SECTIONS, ArmorConfig, config_entries, section_class
 from megatron_armor.config.section_registry import register_plugin_sections
@@ -169,8 +168,16 @@ def configured_algorithm(path: str | Path | None, overrides: typing.Sequence[str
 def validate(cfg: ArmorConfig) -> None:
     """The rules between sections (each section checked its own fields when it was built); each error names the
     fields, their values and what is allowed. The rules of the chosen algorithm are its own: they are checked
-    when it is built (`megatron_armor.algorithms.check_algorithm_config`)."""
-    check_cross_section(cfg)
+    when it is built (`megatron_armor.algorithms.check_algorithm_config`). Each rule lives with the section whose
+    field it checks (`check_with`), which is handed the sections it reads."""
+    cfg.reward.check_with(cfg.rollout.sampling.max_new_tokens)
+    cfg.train.check_with(cfg.parallel, cfg.recompute)
+    cfg.subspace.check_with(cfg.model, cfg.parallel)
+    cfg.optimizer.check_with(cfg.subspace, cfg.rollout.memory)
+    cfg.checkpoint.check_with(cfg.eval)
+    cfg.monitor.check_with(cfg.checkpoint.keep_best)
+    cfg.rollout.check_with(cfg.train.routing_replay)
+    cfg.task.check_with(cfg.model, cfg.data)
 
 
 def save_config(cfg: ArmorConfig, path: str | Path) -> None:

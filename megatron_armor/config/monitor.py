@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
 
-ACTIONS = ("warn", "stop", "anchor")  # anchor: ARMOR from the best checkpoint (trainer/guard/anchor_switch.py)
-SETTINGS = ("enabled", "window", "trend_window", "actions")  # every other field is an alarm's threshold
+# anchor: ARMOR restarted from the best checkpoint; anchor_keep: ARMOR from the current weights with the best checkpoint
+# as the reference (trainer/guard/anchor_switch.py)
+ANCHOR_ACTIONS = ("anchor", "anchor_keep")
+ACTIONS = ("warn", "stop", *ANCHOR_ACTIONS)
+SETTINGS = ("enabled", "window", "trend_window", "actions", "reference_reset")  # every other field is an alarm's threshold
 
 
 @dataclass
@@ -16,7 +19,10 @@ class MonitorConfig:
     (null: off), and an action in `actions` (default warn); it fires (monitor/alarm_<kind> = 1) on the step its
     condition starts to hold, and again only after it stopped holding."""
 
-    enabled: bool = doc(False, "watch every step's metrics for over-optimization and log monitor/* (off: none logged)")
+    enabled: bool | None = doc(
+        None, "watch every step's metrics for over-optimization and log monitor/*; null: on when the run validates "
+        "(data.val_path or eval.datasets), every alarm warning unless `actions` says otherwise; false: off (none logged)"
+    )
     window: int = doc(
         5, "steps in the windows of the per-step alarms (means, and the baseline jumps are measured against), and "
         "validations in the reward-gap trend"
@@ -30,7 +36,15 @@ class MonitorConfig:
         "ARMOR's restart (armor.md §4), automatic: actor and reference go back to the best checkpoint "
         "(checkpoint.keep_best), the optimizer and lr warmup start afresh, and training goes on as ARMOR (armor.alpha, "
         "rollout.anchors.ref_n, groups of the run's on-policy samples + 1 anchor); from grpo / grpo_kl it switches, "
-        "under armor (and after a switch) it resets policy and reference to the best checkpoint again"
+        "under armor (and after a switch) it resets policy and reference to the best checkpoint again; anchor_keep: "
+        "the gentle one, the current weights, optimizer and lr schedule go on and only the reference becomes the best "
+        "checkpoint's, as ARMOR from then on (no progress thrown away; with both actions among a step's alarms, anchor "
+        "wins). The best checkpoint may be the start: the model the run started from, with its step-0 validation"
+    )
+    reference_reset: bool = doc(
+        False, "at a validation that sets a new best val/accuracy while no alarm holds, the reference becomes the "
+        "current policy (ARMOR's periodic reset, armor.md §4, timed by the monitor); for runs that have a reference "
+        "(armor, grpo_kl, and a run the anchor action switched)"
     )
     reward_gap: float | None = doc(
         0.2, "alarm reward_gap: train/accuracy (mean over the window's steps) minus val/accuracy above this while the "
@@ -80,6 +94,12 @@ class MonitorConfig:
             require(threshold is None or threshold >= 0, f"monitor.{kind} must be >= 0 (or null: off), got {threshold}")
         self.action_of()  # every entry of `actions` names a kind and an allowed action
 
+    def check_with(self, keep_best: str | None) -> None:
+        """The anchor actions go back to the best checkpoint: checkpoint.`keep_best` must keep one."""
+        require(not self.anchors or keep_best is not None,
+                "monitor.actions: anchor and anchor_keep go back to the best checkpoint (anchor restarts from it, "
+                "anchor_keep makes it the reference): set checkpoint.keep_best (e.g. val/accuracy)")
+
     @classmethod
     def alarm_kinds(cls) -> tuple[str, ...]:
         """The alarm kinds this section configures: every field but the monitor's own settings."""
@@ -97,7 +117,13 @@ class MonitorConfig:
             actions[kind] = action
         return actions
 
+    def runs(self, *, validates: bool) -> bool:
+        """Whether the monitor watches a run that validates (`validates`) or not: `enabled`, by default on with
+        validation (the alarms watch validation; a run without it gets none of them)."""
+        return self.enabled if self.enabled is not None else validates
+
     @property
     def anchors(self) -> bool:
-        """Whether an alarm's action is anchor (and the monitor is on): the run may switch to ARMOR."""
-        return self.enabled and "anchor" in self.action_of().values()
+        """Whether an alarm's action is anchor or anchor_keep (and the monitor is not off): the run may switch to
+        ARMOR."""
+        return self.enabled is not False and any(action in ANCHOR_ACTIONS for action in self.action_of().values())

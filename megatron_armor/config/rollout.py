@@ -1,10 +1,15 @@
-"""`rollout`: the engine that samples responses, and its sub-sections: sampling, ARMOR's anchors, the
-SGLang client, the weight sync to the servers, and the GPU-memory hand-off with colocated servers."""
+"""`rollout`: the engine that samples responses, and its sub-sections: sampling, ARMOR's anchors, the settings
+of each rollout backend (`local`, `sglang`: a backend's settings are the sub-section named after it), the weight
+sync to the servers, and the GPU-memory hand-off with colocated servers.
+
+The backends themselves (what builds the engines from these settings) are registered by name in
+`megatron_armor.rollout.backends`; here a backend's sub-section checks the rules its backend needs
+(`check_with`) and says whether its engines run in the trainer's processes (`in_process`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
 
@@ -63,8 +68,33 @@ class AnchorsConfig:
 
 
 @dataclass
+class LocalEngineConfig:
+    """Backend local: an in-process HF model per policy on every trainer rank."""
+
+    in_process: ClassVar[bool] = True  # its engines live in the trainer's processes
+
+    engine_precision: Literal["fp32", "bf16", "fp8"] = doc(
+        "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
+        "training/inference mismatch of production engines"
+    )
+
+    def __post_init__(self) -> None:
+        check_choices("rollout.local", self)
+
+    def check_with(self, rollout: RolloutConfig) -> None:
+        """The SGLang-only settings of `rollout` stay unset."""
+        require(not (rollout.sglang.router_url or rollout.sglang.ref_router_url),
+                "rollout.sglang.router_url / ref_router_url apply to rollout.backend sglang only")
+        require(not rollout.memory.release_servers,
+                "rollout.memory.release_servers hands GPU memory between SGLang servers and the trainer: it needs "
+                "rollout.backend sglang")
+
+
+@dataclass
 class SGLangClientConfig:
-    """The SGLang servers the trainer talks to (backend sglang) and how requests are dispatched over them."""
+    """Backend sglang: the SGLang servers the trainer talks to and how requests are dispatched over them."""
+
+    in_process: ClassVar[bool] = False  # its engines are clients of servers
 
     urls: str | None = doc(None, "comma-separated URLs of the actor's SGLang servers (backend sglang)")
     ref_urls: str | None = doc(
@@ -94,6 +124,18 @@ class SGLangClientConfig:
         require(not self.ref_router_url or bool(self.ref_urls),
                 f"rollout.sglang.ref_router_url ({self.ref_router_url}) needs rollout.sglang.ref_urls, the servers "
                 f"behind it (weight updates go to them directly)")
+
+    def check_with(self, rollout: RolloutConfig) -> None:
+        """The servers are named, the local engine's simulated precision is off, and a disk weight sync has its
+        directory."""
+        require(bool(self.urls), "rollout.sglang.urls is required with rollout.backend sglang (e.g. http://host:30000)")
+        precision = rollout.local.engine_precision
+        require(precision == "fp32",
+                f"rollout.local.engine_precision {precision} simulates mismatch in the local engine only; set it to "
+                f"fp32 with rollout.backend sglang (quantize the SGLang server itself instead)")
+        require(rollout.weight_sync.method != "disk" or bool(rollout.weight_sync.dir),
+                "rollout.weight_sync.method disk needs rollout.weight_sync.dir (a directory the SGLang servers can "
+                "read)")
 
 
 @dataclass
@@ -143,7 +185,10 @@ class MemoryHandoffConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["local", "sglang"] = doc("local", "rollout engine: local (in-process HF model) or sglang (HTTP servers)")
+    backend: Literal["local", "sglang"] = doc(
+        "local", "rollout backend (megatron_armor.rollout.backends): local (in-process HF models; settings in "
+        "rollout.local) | sglang (HTTP servers; settings in rollout.sglang)"
+    )
     mode: Literal["sync", "one_step_off", "async"] = doc(
         "sync", "when rollouts run: sync (each step generates its own samples, then trains on them) | one_step_off "
         "(the samples of step t+1 are generated, from the weights before step t's update, while step t trains; the "
@@ -168,12 +213,9 @@ class RolloutConfig:
         "responses under the new weights; every token keeps the weight version and engine logprob it was sampled "
         "with (async/partial_fraction: the share of trained samples that mix versions)"
     )
-    engine_precision: Literal["fp32", "bf16", "fp8"] = doc(
-        "fp32", "weights of the local engine rounded to fp32 | bf16 | fp8 (simulated e4m3, per-row scale): the "
-        "training/inference mismatch of production engines (backend local)"
-    )
     sampling: SamplingConfig = section(SamplingConfig)
     anchors: AnchorsConfig = section(AnchorsConfig)
+    local: LocalEngineConfig = section(LocalEngineConfig)
     sglang: SGLangClientConfig = section(SGLangClientConfig)
     weight_sync: WeightSyncConfig = section(WeightSyncConfig)
     memory: MemoryHandoffConfig = section(MemoryHandoffConfig)
@@ -197,21 +239,20 @@ class RolloutConfig:
                 f"async does (sync and one_step_off push weights while nothing generates): got mode {self.mode}")
         require_at_least("rollout", self, ("max_staleness",), 0)
         require_at_least("rollout", self, ("async_buffer_batches",), 1)
-        require(not self.memory.release_servers or self.backend == "sglang",
-                "rollout.memory.release_servers hands GPU memory between SGLang servers and the trainer: it needs "
-                "rollout.backend sglang")
-        if self.backend == "sglang":
-            require(bool(s.urls),
-                    "rollout.sglang.urls is required with rollout.backend sglang (e.g. http://host:30000)")
-            require(self.engine_precision == "fp32",
-                    f"rollout.engine_precision {self.engine_precision} simulates mismatch in the local engine only; "
-                    f"set it to fp32 with rollout.backend sglang (quantize the SGLang server itself instead)")
-            require(self.weight_sync.method != "disk" or bool(self.weight_sync.dir),
-                    "rollout.weight_sync.method disk needs rollout.weight_sync.dir (a directory the SGLang servers can "
-                    "read)")
-        else:
-            require(not (s.router_url or s.ref_router_url),
-                    "rollout.sglang.router_url / ref_router_url apply to rollout.backend sglang only")
+        self.backend_settings.check_with(self)
         require(self.anchors.engine == "separate" or not s.ref_urls,
                 f"rollout.sglang.ref_urls ({s.ref_urls}) is unused with rollout.anchors.engine shared (anchors come "
                 f"from the actor's servers): drop it, or set rollout.anchors.engine separate")
+
+    @property
+    def backend_settings(self) -> LocalEngineConfig | SGLangClientConfig:
+        """The chosen backend's settings: the sub-section named after it (rollout.local, rollout.sglang)."""
+        return getattr(self, self.backend)
+
+    def check_with(self, routing_replay: str) -> None:
+        """Partial rollouts mix weight versions within a response, which train.`routing_replay` rollout cannot
+        replay."""
+        require(not self.partial_rollouts or routing_replay != "rollout",
+                "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
+                "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix "
+                "of both; use routing_replay recompute (R2) or none with partial rollouts")

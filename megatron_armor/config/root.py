@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 from megatron_armor.config.algorithm import AlgorithmConfig
 from megatron_armor.config.base import section
 from megatron_armor.config.monitor import MonitorConfig
+from megatron_armor.config.optimizer import OptimizerConfig
+from megatron_armor.config.recompute import RecomputeConfig
 from megatron_armor.config.rollout import RolloutConfig
 from megatron_armor.config.section_registry import (
     default_sections, register_plugin_sections, registered_sections, reserve_names,
@@ -18,15 +20,16 @@ from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
     TrainConfig,
 )
+from megatron_armor.config.subspace import SubspaceConfig
 
 ALGORITHM_SECTIONS = "algorithm_sections"
 
 
 @dataclass
 class ArmorConfig:
-    """One run: each section (a dataclass, some with sub-sections) checks its own fields when built;
-    `loading.validate` checks the rules between them. The registered algorithms' sections (armor, kl, mipu, opd and
-    a plug-in's own) are held by name in `algorithm_sections` and read as attributes: `cfg.armor.alpha`."""
+    """One run, composed of one section per component (a dataclass, some with sub-sections): each checks its own
+    fields when built, and `loading.validate` has each check the rules it shares with others (`check_with`). The
+    registered algorithms' sections (armor, kl, mipu, opd and a plug-in's own) are held by name in `algorithm_sections` and read as attributes: `cfg.armor.alpha`."""
 
     model: ModelConfig = section(ModelConfig)
     parallel: ParallelConfig = section(ParallelConfig)
@@ -36,6 +39,9 @@ class ArmorConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     algorithm_sections: dict[str, Any] = field(default_factory=default_sections)
     train: TrainConfig = section(TrainConfig)
+    optimizer: OptimizerConfig = section(OptimizerConfig)
+    recompute: RecomputeConfig = section(RecomputeConfig)
+    subspace: SubspaceConfig = section(SubspaceConfig)
     eval: EvalConfig = section(EvalConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     monitor: MonitorConfig = section(MonitorConfig)

@@ -1,7 +1,8 @@
 """The run's general sections: models, layout, data, reward, optimisation, validation, checkpoints, task, logging.
 
-Each section checks its own fields in `__post_init__`; rules that tie sections together are in
-`cross_section.py`; the chosen algorithm checks its own rules (megatron_armor.algorithms).
+Each section checks its own fields in `__post_init__`, and the rules it shares with other sections in
+`check_with(<those sections>)` (`loading.validate` calls them); the chosen algorithm checks its own rules
+(megatron_armor.algorithms).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least
+from megatron_armor.config.recompute import RecomputeConfig
 
 
 @dataclass
@@ -151,6 +153,13 @@ class RewardConfig:
         if self.overlong_buffer is not None:
             require_at_least("reward", self, ("overlong_buffer",), 0)
 
+    def check_with(self, max_new_tokens: int) -> None:
+        """The overlong buffer fits in a response of rollout.sampling.max_new_tokens tokens (the penalty
+        counts back from it)."""
+        require(self.overlong_buffer_for(max_new_tokens) <= max_new_tokens,
+                f"reward.overlong_buffer ({self.overlong_buffer}) must be <= rollout.sampling.max_new_tokens "
+                f"({max_new_tokens}): the penalty starts that many tokens before the longest response allowed")
+
     def overlong_buffer_for(self, max_new_tokens: int) -> int:
         """The overlong buffer (tokens) for responses of at most `max_new_tokens`: overlong_buffer if set, else
         max_new_tokens // 2 capped at DAPO's 4096."""
@@ -163,42 +172,10 @@ class TrainConfig:
     gen_batch_size: int = doc(2048, "prompts per generation batch")
     mini_batch_size: int = doc(32, "prompts per optimizer step")
     micro_batch_size: int = doc(8, "sequences per forward/backward")
-    lr: float = doc(1e-6, "peak learning rate")
-    warmup_steps: int = doc(
-        10, "linear warmup over this many RL steps (all mini-batches of step k use lr * min(1, (k + 1) / "
-        "warmup_steps), as verl's per-RL-step scheduler), then constant"
-    )
-    weight_decay: float = doc(0.1, "AdamW weight decay")
-    adam_beta1: float = doc(0.9, "Adam beta1")
-    adam_beta2: float = doc(0.999, "Adam beta2")
-    adam_eps: float = doc(1e-8, "Adam epsilon")
-    grad_clip: float = doc(1.0, "global gradient-norm clip")
-    subspace_capture_step: int = doc(
-        0, "subspace-constrained training: after this RL step, confine updates to the top-K span of the "
-        "cumulative update so far (0: off)"
-    )
-    subspace_k: int = doc(16, "K of subspace-constrained training")
-    subspace_mode: Literal["gradient", "update"] = doc(
-        "gradient", "project the gradient before Adam, or the parameter change after it"
-    )
     logprob_head: Literal["auto", "torch", "fused"] = doc(
         "auto", "LM head scoring: torch (vocab-sharded logits), fused (Triton kernel; GPU, or interpreter on CPU), "
         "auto (fused on GPU, torch on CPU)"
     )
-    use_distributed_optimizer: bool | None = doc(
-        None, "Megatron's distributed optimizer: Adam state (and a bf16 model's fp32 master weights) sharded over "
-        "data-parallel ranks, so each keeps 1/DP of it; unset: on when parallel.data_parallel_size > 1 unless "
-        "subspace-constrained training or rollout.memory.offload_trainer is on (they do not support it yet)"
-    )
-    recompute: Literal["none", "selective", "full"] = doc(
-        "none", "activation recomputation in the backward: none, selective (the core attention of every layer; "
-        "runs with the local layer spec, no Transformer Engine needed) or full (whole layers, see recompute_method)"
-    )
-    recompute_method: Literal["uniform", "block"] = doc(
-        "uniform", "recompute full: uniform (every layer, in chunks of recompute_num_layers layers) or block (only "
-        "the first recompute_num_layers layers of each pipeline stage)"
-    )
-    recompute_num_layers: int = doc(1, "recompute full: layers per chunk (uniform) or recomputed layers (block)")
     max_tokens_per_micro_batch: int | None = doc(
         None, "token-budget micro-batches (verl's dynamic batch size): each rank bins its samples of a mini-batch into "
         "micro-batches of at most this many tokens (prompt + response; a longer sample gets a micro-batch of its own), "
@@ -231,25 +208,30 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices("train", self)
-        require(self.routing_replay == "none" or self.recompute != "full",
-                f"train.routing_replay {self.routing_replay} cannot run with train.recompute full: a recomputed layer's "
-                f"router would route again in the backward, without the replayed experts; use selective or none")
         require_at_least(
-            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps",
-                     "recompute_num_layers"), 1
+            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps"), 1
         )
-        require_at_least("train", self, ("warmup_steps", "max_consecutive_skips"), 0)
+        require_at_least("train", self, ("max_consecutive_skips",), 0)
         require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
                 f"train.max_tokens_per_micro_batch must be >= 1 (or unset), got {self.max_tokens_per_micro_batch}")
         require(self.train_batch_size % self.mini_batch_size == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
                 f"({self.train_batch_size})")
-        require(self.subspace_capture_step >= 0,
-                f"train.subspace_capture_step must be >= 0, got {self.subspace_capture_step}")
-        require(self.subspace_k >= 1, f"train.subspace_k must be >= 1, got {self.subspace_k}")
-        require(self.lr >= 0, f"train.lr must be >= 0 (0: the weights never change), got {self.lr}")
-        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
-        require(0 <= self.weight_decay, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+
+    def check_with(self, parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
+        """The rules this section shares with others: the data-parallel split of a mini-batch and packing under
+        context parallelism (`parallel`), and routing replay under `recompute`."""
+        require(parallel.context_parallel_size == 1 or not self.pack_sequences,
+                f"parallel.context_parallel_size ({parallel.context_parallel_size}) does not split packed "
+                f"micro-batches yet: set train.pack_sequences false")
+        dp = parallel.data_parallel_size
+        require(self.mini_batch_size % dp == 0,
+                f"train.mini_batch_size ({self.mini_batch_size}) must be divisible by parallel.data_parallel_size "
+                f"({dp}) so every data-parallel rank trains on the same number of prompts")
+        require(self.routing_replay == "none" or recompute.granularity != "full",
+                f"train.routing_replay {self.routing_replay} cannot run with recompute.granularity full: a recomputed "
+                f"layer's router would route again in the backward, without the replayed experts; use selective or "
+                f"none")
 
 
 @dataclass
@@ -302,6 +284,12 @@ class CheckpointConfig:
         require(self.keep_best is None or self.keep_best.startswith("val/"),
                 f"checkpoint.keep_best must name a validation metric (val/...), got {self.keep_best!r}")
 
+    def check_with(self, eval: EvalConfig) -> None:
+        """keep_best compares validations: one must run at every checkpoint (`eval`.every)."""
+        require(self.keep_best is None or (eval.every > 0 and self.every % eval.every == 0),
+                f"checkpoint.keep_best {self.keep_best} needs a validation at every checkpoint: checkpoint.every "
+                f"({self.every}) must be a multiple of eval.every ({eval.every}), and eval.every > 0")
+
 
 @dataclass
 class TaskConfig:
@@ -315,6 +303,13 @@ class TaskConfig:
     def __post_init__(self) -> None:
         check_choices("task", self)
         require_at_least("task", self, ("warm_start_steps",), 0)
+
+    def check_with(self, model: ModelConfig, data: DataConfig) -> None:
+        """Without a synthetic task the run's model and prompts come from the `model` and `data` sections."""
+        if self.synthetic is None:
+            require(model.path is not None,
+                    "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
+            require(data.train_path is not None, "data.train_path is required unless task.synthetic is set")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron_armor.convert.megatron_checkpoint import load_model_weights
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, MoERouting, transformer_config
+from megatron_armor.config import RecomputeConfig
+from megatron_armor.models.hf_config import ModelShape, MoERouting, transformer_config
 
 # model.params_dtype / serve-teacher --params-dtype -> torch dtype
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -19,7 +20,7 @@ PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def load_gpt_model(
     path: str | Path, shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, trainable: bool = False,
-    recompute: ActivationRecompute = ActivationRecompute(), sequence_parallel: bool = False,
+    recompute: RecomputeConfig = RecomputeConfig(), sequence_parallel: bool = False,
     moe: MoERouting = MoERouting(),
 ) -> GPTModel:
     """This rank's shard of the model at `path` (HF directory or Megatron checkpoint), on `training_device()`.

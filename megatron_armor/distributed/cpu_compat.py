@@ -55,6 +55,13 @@ Adaptations (megatron-core 0.19):
     size"). Those two calls become `all_to_all_single` with uneven splits (every rank
     sends its rows to each peer, or chunk r of its rows to rank r and sums what it gets); even splits, and every
     call on NCCL, go to Megatron's functions unchanged.
+12. Mixed precision (bf16 parameters, fp32 main grads and master weights: `Float16OptimizerWithFloat16Params`, or
+    the distributed optimizer with its fp32 shards) runs on adaptations 1 and 5 alone: both optimizers sort
+    parameters by `Tensor.type()` names ('torch.cuda.BFloat16Tensor', adaptation 1, so they are built inside
+    `megatron_device_scope`), the Float16 optimizer allocates its unit loss scale with `device='cuda'` (adaptation 1),
+    and for bf16 Megatron copies main params to model params with a plain `copy_` loop (no Apex multi-tensor
+    kernel; its overflow buffer is None), so nothing more is patched (tests/trainer/test_parallel_layouts.py runs the
+    bf16 step at TP=2, PP=2 and DP=2 with the distributed optimizer).
 
 12. Megatron's rotary embedding under context parallelism picks this CP rank's positions with an index tensor made
     with `pin_memory=True` (`get_pos_emb_on_this_cp_rank`), which asks for a CUDA driver; in the mode of

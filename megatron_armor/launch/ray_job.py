@@ -25,7 +25,7 @@ from typing import Literal
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from megatron_armor.algorithms import check_algorithm_config
+from megatron_armor.algorithms import ANCHORS, TEACHER, check_algorithm_config
 from megatron_armor.config import ArmorConfig, ConfigError, validate
 from megatron_armor.launch.server_process import ServerConfig
 from megatron_armor.launch.servers import Placement, ServerGroup, reserve_bundles
@@ -72,14 +72,14 @@ def run_ray_job(cfg: ArmorConfig, job: RayJobConfig, *, resume: bool = False, ov
         raise ConfigError("colocated placement needs a GPU cluster and server_tp_size 1 (one GPU per bundle, shared "
                           f"by a trainer rank and its servers); got {'no GPUs' if not use_gpus else f'server_tp_size {job.server_tp_size}'}")
     # Servers need the checkpoints before the trainer starts.
-    paths = prepare_task(cfg, is_main=True, needs_teacher=algorithm.needs_teacher)
+    paths = prepare_task(cfg, is_main=True, needs_teacher=algorithm.step_sources(cfg).uses(TEACHER))
     bundle = {"CPU": job.cpus_per_actor * (3 if colocated else 1), **({"GPU": 1} if use_gpus else {})}
     trainer_pg = reserve_bundles(bundle, world, name="armor-trainer", timeout_s=job.placement_timeout_s)
     groups: list[ServerGroup] = []
     routers: list[SGLangRouter] = []
     try:
         roles = [("actor", paths.model_path, job.num_servers)]
-        if algorithm.uses_anchors and cfg.rollout.anchors.engine == "separate":
+        if ANCHORS in algorithm.step_sources(cfg).extra_samples and cfg.rollout.anchors.engine == "separate":
             roles.append(("reference", paths.ref_path, job.num_ref_servers))
         offset = 0
         for role, model_path, count in roles:

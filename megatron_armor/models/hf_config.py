@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_armor.config import TrainConfig, expert_tp_size
+from megatron_armor.config import RecomputeConfig, expert_tp_size
 from megatron_armor.models.families import ModelConfigError, model_family
 from megatron_armor.models.shape import ModelShape
 
@@ -132,39 +132,14 @@ class MoERouting:
         }
 
 
-@dataclass(frozen=True)
-class ActivationRecompute:
-    """Megatron activation recomputation: `granularity` none | selective (the core attention of every layer,
-    Megatron's default `recompute_modules`) | full (whole layers, `method` uniform: in chunks of `num_layers`
-    layers; block: the first `num_layers` layers of each pipeline stage)."""
-
-    granularity: str = "none"
-    method: str = "uniform"
-    num_layers: int = 1
-
-    @classmethod
-    def from_config(cls, train: TrainConfig) -> ActivationRecompute:
-        """train.recompute, train.recompute_method and train.recompute_num_layers."""
-        return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
-
-    def megatron_fields(self) -> dict:
-        """TransformerConfig's recompute_granularity / recompute_method / recompute_num_layers."""
-        if self.granularity == "none":
-            return {}
-        if self.granularity == "selective":
-            return {"recompute_granularity": "selective"}
-        return {"recompute_granularity": "full", "recompute_method": self.method,
-                "recompute_num_layers": self.num_layers}
-
-
 def transformer_config(
     shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
-    device: torch.device | None = None, recompute: ActivationRecompute = ActivationRecompute(),
+    device: torch.device | None = None, recompute: RecomputeConfig = RecomputeConfig(),
     sequence_parallel: bool = False, ep_size: int = 1, etp_size: int | None = None, moe: MoERouting = MoERouting(),
     cp_size: int = 1) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
 
-    `recompute`: which activations the backward recomputes instead of keeping (none by default).
+    `recompute`: which activations the backward recomputes instead of keeping (the `recompute` section).
     `sequence_parallel` (TP > 1): hidden states outside attention and MLP are split along the sequence over the
     TP ranks, [S/tp, b, H]; the output layer all-gathers them (the fused head too, `scoring.logprobs`).
     `device`: where the model will live. For a CUDA device Megatron allocates and initialises the

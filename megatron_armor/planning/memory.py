@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import expert_tp_size
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape
+from megatron_armor.config import RecomputeConfig, expert_tp_size
+from megatron_armor.models.hf_config import ModelShape
 
 FP32 = 4
 PARAM_ALIGN = 64  # Megatron's distributed optimizer starts every parameter at a multiple of 64 elements
@@ -36,7 +36,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     dtype_bytes: int = 2
-    recompute: ActivationRecompute = ActivationRecompute()
+    recompute: RecomputeConfig = RecomputeConfig()
     head: str = "fused"
     local_attention: bool = False
 
@@ -135,7 +135,8 @@ def grad_buffer_numel(numels: list[int], dp: int, distributed_optimizer: bool) -
 class StateBytes:
     """Bytes per GPU of the model state: `weights` (dtype), `gradients` (fp32 DDP grad buffer), and Adam's state
     `optimizer` as the layout runs it, with `optimizer_replicated` / `optimizer_distributed` both variants
-    (moments, plus fp32 master weights of a bf16 model; the distributed one sharded over DP)."""
+    (moments, plus fp32 master weights of a bf16 model; the distributed one sharded over DP). `master_weights`:
+    the fp32 master weights' part of `optimizer` (0 for an fp32 model, whose weights are their own masters)."""
 
     params: int
     weights: int
@@ -143,6 +144,7 @@ class StateBytes:
     optimizer: int
     optimizer_replicated: int
     optimizer_distributed: int
+    master_weights: int
 
 
 def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
@@ -153,9 +155,12 @@ def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
     stage = max(range(pp), key=lambda s: sum(stage_parameter_numels(shape, tp, pp, s, ep, etp)))
     dense, experts = stage_dense_numels(shape, tp, pp, stage), stage_expert_numels(shape, etp, pp, stage, ep)
     params, expert_dp = sum(dense) + sum(experts), layout.expert_dp
-    per_param = 2 * FP32 + (FP32 if layout.dtype_bytes != FP32 else 0)  # exp_avg, exp_avg_sq (+ fp32 master)
-    replicated = params * per_param
-    distributed = math.ceil(sum(dense) * per_param / layout.dp) + math.ceil(sum(experts) * per_param / expert_dp)
+
+    def sharded(bytes_per_param: int) -> int:  # 1/DP of the dense parameters' and 1/expert-DP of the experts'
+        return math.ceil(sum(dense) * bytes_per_param / layout.dp) + math.ceil(sum(experts) * bytes_per_param / expert_dp)
+
+    moments, master = 2 * FP32, (FP32 if layout.dtype_bytes != FP32 else 0)  # exp_avg + exp_avg_sq; fp32 master
+    replicated, distributed = params * (moments + master), sharded(moments) + sharded(master)
     gradients = grad_buffer_numel(dense, layout.dp, layout.distributed_optimizer) + (
         grad_buffer_numel(experts, expert_dp, layout.distributed_optimizer) if experts else 0)
     return StateBytes(
@@ -163,4 +168,5 @@ def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
         gradients=gradients * FP32,
         optimizer=distributed if layout.distributed_optimizer else replicated,
         optimizer_replicated=replicated, optimizer_distributed=distributed,
+        master_weights=sharded(master) if layout.distributed_optimizer else params * master,
     )

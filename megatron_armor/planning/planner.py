@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import ArmorConfig, check_expert_layout, resolve_distributed_optimizer
-from megatron_armor.models.hf_config import ActivationRecompute, ModelShape, check_parallel_layout
+from megatron_armor.config import ArmorConfig, RecomputeConfig, check_expert_layout
+from megatron_armor.models.hf_config import ModelShape, check_parallel_layout
 from megatron_armor.planning.activations import ActivationBytes, LogitsBytes, activation_bytes, logits_bytes
 from megatron_armor.planning.flops import RLStepFlops, rl_step_flops
 from megatron_armor.planning.memory import Layout, StateBytes, parameter_count, state_bytes
@@ -93,12 +93,12 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
     """(the knob to turn, the inputs with it turned) for every memory knob this layout has not turned yet."""
     layout, changes = inputs.layout, []
     if layout.recompute.granularity != "full":
-        changes.append(("turn on train.recompute full", replace(inputs, layout=layout.with_(
-            recompute=ActivationRecompute("full", "uniform", 1)))))
+        changes.append(("turn on recompute.granularity full", replace(inputs, layout=layout.with_(
+            recompute=RecomputeConfig("full", "uniform", 1)))))
     if layout.head != "fused":
         changes.append(("set train.logprob_head fused", replace(inputs, layout=layout.with_(head="fused"))))
     if layout.dp > 1 and not layout.distributed_optimizer:
-        changes.append(("set train.use_distributed_optimizer true", replace(
+        changes.append(("set optimizer.use_distributed_optimizer true", replace(
             inputs, layout=layout.with_(distributed_optimizer=True))))
     if layout.tp > 1 and not layout.sequence_parallel:
         changes.append(("set parallel.sequence_parallel true", replace(
@@ -186,8 +186,8 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
         ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size,
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
-        distributed_optimizer=resolve_distributed_optimizer(cfg), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
-        recompute=ActivationRecompute.from_config(train),
+        distributed_optimizer=cfg.optimizer.distributed(par, cfg.subspace, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
+        recompute=cfg.recompute,
         head="torch" if train.logprob_head == "torch" else "fused",
     )
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
@@ -208,15 +208,17 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
 
 def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tuple[tuple[str, ModelShape], ...]:
     """(("teacher", shape),) when the algorithm scores with a teacher in the trainer's processes, else ()."""
+    from megatron_armor.algorithms import TEACHER  # imports torch, as building `algorithm` did
+
     opd = cfg.opd
-    if not algorithm.needs_teacher or opd.teacher_url or opd.teacher_layout is not None:
+    if not algorithm.sources.uses(TEACHER) or opd.teacher_url or opd.teacher_layout is not None:
         return ()
     return (("teacher", resolve_model_shape(opd.teacher_path)[0] if opd.teacher_path else student),)
 
 
 def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     """Plan `cfg` on `hardware` (the trainer takes tp x pp x dp of its GPUs)."""
-    from megatron_armor.algorithms import build_algorithm  # imports torch
+    from megatron_armor.algorithms import REFERENCE, TEACHER, build_algorithm  # imports torch
 
     algorithm = build_algorithm(cfg)
     inputs = plan_inputs(cfg, algorithm, hardware)
@@ -224,11 +226,11 @@ def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
     sequences = cfg.train.train_batch_size * cfg.rollout.sampling.n_samples
     teacher = None
-    if algorithm.needs_teacher:  # in-process or a server: its forward counts alike
+    if algorithm.sources.uses(TEACHER):  # in-process or a server: its forward counts alike
         teacher = resolve_model_shape(cfg.opd.teacher_path)[0] if cfg.opd.teacher_path else inputs.shape
     return RunPlan(
         memory=memory, advice=[] if memory.fits else advice(inputs, max_len),
-        flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=algorithm.needs_ref_logprobs,
+        flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=REFERENCE in algorithm.sources.scores,
                             teacher=teacher, old_logprobs=not algorithm.old_logprobs_from_update(
                                 cfg.train.train_batch_size // cfg.train.mini_batch_size)),
         sequences=sequences, max_len=max_len, gpus=hardware.gpus, trainer_gpus=cfg.parallel.world_size,

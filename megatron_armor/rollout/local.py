@@ -216,12 +216,12 @@ class LocalEngine(RolloutEngine):
         device: torch.device | None = None, dtype: torch.dtype = torch.float32, record_routes: bool = False,
     ) -> LocalEngine:
         """An in-process engine of a training run: `model` (a checkpoint directory or a model) with the rollout
-        section's weight precision (rollout.engine_precision), padding with the tokenizer's `pad_token_id`,
+        section's weight precision (rollout.local.engine_precision), padding with the tokenizer's `pad_token_id`,
         its weights in `dtype` on `device` (default: where they are; the trainer passes its GPU and dtype),
         recording routes when `record_routes`."""
         if isinstance(model, torch.nn.Module):
             model = model.to(dtype=dtype)
-        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=rollout.engine_precision,
+        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=rollout.local.engine_precision,
                      record_routes=record_routes)
         if device is not None:
             engine.model.to(device)

@@ -99,10 +99,11 @@ def test_optimizer_step_matches_torch_adamw(armor_case, loss_workers):
 
 def test_learning_rate_warms_up_over_rl_steps():
     """armor.md §6: linear warmup counted in RL steps, then constant; RL step k runs at lr * (k + 1) / warmup."""
-    from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
+    from megatron_armor.config import OptimizerConfig
+    from megatron_armor.trainer.update.optimizer import learning_rate
 
-    settings = AdamConfig(lr=4e-3, warmup_steps=4)
+    settings = OptimizerConfig(lr=4e-3, warmup_steps=4)
     assert [learning_rate(k, settings) for k in range(6)] == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 4e-3, 4e-3],
                                                                            rel=1e-12)
     assert [warmup_lr(4e-3, 4, k) for k in range(6)] == [learning_rate(k, settings) for k in range(6)]
-    assert learning_rate(0, AdamConfig(lr=4e-3, warmup_steps=1)) == 4e-3
+    assert learning_rate(0, OptimizerConfig(lr=4e-3, warmup_steps=1)) == 4e-3

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_armor.algorithms import (
-    Algorithm, LossInputs, algorithm_class, armor_policy_loss, build_algorithm, kl_penalty, register_algorithm,
+    ACTOR, ANCHORS, REFERENCE, TEACHER, Algorithm, LossInputs, StepSources, algorithm_class, armor_policy_loss,
+    build_algorithm, kl_penalty, register_algorithm,
     registered_algorithms, sampler_corrected_loss, unregister_algorithm,
 )
 from megatron_armor.algorithms.reduce import aggregate_loss
@@ -53,24 +54,34 @@ def test_registering_twice_is_refused_and_unregistering_frees_the_name():
         register_algorithm(object)
 
 
-@pytest.mark.parametrize("name, anchors, ref, teacher, filters, aggregation, clip", [
-    ("armor", True, True, False, True, "token_mean", (0.2, 0.28, 10.0)),  # armor.md §3
-    ("grpo", False, False, False, True, "token_mean", (0.2, 0.28, 10.0)),
-    ("grpo_kl", False, True, False, True, "token_mean", (0.2, 0.28, 10.0)),
-    ("mipu", False, True, False, True, "seq_mean_token_mean", (0.2, 0.2, 1.4)),  # mipu.md §2
-    ("opd", False, False, True, False, "token_mean", (0.2, 0.28, 10.0)),
+@pytest.mark.parametrize("name, extra, scores, filters, aggregation, clip", [
+    ("armor", (ANCHORS,), (REFERENCE,), True, "token_mean", (0.2, 0.28, 10.0)),  # armor.md §3
+    ("grpo", (), (), True, "token_mean", (0.2, 0.28, 10.0)),
+    ("grpo_kl", (), (REFERENCE,), True, "token_mean", (0.2, 0.28, 10.0)),
+    ("mipu", (), (REFERENCE,), True, "seq_mean_token_mean", (0.2, 0.2, 1.4)),  # mipu.md §2
+    ("opd", (), (TEACHER,), False, "token_mean", (0.2, 0.28, 10.0)),
 ])
-def test_what_each_builtin_asks_of_the_trainer(name, anchors, ref, teacher, filters, aggregation, clip):
+def test_what_each_builtin_asks_of_the_trainer(name, extra, scores, filters, aggregation, clip):
     algorithm = make_algorithm(name)
-    assert (algorithm.uses_anchors, algorithm.needs_ref_logprobs, algorithm.needs_teacher) == (anchors, ref, teacher)
+    assert algorithm.sources == StepSources(sampler=ACTOR, extra_samples=extra, scores=scores)
     assert algorithm.filters_groups is filters and algorithm.loss_aggregation == aggregation
     assert (algorithm.clip.low, algorithm.clip.high, algorithm.clip.dual) == pytest.approx(clip)
     assert (algorithm.update_gate() is not None) == (name == "mipu")
-    assert not algorithm.samples_from_teacher
+
+
+def test_opd_with_teacher_rollouts_samples_from_the_teacher():
+    overrides = ("opd.rollouts=teacher", "algorithm.clip_low=1.0", "algorithm.clip_high=1.0")
+    assert make_algorithm("opd", *overrides).sources == StepSources(sampler=TEACHER, scores=(TEACHER,))
+
+
+def test_step_sources_say_which_policies_a_step_uses():
+    anchored, taught = StepSources(extra_samples=(ANCHORS,)), StepSources(sampler=TEACHER, scores=(TEACHER,))
+    assert [anchored.uses(p) for p in (ACTOR, REFERENCE, TEACHER)] == [True, True, False]
+    assert [taught.uses(p) for p in (ACTOR, REFERENCE, TEACHER)] == [False, False, True]
 
 
 def test_grpo_kl_without_a_kl_coefficient_needs_no_reference():
-    assert not make_algorithm("grpo_kl", "kl.coef=0").needs_ref_logprobs
+    assert make_algorithm("grpo_kl", "kl.coef=0").sources.scores == ()
 
 
 def test_losses_equal_the_plain_loss_functions():

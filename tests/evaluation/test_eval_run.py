@@ -33,7 +33,7 @@ def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_pa
                  str(synthetic_cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16",
                  "--eval.every", "1", "--eval.before_train", "false", "--eval.datasets", str(both),
                  "--checkpoint.every", "1", "--checkpoint.keep_last", "0", "--logging.tensorboard", "false",
-                 "--logging.progress_bar", "false", "--logging.plot", "false", "--train.lr", "1e-3",
+                 "--logging.progress_bar", "false", "--logging.plot", "false", "--optimizer.lr", "1e-3",
                  nproc=2, log_dir=tmp_path / "logs")  # the recipe's TP=2: validation dealt over 2 ranks
     assert proc.returncode == 0, proc.output[-6000:]
     logged = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}

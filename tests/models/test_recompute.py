@@ -1,4 +1,4 @@
-"""Activation recomputation (train.recompute) leaves the gradients as they are: full (uniform and block) and
+"""Activation recomputation (recompute.granularity) leaves the gradients as they are: full (uniform and block) and
 selective recomputation of a tiny Megatron model give the gradients of a run that keeps every activation."""
 
 import pytest
@@ -8,7 +8,8 @@ from megatron.core import tensor_parallel
 from megatron_armor.convert.weights import load_hf_weights
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config
+from megatron_armor.config import RecomputeConfig
+from megatron_armor.models.hf_config import load_model_shape, transformer_config
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def megatron_world():
     destroy_distributed()
 
 
-def _gradients(checkpoint, recompute: ActivationRecompute) -> dict[str, torch.Tensor]:
+def _gradients(checkpoint, recompute: RecomputeConfig) -> dict[str, torch.Tensor]:
     shape = load_model_shape(checkpoint)
     model = build_gpt_model(shape, transformer_config(shape, recompute=recompute), trainable=True)
     load_hf_weights(model, checkpoint, shape)
@@ -30,12 +31,12 @@ def _gradients(checkpoint, recompute: ActivationRecompute) -> dict[str, torch.Te
 
 
 @pytest.mark.parametrize("recompute", [
-    ActivationRecompute("full", "uniform", 1), ActivationRecompute("full", "block", 1),
-    ActivationRecompute("selective"),
+    RecomputeConfig("full", "uniform", 1), RecomputeConfig("full", "block", 1),
+    RecomputeConfig("selective"),
 ], ids=["full-uniform", "full-block", "selective"])
 def test_recomputation_gives_the_same_gradients(megatron_world, tiny_model_factory, monkeypatch, recompute):
     checkpoint = tiny_model_factory()
-    kept = _gradients(checkpoint, ActivationRecompute())
+    kept = _gradients(checkpoint, RecomputeConfig())
     checkpointed = []  # Megatron's activation checkpoint, entered by the recomputed parts' forward
     original = tensor_parallel.checkpoint
     monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *args: checkpointed.append(1) or original(*args))

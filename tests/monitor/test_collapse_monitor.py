@@ -208,8 +208,15 @@ def test_monitor_config_validation():
     with pytest.raises(ConfigError, match="monitor.actions: 'val_drop=rollback': action 'rollback' is not allowed"):
         MonitorConfig(actions=["val_drop=rollback"])
     assert MonitorConfig(enabled=True, actions=["val_drop=anchor"]).anchors
-    assert not MonitorConfig(actions=["val_drop=anchor"]).anchors  # the monitor is off
+    assert MonitorConfig(actions=["val_drop=anchor_keep"]).anchors  # on by default
+    assert not MonitorConfig(enabled=False, actions=["val_drop=anchor"]).anchors  # the monitor is off
     with pytest.raises(ConfigError, match="monitor.actions: 'drift=stop' must look like <kind>=<action>"):
         MonitorConfig(actions=["drift=stop"])
     assert MonitorConfig(actions=["hack_rate = stop"]).action_of()["hack_rate"] == "stop"
-    assert set(MonitorConfig().action_of().values()) == {"warn"} and MonitorConfig().enabled is False
+    assert set(MonitorConfig().action_of().values()) == {"warn"}
+
+
+def test_the_monitor_is_on_by_default_when_the_run_validates():
+    assert MonitorConfig().runs(validates=True) and not MonitorConfig().runs(validates=False)
+    assert not MonitorConfig(enabled=False).runs(validates=True)
+    assert MonitorConfig(enabled=True).runs(validates=False)

@@ -1,5 +1,6 @@
 """The planner's bytes against the tensors of tiny Megatron models (one process; TP=2 / DP=2 in
-test_memory_distributed.py): parameters, DDP grad buffers and Adam state exactly, and the activations autograd saves
+test_memory_distributed.py): parameters, DDP grad buffers and Adam state exactly (a bf16 model's weights, grad buffers, fp32 master weights and
+moments each, with and without the distributed optimizer), and the activations autograd saves
 for backward within 15% (counted with saved_tensors_hooks, saved_bytes.py), for every recomputation setting."""
 
 import pytest
@@ -7,17 +8,19 @@ import torch
 from saved_bytes import estimated_saved_bytes, measured_saved_bytes
 
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config
+from megatron_armor.config import OptimizerConfig, RecomputeConfig
+from megatron_armor.models.hf_config import load_model_shape, transformer_config
 from megatron_armor.planning.memory import Layout, state_bytes
-from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training
+from megatron_armor.trainer.update.optimizer import optimizer_step, wrap_for_training
 
-RECOMPUTE = [ActivationRecompute(), ActivationRecompute("selective"), ActivationRecompute("full", "uniform", 1),
-             ActivationRecompute("full", "uniform", 2), ActivationRecompute("full", "block", 2)]
+RECOMPUTE = [RecomputeConfig(), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1),
+             RecomputeConfig("full", "uniform", 2), RecomputeConfig("full", "block", 2)]
 RECOMPUTE_IDS = ["none", "selective", "full-uniform-1", "full-uniform-2", "full-block-2"]
 
 
 def adam_state_bytes(optimizer) -> int:
     """Bytes of Adam's moment tensors (per-parameter step counters, 0-dim, left out as the planner does)."""
+    optimizer = getattr(optimizer, "megatron_optimizer", optimizer)  # a ShardedStateOptimizer's Megatron optimizer
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return sum(value.nbytes for part in parts for state in part.optimizer.state.values()
                for value in state.values() if torch.is_tensor(value) and value.dim())
@@ -26,7 +29,7 @@ def adam_state_bytes(optimizer) -> int:
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", False), ("llama", True)])
 def test_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, arch, tied):
     shape = load_model_shape(tiny_model_factory(arch, num_layers=3, tie_word_embeddings=tied))
-    ddp, optimizer = wrap_for_training(build_gpt_model(shape, transformer_config(shape), trainable=True), AdamConfig())
+    ddp, optimizer = wrap_for_training(build_gpt_model(shape, transformer_config(shape), trainable=True), OptimizerConfig())
     tokens = torch.randint(1, 96, (2, 8))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)  # Adam's moments exist after the first step
@@ -36,6 +39,39 @@ def test_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, arch,
     assert planned.weights == sum(p.nbytes for p in params)
     assert planned.gradients == sum(buffer.grad_data.nbytes for buffer in ddp.buffers)
     assert planned.optimizer == adam_state_bytes(optimizer) == planned.optimizer_replicated
+    assert planned.master_weights == master_weight_bytes(optimizer) == 0  # fp32: the weights are the masters
+
+
+def master_weight_bytes(optimizer) -> int:
+    """Bytes of the fp32 master weights Megatron's mixed-precision optimizer keeps for bf16 parameters (all of them
+    for the plain one, this rank's slices for the distributed one; none for an fp32 model)."""
+    megatron = getattr(optimizer, "megatron_optimizer", optimizer)
+    parts = getattr(megatron, "chained_optimizers", [megatron])
+    groups = [getattr(part, "fp32_from_float16_groups", None) or getattr(part, "shard_fp32_from_float16_groups", [])
+              for part in parts]
+    return sum(main.nbytes for part in groups for group in part for main in group)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_bf16_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, arch, distributed):
+    """A bf16 model trained through Megatron's mixed-precision optimizer: bf16 weights, fp32 grad buffers (with the
+    distributed optimizer's padding), fp32 master weights and Adam's fp32 moments, each term against the tensors."""
+    shape = load_model_shape(tiny_model_factory(arch, num_layers=2))
+    config = transformer_config(shape, params_dtype=torch.bfloat16)
+    model = build_gpt_model(shape, config, trainable=True).to(dtype=torch.bfloat16)
+    ddp, optimizer = wrap_for_training(model, OptimizerConfig(), distributed=distributed)
+    tokens = torch.randint(1, 96, (2, 8))
+    ddp(tokens, torch.arange(8).expand_as(tokens), None).float().sum().backward()
+    optimizer_step(ddp, optimizer, lr=1e-3)
+    planned = state_bytes(shape, Layout(dtype_bytes=2, distributed_optimizer=distributed))
+    params = list(ddp.module.parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert planned.weights == sum(p.nbytes for p in params) == 2 * planned.params
+    assert planned.gradients == sum(buffer.grad_data.nbytes for buffer in ddp.buffers)
+    assert planned.master_weights == master_weight_bytes(optimizer) == 4 * planned.params
+    assert planned.optimizer == adam_state_bytes(optimizer) + master_weight_bytes(optimizer)
+    assert planned.optimizer - planned.master_weights == adam_state_bytes(optimizer) == 8 * planned.params
 
 
 @pytest.mark.parametrize("head", ["torch", "fused"])

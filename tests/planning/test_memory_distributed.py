@@ -2,7 +2,8 @@
 model's tensors on two gloo ranks (tests/workers/planner_layouts.py): activations saved for backward within 15%
 for recompute none / selective / full and both heads; parameter and grad-buffer bytes of a TP shard exactly; the
 distributed optimizer's grad buffer exactly (with Megatron's padding) and its Adam state within its padding of
-1/DP of the replicated state, the two ranks' shards adding up to the replicated state."""
+1/DP of the replicated state, the two ranks' shards adding up to the replicated state; for a bf16 model also its fp32
+master-weight slices apart from the moments."""
 
 import pytest
 from launcher import run_workers
@@ -41,3 +42,19 @@ def test_distributed_optimizer_state_bytes(results):
         assert planned["optimizer"] == pytest.approx(rank["dp2"]["optimizer"], rel=0.02)
         assert planned["optimizer_replicated"] == replicated
     assert sum(rank["dp2"]["optimizer"] for rank in ranks) == replicated
+
+
+def test_distributed_optimizer_bf16_state_bytes(results):
+    """A bf16 model at DP=2 with the distributed optimizer: bf16 weights and the padded fp32 grad buffer exactly; this
+    rank's fp32 master-weight slices and moments each within their padding of 1/DP, the two ranks' adding up to the
+    whole model's (4 and 8 bytes per parameter)."""
+    _, ranks = results
+    for rank in ranks:
+        planned = rank["dp2_bf16"]["planned"]
+        assert rank["dp2_bf16"]["weights"] == planned["weights"] == 2 * planned["params"]
+        assert rank["dp2_bf16"]["gradients"] == planned["gradients"]
+        assert planned["master_weights"] == pytest.approx(rank["dp2_bf16"]["master_weights"], rel=0.02)
+        assert planned["optimizer"] - planned["master_weights"] == pytest.approx(rank["dp2_bf16"]["moments"], rel=0.02)
+    params = ranks[0]["dp2_bf16"]["planned"]["params"]
+    assert sum(rank["dp2_bf16"]["master_weights"] for rank in ranks) == 4 * params
+    assert sum(rank["dp2_bf16"]["moments"] for rank in ranks) == 8 * params

@@ -53,11 +53,11 @@ def test_colocated_servers_get_what_the_trainer_leaves():
 
 
 def test_advice_replans_every_knob():
-    inputs = inputs_of("qwen3-8b-base/armor.yaml", "train.recompute=none", "train.logprob_head=torch")
+    inputs = inputs_of("qwen3-8b-base/armor.yaml", "recompute.granularity=none", "train.logprob_head=torch")
     assert not memory_plan(inputs).fits
     rows = advice(inputs, max_len=2048 + 20480)
     knobs = [row.split(":")[0] for row in rows]
-    assert "turn on train.recompute full" in knobs and "set train.logprob_head fused" in knobs
+    assert "turn on recompute.granularity full" in knobs and "set train.logprob_head fused" in knobs
     assert rows[0].endswith("(fits)")  # those that fit first
     fused = memory_plan(replace(inputs, layout=inputs.layout.with_(head="fused")))
     assert f"set train.logprob_head fused: peak {fused.training_peak / GIB:.1f} GiB" in rows

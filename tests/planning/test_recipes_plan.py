@@ -35,10 +35,10 @@ def test_recipe_fits_its_hardware(recipe, capsys):
 
 def test_a_layout_that_does_not_fit_names_the_knobs(capsys):
     recipe = EXAMPLES / "qwen3-8b-base/armor.yaml"
-    code = main(["plan", "--config", str(recipe), "--gpus", "128", "--gpu-memory-gb", "80", "--train.recompute", "none"])
+    code = main(["plan", "--config", str(recipe), "--gpus", "128", "--gpu-memory-gb", "80", "--recompute.granularity", "none"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "does NOT fit" in out and "turn on train.recompute full" in out and "(fits)" in out
+    assert "does NOT fit" in out and "turn on recompute.granularity full" in out and "(fits)" in out
 
 
 def test_plan_help_and_bad_layout(capsys):

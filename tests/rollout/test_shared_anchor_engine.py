@@ -34,7 +34,7 @@ def test_one_server_serves_actor_and_reference_with_cached_anchors(
                  "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--logging.plot", "false",
                  "--train.train_batch_size", "20", "--train.mini_batch_size", "10",
                  # the actor moves away from the reference at once, far enough for the check below to have a margin
-                 "--train.lr", "2e-3", "--train.warmup_steps", "0",
+                 "--optimizer.lr", "2e-3", "--optimizer.warmup_steps", "0",
                  "--rollout.anchors.ref_n", "2", "--rollout.backend", "sglang", "--rollout.sglang.urls", server.url,
                  "--rollout.anchors.engine", "shared", "--rollout.anchors.cache", "true",
                  "--rollout.anchors.cache_max_prompts", "8", "--rollout.weight_sync.payload", "per_tensor",

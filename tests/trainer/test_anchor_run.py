@@ -21,7 +21,7 @@ VAL_N, VAL_PROMPTS = 4, 4
 PLANTED = """from pathlib import Path
 
 CALLS = Path(__file__).with_suffix(".calls")  # on disk: the reward function is loaded again on resume
-SCHEDULE = [0.5, 0.0, 1.0, 0.25, 1.0]  # val/accuracy of validation 1, 2, ...
+SCHEDULE = {schedule}  # val/accuracy of validation 1, 2, ...
 
 
 def planted(response, row):
@@ -40,10 +40,16 @@ def _overrides(cache: Path, run_dir: Path, val_fn: str) -> list[str]:
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.every=1", f"eval.max_prompts={VAL_PROMPTS}",
         f"rollout.sampling.val_n={VAL_N}", "eval.before_train=false", "checkpoint.save_model=false",
         "checkpoint.every=1", "checkpoint.keep_last=0", "checkpoint.keep_best=val/accuracy", "train.max_steps=4",
-        f"train.lr={LR}", "train.warmup_steps=2", "logging.tensorboard=false", "logging.plot=false",
+        f"optimizer.lr={LR}", "optimizer.warmup_steps=2", "logging.tensorboard=false", "logging.plot=false",
         "logging.progress_bar=false", f"reward.val_fn={val_fn}",
         "monitor.enabled=true", "monitor.val_drop=0.3", "monitor.actions=[val_drop=anchor]",
     ]
+
+
+def _planted(path: Path, schedule: list[float]) -> str:
+    """A validation reward function at `path` whose validations score `schedule`'s accuracies in turn."""
+    path.write_text(PLANTED.format(per_validation=VAL_N * VAL_PROMPTS, schedule=schedule))
+    return f"{path}:planted"
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -63,10 +69,8 @@ def _fresh(optimizer: dict) -> bool:
 
 def test_anchor_switches_to_armor_from_the_best_checkpoint_resets_again_and_resumes(
         synthetic_cache, tmp_path, caplog):
-    planted = tmp_path / "planted.py"
-    planted.write_text(PLANTED.format(per_validation=VAL_N * VAL_PROMPTS))
     run_dir = tmp_path / "run"
-    overrides = _overrides(synthetic_cache, run_dir, f"{planted}:planted")
+    overrides = _overrides(synthetic_cache, run_dir, _planted(tmp_path / "planted.py", [0.5, 0.0, 1.0, 0.25, 1.0]))
     with caplog.at_level(logging.WARNING, logger="megatron_armor"):
         assert run_training(load_config(CONFIG, overrides)) == 0
     rows = _rows(run_dir)
@@ -100,6 +104,53 @@ def test_anchor_switches_to_armor_from_the_best_checkpoint_resets_again_and_resu
     resumed = saved_modules(root / "step_000005")
     assert bit_identical(_weights(resumed, "ref"), best_3)
     assert not bit_identical(_weights(resumed, "actor"), best_3)  # trained on
+
+
+def test_a_drop_right_after_the_start_restores_the_start(synthetic_cache, tmp_path, caplog):
+    """The start (step-0 validation 1.0) is the best restore point: the drops after steps 1 and 2 restart from it,
+    both times to the same weights, without a copy of it in checkpoints/ (BEST names model.path)."""
+    run_dir = tmp_path / "run"
+    overrides = [*_overrides(synthetic_cache, run_dir, _planted(tmp_path / "planted.py", [1.0, 0.25, 0.25])),
+                 "eval.before_train=true", "train.max_steps=2"]
+    with caplog.at_level(logging.WARNING, logger="megatron_armor"):
+        assert run_training(load_config(CONFIG, overrides)) == 0
+    rows = _rows(run_dir)
+    assert rows[0]["checkpoint/best_step"] == 0 and rows[0]["checkpoint/best_value"] == 1.0
+    assert [rows[step]["monitor/anchored"] for step in (1, 2)] == [1, 1]
+    assert "the run's start (model.path), the best so far (step 0, val/accuracy 1)" in caplog.text
+    root = run_dir / "checkpoints"
+    best = json.loads((root / "BEST").read_text())
+    assert best["step"] == 0 and Path(best["path"]).is_absolute() and (Path(best["path"]) / "config.json").is_file()
+    assert sorted(path.name for path in root.glob("step_*")) == ["step_000001", "step_000002"]
+    saved = {step: saved_modules(root / f"step_{step:06d}") for step in (1, 2)}
+    start = _weights(saved[1], "actor")
+    assert bit_identical(_weights(saved[1], "ref"), start)
+    assert bit_identical(_weights(saved[2], "actor"), start) and bit_identical(_weights(saved[2], "ref"), start)
+    assert _fresh(saved[2]["optimizer"])  # trained a step from the start in between, then restarted again
+
+
+def test_anchor_keep_keeps_the_actor_and_makes_the_best_checkpoint_the_reference(synthetic_cache, tmp_path):
+    """anchor_keep after step 2 (validation 0.25, best 1.0 at step 1; step 3 validates 1.0 again): the actor, its optimizer and the lr schedule
+    go on bit for bit as in the same run with the alarm warning only; the reference becomes step 1's actor and the
+    run trains ARMOR from step 3."""
+    schedule = [0.5, 1.0, 0.25, 1.0]
+    runs = {}
+    for action in ("warn", "anchor_keep"):
+        run_dir = tmp_path / action
+        overrides = [*_overrides(synthetic_cache, run_dir, _planted(tmp_path / f"{action}.py", schedule)),
+                     f"monitor.actions=[val_drop={action}]", "eval.before_train=true", "train.max_steps=3"]
+        assert run_training(load_config(CONFIG, overrides)) == 0
+        root = run_dir / "checkpoints"
+        runs[action] = (_rows(run_dir), {step: saved_modules(root / f"step_{step:06d}") for step in (1, 2, 3)})
+    (warned, warned_saved), (kept, kept_saved) = runs["warn"], runs["anchor_keep"]
+    assert [kept[step]["monitor/anchored"] for step in (1, 2, 3)] == [0, 1, 0]
+    assert bit_identical(_weights(kept_saved[2], "actor"), _weights(warned_saved[2], "actor"))
+    assert kept_saved[2]["optimizer"]["adam_step"] == warned_saved[2]["optimizer"]["adam_step"] == 4  # not reset
+    assert bit_identical(_weights(kept_saved[2], "ref"), _weights(kept_saved[1], "actor"))
+    assert [kept[step]["optim/lr"] for step in (1, 2, 3)] == [warned[step]["optim/lr"] for step in (1, 2, 3)]
+    assert kept[3]["armor/anchors_used"] > 0 and "armor/anchors_used" not in warned[3]
+    record = json.loads((tmp_path / "anchor_keep" / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert record["extra"]["anchor"] == {"mode": "armor", "anchors": 1, "step": None, "reference_step": 1}
 
 
 def test_anchor_needs_a_best_checkpoint_and_an_algorithm_that_can_switch(tmp_path):

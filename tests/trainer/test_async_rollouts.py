@@ -204,12 +204,12 @@ class EnginePhase(BatchPhase):
     def __init__(self, sampler: PromptSampler, engine: PausableEngine, *, max_staleness: int) -> None:
         super().__init__(sampler, {}, max_staleness=max_staleness, buffer_batches=2)
         self.plan.partial_rollouts = True
-        self.models = SimpleNamespace(actor_engine=engine)
+        self.models = SimpleNamespace(actor=SimpleNamespace(engine=engine))
 
     def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
         prompts = [row.index for row in self.sampler.next_batch()]
         sampling = SamplingParams(max_new_tokens=48, seed=len(self.calls))
-        generations = self.models.actor_engine.generate([[1, p + 2] for p in prompts], sampling)
+        generations = self.models.actor.engine.generate([[1, p + 2] for p in prompts], sampling)
         self.calls.append((prompts, None, None, threading.current_thread().name))
         on_actor_done()
         groups = [[Sample(p, [1, p + 2], g.response_ids, g.logprobs, g.finish_reason, False, token_versions=g.versions)]

@@ -19,7 +19,7 @@ def _overrides(cache: Path, run_dir: Path) -> list[str]:
         "parallel.tensor_parallel_size=1", f"task.cache_dir={cache}", f"logging.run_dir={run_dir}",
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.every=1", "eval.max_prompts=8",
         "eval.before_train=false", "checkpoint.save_model=false", "checkpoint.every=1", "checkpoint.keep_last=1",
-        "checkpoint.keep_best=val/accuracy", "train.max_steps=4", "train.lr=1e-3", "logging.tensorboard=false",
+        "checkpoint.keep_best=val/accuracy", "train.max_steps=4", "optimizer.lr=1e-3", "logging.tensorboard=false",
         "logging.plot=false", "logging.progress_bar=false",
     ]
 

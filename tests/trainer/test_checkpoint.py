@@ -151,3 +151,23 @@ def test_layout_bound_state_refuses_a_tp_or_pp_change():
     check_layout_change(["actor", "optimizer", "ref"], saved, {"tp": 1, "pp": 2, "dp": 1})
     with pytest.raises(ValueError, match="\\['subspace'\\] state resumes only at .* \\(tp 2 x pp 1\\)"):
         check_layout_change(names, saved, {"tp": 1, "pp": 1, "dp": 2})
+
+
+@pytest.mark.parametrize("saved_master", [False, True], ids=["fp32-to-bf16", "bf16-to-fp32"])
+def test_a_precision_change_of_the_optimizer_is_refused_with_what_to_do(tmp_path, saved_master):
+    """A bf16 model's optimizer state holds fp32 master weights ("optimizer.state.fp32_param.<key>"), an fp32 model's
+    none: a checkpoint of one does not resume the other's optimizer, and the error says which dtype to resume with."""
+    def state(with_master):
+        tree = _state(torch.zeros(2, 3), torch.zeros(2, 3))
+        if with_master:
+            tree["modules"]["optimizer"]["megatron"]["main"] = ShardedTensor.from_rank_offsets(
+                "optimizer.state.fp32_param.weight", torch.zeros(2, 3), replica_id=0)
+        return tree
+
+    path = save_checkpoint(tmp_path, 1, state(saved_master))
+    saved_dtype = "bfloat16" if saved_master else "float32"
+    with pytest.raises(ValueError, match=f"saved with model.params_dtype {saved_dtype}.*Resume with model.params_dtype "
+                                         f"{saved_dtype}, or start a new run"):
+        load_checkpoint(path, state(not saved_master), seed=0)
+    step, _ = load_checkpoint(path, state(saved_master), seed=0)
+    assert step == 1

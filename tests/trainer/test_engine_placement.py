@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.config import load_config
+from megatron_armor.rollout.backends import EngineSite, local_engine
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.prepacked_linear import PrepackedLinear, prepacking_available
 from megatron_armor.trainer.run import build
@@ -27,7 +28,9 @@ def test_engines_follow_the_training_device_in_the_parameter_dtype(monkeypatch):
 def test_an_engine_placed_in_bf16_samples_with_float32_logprobs_of_its_bf16_weights(prepackable_model):
     path = prepackable_model  # its MLP and LM head would be prepacked in float32
     cfg = load_config(CONFIG, [])
-    engine = build._local_engine(str(path), cfg.rollout, 0, {"device": torch.device("cpu"), "dtype": torch.bfloat16})
+    site = EngineSite(model_path=str(path), ref_path=str(path), pad_token_id=0,
+                      placement={"device": torch.device("cpu"), "dtype": torch.bfloat16})
+    engine = local_engine(str(path), cfg.rollout, site)
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     prompts = [[5, 9, 17, 3], [40, 41, 42], [7, 8, 9, 10, 11, 12, 13]]
     generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=0))

@@ -53,7 +53,8 @@ def test_forced_reject_restores_actor_optimizer_and_engine_bit_for_bit(synthetic
             for key in ("mipu/gap_proxy", "mismatch/k3", "loss/is_weight_mean", "loss/is_truncated_fraction",
                         "loss/policy_loss", "optim/grad_norm"):
                 assert math.isfinite(metrics[key]), (key, metrics)
-            assert metrics["mismatch/k3"] > 0 and metrics["mismatch/logprob_abs_diff"] > 1e-3  # fp8 engine
+            # the fp8 engine: far above the fp32 floor (~1e-7); its size depends on the samples, so on the CPU
+            assert metrics["mismatch/k3"] > 0 and metrics["mismatch/logprob_abs_diff"] > 1e-4
         if mode == "sync":
             assert result["optimizer_steps"] == [2, 2] and result["versions"] == [1, 1]
             assert result["rollouts"] == [[0, "MainThread", False], [1, "MainThread", True]]

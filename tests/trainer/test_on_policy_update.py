@@ -7,17 +7,18 @@ import torch
 
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.scoring.micro_batches import MicroBatching
 from megatron_armor.trainer.step_inputs.plan import StepPlan
-from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training
+from megatron_armor.trainer.update.optimizer import wrap_for_training
 from megatron_armor.trainer.update.policy_update import update_policy
 
 from algorithm_factory import make_algorithm
 from sequence_batches import batch_of
 
-OPTIM = AdamConfig(lr=1e-3, warmup_steps=0)
+OPTIM = OptimizerConfig(lr=1e-3, warmup_steps=0)
 SCORING = ScoringConfig()
 BATCHING = MicroBatching(micro_batch_size=3)
 

@@ -18,6 +18,9 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; reductions run in a different order p
 # Adam's first step moves a weight by about lr * g / (|g| + eps): for gradients near eps (~1e-8) the
 # summation-order differences above shift it by up to a few 1e-6 at lr = 1e-3; 1e-5 is 1% of a step.
 WEIGHT_ATOL = 1e-5
+# bf16 (8 significant bits): one rounding's relative error is at most U = 2^-8; its spacing at w is at most 2^-7 |w|.
+U = 2.0 ** -8
+LR = 1e-3  # the worker's learning rate
 
 
 def _actor_and_ref(root, **options):
@@ -43,7 +46,8 @@ JOBS = {
         "budget-packed": ("dense", 1, 1, "torch", "budget=40", "packed"),
         "moe-base": ("moe", 1, 1, "torch"), "moe-aux": ("moe", 1, 1, "torch", "aux=0.1"),
         "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute"),
-        "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch")},
+        "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
+        "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -61,6 +65,8 @@ JOBS = {
         "moe-tp2-sp-ep2-etp1": ("moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
         "qwen2-moe-tp2-sp-ep2-etp1": ("qwen2-moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
         "mixtral-pp2": ("mixtral", 1, 2, "torch"),
+        "bf16-tp2": ("dense", 2, 1, "torch", "bf16", "clip=0.2"), "bf16-pp2": ("dense", 1, 2, "torch", "bf16", "clip=0.2"),
+        "bf16-dp2-distopt": ("dense", 1, 1, "torch", "bf16", "distopt", "clip=0.2"),
         "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
@@ -153,6 +159,75 @@ def test_context_parallel_matches_single_rank(runs, name):
         assert result["entropy"].keys() == baseline["entropy"].keys()
         for key, entropy in result["entropy"].items():
             torch.testing.assert_close(entropy, baseline["entropy"][key], atol=LOGPROB_ATOL, rtol=0)
+def test_bf16_pipeline_and_distributed_optimizer_steps_equal_one_process(runs):
+    """bf16 parameters, fp32 main grads and master weights (Megatron's mixed-precision optimizer; at DP=2 its
+    distributed optimizer, master weights sharded). PP=2 splits the layers without changing any operation, and DP=2
+    sums the same two micro-batches' fp32 grads in an order that does not matter for two terms: logprobs and grads
+    are bitwise the one process's. Megatron's grad norm (summed over stages or DP shards) moves in its last fp32 bit,
+    and so does the clip factor (the norm is above grad_clip 1.0): each fp32 master weight moves by under
+    1e-7 * 2 steps * LR, its bf16 weight by at most one spacing (2^-7 |w|) where that crosses a rounding boundary."""
+    baseline = runs["bf16-base"][0]
+    assert baseline["metrics"]["optim/grad_norm"] > 1.0  # clipped: the clip factor is part of the step
+    for name in ("bf16-pp2", "bf16-dp2-distopt"):
+        for result in runs[name]:
+            for key, (old, ref) in result["logprobs"].items():
+                assert torch.equal(old, baseline["logprobs"][key][0]) and torch.equal(ref, baseline["logprobs"][key][1])
+            for grad_name, grad in result["grads"].items():
+                assert torch.equal(grad, baseline["grads"][grad_name]), (name, grad_name)
+            for weight_name, weight in result["weights"].items():
+                assert weight.dtype == torch.bfloat16
+                torch.testing.assert_close(weight, baseline["weights"][weight_name], rtol=2 * U, atol=1e-9, msg=weight_name)
+            for key in ("loss/policy_loss", "loss/mixed_ratio_mean", "optim/grad_norm"):
+                assert result["metrics"][key] == pytest.approx(baseline["metrics"][key], rel=1e-6), (name, key)
+
+
+def test_bf16_tensor_parallel_step_equals_one_process_within_bf16(runs):
+    """At TP=2 each row-parallel output is a sum of two bf16 partial products, each rounded to bf16 before the
+    all-reduce: one extra rounding (relative U) per row-parallel layer, forward and backward. The step equals the
+    one-process bf16 step within `assert_bf16_tracks`' bounds."""
+    assert runs["bf16-tp2"][0]["layout"] == (2, 1, 1)
+    for result in runs["bf16-tp2"]:
+        assert_bf16_tracks(result, runs["bf16-base"][0])
+
+
+def test_bf16_step_tracks_the_fp32_step(runs):
+    """The bf16 step against the same step in fp32 (same batch, clip and learning rate): bf16 rounds the weights
+    (relative U / 2) and every layer's activations and their gradients (relative U each), all within
+    `assert_bf16_tracks`' bounds."""
+    assert_bf16_tracks(runs["bf16-base"][0], runs["wide-clip-base"][0])
+
+
+def assert_bf16_tracks(result, baseline):
+    """`result` (a bf16 step) equals `baseline` within bf16's error, derived for this 2-layer model:
+    - logprobs within 2U: the logits (|logit| < 1 here: every logprob lies within 0.6 of -log(128)) carry the final
+      hidden state's relative error, a few U after two layers' roundings that the final norm re-normalises; a logprob
+      z_t - logsumexp(z) doubles it. Seen: 0.75 U.
+    - each gradient within 16U of its tensor's largest entry: a weight's gradient is a bf16 product of activations
+      and back-propagated errors (each ~2U per layer crossed, 2 layers forward and back); cancelling sums such as a
+      bias's gradient lose relative accuracy, hence the largest entry as the scale. Seen: 5.6U.
+    - loss, grad norm and mean ratio within 2U (relative; the ratio's error is its logprobs' difference, < 2U).
+    - the weights after two Adam steps: each within 4 LR + 2^-7 |w| (Adam moves a weight by at most about LR per
+      step, so a gradient whose sign differs under rounding noise moves it by up to 2 LR per step, and the bf16
+      weight rounds by up to one spacing); the whole update (the weights' change from the checkpoint rounded to bf16)
+      points the same way: cosine > 0.99 (a sign flip needs |g| below the 16U noise floor: few entries). Seen: 0.996.
+    """
+    assert {w.dtype for w in result["weights"].values()} == {torch.bfloat16}
+    for key, (old, ref) in result["logprobs"].items():
+        torch.testing.assert_close(old, baseline["logprobs"][key][0].to(old.dtype), atol=2 * U, rtol=0)
+        torch.testing.assert_close(ref, baseline["logprobs"][key][1].to(ref.dtype), atol=2 * U, rtol=0)
+    for name, grad in result["grads"].items():
+        expected = baseline["grads"][name].float()
+        torch.testing.assert_close(grad.float(), expected, atol=16 * U * expected.abs().max().item(), rtol=0, msg=name)
+    for key in ("loss/policy_loss", "loss/mixed_ratio_mean", "optim/grad_norm"):
+        assert result["metrics"][key] == pytest.approx(baseline["metrics"][key], rel=2 * U), key
+    got, expected, start = [], [], baseline["initial_weights"]
+    for name, weight in result["weights"].items():
+        reference = baseline["weights"][name].float()
+        torch.testing.assert_close(weight.float(), reference, atol=4 * LR, rtol=2 * U, msg=name)
+        initial = start[name].to(torch.bfloat16).float()
+        got.append((weight.float() - initial).flatten())
+        expected.append((reference - initial).flatten())
+    assert torch.nn.functional.cosine_similarity(torch.cat(got), torch.cat(expected), dim=0) > 0.99
 
 
 def assert_same_step(ranks, baseline):

@@ -5,7 +5,6 @@ and `--resume` continues from it to the same step as the uninterrupted run."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import psutil
 import pytest
 
 from launcher import WORKERS, run_workers
+from training_runs import resume_from, run_metrics, run_overrides
 from megatron_armor.utils.net import free_port
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
@@ -24,25 +24,6 @@ LOSS_KEYS = ("loss/policy_loss", "loss/clip_fraction", "loss/mixed_ratio_mean", 
 TP1_DP2 = ["parallel.tensor_parallel_size=1", "parallel.data_parallel_size=2"]
 PP2 = ["parallel.tensor_parallel_size=1", "parallel.pipeline_parallel_size=2"]
 CP2 = ["parallel.tensor_parallel_size=1", "parallel.context_parallel_size=2"]
-
-
-def _overrides(cache_dir: Path, run_dir: Path, steps: int) -> list[str]:
-    return [f"task.cache_dir={cache_dir}", f"logging.run_dir={run_dir}", f"train.max_steps={steps}",
-            "task.num_train_rows=400", "task.num_val_rows=16", "eval.every=0", "eval.before_train=false",
-            "checkpoint.every=1", "checkpoint.keep_last=0", "checkpoint.save_model=false",
-            "logging.tensorboard=false", "logging.plot=false"]
-
-
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
-def _resume_from(source: Path, run_dir: Path, step: int) -> None:
-    """`run_dir` as a run interrupted after `step` steps: its checkpoint and metrics."""
-    name = f"step_{step:06d}"
-    shutil.copytree(source / "checkpoints" / name, run_dir / "checkpoints" / name)
-    rows = (source / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (run_dir / "metrics.jsonl").write_text("".join(rows[:step]))
 
 
 def assert_same_step(got: dict, expected: dict) -> None:
@@ -54,7 +35,7 @@ def assert_same_step(got: dict, expected: dict) -> None:
 def uninterrupted(synthetic_cache, tmp_path_factory):
     """Two steps at TP=2 with a checkpoint after each (asynchronous saves): the reference run."""
     run_dir = tmp_path_factory.mktemp("full") / "run"
-    run_workers("train_run.py", 2, run_dir.parent / "w", CONFIG, *_overrides(synthetic_cache, run_dir, 2),
+    run_workers("train_run.py", 2, run_dir.parent / "w", CONFIG, *run_overrides(synthetic_cache, run_dir, 2),
                 "checkpoint.async_save=true")
     return run_dir
 
@@ -66,9 +47,9 @@ def test_tp2_checkpoint_resumes_at_tp1_dp2(uninterrupted, synthetic_cache, tmp_p
     assert record["layout"] == {"tp": 2, "pp": 1, "dp": 1} and record["modules"] == ["actor", "optimizer"]
     assert sorted(p.name for p in (checkpoint / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     run_dir = tmp_path / "run"
-    _resume_from(uninterrupted, run_dir, 1)
-    run_workers("train_run.py", 2, tmp_path / "w", CONFIG, "--resume", *_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
-    assert_same_step(_metrics(run_dir)[2], _metrics(uninterrupted)[2])
+    resume_from(uninterrupted, run_dir, 1)
+    run_workers("train_run.py", 2, tmp_path / "w", CONFIG, "--resume", *run_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
+    assert_same_step(run_metrics(run_dir)[2], run_metrics(uninterrupted)[2])
     assert "RNG states are per rank and do not reshard" in (tmp_path / "w" / "stderr.txt").read_text()
     resaved = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert resaved["layout"] == {"tp": 1, "pp": 1, "dp": 2}
@@ -77,10 +58,10 @@ def test_tp2_checkpoint_resumes_at_tp1_dp2(uninterrupted, synthetic_cache, tmp_p
 def test_pp2_checkpoint_resumes_at_pp1(uninterrupted, synthetic_cache, tmp_path):
     """Step 1 at PP=2, step 2 resumed at PP=1 x DP=2: step 2 is the uninterrupted TP=2 run's."""
     run_dir = tmp_path / "run"
-    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(synthetic_cache, run_dir, 1), *PP2)
-    assert_same_step(_metrics(run_dir)[1], _metrics(uninterrupted)[1])
-    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
-    assert_same_step(_metrics(run_dir)[2], _metrics(uninterrupted)[2])
+    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *run_overrides(synthetic_cache, run_dir, 1), *PP2)
+    assert_same_step(run_metrics(run_dir)[1], run_metrics(uninterrupted)[1])
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *run_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
+    assert_same_step(run_metrics(run_dir)[2], run_metrics(uninterrupted)[2])
 
 
 def test_cp2_checkpoint_resumes_at_cp1(uninterrupted, synthetic_cache, tmp_path):
@@ -101,7 +82,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(uninterrupted, synthetic
     killed with SIGKILL: step 1 stays the latest complete checkpoint, and --resume redoes step 2 from it."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(WORKERS / "train_run.py"), str(tmp_path / "w1"), CONFIG, *_overrides(synthetic_cache, run_dir, 2)]
+           str(WORKERS / "train_run.py"), str(tmp_path / "w1"), CONFIG, *run_overrides(synthetic_cache, run_dir, 2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ARMOR_CHECKPOINT_STALL_AT_STEP": "2"}
     (tmp_path / "w1").mkdir()
     with open(tmp_path / "w1" / "stderr.txt", "w") as log:
@@ -119,6 +100,6 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(uninterrupted, synthetic
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp_step_000002", "step_000001"]
     assert (checkpoints / "step_000001" / "COMPLETE").is_file()
-    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *_overrides(synthetic_cache, run_dir, 2))
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *run_overrides(synthetic_cache, run_dir, 2))
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "step_000002"]
-    assert_same_step(_metrics(run_dir)[2], _metrics(uninterrupted)[2])
+    assert_same_step(run_metrics(run_dir)[2], run_metrics(uninterrupted)[2])

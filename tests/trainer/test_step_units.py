@@ -6,14 +6,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_armor.algorithms import ACTOR, REFERENCE
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources, trim_to_data_parallel
 from megatron_armor.trainer.rollouts.samples import SampleScorer
 from megatron_armor.trainer.step.loop import RLTrainer
 from megatron_armor.trainer.step_inputs.plan import StepPlan
-from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
+from megatron_armor.trainer.update.optimizer import learning_rate
 from megatron_armor.trainer.update.snapshot import TrainingSnapshot
 from megatron_armor.trainer.update.training_batch import local_mini_batch_groups
 from megatron_armor.scoring.micro_batches import MicroBatching
@@ -24,10 +27,10 @@ from algorithm_factory import make_algorithm
 def test_warmup_counts_rl_steps():
     """armor.md §6: 10 linear-warmup steps are RL steps (verl steps its scheduler once per update_actor):
     RL step k uses lr * min(1, (k + 1) / 10) for all of its mini-batches."""
-    settings = AdamConfig(lr=1e-6, warmup_steps=10)
+    settings = OptimizerConfig(lr=1e-6, warmup_steps=10)
     expected = [1e-7 * (k + 1) for k in range(10)] + [1e-6] * 5
     assert [learning_rate(k, settings) for k in range(15)] == pytest.approx(expected, rel=1e-12)
-    assert learning_rate(0, AdamConfig(lr=1e-6, warmup_steps=0)) == 1e-6
+    assert learning_rate(0, OptimizerConfig(lr=1e-6, warmup_steps=0)) == 1e-6
 
 
 @pytest.mark.parametrize("dp_size, mini_batch_size", [(1, 4), (2, 4), (4, 8), (4, 4)])
@@ -75,7 +78,8 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
                     micro_batching=MicroBatching(2),
                     actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
                     ref_reset_period=0, seed=0)
-    handles = SimpleNamespace(shared_engine=False, actor_engine=SimpleNamespace(metrics=dict))
+    handles = PolicyHandles(actor=Policy(ACTOR, None, SimpleNamespace(metrics=dict)), ref=Policy(REFERENCE, None),
+                            optimizer=None, shape=None, pad_token_id=0)
     prompts = PromptSampler([PromptRow(i, [1, 2], {}) for i in range(2)], 2, seed=0, shuffle=False)
     trainer = RLTrainer(SimpleNamespace(dp_size=2, dp_rank=1), handles, plan,
                         RolloutSources(prompts, sampling=None, scorer=SampleScorer(None, None)), scoring=None, optim=None)

@@ -29,9 +29,9 @@ def test_updates_after_capture_stay_in_the_recorded_span(synthetic_cache, tmp_pa
                  "--run-dir", str(run_dir), "--task.cache_dir", str(synthetic_cache), "--task.num_train_rows", "400",
                  "--task.num_val_rows", "16", "--eval.every", "0", "--eval.before_train", "false",
                  "--checkpoint.every", "1", "--checkpoint.keep_last", "0", "--logging.tensorboard", "false",
-                 "--logging.progress_bar", "false", "--train.subspace_capture_step", "1", "--train.subspace_k", "2",
-                 "--train.subspace_mode", "update", "--train.lr", "1e-3",
-                 "--train.warmup_steps", "0",  # full-size steps, far above the float32 rounding of the projection
+                 "--logging.progress_bar", "false", "--subspace.capture_step", "1", "--subspace.k", "2",
+                 "--subspace.mode", "update", "--optimizer.lr", "1e-3",
+                 "--optimizer.warmup_steps", "0",  # full-size steps, far above the float32 rounding of the projection
                  "--rollout.memory.offload_trainer", "true", nproc=1, log_dir=tmp_path / "logs")
     assert proc.returncode == 0, proc.output[-6000:]
     after_capture, final = _checkpoint(run_dir, 1), _checkpoint(run_dir, 3)

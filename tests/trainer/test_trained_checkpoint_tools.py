@@ -25,7 +25,7 @@ def test_convert_and_diagnose_training_checkpoints(synthetic_cache, tmp_path):
     proc = armor("train", "--config", CONFIG, "--max-steps", "3", "--run-dir", str(run), "--task.cache_dir",
                  str(synthetic_cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16", "--eval.every", "0",
                  "--eval.before_train", "false", "--checkpoint.every", "1", "--checkpoint.keep_last", "0",
-                 "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--train.lr", "1e-3",
+                 "--logging.tensorboard", "false", "--logging.progress_bar", "false", "--optimizer.lr", "1e-3",
                  nproc=2, log_dir=tmp_path / "logs")  # the recipe's TP=2
     assert proc.returncode == 0, proc.output[-6000:]
     steps = run / "checkpoints"

@@ -16,7 +16,7 @@ from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step_inputs.plan import StepPlan
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.update_gate import InferenceGapGate
 from megatron_armor.scoring.micro_batches import MicroBatching
 
@@ -40,8 +40,8 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     torch.manual_seed(seed)
     actor = _Wrapped(torch.nn.Linear(3, 4, bias=False))
     optimizer = torch.optim.AdamW(actor.parameters(), lr=0.1)
-    handles = PolicyHandles(actor=actor, optimizer=optimizer, ref=torch.nn.Linear(3, 4, bias=False), shape=None,
-                            actor_engine=None, ref_engine=None, pad_token_id=0)
+    handles = PolicyHandles(actor=Policy("actor", actor), ref=Policy("ref", torch.nn.Linear(3, 4, bias=False)),
+                            optimizer=optimizer, shape=None, pad_token_id=0)
     plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2,
                     micro_batching=MicroBatching(2),
                     actor_n=2, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
@@ -70,7 +70,7 @@ def _advance(trainer: RLTrainer) -> None:
     trainer.gate.prompts.next_batch()
     trainer.gate.rollbacks = 2
     anchor = Sample(0, [1, 2], [3], [-0.5], "stop", True, 1.0, True)
-    trainer.anchor_cache.fetch(ROWS[:1], lambda missing: [anchor])
+    trainer.anchors.cache.fetch(ROWS[:1], lambda missing: [anchor])
 
 
 def test_state_dict_holds_every_part_and_round_trips():
@@ -85,7 +85,7 @@ def test_state_dict_holds_every_part_and_round_trips():
     fresh.load_state_dict(state)
     assert bit_identical(fresh.state_dict(), state)
     assert fresh.optimizer_steps == 5 and fresh.consecutive_skips == 1
-    assert fresh.gate.rollbacks == 2 and len(fresh.anchor_cache) == 1
+    assert fresh.gate.rollbacks == 2 and len(fresh.anchors.cache) == 1
     assert fresh.sampler.next_batch() == source.sampler.next_batch()
 
 
@@ -98,13 +98,13 @@ def test_reference_is_restored_only_when_the_state_holds_it():
     without_ref = _trainer(0).state_dict()
 
     fresh = _trainer(1, ref_reset_period=2)
-    ref_before = fresh.models.ref.weight.clone()
+    ref_before = fresh.models.ref.model.weight.clone()
     fresh.load_state_dict(without_ref)
-    assert torch.equal(fresh.models.ref.weight, ref_before)
+    assert torch.equal(fresh.models.ref.model.weight, ref_before)
 
     fresh = _trainer(1)
     fresh.load_state_dict(with_ref)
-    assert torch.equal(fresh.models.ref.weight, resetting.models.ref.weight)
+    assert torch.equal(fresh.models.ref.model.weight, resetting.models.ref.model.weight)
     assert "ref" in fresh.state_dict()["modules"]  # restored from a checkpoint: checkpointed from then on
 
 

@@ -5,15 +5,16 @@ argv: out_dir job... with job = name,actor_dir,ref_dir,tp,pp,head[,option...] (h
 micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro-batches, THD; "ep=N": a MoE model's
 experts over N expert-parallel ranks; "etp=N": each expert over N expert-TP ranks (default: TP's); "aux=C": its
 load-balancing auxiliary loss at coefficient C; "replay=MODE": train.routing_replay MODE, with "rollout" replaying
-random routes given to the on-policy samples as an engine's); "cp=N": context parallelism, each sequence over N
-ranks;
+random routes given to the on-policy samples as an engine's; "bf16": bf16 parameters trained through Megatron's
+mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
+context parallelism, each sequence over N ranks);
 the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs and old entropy
 (keyed by sequence), the routing metrics of the old-logprob pass (MoE), the full HF-named gradients of the first
 mini-batch, whether the output weight's
 gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
-the step's loss metrics, the full weights after the step (two optimizer steps, one per mini-batch), the bytes of
+the step's loss metrics, the full weights before and after the step (two optimizer steps, one per mini-batch), the bytes of
 its optimizer's state tensors, the step's update geometry (diagnostics/step_geometry.py), and (option distopt) whether a deep copy of the optimizer's `state_dict()` taken
 after the step (as MIPU's snapshot and the checkpoints take it) puts the state back exactly once a third step changed it.
 """
@@ -37,12 +38,13 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.config import OptimizerConfig  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles  # noqa: E402
-from megatron_armor.trainer.update.optimizer import AdamConfig, wrap_for_training, zero_grads  # noqa: E402
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles  # noqa: E402
+from megatron_armor.trainer.update.optimizer import wrap_for_training, zero_grads  # noqa: E402
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.trainer.update.training_batch import advantage_batch, score_logprobs  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
@@ -112,20 +114,24 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
 
     aux = next((float(option.removeprefix("aux=")) for option in options if option.startswith("aux=")), 0.0)
 
+    dtype = torch.bfloat16 if "bf16" in options else torch.float32
+
     def model(path, trainable):
         config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options, ep_size=ep,
-                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux), cp_size=cp)
-        m = build_gpt_model(shape, config, trainable=trainable)
+                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux), params_dtype=dtype, cp_size=cp)
+        m = build_gpt_model(shape, config, trainable=trainable).to(dtype=dtype)  # as convert.loading.load_gpt_model
         load_hf_weights(m, path, shape)
         return m
 
-    optim = AdamConfig(lr=1e-3, warmup_steps=0, distributed="distopt" in options)
-    ddp, optimizer = wrap_for_training(model(actor_dir, True), optim)
-    handles = PolicyHandles(actor=ddp, optimizer=optimizer, ref=model(ref_dir, False), shape=shape,
-                            actor_engine=None, ref_engine=None, pad_token_id=0)
+    optim = OptimizerConfig(lr=1e-3, warmup_steps=0)
+    ddp, optimizer = wrap_for_training(model(actor_dir, True), optim, distributed="distopt" in options)
+    handles = PolicyHandles(actor=Policy("actor", ddp), ref=Policy("ref", model(ref_dir, False)), optimizer=optimizer,
+                            shape=shape, pad_token_id=0)
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
-    # layouts are compared on clipped and unclipped tokens alike.
-    algorithm = make_algorithm("armor", "armor.alpha=0.75", "algorithm.clip_low=0.003", "algorithm.clip_high=0.003")
+    # layouts are compared on clipped and unclipped tokens alike; "clip=C" widens it (bf16's logprobs differ by more
+    # than 0.003 between layouts: a clip that tight flips on noise).
+    clip = next((option.removeprefix("clip=") for option in options if option.startswith("clip=")), "0.003")
+    algorithm = make_algorithm("armor", "armor.alpha=0.75", f"algorithm.clip_low={clip}", f"algorithm.clip_high={clip}")
     budget = next((int(option.removeprefix("budget=")) for option in options if option.startswith("budget=")), None)
     replay = next((option.removeprefix("replay=") for option in options if option.startswith("replay=")), "none")
     plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2,
@@ -157,18 +163,20 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
     zero_grads(ddp, optimizer)
 
+    initial_weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     geometry = StepGeometry.capture(ddp.module)
     update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batching=plan.micro_batching,
                            algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
-    step_geometry = geometry.metrics(ddp.module, handles.ref)
+    step_geometry = geometry.metrics(ddp.module, handles.ref.model)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     state_bytes = optimizer_state_bytes(optimizer)
     round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(
         ddp, optimizer, prepared.mini_batches[:1], micro_batching=plan.micro_batching, algorithm=algorithm,
         scoring=scoring, optim=optim, rl_step=1))
     (Path(out_dir) / name).mkdir(exist_ok=True)
-    torch.save({"logprobs": logprobs, "entropy": entropy, "routing_metrics": prepared.routing_metrics, "grads": grads, "head_in_main_grad": head_in_main_grad,
-                "metrics": update.metrics, "weights": weights, "geometry": step_geometry,
+    torch.save({"logprobs": logprobs, "entropy": entropy, "routing_metrics": prepared.routing_metrics, "grads": grads,
+                "head_in_main_grad": head_in_main_grad,
+                "metrics": update.metrics, "initial_weights": initial_weights, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     parallel_state.destroy_model_parallel()  # the next job builds its own layout on the same process group

@@ -21,11 +21,12 @@ from megatron_armor.convert.weights import (  # noqa: E402
     gather_all_stages_hf_weights, hf_parameter_source, load_hf_weights,
 )
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.config import OptimizerConfig  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.update.optimizer import (  # noqa: E402
-    AdamConfig, learning_rate, optimizer_step, wrap_for_training, zero_grads,
+    learning_rate, optimizer_step, wrap_for_training, zero_grads,
 )
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
@@ -35,7 +36,7 @@ ctx = initialize_distributed(1, 1, seed=0)
 shape = load_model_shape(model_dir)
 model = build_gpt_model(shape, transformer_config(shape), trainable=True)
 load_hf_weights(model, model_dir, shape)
-optim = AdamConfig(lr=0.0, warmup_steps=0)  # update_policy for its metrics only: the weights stay put
+optim = OptimizerConfig(lr=0.0, warmup_steps=0)  # update_policy for its metrics only: the weights stay put
 ddp, optimizer = wrap_for_training(model, optim)
 
 batch = torch.load(batch_path, weights_only=False)
@@ -65,7 +66,7 @@ def armor_run(case: dict) -> dict:
     settings = case["loss"]  # ARMOR's alpha and clip bounds
     loss = make_algorithm("armor", f"armor.alpha={settings['alpha']}", f"algorithm.clip_low={settings['clip_low']}",
                           f"algorithm.clip_high={settings['clip_high']}", f"algorithm.dual_clip={settings['dual_clip']}")
-    optim, batch = AdamConfig(**case["optim"]), case["batch"]
+    optim, batch = OptimizerConfig(**case["optim"]), case["batch"]
 
     def local(rows):
         return batch.select(torch.tensor(list(rows)[ctx.dp_rank :: ctx.dp_size]))

@@ -21,7 +21,7 @@ sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 from state_trees import bit_identical  # noqa: E402
 
-from megatron_armor.algorithms import build_algorithm  # noqa: E402
+from megatron_armor.algorithms import TEACHER, build_algorithm  # noqa: E402
 from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.trainer.run.build import build_training  # noqa: E402
@@ -31,7 +31,7 @@ out_dir, config_path, *overrides = sys.argv[1:]
 cfg = load_config(config_path, overrides)
 ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
 algorithm = build_algorithm(cfg)
-trainer = build_training(ctx, cfg, algorithm, prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.needs_teacher)).trainer
+trainer = build_training(ctx, cfg, algorithm, prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.sources.uses(TEACHER))).trainer
 
 
 def state():
@@ -40,12 +40,12 @@ def state():
         return (
             [p.detach().clone() for p in trainer.models.actor.module.parameters()],
             copy.deepcopy(trainer.models.optimizer.state_dict()),
-            {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()},
+            {n: t.clone() for n, t in trainer.models.actor.engine.named_parameters_hf().items()},
         )
 
 
 weights_parked_at_generate = []
-generate = trainer.models.actor_engine.generate
+generate = trainer.models.actor.engine.generate
 
 
 def recording_generate(prompts, sampling):
@@ -54,13 +54,13 @@ def recording_generate(prompts, sampling):
     return generate(prompts, sampling)
 
 
-trainer.models.actor_engine.generate = recording_generate
+trainer.models.actor.engine.generate = recording_generate
 collected = []  # (step, generating thread, the engine's weights) of every rollout
 collect = trainer.rollouts.phase.collect
 
 
 def recording_collect(step):
-    weights = {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()}
+    weights = {n: t.clone() for n, t in trainer.models.actor.engine.named_parameters_hf().items()}
     rollout = collect(step)
     collected.append((step, threading.current_thread().name, weights))
     return rollout
@@ -72,7 +72,7 @@ generation_batch = trainer.rollouts.phase.generation_batch
 
 
 def recording_generation_batch(key, on_actor_done=None):
-    weights = {n: t.clone() for n, t in trainer.models.actor_engine.named_parameters_hf().items()}
+    weights = {n: t.clone() for n, t in trainer.models.actor.engine.named_parameters_hf().items()}
     batch = generation_batch(key, on_actor_done)
     generated.append(weights)
     return batch

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
-from megatron_armor.algorithms import build_algorithm  # noqa: E402
+from megatron_armor.algorithms import TEACHER, build_algorithm  # noqa: E402
 from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.trainer.run.build import build_training  # noqa: E402
@@ -24,7 +24,7 @@ out_dir, config_path, *overrides = sys.argv[1:]
 cfg = load_config(config_path, overrides)
 ctx = initialize_distributed(cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size, seed=cfg.train.seed)
 algorithm = build_algorithm(cfg)
-paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.needs_teacher)
+paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.sources.uses(TEACHER))
 trainer = build_training(ctx, cfg, algorithm, paths).trainer
 
 
@@ -53,11 +53,10 @@ for row, sample in enumerate(s for g in groups for s in g):
         "teacher_logprobs": batch.teacher_logprobs[row][on_response].tolist(),
         "token_advantages": batch.token_advantages[row][on_response].tolist(),
     })
-metrics_of_batch = batch_metrics(prepared, sampled_by_actor=trainer.models.teacher_engine is None,
-                                 uses_anchors=trainer.plan.uses_anchors)
+metrics_of_batch = batch_metrics(prepared, trainer.plan.algorithm.sources)
 
-actor_before = engine_weights(trainer.models.actor_engine)
-teacher_before = engine_weights(trainer.models.teacher_engine)
+actor_before = engine_weights(trainer.models.actor.engine)
+teacher_before = engine_weights(trainer.models.teacher.engine)
 step_metrics = trainer.step(1)
 write_result(out_dir, {
     "student_path": paths.model_path,
@@ -65,7 +64,7 @@ write_result(out_dir, {
     "samples": samples,
     "batch_metrics": metrics_of_batch,
     "step_metrics": step_metrics,
-    "actor_engine_unchanged": unchanged(actor_before, engine_weights(trainer.models.actor_engine)),
-    "teacher_engine_unchanged": unchanged(teacher_before, engine_weights(trainer.models.teacher_engine)),
+    "actor_engine_unchanged": unchanged(actor_before, engine_weights(trainer.models.actor.engine)),
+    "teacher_engine_unchanged": unchanged(teacher_before, engine_weights(trainer.models.teacher.engine)),
 })
 destroy_distributed()

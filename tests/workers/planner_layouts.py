@@ -4,7 +4,8 @@ argv: out_dir checkpoint_dir. Each rank writes {"activations": [[name, measured,
 backward by a forward + logprobs at TP=2, sequence parallelism off and on, recompute none / selective / full,
 torch and fused head), "tp2_state": [planned, actual] (parameter and grad-buffer bytes of its TP shard),
 "dp2": {"planned": StateBytes fields, "gradients": grad-buffer bytes, "optimizer": Adam moment bytes} of the
-distributed optimizer at DP=2}.
+distributed optimizer at DP=2, "dp2_bf16": the same of a bf16 model, with its "weights" and fp32 "master_weights"
+(this rank's slices) apart from its "moments"}.
 """
 import os
 import sys
@@ -18,18 +19,19 @@ sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0] + "/planning")
 from launcher import write_result  # noqa: E402
 from saved_bytes import estimated_saved_bytes, measured_saved_bytes  # noqa: E402
-from test_memory import adam_state_bytes  # noqa: E402
+from test_memory import adam_state_bytes, master_weight_bytes  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
-from megatron_armor.models.hf_config import ActivationRecompute, load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.config import OptimizerConfig, RecomputeConfig  # noqa: E402
+from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.planning.memory import Layout, state_bytes  # noqa: E402
-from megatron_armor.trainer.update.optimizer import AdamConfig, optimizer_step, wrap_for_training  # noqa: E402
+from megatron_armor.trainer.update.optimizer import optimizer_step, wrap_for_training  # noqa: E402
 
-RECOMPUTE = {"none": ActivationRecompute(), "selective": ActivationRecompute("selective"),
-             "full": ActivationRecompute("full", "uniform", 1)}
+RECOMPUTE = {"none": RecomputeConfig(), "selective": RecomputeConfig("selective"),
+             "full": RecomputeConfig("full", "uniform", 1)}
 
 
 def tensor_parallel_activations(shape) -> list:
@@ -48,12 +50,12 @@ def tensor_parallel_activations(shape) -> list:
     return rows
 
 
-def trained(shape, tp: int, distributed: bool):
+def trained(shape, tp: int, distributed: bool, dtype: torch.dtype = torch.float32):
     """A model of this layout wrapped for training after one optimizer step (Adam's state exists)."""
-    model = build_gpt_model(shape, transformer_config(shape, tp_size=tp), trainable=True)
-    ddp, optimizer = wrap_for_training(model, AdamConfig(distributed=distributed))
+    model = build_gpt_model(shape, transformer_config(shape, tp_size=tp, params_dtype=dtype), trainable=True).to(dtype)
+    ddp, optimizer = wrap_for_training(model, OptimizerConfig(), distributed=distributed)
     tokens = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2))
-    ddp(tokens, torch.arange(8).expand_as(tokens), None).sum().backward()
+    ddp(tokens, torch.arange(8).expand_as(tokens), None).float().sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)
     return ddp, optimizer
 
@@ -70,11 +72,14 @@ def main(out_dir: str, checkpoint: str) -> None:
     initialize_distributed(1, 1, seed=0)  # dp 2
     ddp, optimizer = trained(shape, 1, distributed=True)
     planned = state_bytes(shape, Layout(dp=2, distributed_optimizer=True, dtype_bytes=4))
-    write_result(out_dir, {
-        "activations": activations, "tp2_state": tp2_state,
-        "dp2": {"planned": asdict(planned), "gradients": sum(b.grad_data.nbytes for b in ddp.buffers),
-                "optimizer": adam_state_bytes(optimizer)},
-    })
+    dp2 = {"planned": asdict(planned), "gradients": sum(b.grad_data.nbytes for b in ddp.buffers),
+           "optimizer": adam_state_bytes(optimizer)}
+    ddp, optimizer = trained(shape, 1, distributed=True, dtype=torch.bfloat16)
+    planned = state_bytes(shape, Layout(dp=2, distributed_optimizer=True, dtype_bytes=2))
+    dp2_bf16 = {"planned": asdict(planned), "weights": sum(p.nbytes for p in ddp.module.parameters()),
+                "gradients": sum(b.grad_data.nbytes for b in ddp.buffers), "moments": adam_state_bytes(optimizer),
+                "master_weights": master_weight_bytes(optimizer)}
+    write_result(out_dir, {"activations": activations, "tp2_state": tp2_state, "dp2": dp2, "dp2_bf16": dp2_bf16})
     destroy_distributed()
 
 

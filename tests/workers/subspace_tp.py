@@ -30,7 +30,9 @@ from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, for
 from megatron_armor.trainer.checkpointing.checkpoint import load_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
-from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training  # noqa: E402
+from megatron_armor.config import OptimizerConfig  # noqa: E402
+from megatron_armor.trainer.step_inputs.policies import Policy  # noqa: E402
+from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 
@@ -39,7 +41,7 @@ ctx = initialize_distributed(int(os.environ["WORLD_SIZE"]), 1, seed=0)
 shape = load_model_shape(w0_dir)
 model = build_gpt_model(shape, transformer_config(shape, tp_size=ctx.tp_size), trainable=True)
 load_hf_weights(model, w0_dir, shape)
-ddp, optimizer = wrap_for_training(model, AdamConfig())
+ddp, optimizer = wrap_for_training(model, OptimizerConfig())
 constraint = subspace_constraint(ddp.module, k, "gradient")
 load_hf_weights(ddp.module, wt_dir, shape)
 constraint.capture(step=1)
@@ -73,9 +75,9 @@ result["twice"] = project_from(projected_local, constraint)
 result["orthogonal"] = project_from({n: raw_local[n] - projected_local[n] for n in grads}, constraint)
 
 run_dir = Path(out_dir) / "run"
-path = save_checkpoint(run_dir, 1, {"modules": sharded_modules({"actor": ddp, "subspace": constraint}, is_loading=False)})
+path = save_checkpoint(run_dir, 1, {"modules": sharded_modules({"actor": Policy("actor", ddp), "subspace": constraint}, is_loading=False)})
 restored = subspace_constraint(ddp.module, k, "gradient")  # its W0 is W_t and nothing is captured ...
-request = sharded_modules({"actor": ddp, "subspace": restored}, is_loading=True)
+request = sharded_modules({"actor": Policy("actor", ddp), "subspace": restored}, is_loading=True)
 _, state = load_checkpoint(path, {"modules": request}, seed=0)  # ... until the checkpoint restores W0 and the bases
 restored.load_state_dict(state["modules"]["subspace"])
 result["resumed"] = project_from(raw_local, restored)

@@ -2,8 +2,10 @@
 `checkpoint.keep_last`'s pruning and named in `checkpoints/BEST` and metrics.jsonl (`checkpoint/best_step`).
 
 A checkpoint is a candidate when the step it is saved at also validated (config validation makes
-checkpoint.every a multiple of eval.every), so its value is that of the weights it holds. The choice travels
-with the checkpoints (`state` / `load`), so a resumed run keeps its best.
+checkpoint.every a multiple of eval.every), so its value is that of the weights it holds. So is the start (step 0,
+with the validation before the first step, eval.before_train): the model the run started from, named by its own
+path (model.path) rather than copied. The choice travels with the checkpoints (`state` / `load`), so a resumed run
+keeps its best.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megatron_armor.config import CheckpointConfig
 
 STATE_KEY = "best_checkpoint"  # its entry in a checkpoint's trainer state (under "extra" in trainer_state.json)
 BEST_FILE = "BEST"  # checkpoints/BEST: {"step", "path", "metric", "value"} of the best complete checkpoint
+START_STEP = 0  # the best "checkpoint" is the run's start: model.path
 
 
 @dataclass
@@ -50,10 +53,20 @@ class BestCheckpoint:
         self.step, self.value = step, float(metrics[self.metric])
         metrics.update({"checkpoint/best_step": float(step), "checkpoint/best_value": self.value})
 
-    def write_note(self, checkpoint: Path) -> None:
-        """checkpoints/BEST naming `checkpoint`, the best (rank 0, once it is complete)."""
-        note = {"step": self.step, "path": checkpoint.name, "metric": self.metric, "value": self.value}
-        (checkpoint.parent / BEST_FILE).write_text(json.dumps(note, indent=2) + "\n")
+    def write_note(self, root: Path, location: str) -> None:
+        """checkpoints/BEST (in `root`) naming the best: `location`, a checkpoint's directory name in `root` (rank 0,
+        once it is complete), or the start's own path (absolute)."""
+        note = {"step": self.step, "path": location, "metric": self.metric, "value": self.value}
+        root.mkdir(parents=True, exist_ok=True)
+        (root / BEST_FILE).write_text(json.dumps(note, indent=2) + "\n")
+
+    def consider_start(self, metrics: dict[str, float], start: Path, root: Path, *, is_main: bool) -> None:
+        """The run's start (`start`: model.path) is the first candidate, by its step-0 validation `metrics`
+        (`choose` adds checkpoint/best_*); checkpoints/BEST in `root` names it while it is the best (main rank)."""
+        if self.improved_by(metrics):
+            self.choose(START_STEP, metrics)
+            if is_main:
+                self.write_note(root, str(start.resolve()))
 
     def state(self) -> dict[str, Any]:
         return {STATE_KEY: {"metric": self.metric, "step": self.step, "value": self.value}}

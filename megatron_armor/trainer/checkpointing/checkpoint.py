@@ -34,11 +34,11 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
-from megatron_armor.trainer.checkpointing.dist_state_io import load_tree
+from megatron_armor.trainer.checkpointing.dist_state_io import load_tree, saved_tensor_keys
 from megatron_armor.trainer.checkpointing.rng_state import (
     layout, reseed_after_layout_change, restore_rng_state, rng_sharded_object,
 )
-from megatron_armor.trainer.checkpointing.sharded_state import check_layout_change
+from megatron_armor.trainer.checkpointing.sharded_state import check_layout_change, check_precision_change
 
 COMPLETE_MARKER = "COMPLETE"
 STATE_DIR = "state"
@@ -122,7 +122,7 @@ def publish(tmp: Path, final: Path, record: dict[str, Any], *, keep_last: int, b
             shutil.rmtree(final)
         os.replace(tmp, final)
         if best is not None and best.step == record["step"]:
-            best.write_note(final)
+            best.write_note(final.parent, final.name)
         if keep_last > 0:
             for step, old in list_checkpoints(final.parent)[:-keep_last]:
                 if best is None or step != best.step:
@@ -161,6 +161,7 @@ def load_checkpoint(path: Path, request: dict[str, Any], *, seed: int) -> tuple[
     same_layout = record["layout"] == layout()
     if not same_layout:
         check_layout_change(record["modules"], record["layout"], layout())
+    check_precision_change(saved_tensor_keys(path / STATE_DIR), request["modules"])
     tree = {"modules": request["modules"], **({"rng": rng_sharded_object()} if same_layout else {})}
     loaded = load_tree(tree, path / STATE_DIR)
     if same_layout:

@@ -90,6 +90,11 @@ def load_tree(request: Any, directory: Path) -> Any:
     return _fill(request, loaded)
 
 
+def saved_tensor_keys(directory: Path) -> set[str]:
+    """The keys of the tensors saved in `directory` (read from its metadata; no tensor is loaded)."""
+    return set(dist_checkpointing.load_tensors_metadata(str(directory)))
+
+
 def _children(tree: Any) -> list[tuple[Any, Any]]:
     if isinstance(tree, dict):
         return list(tree.items())

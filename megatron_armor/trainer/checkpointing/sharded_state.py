@@ -1,18 +1,19 @@
 """Megatron sharded state dicts of the trainer's checkpointed modules, and their restore after a load.
 
 `sharded_modules` maps `RLTrainer.checkpointed_modules()` to what Megatron's distributed checkpointing
-saves and loads (trainer/checkpointing/checkpoint.py):
-    "actor"      the actor's `sharded_state_dict()`: tensors under their global keys, TP/PP shards as
+saves and loads (trainer/checkpointing/checkpoint.py); a policy's entry is its `Policy.sharded_state_dict()`:
+    "actor"      the actor's model's: tensors under their global keys, TP/PP shards as
                  offsets of the full tensor, so they load at any TP x PP layout
     "optimizer"  {"megatron": Megatron's optimizer `sharded_state_dict(actor's)`, "adam_step": ShardedObject}:
                  the Adam moments (and a bf16 model's fp32 master weights) per parameter, sharded as the
                  parameter, as "optimizer.state.<exp_avg|exp_avg_sq>.<parameter key>"; the distributed optimizer
                  uses Megatron's `fully_reshardable` format (its DP shards gathered to DP rank 0 of each group
                  for the save, sliced again on load), the same tensors, so a checkpoint reshards over TP, PP
-                 and DP and moves between the plain and the distributed optimizer (fp32 models: their master
-                 weights are the weights, saved once as the actor's). The Adam step count (one for every
-                 parameter) travels beside it
-    "ref"        the reference's `sharded_state_dict(prefix="ref.")` (when the trainer checkpoints it)
+                 and DP and moves between the plain and the distributed optimizer (bf16 models: the distributed
+                 optimizer's master weights are saved under the plain one's key, "optimizer.state.fp32_param.<key>";
+                 fp32 models: their master weights are the weights, saved once as the actor's). The Adam step
+                 count (one for every parameter) travels beside it
+    "ref"        the reference's sharded state dict, its keys behind "ref." (when the trainer checkpoints it)
     other        e.g. "subspace": the module's `state_dict()` as one object per (PP, TP) position,
                  replicated over DP: it resumes only at the TP x PP layout it was saved at
 """
@@ -25,52 +26,45 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 
+from megatron_armor.algorithms import ACTOR, REFERENCE
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
+from megatron_armor.trainer.step_inputs.policies import Policy
 from megatron_armor.trainer.update.optimizer import torch_optimizers
 
-REF_PREFIX = "ref."
+OPTIMIZER = "optimizer"  # the actor's optimizer's entry
 DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-MASTER_WEIGHT_KEYS = ("optimizer.state.param.", "optimizer.state.fp32_param.")  # distributed, plain optimizer
+DISTRIBUTED_MASTER_KEY, PLAIN_MASTER_KEY = "optimizer.state.param.", "optimizer.state.fp32_param."
+MASTER_WEIGHT_KEYS = (DISTRIBUTED_MASTER_KEY, PLAIN_MASTER_KEY)
 
 
 def sharded_modules(modules: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
-    """{name: Megatron sharded state dict} of `modules` ({"actor": DDP model, "optimizer": its Megatron optimizer,
-    ...}); the tensors are the live ones (a load fills them, or returns new ones to restore with `restore_module`)."""
-    actor = _model_state(modules["actor"], "")
-    sharded: dict[str, Any] = {}
+    """{name: Megatron sharded state dict} of `modules` ({"actor": the actor `Policy`, "optimizer": its Megatron
+    optimizer, ...}); the tensors are the live ones (a load fills them, or returns new ones to restore with
+    `restore_module`)."""
+    sharded = {name: module.sharded_state_dict() for name, module in modules.items() if isinstance(module, Policy)}
     for name, module in modules.items():
-        if name == "actor":
-            sharded[name] = actor
-        elif name == "optimizer":
-            sharded[name] = _optimizer_state(module, actor, is_loading=is_loading)
-        elif name == "ref":
-            sharded[name] = _model_state(module, REF_PREFIX)
-        else:
+        if name == OPTIMIZER:
+            sharded[name] = _optimizer_state(module, sharded[ACTOR], is_loading=is_loading)
+        elif name not in sharded:
             sharded[name] = _layout_bound_object(name, module.state_dict())
-    return sharded
+    return {name: sharded[name] for name in modules}
 
 
 def restore_order(names: list[str]) -> list[str]:
     """The order to restore modules in: the optimizer first, as a distributed optimizer's load also writes its
     fp32 master weights, views of the actor's weights; the actor's own restore then puts the saved weights."""
-    return sorted(names, key=lambda name: name != "optimizer")
+    return sorted(names, key=lambda name: name != OPTIMIZER)
 
 
 def restore_module(name: str, module: Any, state: Any) -> None:
-    """Load `state` into `module`: a loaded `sharded_modules()` entry, or the module's own `state_dict()`."""
-    if name == "optimizer" and isinstance(state, dict) and "adam_step" in state:
+    """Load `state` into `module`: a loaded `sharded_modules()` entry, or the module's own `state_dict()` (a `Policy`
+    takes its checkpoint prefix off the keys itself)."""
+    if name == OPTIMIZER and isinstance(state, dict) and "adam_step" in state:
         target = getattr(module, "megatron_optimizer", module)  # ShardedStateOptimizer: Megatron's own load
         with megatron_device_scope():  # the distributed optimizer scatters its state on CUDA buffers
             _load_with_adam_step(target, state["megatron"], state["adam_step"])
-    elif name == "ref":
-        module.load_state_dict({key.removeprefix(REF_PREFIX): value for key, value in state.items()})
     else:
         module.load_state_dict(state)
-
-
-def _model_state(model: torch.nn.Module, prefix: str) -> dict[str, Any]:
-    """A (DDP-wrapped) GPTModel's sharded state dict with its tensor keys under `prefix`."""
-    return getattr(model, "module", model).sharded_state_dict(prefix=prefix)
 
 
 def _optimizer_state(optimizer: Any, actor: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
@@ -84,6 +78,8 @@ def _optimizer_state(optimizer: Any, actor: dict[str, Any], *, is_loading: bool)
     config = megatron.config
     if not (config.bf16 or config.fp16):
         _drop_master_weights(state, keep_data=is_loading)
+    else:
+        _rename_master_weights(state)
     step = ShardedObject("optimizer.adam_step", adam_step(megatron), (1,), (0,), replica_id=_global_rank())
     return {"megatron": state, "adam_step": step}
 
@@ -110,6 +106,44 @@ def _drop_master_weights(tree: Any, *, keep_data: bool) -> None:
             tree[key] = value.data if keep_data else None
         else:
             _drop_master_weights(value, keep_data=keep_data)
+
+
+def _rename_master_weights(tree: Any) -> None:
+    """Put the distributed optimizer's fp32 master weights ("optimizer.state.param.<key>") under the plain optimizer's
+    key ("optimizer.state.fp32_param.<key>"), in place, in a save or a load request: both shard them as the parameter
+    (the distributed one in its `fully_reshardable` form), so under one key a bf16 model's checkpoint moves between
+    the two optimizers."""
+    for value in tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else ():
+        if isinstance(value, ShardedBase) and value.key.startswith(DISTRIBUTED_MASTER_KEY):
+            value.key = PLAIN_MASTER_KEY + value.key.removeprefix(DISTRIBUTED_MASTER_KEY)
+        else:
+            _rename_master_weights(value)
+
+
+def check_precision_change(saved_keys: set[str], request: dict[str, Any]) -> None:
+    """Refuse to resume an "optimizer" across parameter dtypes: a bf16 model's optimizer keeps fp32 master weights
+    (under `PLAIN_MASTER_KEY`, or `DISTRIBUTED_MASTER_KEY` in a distributed optimizer's checkpoint written before the
+    two shared a key), an fp32 model's has none, so neither state is the other's. `saved_keys`: the checkpoint's
+    tensor keys; `request`: the loading trainer's sharded modules."""
+    if "optimizer" not in request:
+        return
+    wanted = _has_key(request["optimizer"], PLAIN_MASTER_KEY)
+    saved = any(key.startswith(MASTER_WEIGHT_KEYS) for key in saved_keys)
+    if wanted != saved:
+        dtypes = ("float32", "bfloat16") if wanted else ("bfloat16", "float32")
+        raise ValueError(
+            f"the checkpoint's optimizer was saved with model.params_dtype {dtypes[0]} and this run trains in "
+            f"{dtypes[1]}: Adam's state of one is not the other's (a bf16 model's holds fp32 master weights, an fp32 "
+            f"model's none). Resume with model.params_dtype {dtypes[0]}, or start a new run (fresh optimizer) from the "
+            f"checkpoint's weights: checkpoint.save_model writes them to step_N/model/, for model.path")
+
+
+def _has_key(tree: Any, prefix: str) -> bool:
+    """Whether a sharded leaf of `tree` has a key starting with `prefix`."""
+    if isinstance(tree, ShardedBase):
+        return tree.key.startswith(prefix)
+    children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else ()
+    return any(_has_key(value, prefix) for value in children)
 
 
 def adam_step(optimizer: Any) -> int:
@@ -150,7 +184,7 @@ def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-RESHARDABLE = ("actor", "optimizer", "ref")
+RESHARDABLE = (ACTOR, OPTIMIZER, REFERENCE)
 
 
 def check_layout_change(names: list[str], saved: dict[str, int], current: dict[str, int]) -> None:

@@ -2,6 +2,6 @@
 between the actor's and the reference's weights. `Colocation` (colocation.py) calls the servers' `MemoryHandoff`
 (memory_handoff.py) and the trainer's `TrainerOffload` (offload.py) in the order the colocated tests pin, and does
 nothing without them, so the RL step calls it unconditionally; `EngineWeights` (engine_weights.py) pushes each
-policy's weights into its engine through it and knows which policy's weights a shared engine holds, the same on every
-rank.
+policy's weights into its engine through it and keeps which policy's weights a shared engine holds
+(`Policy.holds_weights`), the same on every rank.
 """

@@ -91,7 +91,7 @@ class Colocation:
         return self.trainer_phase() if self.offload is not None else contextlib.nullcontext()
 
     def weights_resident(self, *models: str) -> contextlib.AbstractContextManager:
-        """The named models' ("actor", "ref") weights on the GPU inside the block (a push, a reference reset),
+        """The named policies' weights (by `Policy.name`) on the GPU inside the block (a push, a reference reset),
         parked after if they were."""
         return self.offload.weights_resident(*models) if self.offload else contextlib.nullcontext()
 

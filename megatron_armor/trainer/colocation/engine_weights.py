@@ -1,10 +1,9 @@
 """Which policy's weights the rollout engines hold, and the pushes that change that.
 
-With one engine shared by both policies (rollout.anchors.engine shared) the actor's and the reference's
-weights take turns in it; `EngineWeights.holds` names the policies whose current weights it holds: the
-actor's after every push of them (engines start with them),
-both right after a reference reset (the reference is then the actor), the reference's after an anchor
-phase. Every rank makes the same calls, so it is the same on all ranks.
+With one engine shared by both policies (rollout.anchors.engine shared) the actor's and the reference's weights take
+turns in it; each `Policy.holds_weights` says whether the engine holds that policy's current weights: the actor's
+after every push of them (engines start with them), both right after a reference reset (the reference is then the
+actor), the reference's after an anchor phase. Every rank makes the same calls, so it is the same on all ranks.
 """
 
 from __future__ import annotations
@@ -13,69 +12,49 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.weight_sync import SyncReport, sync_weights
 from megatron_armor.trainer.colocation.colocation import Colocation
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 
 
 class EngineWeights:
-    """Pushes of the actor's and the reference's weights into their engines (collective), and what a
-    shared engine holds."""
+    """Pushes of a policy's weights into its engine (collective), and what an engine shared by policies holds."""
 
     def __init__(self, models: PolicyHandles, colocation: Colocation) -> None:
         self.models, self.colocation = models, colocation
-        self.holds: set[str] = {"actor"}  # "actor" / "ref": meaningful for a shared engine only
 
-    def push(self, policy: str) -> SyncReport:
-        """Push `policy`'s ("actor" | "ref") current weights (TP- and PP-gathered, HF-named) into its engine."""
-        models = self.models
-        if policy == "actor":
-            engine, module = models.actor_engine, models.actor.module
-        else:
-            engine, module = models.ref_engine, models.ref
-        with self.colocation.weights_resident(policy):
-            report = push_weights(engine, gather_all_stages_hf_weights(module, models.shape))
+    def push(self, policy: Policy) -> SyncReport:
+        """Push `policy`'s current weights (TP- and PP-gathered, HF-named) into its engine, which then holds its
+        weights and no longer those of the policies it serves besides."""
+        engine = policy.engine
+        with self.colocation.weights_resident(policy.name):
+            report = push_weights(engine, policy.hf_weights(self.models.shape))
         if self.colocation.offloaded:  # the push's staging buffers leave the GPU with the weights
             engine.release_transfer_buffers()
-        if models.shared_engine:
-            self.holds = {policy}
+        for other in self.models.sharing_engine(policy):
+            other.holds_weights = other is policy
         return report
 
     def push_actor(self) -> SyncReport:
-        """Push the actor's weights into the on-policy engine."""
-        return self.push("actor")
+        """Push the actor's weights into its engine."""
+        return self.push(self.models.actor)
 
-    def push_ref(self) -> SyncReport:
-        """Push the reference's weights into the anchor engine."""
-        return self.push("ref")
+    def load(self, policy: Policy) -> SyncReport | None:
+        """Push `policy`'s weights unless its engine holds them (only an engine shared by two policies may not);
+        None when it does."""
+        return None if policy.holds_weights else self.push(policy)
 
-    def load_into_shared_engine(self, policy: str) -> SyncReport | None:
-        """With one shared engine, push `policy`'s weights ("actor" | "ref") unless it holds them; else None."""
-        if not self.models.shared_engine or policy in self.holds:
-            return None
-        return self.push(policy)
-
-    def phase_order(self, *, uses_anchors: bool) -> tuple[str, ...]:
-        """Policies to sample in a generation batch: the actor, and the reference for ARMOR's anchors.
-
-        A shared engine samples first with the weights it holds, so a batch swaps them at most once:
-        with one generation batch per step that is one reference push per step, the actor's weights
-        being pushed after the update anyway.
-        """
-        if not uses_anchors:
-            return ("actor",)
-        return ("ref", "actor") if "actor" not in self.holds else ("actor", "ref")
-
-    def reference_became_actor(self) -> None:
-        """After a reference reset: a separate anchor engine gets the new reference's weights; a shared
-        engine holding the actor's needs no push (it holds both now)."""
-        if not self.models.shared_engine:
-            self.push_ref()
+    def reference_changed(self, *, to_actor: bool) -> None:
+        """After the reference's weights changed (`to_actor`: they are now the actor's): a separate reference engine
+        gets them; a shared engine holds them only when they are the actor's and it holds the actor's (else it loads
+        them before its next anchor phase)."""
+        ref, actor = self.models.ref, self.models.actor
+        if self.models.shared_engine:
+            ref.holds_weights = to_actor and actor.holds_weights
         else:
-            self.holds = {"actor", "ref"} if "actor" in self.holds else set()
+            self.push(ref)
 
 
 def push_weights(engine: RolloutEngine, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:

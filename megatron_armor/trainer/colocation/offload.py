@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from megatron_armor.algorithms import ACTOR
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.utils.storage_park import StoragePark
@@ -42,8 +43,9 @@ class ParkedWeightsError(RuntimeError):
 class TrainerOffload:
     """Weights, optimizer state and grad buffers of one trainer rank, on the device only when needed.
 
-    The actor's weights ("actor", the DDP-wrapped module) and each of the `frozen` models' park
-    separately. `seconds` accumulates park and restore time until `metrics`.
+    The actor's weights (under its policy's name, `algorithms.ACTOR`: the DDP-wrapped module's) and each of the
+    `frozen` models' (by their policies' names) park separately. `seconds` accumulates park and restore time until
+    `metrics`.
     """
 
     def __init__(
@@ -52,7 +54,8 @@ class TrainerOffload:
     ) -> None:
         device = training_device()
         self.ddp, self.on_gpu = ddp, device.type == "cuda"
-        modules = {"actor": ddp.module, **frozen}
+        modules = {ACTOR: ddp.module, **frozen}
+        self.frozen = tuple(frozen)  # the models parked again after a training phase
         self.weights = {name: StoragePark(_parameters_of(module), device) for name, module in modules.items()}
         for name, module in modules.items():
             module.register_forward_pre_hook(self._weights_check(name))
@@ -96,9 +99,8 @@ class TrainerOffload:
         finally:
             with self._timed():
                 self._park_training_state()
-                for name, park in self.weights.items():
-                    if name != "actor":
-                        park.park()
+                for name in self.frozen:
+                    self.weights[name].park()
 
     @contextlib.contextmanager
     def weights_resident(self, *names: str) -> Iterator[None]:

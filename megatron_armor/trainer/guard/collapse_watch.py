@@ -1,6 +1,7 @@
 """The collapse monitor in the run loop: each step's metrics (with its validation's) go through the
 `CollapseMonitor` (megatron_armor.monitor), its `monitor/*` metrics join them, the alarms are logged, and the
-alarms whose action is stop or anchor are agreed on by every rank. Off (`monitor.enabled` false), it adds nothing."""
+alarms whose action is stop or anchor are agreed on by every rank. Off (`monitor.enabled` false, or left unset in a run
+without validation), it adds nothing."""
 
 from __future__ import annotations
 
@@ -23,16 +24,23 @@ class WatchVerdict:
     (trainer/guard/anchor_switch.py). Each holds the alarms of that action (another rank's: kind "other_rank")."""
 
     stopping: tuple[Alarm, ...] = ()
-    anchoring: tuple[Alarm, ...] = ()
+    anchoring: tuple[Alarm, ...] = ()  # alarms whose action is anchor or anchor_keep
+    restarting: bool = False  # one of them (on any rank) is anchor: restart from the best checkpoint, not keep
 
 
 class CollapseWatch:
-    """Runs a `CollapseMonitor` when the section enables it; its state travels with the checkpoints (`state`,
-    `load`)."""
+    """Runs a `CollapseMonitor` when the section turns it on for the run (`MonitorConfig.runs`: by default when it
+    validates); its state travels with the checkpoints (`state`, `load`)."""
 
-    def __init__(self, cfg: MonitorConfig, *, is_main: bool) -> None:
-        self.monitor = CollapseMonitor(cfg) if cfg.enabled else None
+    def __init__(self, cfg: MonitorConfig, *, validates: bool, is_main: bool) -> None:
+        self.monitor = CollapseMonitor(cfg) if cfg.runs(validates=validates) else None
         self.is_main = is_main
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the monitor runs and no alarm's condition holds (the same on every rank: the metrics it watches
+        are reduced over ranks)."""
+        return self.monitor is not None and not self.monitor.active
 
     def observe(self, step: int, metrics: dict[str, float]) -> WatchVerdict:
         """Feed step `step`'s metrics, add the monitor's to them, log each alarm that fired (main rank); the alarms
@@ -44,8 +52,9 @@ class CollapseWatch:
         if self.is_main:
             for alarm in report.alarms:
                 log.warning("step %d: collapse monitor: %s", step, alarm.describe())
-        return WatchVerdict(stopping=_agreed(report.acting("stop"), "stop"),
-                            anchoring=_agreed(report.acting("anchor"), "anchor"))
+        anchoring = _agreed(report.acting("anchor") + report.acting("anchor_keep"), "anchor")
+        return WatchVerdict(stopping=_agreed(report.acting("stop"), "stop"), anchoring=anchoring,
+                            restarting=bool(anchoring) and any_rank(bool(report.acting("anchor"))))
 
     def rearm(self) -> None:
         """After the anchor action restarted the run: every alarm may fire again (`CollapseMonitor.rearm`)."""

@@ -33,6 +33,9 @@ from megatron_armor.data.types import Sample
 from megatron_armor.trainer.rollouts.samples import RolloutCounters
 
 
+ANCHOR_SEED_TAG = "ref"  # the anchors' seeds' tag (`RolloutPhase.seed`): the reference samples them
+
+
 def anchor_key(position: dict[str, Any]) -> tuple:
     """The key of the anchors of the generation batch drawn at sampler `position` (their seed derives from it)."""
     return ("anchors", *position.values())
@@ -83,10 +86,10 @@ class AnchorPrefetch:
         self._thread: threading.Thread | None = None
 
     def submit(self, key: tuple, prompts: list[PromptRow], phase: AnchorSampling) -> None:
-        """Sample the anchors of the generation batch `key` (its `prompts`, the seed `phase.seed(key, "ref")`) on the
+        """Sample the anchors of the generation batch `key` (its `prompts`, seeded `phase.seed(key, ANCHOR_SEED_TAG)`) on the
         thread; nothing to do if it was submitted (ahead) already, for the same prompts (else RuntimeError: the
         batches drawn ahead are not the ones the generator draws)."""
-        job = _Job(key, prompts, phase.seed(key, "ref"), phase.on_group(self.group))
+        job = _Job(key, prompts, phase.seed(key, ANCHOR_SEED_TAG), phase.on_group(self.group))
         with self._cond:
             if key in self._submitted:
                 if self._submitted[key] != job.prompt_ids:

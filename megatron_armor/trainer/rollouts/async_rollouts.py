@@ -50,7 +50,8 @@ from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import max_over_ranks
 from megatron_armor.rollout.pausable import PausableEngine
-from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollout, RolloutPhase, mean
+from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollout, RolloutPhase
+from megatron_armor.trainer.rollouts.samples import mean
 from megatron_armor.trainer.rollouts.rollout_schedule import OverlappedRollouts, register_schedule, staleness_metrics
 
 
@@ -96,7 +97,7 @@ class AsyncRollouts(OverlappedRollouts):
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
         self._stopped = True  # `settle` stopped the generator and nothing resumed it since
         # rollout.partial_rollouts: the actor's engine, paused by `settle` (phase.models is built with it)
-        self.pausable: PausableEngine | None = phase.models.actor_engine if phase.plan.partial_rollouts else None
+        self.pausable: PausableEngine | None = phase.models.actor.engine if phase.plan.partial_rollouts else None
         self._idle_since = 0.0  # when the generator last began waiting (perf_counter)
         self._generating = 0.0  # s the generator spent on batches during this step
 

@@ -1,7 +1,8 @@
 """The rollout phase of an RL step: generate and score samples, group them, until the batch is full.
 
-Generation batches of prompts are sampled from the actor (and, for ARMOR, anchors from the reference or
-the anchor cache), scored (`samples.generate_samples`) and grouped (`algorithms.build_groups`), one
+Generation batches of prompts are sampled from the rollout sources the algorithm asks for (`Algorithm.sources`: the
+policy that samples the training responses, and the sources whose samples join the groups, ARMOR's anchors:
+trainer/rollouts/anchors.py), scored (`samples.generate_samples`) and grouped (`algorithms.build_groups`), one
 `GenerationBatch` at a time, until `train_batch_size` prompts survive filtering (ARMOR §1); `assemble` turns the
 batches into the step's `Rollout`.
 """
@@ -10,21 +11,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron_armor.algorithms import GroupCollector, GroupStats, build_groups
+from megatron_armor.algorithms import ACTOR, ANCHORS, GroupCollector, GroupStats, build_groups
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
-from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.trainer.colocation.engine_weights import EngineWeights
-from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch, anchor_key
-from megatron_armor.trainer.rollouts.samples import RolloutCounters, SampleScorer, generate_samples
+from megatron_armor.trainer.rollouts.anchors import AnchorSource
+from megatron_armor.trainer.rollouts.samples import (
+    RolloutCounters, SampleScorer, engine_counters, generate_samples, mean,
+)
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 
@@ -62,32 +64,33 @@ class Rollout:
 @dataclass
 class GenerationBatch:
     """One generation batch of prompts, sampled, scored and grouped (the same on every rank): the groups that
-    survived filtering, the filter's counts, every on-policy sample and anchor (for the metrics) and what the batch
-    spent on anchors and weight swaps."""
+    survived filtering, the filter's counts, every on-policy sample and every sample of the extra sources (ARMOR's
+    anchors; for the metrics) and what the batch spent on anchors and weight swaps."""
 
     groups: list[list[Sample]]
     stats: GroupStats
     on_policy: list[Sample]
-    anchors: list[Sample]
+    extra: list[Sample]
     counters: RolloutCounters
 
 
 class RolloutPhase:
     """Generates, scores and groups a step's samples (collective: every rank makes the same calls).
 
-    Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the `anchor_cache`'s, a
-    shared engine's weights `engine_weights`' and anchors sampled ahead `anchors_ahead`'. Its
-    collectives run over `group` (default: the default group; background rollouts, trainer/rollouts/rollout_schedule.py,
-    have one of their own).
+    Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the anchor source's, what the
+    engines hold the policies' (`Policy.holds_weights`, kept by `engine_weights`) and anchors sampled ahead
+    `anchors_ahead`'. Its collectives run over `group` (default: the default group; background rollouts,
+    trainer/rollouts/rollout_schedule.py, have one of their own).
     """
 
     def __init__(
         self, plan: StepPlan, models: PolicyHandles, sources: RolloutSources, engine_weights: EngineWeights,
-        anchor_cache: AnchorCache | None, dp_size: int, group: dist.ProcessGroup | None = None,
+        anchors: AnchorSource, dp_size: int, group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan, self.models = plan, models
         self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
-        self.engine_weights, self.anchor_cache, self.dp_size = engine_weights, anchor_cache, dp_size
+        self.engine_weights, self.dp_size = engine_weights, dp_size
+        self.extra_sources = {anchors.name: anchors}  # the sources an algorithm may add samples from, by name
         self.group = group
         self.anchors_ahead: AnchorPrefetch | None = None  # set by the overlapped rollout modes
 
@@ -109,39 +112,47 @@ class RolloutPhase:
 
     def generation_batch(self, key: tuple, on_actor_done: Callable[[], None] | None = None) -> GenerationBatch:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
-        group); the actor's sampling seeds derive from train.seed and `key`, the anchors' from train.seed and the
+        group): the training responses from the algorithm's sampler, then its extra sources' samples (ARMOR's
+        anchors), those first when the sampler's engine holds another policy's weights (an engine shared by two
+        policies samples first with the weights it holds, so a batch swaps them at most once: with one generation
+        batch per step one reference push per step, the actor's weights being pushed after the update anyway).
+
+        The training responses' sampling seeds derive from train.seed and `key`, the anchors' from train.seed and the
         sampler position the prompts were drawn at (`anchor_key`: anchors can be sampled before the batch is, in any
         mode). With `anchors_ahead` (the overlapped rollout modes) the anchors are sampled on a thread of their own,
         ahead of the batch or while the actor samples it (trainer/rollouts/anchor_prefetch.py). `on_actor_done()` is
-        called once the on-policy samples are drawn (the actor's engine is done with the batch)."""
+        called once the training responses are drawn (the actor's engine is done with the batch)."""
         plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
         position = self.sampler.state_dict()
         prompts = self.draw_prompts(self.sampler)
-        keys = {"actor": key, "ref": anchor_key(position)}
-        order = self.engine_weights.phase_order(uses_anchors=plan.uses_anchors)
-        ahead = self.anchors_ahead if self.samples_anchors_ahead else None
+        extras = [self.extra_sources[name] for name in plan.algorithm.sources.extra_samples]
+        ahead = self.anchors_ahead if extras and self.samples_anchors_ahead else None
         if ahead is not None:
             ahead.submit_ahead(self, position)
-        samples = {}
-        for policy in order:
-            if policy == "ref" and ahead is not None:
-                samples[policy] = ahead.take(keys[policy], counters)
-            else:
-                sample = self.sample_on_policy if policy == "actor" else self.sample_anchors
-                samples[policy] = sample(prompts, self.seed(keys[policy], policy), counters)
-            if policy == "actor" and on_actor_done is not None:
-                on_actor_done()
-        on_policy, anchors = samples["actor"], samples.get("ref", [])
-        groups, stats = build_groups(on_policy + anchors, require_anchor=plan.uses_anchors,
+
+        def sample_extras() -> list[Sample]:
+            if ahead is not None:
+                return ahead.take(anchor_key(position), counters)
+            seeds = [self.seed(source.key(position), source.seed_tag) for source in extras]
+            return [s for source, seed in zip(extras, seeds) for s in self.sample_extra(source, prompts, seed, counters)]
+
+        sampler_first = self.models.policy(plan.algorithm.sources.sampler).holds_weights
+        extra = [] if sampler_first else sample_extras()
+        on_policy = self.sample_on_policy(prompts, self.seed(key, ACTOR), counters)
+        if on_actor_done is not None:
+            on_actor_done()
+        if sampler_first:
+            extra = sample_extras()
+        groups, stats = build_groups(on_policy + extra, require_anchor=bool(extras),
                                      filter_groups=plan.algorithm.filters_groups)
-        return GenerationBatch(groups, stats, on_policy, anchors, counters)
+        return GenerationBatch(groups, stats, on_policy, extra, counters)
 
     @property
     def samples_anchors_ahead(self) -> bool:
-        """Whether `generation_batch` takes its anchors from `anchors_ahead`: ARMOR with a reference engine of its
-        own (a shared one samples them after the actor's samples, with the reference's weights swapped in)."""
-        return self.anchors_ahead is not None and self.plan.uses_anchors and not self.models.shared_engine
+        """Whether `generation_batch` takes its anchors from `anchors_ahead`: with a reference engine of its own (a
+        shared one samples them after the actor's samples, with the reference's weights swapped in)."""
+        return self.anchors_ahead is not None and not self.models.shared_engine
 
     def on_group(self, group: dist.ProcessGroup | None) -> RolloutPhase:
         """This phase (its plan as it is now) with its collectives over `group`."""
@@ -154,9 +165,10 @@ class RolloutPhase:
         """`sampler`'s next batch of prompts, each indexed by its place in the batch."""
         return [dataclasses.replace(p, index=i) for i, p in enumerate(sampler.next_batch())]
 
-    def seed(self, key: tuple, policy: str) -> tuple:
-        """The sampling seed of `policy`'s samples ("actor" | "ref") in the generation batch `key`."""
-        return (self.plan.seed, *key, policy)
+    def seed(self, key: tuple, tag: str) -> tuple:
+        """The sampling seed of the samples tagged `tag` in the generation batch `key`: ACTOR for the training
+        responses, an extra source's `seed_tag` for its samples."""
+        return (self.plan.seed, *key, tag)
 
     def assemble(
         self, collector: GroupCollector, batches: list[GenerationBatch], group: dist.ProcessGroup | None,
@@ -167,50 +179,43 @@ class RolloutPhase:
         groups = trim_to_data_parallel(collector.result(), self.dp_size)
         counters = RolloutCounters.merged([batch.counters for batch in batches])
         on_policy = [s for batch in batches for s in batch.on_policy]
-        anchors = [s for batch in batches for s in batch.anchors]
-        return Rollout(groups, self.metrics(groups, on_policy, anchors, collector, counters, group))
+        extra = [s for batch in batches for s in batch.extra]
+        return Rollout(groups, self.metrics(groups, on_policy, extra, collector, counters, group))
 
     def sample_on_policy(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
-        """`actor_n` scored samples of every prompt from the actor (collective).
+        """`actor_n` scored samples of every prompt from the engine of the algorithm's sampler (collective).
 
-        OPD's off-policy variant draws them from the teacher's engine instead (`PolicyHandles.training_engine`):
-        the student then trains on the teacher's tokens with the same r_t and loss, and no importance weight
-        corrects for sampling from q_T instead of pi_old (as in opd.md §1, variants).
+        That is the actor's, or for OPD's off-policy variant the teacher's: the student then trains on the teacher's
+        tokens with the same r_t and loss, and no importance weight corrects for sampling from q_T instead of pi_old
+        (as in opd.md §1, variants).
         """
-        counters.add_push("actor", self.engine_weights.load_into_shared_engine("actor"))
+        sampler = self.models.policy(self.plan.algorithm.sources.sampler)
+        counters.add_push(self.engine_weights.load(sampler), anchors=False)
         return generate_samples(
-            self.models.training_engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False,
-            seed=seed, audit=counters.audit, group=self.group,
+            sampler.engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False, seed=seed,
+            audit=counters.audit, group=self.group,
         )
 
+    def sample_extra(
+        self, source: AnchorSource, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters,
+    ) -> list[Sample]:
+        """`source`'s samples of every prompt, seeded `seed` (collective)."""
+        return source.sample(prompts, seed, counters, engine_weights=self.engine_weights, sampling=self.sampling,
+                             scorer=self.scorer, group=self.group)
+
     def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
-        """`ref_n` anchors of every prompt from the reference, sampled or from the cache (collective)."""
-        start = time.perf_counter()
-
-        def generate(missing: list[PromptRow]) -> list[Sample]:
-            counters.add_push("ref", self.engine_weights.load_into_shared_engine("ref"))
-            return generate_samples(
-                self.models.ref_engine, missing, self.plan.ref_n, self.sampling, self.scorer, is_anchor=True, seed=seed,
-                group=self.group,
-            )
-
-        if self.anchor_cache is None:
-            anchors = generate(prompts)
-        else:
-            anchors, hits = self.anchor_cache.fetch(prompts, generate)
-            counters.anchor_cache_hits += hits
-        counters.anchor_seconds += time.perf_counter() - start
-        return anchors
+        """The anchors of every prompt, seeded `seed` (collective): what the anchor thread asks for
+        (trainer/rollouts/anchor_prefetch.py)."""
+        return self.sample_extra(self.extra_sources[ANCHORS], prompts, seed, counters)
 
     def metrics(
-        self, groups: list[list[Sample]], on_policy: list[Sample], anchors: list[Sample], collector: GroupCollector,
+        self, groups: list[list[Sample]], on_policy: list[Sample], extra: list[Sample], collector: GroupCollector,
         counters: RolloutCounters, group: dist.ProcessGroup | None,
     ) -> dict[str, float]:
-        """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept,
-        anchors, the audit verifiers' verdicts on every on-policy sample (counts summed over `group`: collective),
-        the shared engine's swaps and the engines' own counters summed over the ranks (`engine_counters`: the actor's
-        engine's as rollout/*, a separate reference engine's as rollout/ref_*)."""
-        uses_anchors = self.plan.uses_anchors
+        """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept, the
+        anchors among the kept groups, the audit verifiers' verdicts on every on-policy sample (counts summed over
+        `group`: collective), the actor's engine's own counters summed over the ranks (`engine_counters`, as
+        rollout/*), and what the algorithm's extra sources add (`AnchorSource.metrics`)."""
         metrics = {
             "train/reward_mean": mean([s.reward for s in on_policy]),
             "train/accuracy": mean([float(s.correct) for s in on_policy]),
@@ -220,31 +225,13 @@ class RolloutPhase:
             "filter/prompts_generated": float(collector.stats.prompts_seen),
             "armor/anchors_used": float(sum(s.is_anchor for g in groups for s in g)),
         }
-        if anchors:
-            metrics["armor/anchor_accuracy"] = mean([float(s.correct) for s in anchors])
-        if uses_anchors and groups:  # armor.md §7: the fraction of on-policy samples in the batch
-            metrics["mix_kl/main_ratio"] = mean([float(not s.is_anchor) for g in groups for s in g])
         if counters.audit is not None:
             metrics.update(counters.audit.from_vector(sum_over_ranks(counters.audit.as_vector(), group)).metrics())
-        metrics.update(counters.metrics(
-            uses_anchors=uses_anchors, cache=self.anchor_cache is not None, shared=self.models.shared_engine
-        ))
-        metrics.update(engine_counters(self.models.actor_engine, group))
-        if uses_anchors and not self.models.shared_engine:  # the reference's engine of its own: rollout/ref_*
-            ref_counts = engine_counters(self.models.ref_engine, group)
-            metrics.update({name.replace("rollout/", "rollout/ref_", 1): value for name, value in ref_counts.items()})
+        metrics.update(engine_counters(self.models.actor.engine, group))
+        for name in self.plan.algorithm.sources.extra_samples:
+            metrics.update(self.extra_sources[name].metrics(groups, extra, counters,
+                                                            shared_engine=self.models.shared_engine, group=group))
         return metrics
-
-
-def engine_counters(engine: RolloutEngine, group: dist.ProcessGroup | None) -> dict[str, float]:
-    """The engine's cumulative counters (`RolloutEngine.metrics`, e.g. rollout/retries) summed over the ranks of
-    `group` (collective when it has any): every rank is a client of its own that sends its share of the requests,
-    so one rank's counts would miss the others' (a retry on rank 1 only, say)."""
-    counters = engine.metrics()
-    if not counters:
-        return {}
-    totals = sum_over_ranks([round(value) for value in counters.values()], group)
-    return {name: float(total) for name, total in zip(counters, totals, strict=True)}
 
 
 def trim_to_data_parallel(groups: list[list[Sample]], dp_size: int) -> list[list[Sample]]:
@@ -252,8 +239,3 @@ def trim_to_data_parallel(groups: list[list[Sample]], dp_size: int) -> list[list
     every mini-batch deals at least one group to every rank (`training_batch.local_mini_batch_groups`)."""
     return groups[: len(groups) - len(groups) % dp_size]
 
-
-def mean(values) -> float:
-    """The mean of `values`, 0.0 when there are none."""
-    values = list(values)
-    return float(sum(values) / len(values)) if values else 0.0

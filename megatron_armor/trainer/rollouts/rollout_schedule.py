@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from megatron_armor.data.datasets import PromptSampler
 from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch
-from megatron_armor.trainer.rollouts.rollout_phase import Rollout, RolloutPhase, mean
+from megatron_armor.trainer.rollouts.rollout_phase import Rollout, RolloutPhase
+from megatron_armor.trainer.rollouts.samples import mean
 
 ROLLOUT_SCHEDULES: dict[str, type[RolloutSchedule]] = {}
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
+from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.distributed.sample_exchange import all_gather_samples
 from megatron_armor.rewards.audit import AuditCounts, AuditVerifiers
 from megatron_armor.rewards.overlong import overlong_penalty
@@ -98,12 +99,13 @@ class RolloutCounters:
     anchor_cache_hits: int = 0  # prompts whose anchors came from the cache
     audit: AuditCounts | None = None  # audit verdicts on the on-policy samples this rank scored (with audits)
 
-    def add_push(self, policy: str, report: SyncReport | None) -> None:
-        """Count a push of `policy`'s weights ("actor" | "ref") into a shared engine; None: none was needed."""
+    def add_push(self, report: SyncReport | None, *, anchors: bool) -> None:
+        """Count a push into a shared engine (None: none was needed): of the reference's weights for the `anchors`,
+        else of the actor's back for its samples."""
         if report is None:
             return
         self.weight_swaps += 1
-        if policy == "ref":
+        if anchors:
             self.ref_push_seconds += report.seconds
         else:
             self.actor_restore_seconds += report.seconds
@@ -118,19 +120,6 @@ class RolloutCounters:
         if audits:
             total.audit = audits[0].from_vector([sum(v) for v in zip(*(a.as_vector() for a in audits), strict=True)])
         return total
-
-    def metrics(self, *, uses_anchors: bool, cache: bool, shared: bool) -> dict[str, float]:
-        """The step's metrics: anchor time, cache hits (with a cache), pushes and their time (shared engine)."""
-        metrics = {"perf/anchor_rollout_seconds": self.anchor_seconds} if uses_anchors else {}
-        if cache:
-            metrics["armor/anchor_cache_hits"] = float(self.anchor_cache_hits)
-        if shared and uses_anchors:
-            metrics.update({
-                "perf/ref_weight_push_seconds": self.ref_push_seconds,
-                "perf/actor_weight_restore_seconds": self.actor_restore_seconds,
-                "rollout/weight_swaps": float(self.weight_swaps),
-            })
-        return metrics
 
 
 def generate_samples(
@@ -173,3 +162,20 @@ def generate_samples(
         samples = all_gather_samples(samples, group)
         answered = [request for r in range(world) for request in requests[r::world]]
     return [sample for _, sample in sorted(zip(answered, samples), key=lambda item: item[0])]
+
+
+def engine_counters(engine: RolloutEngine, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The engine's cumulative counters (`RolloutEngine.metrics`, e.g. rollout/retries) summed over the ranks of
+    `group` (collective when it has any): every rank is a client of its own that sends its share of the requests,
+    so one rank's counts would miss the others' (a retry on rank 1 only, say)."""
+    counters = engine.metrics()
+    if not counters:
+        return {}
+    totals = sum_over_ranks([round(value) for value in counters.values()], group)
+    return {name: float(total) for name, total in zip(counters, totals, strict=True)}
+
+
+def mean(values) -> float:
+    """The mean of `values`, 0.0 when there are none."""
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0

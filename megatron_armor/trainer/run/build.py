@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_armor.algorithms import Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig, RolloutConfig, resolve_distributed_optimizer
+from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, UpdateGateConfig
+from megatron_armor.config import ArmorConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.weights import parameters_exported_as_views
@@ -22,13 +21,13 @@ from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import (
-    ActivationRecompute, ModelShape, MoERouting, check_parallel_layout, load_model_shape,
+    ModelShape, MoERouting, check_parallel_layout, load_model_shape,
 )
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
+from megatron_armor.rollout.backends import ROLLOUT_BACKENDS, EngineSite
 from megatron_armor.rollout.local import LocalEngine
-from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
 from megatron_armor.scoring.routes import REPLAY_MODES
 from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
@@ -45,8 +44,8 @@ from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step.validation import Validation
 from megatron_armor.trainer.step_inputs.plan import StepPlan
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
-from megatron_armor.trainer.update.optimizer import AdamConfig, subspace_constraint, wrap_for_training
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
+from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training
 from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
@@ -85,17 +84,19 @@ def build_training(
         log.warning("%s (%s)", warning, paths.model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id, ctx.rank)
-    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.samples_from_teacher else None
+    teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.sources.sampler == TEACHER else None
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
-    optim = AdamConfig.from_config(cfg.train, distributed=resolve_distributed_optimizer(cfg))
-    trainer_models = _build_models(cfg, algorithm, paths, shape, optim, handoff, (actor_engine, ref_engine))
+    trainer_models = _build_models(cfg, algorithm, paths, shape, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
     sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
     val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
+    teacher = trainer_models.teacher
+    teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
-        actor=trainer_models.ddp, optimizer=trainer_models.optimizer, ref=trainer_models.ref, shape=shape,
-        actor_engine=actor_engine, ref_engine=ref_engine, pad_token_id=pad_token_id, teacher=trainer_models.teacher,
-        teacher_engine=teacher_engine,
+        actor=Policy(ACTOR, trainer_models.ddp, actor_engine),
+        ref=Policy(REFERENCE, trainer_models.ref, ref_engine, checkpoint_prefix="ref."),
+        optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
+        teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
@@ -105,11 +106,11 @@ def build_training(
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
-                         constraint_capture_step=cfg.train.subspace_capture_step, anchor_cache=anchor_cache,
+                         constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
-                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), optim, parts)
+                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
     validation = Validation.from_config(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
 
@@ -150,8 +151,8 @@ class TrainerModels:
 
 
 def _build_models(
-    cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, shape: ModelShape, optim: AdamConfig,
-    handoff: MemoryHandoff | None, engines: tuple[RolloutEngine, RolloutEngine],
+    cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, shape: ModelShape, handoff: MemoryHandoff | None,
+    engines: tuple[RolloutEngine, RolloutEngine],
 ) -> TrainerModels:
     """The models of this rank (collective). Colocated, the servers release their GPU memory while the
     models are built (`handoff`), and an offloaded trainer parks them before the servers take it back
@@ -159,20 +160,18 @@ def _build_models(
     for the push alone)."""
     dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
-        sequence_parallel = cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda",
-                                                                   moe=bool(shape.num_experts))
-        recompute = ActivationRecompute.from_config(cfg.train)
+        sequence_parallel = _sequence_parallel(cfg, shape)
         moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
-        actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=recompute,
+        actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=cfg.recompute,
                                sequence_parallel=sequence_parallel, moe=moe)
-        ddp, optimizer = wrap_for_training(actor, optim)
+        ddp, optimizer = wrap_for_training(
+            actor, cfg.optimizer, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.subspace, cfg.rollout.memory))
         ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
-        teacher = _teacher(cfg, paths, shape) if algorithm.needs_teacher else None
-        constraint = (subspace_constraint(ddp.module, cfg.train.subspace_k, cfg.train.subspace_mode)
-                      if cfg.train.subspace_capture_step else None)
+        teacher = _teacher(cfg, paths, shape) if algorithm.sources.uses(TEACHER) else None
+        constraint = subspace_constraint(ddp.module, cfg.subspace.k, cfg.subspace.mode) if cfg.subspace.enabled else None
         offload = None
         if cfg.rollout.memory.offload_trainer:
-            frozen = {"ref": ref, **({"teacher": teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
+            frozen = {REFERENCE: ref, **({TEACHER: teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
         elif _pushes_cpu_weights_by_handle(cfg):  # the models this rank pushes to servers (engines: actor, ref)
@@ -183,15 +182,28 @@ def _build_models(
     return TrainerModels(ddp, optimizer, ref, teacher, constraint, offload)
 
 
+def _sequence_parallel(cfg: ArmorConfig, shape: ModelShape) -> bool:
+    """parallel.sequence_parallel as this run's models use it (on by default on GPU at TP > 1, and for MoE)."""
+    return cfg.parallel.resolve_sequence_parallel(on_gpu=training_device().type == "cuda", moe=bool(shape.num_experts))
+
+
+def start_weights(cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape) -> dict[str, Any]:
+    """The weights the run's actor started from (model.path), at this rank's layout and under the actor's state-dict
+    keys (collective): what the anchor actions restore when the best checkpoint is the start."""
+    model = load_gpt_model(paths.model_path, shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype],
+                           sequence_parallel=_sequence_parallel(cfg, shape))
+    return model.state_dict()
+
+
 def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
     """Whether weight pushes send handles to the trainer's own CPU weights (rollout.weight_sync.payload
     per_tensor), which must then live in shared memory: those the push reads in place
     (`parameters_exported_as_views`). An offloaded trainer's cannot (a parked storage is freed in place, a
     shared one cannot be), so its weights are staged."""
     rollout = cfg.rollout
-    if rollout.backend != "sglang" or rollout.memory.offload_trainer or training_device().type != "cpu":
+    if rollout.memory.offload_trainer or training_device().type != "cpu":
         return False
-    return SGLangEngineConfig.from_config(rollout.weight_sync).load_format is None  # SGLang's per-tensor payload
+    return ROLLOUT_BACKENDS[rollout.backend].pushes_weights_by_handle(rollout)
 
 
 def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> TeacherScorer:
@@ -228,40 +240,14 @@ def _update_gate(
 
 
 def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int, rank: int) -> tuple[RolloutEngine, RolloutEngine]:
-    """(on-policy engine, anchor engine): in-process models on every rank, or clients of SGLang servers (whose
-    dispatchers start their round-robin at this process's `rank`, so ranks spread their requests).
-
-    The two are one object with rollout.anchors.engine shared (and for algorithms without anchors on
-    SGLang). An SGLang engine starts from whatever its servers loaded; the trainer pushes the actor's
-    (and, for ARMOR, the reference's) weights before the first rollout. Under train.routing_replay rollout the
-    actor's engine records the experts it routes to.
-    """
-    rollout = cfg.rollout
-    if rollout.backend == "local":
-        placement = _engine_placement(cfg)
-        actor = _local_engine(paths.model_path, rollout, pad_token_id, placement,
-                              record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record)
-        if rollout.anchors.engine == "shared":
-            return actor, actor
-        return actor, _local_engine(paths.ref_path, rollout, pad_token_id, placement)
-    from megatron_armor.rollout.router import make_sglang_engine
-    from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
-
-    client = SGLangEngineConfig.from_config(rollout.weight_sync)
-    log_dir = cfg.logging.run_dir  # routers' logs
-
-    def engine(urls: str, router_url: str | None, client: SGLangEngineConfig = client):
-        push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
-        return make_sglang_engine(urls, router_url, rollout.sglang, client, log_dir=log_dir, push_urls=push_urls,
-                                  first_server=rank)
-
-    sglang, actor_client = rollout.sglang, client
-    if REPLAY_MODES[cfg.train.routing_replay].engines_record:
-        shape = load_model_shape(paths.model_path)
-        actor_client = replace(client, routed_experts_shape=(shape.num_layers, shape.moe_top_k))
-    actor = engine(sglang.urls, sglang.router_url, actor_client)
-    ref = engine(sglang.ref_urls, sglang.ref_router_url) if sglang.ref_urls else actor
-    return actor, ref
+    """(on-policy engine, anchor engine) of rollout.backend (`rollout.backends.ROLLOUT_BACKENDS`), one object with
+    rollout.anchors.engine shared (collective). In-process engines run where `_engine_placement` says; under
+    train.routing_replay rollout the actor's engine records the experts it routes to; SGLang clients' routers log
+    to the run directory."""
+    site = EngineSite(model_path=paths.model_path, ref_path=paths.ref_path, pad_token_id=pad_token_id, rank=rank,
+                      placement=_engine_placement(cfg),
+                      record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record, log_dir=cfg.logging.run_dir)
+    return ROLLOUT_BACKENDS[cfg.rollout.backend].engines(cfg.rollout, site)
 
 
 def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> LocalEngine:
@@ -284,16 +270,3 @@ def _engine_placement(cfg: ArmorConfig) -> dict:
     if device.type != "cuda":
         return {}
     return {"device": device, "dtype": PARAMS_DTYPES[cfg.model.params_dtype]}
-
-
-def _local_engine(
-    path: str, rollout: RolloutConfig, pad_token_id: int, placement: dict, *, record_routes: bool = False,
-) -> LocalEngine:
-    """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
-    its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
-    model = path
-    if is_megatron_checkpoint(path):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    return LocalEngine.from_config(model, rollout, pad_token_id=pad_token_id, record_routes=record_routes, **placement)
-
-

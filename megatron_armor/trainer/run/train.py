@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_armor.algorithms import Algorithm, build_algorithm
+from megatron_armor.algorithms import TEACHER, Algorithm, build_algorithm
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
@@ -23,10 +23,11 @@ from megatron_armor.trainer.checkpointing.checkpoint import guard_run_dir, load_
 from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
-from megatron_armor.trainer.run.build import TrainingSetup, build_training
+from megatron_armor.trainer.guard.reference_reset import ReferenceReset
+from megatron_armor.trainer.run.build import TrainingSetup, build_training, start_weights
 from megatron_armor.trainer.run.task_setup import TaskPaths, prepare_task
 from megatron_armor.trainer.step.loop import RLTrainer
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.faults import TooManySkipsError
 from megatron_armor.utils.extras import detect_gpu_extras
 from megatron_armor.utils.metrics import MetricsLogger
@@ -82,22 +83,30 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
-    trainer, watch = setup.trainer, CollapseWatch(cfg.monitor, is_main=ctx.is_main)
+    trainer = setup.trainer
+    watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
     best = BestCheckpoint.from_config(cfg.checkpoint)
     saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                             best=best)
-    anchor = AnchorSwitch.from_config(cfg, trainer, best, saver, watch, is_main=ctx.is_main)
-    trackers = [tracker for tracker in (watch, best, anchor) if tracker is not None]  # their state rides in checkpoints
+    start = functools.partial(start_weights, cfg, paths, setup.models.shape)
+    anchor = AnchorSwitch.from_config(cfg, trainer, best, saver, watch, start, is_main=ctx.is_main)
+    reset = ReferenceReset.from_config(cfg.monitor, trainer, watch, is_main=ctx.is_main)
+    # their state rides in checkpoints
+    trackers = [tracker for tracker in (watch, best, anchor, reset) if tracker is not None]
     start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
-    trainer.push_initial_weights(**_stale_engines(setup.models, paths, resumed=resume_from is not None,
-                                                  ref_restored=ref_restored))
+    trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
+                                                 ref_restored=ref_restored))
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
         watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
+        if best is not None:  # the start is the first restore point
+            best.consider_start(initial, Path(paths.model_path), saver.root, is_main=ctx.is_main)
+        if reset is not None:
+            reset.observe_start(initial)
         metrics_log.log(0, initial)
     progress = tqdm(
         range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
@@ -110,7 +119,9 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
             metrics.update(validate(done))
         verdict = watch.observe(done, metrics)
         alarms = verdict.stopping
-        anchored = anchor is not None and anchor.act(done, verdict.anchoring, metrics)
+        anchored = anchor is not None and anchor.act(done, verdict.anchoring, metrics, restart=verdict.restarting)
+        if reset is not None and not anchored:
+            reset.act(done, metrics)
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
         saving = stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps
@@ -140,7 +151,7 @@ def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogg
 
 def _prepare_run(ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, run_dir: Path) -> TaskPaths:
     """The task's files (prepared once), the run directory with the run's config in it, and a log line."""
-    paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.needs_teacher)
+    paths = prepare_task(cfg, is_main=ctx.is_main, needs_teacher=algorithm.sources.uses(TEACHER))
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -166,7 +177,7 @@ def _resume(
         raise ValueError(f"{checkpoint}: {error}") from error
     for tracker in trackers:
         tracker.load(state)
-    ref_restored = "ref" in state["modules"]
+    ref_restored = trainer.models.ref.name in state["modules"]
     if ref_restored:
         log.info("reference policy restored from %s (not from %s)", checkpoint, paths.ref_path)
     log.info("resumed from %s (step %d)", checkpoint, step)
@@ -176,23 +187,24 @@ def _resume(
     return step, ref_restored
 
 
-def _stale_engines(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, ref_restored: bool) -> dict[str, bool]:
-    """Which engines may not hold their policy's weights at the start: {"actor": ..., "ref": ...}.
+def _stale_policies(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, ref_restored: bool) -> list[Policy]:
+    """The policies whose engines may not hold their weights at the start (actor, reference), to push them.
 
     Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything; a
     local engine for a Megatron checkpoint is built from its config). A shared engine gets the reference's
     weights before its first anchor phase.
     """
-    remote_engines = models.actor_engine.shared_across_ranks
+    remote_engines = models.actor.engine.shared_across_ranks
     actor = resumed or remote_engines or is_megatron_checkpoint(paths.model_path)
     ref_stale = remote_engines or is_megatron_checkpoint(paths.ref_path) or ref_restored
-    return {"actor": actor, "ref": not models.shared_engine and ref_stale}
+    stale = {models.actor: actor, models.ref: not models.shared_engine and ref_stale}
+    return [policy for policy, is_stale in stale.items() if is_stale]
 
 
 def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, step: int) -> dict[str, float]:
     """Validation metrics of the actor's engine after `step` steps (trainer/step/validation.py; {} without validation
     prompts; collective)."""
-    result = setup.validation.run(setup.models.actor_engine, seed=(cfg.train.seed, step, "val"))
+    result = setup.validation.run(setup.models.actor.engine, seed=(cfg.train.seed, step, "val"))
     if result and ctx.is_main:
         tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
     return result
@@ -222,7 +234,7 @@ def _teardown(ctx: DistributedContext, cfg: ArmorConfig, models: PolicyHandles, 
     for engine in models.engines():
         engine.close()
     if models.teacher is not None:
-        models.teacher.close()
+        models.teacher.scorer.close()
     if ctx.is_main and cfg.logging.plot:
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
         log.info("run directory %s: metrics.jsonl, curves.png, checkpoints/", run_dir)

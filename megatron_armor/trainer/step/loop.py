@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from megatron_armor.algorithms import Algorithm
+from megatron_armor.algorithms import REFERENCE, TEACHER, Algorithm
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.step_geometry import StepGeometry
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -20,17 +21,20 @@ from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.planning.flops import rl_step_flops
 from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.scoring.logprobs import ScoringConfig
-from megatron_armor.trainer.checkpointing.sharded_state import restore_module, restore_order, sharded_modules
+from megatron_armor.trainer.checkpointing.sharded_state import (
+    OPTIMIZER, restore_module, restore_order, sharded_modules,
+)
 from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.engine_weights import EngineWeights
 from megatron_armor.trainer.rollouts import async_rollouts  # noqa: F401 - registers rollout.mode async
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
+from megatron_armor.trainer.rollouts.anchors import AnchorSource
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutPhase, RolloutSources
 from megatron_armor.trainer.rollouts.rollout_schedule import RolloutSchedule
 from megatron_armor.trainer.step_inputs.plan import StepPlan
-from megatron_armor.trainer.step_inputs.policies import PolicyHandles
+from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
 from megatron_armor.trainer.update.faults import NonFiniteUpdate
-from megatron_armor.trainer.update.optimizer import AdamConfig, reset_optimizer
+from megatron_armor.trainer.update.optimizer import reset_optimizer
 from megatron_armor.trainer.update.policy_update import update_policy
 from megatron_armor.trainer.update.snapshot import TrainingSnapshot
 from megatron_armor.trainer.update.training_batch import PreparedBatch, advantage_batch, batch_metrics, score_logprobs
@@ -69,21 +73,23 @@ class RLTrainer:
 
     def __init__(
         self, ctx: DistributedContext, models: PolicyHandles, plan: StepPlan, sources: RolloutSources,
-        scoring: ScoringConfig, optim: AdamConfig, parts: TrainerParts | None = None,
+        scoring: ScoringConfig, optim: OptimizerConfig, parts: TrainerParts | None = None,
     ) -> None:
         parts = parts or TrainerParts()
         self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sources.sampler
         self.scoring, self.optim = scoring, optim
-        self.gate, self.anchor_cache = parts.gate, parts.anchor_cache
+        self.gate = parts.gate
+        # ARMOR's anchors: the rollout source an algorithm may ask for (ARMOR, or a run the anchor action switched)
+        self.anchors = AnchorSource(models.ref, plan.ref_n, parts.anchor_cache)
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
         self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
         # partial rollouts: the rollout phase samples through an engine a weight push pauses (the schedule's)
-        phase_models = (dataclasses.replace(models, actor_engine=PausableEngine(models.actor_engine))
-                        if plan.partial_rollouts else models)
+        phase_models = (dataclasses.replace(models, actor=dataclasses.replace(
+            models.actor, engine=PausableEngine(models.actor.engine))) if plan.partial_rollouts else models)
         self.rollouts = RolloutSchedule.build(
             plan.rollout_mode, lambda group: RolloutPhase(plan, phase_models, sources, self.engine_weights,
-                                                          self.anchor_cache, dp_size=ctx.dp_size, group=group),
+                                                          self.anchors, dp_size=ctx.dp_size, group=group),
             sources.sampler, plan.max_steps,
         )
         self.optimizer_steps = 0
@@ -127,10 +133,10 @@ class RLTrainer:
         no prompt was kept."""
         if not groups:
             return 0.0
-        algorithm = self.plan.algorithm
+        scores = self.plan.algorithm.sources.scores
         lengths = [len(s.prompt_ids) + len(s.response_ids) for group in groups for s in group]
-        return rl_step_flops(self.models.shape, lengths, reference=algorithm.needs_ref_logprobs,
-                             teacher=self.models.shape if algorithm.needs_teacher else None,
+        return rl_step_flops(self.models.shape, lengths, reference=REFERENCE in scores,
+                             teacher=self.models.shape if TEACHER in scores else None,
                              old_logprobs=not self.plan.old_logprobs_from_update).total
 
     def train_on(self, step: int, groups: list[list[Sample]]) -> tuple[dict[str, float], int]:
@@ -148,8 +154,7 @@ class RLTrainer:
             snapshot = self.snapshot_before_update(len(prepared.mini_batches))
             geometry = StepGeometry.capture(models.actor.module) if self.measures_geometry(step) else None
             update_metrics, fault = self.update(step, prepared, snapshot)
-            metrics = batch_metrics(prepared, sampled_by_actor=not plan.algorithm.samples_from_teacher,
-                                    uses_anchors=plan.uses_anchors)  # of the batch before the update
+            metrics = batch_metrics(prepared, plan.algorithm.sources)  # of the batch before the update
             metrics.update(update_metrics)
             if geometry is not None and fault is None:
                 metrics.update(self.update_geometry(geometry))
@@ -172,9 +177,9 @@ class RLTrainer:
         fault. On a fault the step counts as skipped and the mini-batches already stepped are undone from
         `snapshot` (`snapshot_before_update`); without one (train.nonfinite_rollback false) they stay applied."""
         update = update_policy(
-            self.models.actor, self.models.optimizer, prepared.mini_batches, micro_batching=self.plan.micro_batching,
-            algorithm=self.plan.algorithm, scoring=self.scoring, optim=self.optim, rl_step=step,
-            constraint=self.constraint, warmup_from=self.warmup_from,
+            self.models.actor.model, self.models.optimizer, prepared.mini_batches,
+            micro_batching=self.plan.micro_batching, algorithm=self.plan.algorithm, scoring=self.scoring,
+            optim=self.optim, rl_step=step, constraint=self.constraint, warmup_from=self.warmup_from,
         )
         if update.old_scores is not None:  # an on-policy update scored the batch's old policy itself
             prepared.record_old_scores(update.old_scores)
@@ -184,7 +189,7 @@ class RLTrainer:
             return update.metrics, None
         kept = update.optimizer_steps if snapshot is None else 0  # mini-batches stepped before the fault that stay
         if update.optimizer_steps and snapshot is not None:
-            snapshot.restore(self.models.actor, self.models.optimizer, self.constraint)
+            snapshot.restore(self.models.actor.model, self.models.optimizer, self.constraint)
         self.optimizer_steps += kept
         self.consecutive_skips += 1
         if self.ctx.is_main:
@@ -201,7 +206,7 @@ class RLTrainer:
     def update_geometry(self, geometry: StepGeometry) -> dict[str, float]:
         """geometry/* of the update since `geometry` was captured (diagnostics/step_geometry.py) and its cost."""
         start = time.perf_counter()
-        metrics = geometry.metrics(self.models.actor.module, self.models.ref)
+        metrics = geometry.metrics(self.models.actor.module, self.models.ref.module)
         seconds = geometry.capture_seconds + time.perf_counter() - start
         return {**metrics, "perf/update_geometry_seconds": seconds}
 
@@ -212,7 +217,7 @@ class RLTrainer:
         memory per RL step); else None."""
         if self.gate is None and (num_mini_batches <= 1 or not self.plan.nonfinite_rollback):
             return None
-        return TrainingSnapshot.capture(self.models.actor, self.models.optimizer, self.optimizer_steps,
+        return TrainingSnapshot.capture(self.models.actor.model, self.models.optimizer, self.optimizer_steps,
                                         self.constraint, to_host=self.colocation.offloaded or self.gate is None)
 
     # ----- MIPU Step 2 ----------------------------------------------------------------------
@@ -223,12 +228,12 @@ class RLTrainer:
         start = time.perf_counter()
         models = self.models
         result = self.gate.measure(
-            step, models.actor, models.actor_engine, pad_token_id=models.pad_token_id,
+            step, models.actor.model, models.actor.engine, pad_token_id=models.pad_token_id,
             micro_batching=self.plan.micro_batching, scoring=self.scoring,
         )
         if not result.accepted:
             with self.colocation.trainer_phase(resume_serving=False):
-                snapshot.restore(models.actor, models.optimizer, self.constraint)
+                snapshot.restore(models.actor.model, models.optimizer, self.constraint)
             self.optimizer_steps = snapshot.optimizer_steps
             self.colocation.push_actor_and_serve(self.engine_weights.push_actor)
             self.gate.record_rollback()
@@ -259,13 +264,26 @@ class RLTrainer:
         shared engine holding the actor needs no push (it holds both now).
         """
         self.rollouts.discard_queued()
-        with torch.no_grad(), self.colocation.weights_resident("actor", "ref"):
-            for ref_param, actor_param in zip(self.models.ref.parameters(), self.models.actor.module.parameters(),
-                                              strict=True):
+        actor, ref = self.models.actor, self.models.ref
+        with torch.no_grad(), self.colocation.weights_resident(actor.name, ref.name):
+            for ref_param, actor_param in zip(ref.module.parameters(), actor.module.parameters(), strict=True):
                 ref_param.copy_(actor_param)
-        if self.anchor_cache is not None:
-            self.anchor_cache.clear()
-        self.engine_weights.reference_became_actor()
+        self.anchors.reference_changed()
+        self.engine_weights.reference_changed(to_actor=True)
+        return {"armor/ref_reset": 1.0}
+
+    def set_reference(self, reference_state: dict[str, Any]) -> dict[str, float]:
+        """The anchor_keep action (collective): the reference gets the weights `reference_state` (a loaded actor
+        entry of `sharded_state_dict`, e.g. the best checkpoint's) and is checkpointed from now on; the actor, its
+        optimizer and the lr schedule go on untouched. Cached anchors and a rollout generated ahead are dropped (the
+        old reference's), and the reference's engine gets the new weights. Its metrics."""
+        self.rollouts.discard_queued()
+        ref = self.models.ref
+        with torch.no_grad(), self.colocation.weights_resident(ref.name):
+            ref.load_state_dict(reference_state)
+        self.checkpoints_reference = True
+        self.anchors.reference_changed()
+        self.engine_weights.reference_changed(to_actor=False)
         return {"armor/ref_reset": 1.0}
 
     # ----- the monitor's anchor action (trainer/guard/anchor_switch.py) -----------------------------
@@ -282,7 +300,7 @@ class RLTrainer:
         Its metrics."""
         self.rollouts.discard_queued()
         with self.colocation.state_writable():
-            restore_module("actor", self.models.actor, actor_state)
+            restore_module(self.models.actor.name, self.models.actor.model, actor_state)
             reset_optimizer(self.models.optimizer)
         self.warmup_from = step
         self.checkpoints_reference = True
@@ -291,14 +309,12 @@ class RLTrainer:
         return self.reset_reference()
 
     # ----- run start-up, end and checkpoints -------------------------------------------------
-    def push_initial_weights(self, *, actor: bool, ref: bool) -> None:
+    def push_initial_weights(self, stale: list[Policy]) -> None:
         """Before the first step (collective): park the trainer (offloaded, only the weights each push needs
-        come back for it), then push the actor's and/or the reference's weights into their engines."""
+        come back for it), then push the `stale` policies' weights into their engines."""
         self.colocation.park_for_rollouts()
-        if actor:
-            self.engine_weights.push_actor()
-        if ref:
-            self.engine_weights.push_ref()
+        for policy in stale:
+            self.engine_weights.push(policy)
 
     def close(self) -> None:
         """End the background work the trainer owns at the run's end (collective): the rollouts generating ahead
@@ -313,11 +329,12 @@ class RLTrainer:
     def checkpointed_modules(self) -> dict[str, Any]:
         """The objects whose `state_dict` a checkpoint holds: actor, optimizer, the subspace constraint, and the
         reference once it is not (only) model.ref_path's (reference resets, or restored from a checkpoint)."""
-        modules = {"actor": self.models.actor, "optimizer": self.models.optimizer}
+        actor, ref = self.models.actor, self.models.ref
+        modules = {actor.name: actor, OPTIMIZER: self.models.optimizer}
         if self.constraint is not None:
             modules["subspace"] = self.constraint
         if self.checkpoints_reference:
-            modules["ref"] = self.models.ref
+            modules[ref.name] = ref
         return modules
 
     def state_dict(self) -> dict[str, Any]:
@@ -335,7 +352,7 @@ class RLTrainer:
         """`state_dict()` with "modules" as Megatron sharded state dicts (trainer/checkpointing/sharded_state.py), what
         a distributed checkpoint saves, or (`is_loading`) the request it loads into for the modules `names`
         (those a checkpoint holds; default `checkpointed_modules()`). Its loaded form goes to `load_state_dict`."""
-        available = {**self.checkpointed_modules(), "ref": self.models.ref}
+        available = {**self.checkpointed_modules(), self.models.ref.name: self.models.ref}
         chosen = self.checkpointed_modules() if names is None else {n: available[n] for n in names if n in available}
         return {**self._shared_state(), "modules": sharded_modules(chosen, is_loading=is_loading)}
 
@@ -345,8 +362,8 @@ class RLTrainer:
                                  "sampler": self.rollouts.sampler_state()}  # before a rollout generated ahead
         if self.gate is not None:
             state["mipu_gate"] = self.gate.state_dict()
-        if self.anchor_cache is not None:
-            state["anchor_cache"] = self.anchor_cache.state_dict()
+        if (anchor_cache := self.anchors.state_dict()) is not None:
+            state["anchor_cache"] = anchor_cache
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -357,10 +374,10 @@ class RLTrainer:
         the reference stays model.ref_path's. A cache's state is restored when it has one (none: saved with
         the cache off).
         """
-        modules = state["modules"]
-        self.checkpoints_reference = self.checkpoints_reference or "ref" in modules
+        modules, ref = state["modules"], self.models.ref.name
+        self.checkpoints_reference = self.checkpoints_reference or ref in modules
         expected = self.checkpointed_modules()
-        missing = sorted(name for name in expected if name not in modules and name != "ref")
+        missing = sorted(name for name in expected if name not in modules and name != ref)
         if missing:
             raise ValueError(f"the trainer state has no {missing} state (has {sorted(modules)}): it was saved by a "
                              f"run without them; resume with that run's config")
@@ -374,6 +391,6 @@ class RLTrainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)  # 0 in checkpoints from before skips were counted
         if self.gate is not None:
             self.gate.load_state_dict(state["mipu_gate"])
-        if self.anchor_cache is not None and "anchor_cache" in state:
-            self.anchor_cache.load_state_dict(state["anchor_cache"])
+        if "anchor_cache" in state:
+            self.anchors.load_state_dict(state["anchor_cache"])
 

@@ -83,6 +83,11 @@ class Validation:
     per_dataset: bool
     primary: int = 0  # the set whose avg@n is val/accuracy
 
+    @property
+    def validates(self) -> bool:
+        """Whether there is anything to validate on (the collapse monitor is on by default then)."""
+        return bool(self.sets)
+
     @classmethod
     def from_config(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
                     val_scorer: SampleScorer, val_sampling: SamplingParams) -> Validation:

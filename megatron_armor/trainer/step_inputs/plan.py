@@ -53,11 +53,6 @@ class StepPlan:
         )
 
     @property
-    def uses_anchors(self) -> bool:
-        """The reference samples anchors, and a group needs a correct one (the algorithm says)."""
-        return self.algorithm.uses_anchors
-
-    @property
     def old_logprobs_from_update(self) -> bool:
         """The update's own forward gives the old-policy logprobs (`Algorithm.old_logprobs_from_update`)."""
         return self.algorithm.old_logprobs_from_update(self.train_batch_size // self.mini_batch_size)

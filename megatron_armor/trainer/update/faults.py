@@ -92,5 +92,5 @@ class TooManySkipsError(RuntimeError):
             f"RL steps {last_step - count + 1}..{last_step} ({count} in a row) skipped their update: non-finite "
             f"loss or gradients (the warnings above name the mini-batch and the ranks); stopped at "
             f"train.max_consecutive_skips={limit}. The last good state is checkpointed at {checkpoint}: find the "
-            f"cause (e.g. lower train.lr, check the rewards and the data), then continue with --resume"
+            f"cause (e.g. lower optimizer.lr, check the rewards and the data), then continue with --resume"
         )

@@ -1,9 +1,11 @@
 """Actor wrapping for training: Megatron DDP + Megatron's Adam optimizer + the warmup schedule.
 
 Megatron's own optimizer runs here on CPU and GPU alike (Adam with decoupled weight decay, global
-grad-norm clipping across TP/PP/DP ranks). On CPU it falls back to `torch.optim.AdamW` inside
-Megatron's `FP32Optimizer` (no apex / Transformer Engine fused Adam) and its grad clipping goes
-through adaptation 5 of `distributed.cpu_compat`; on GPU the fused kernels are used when present.
+grad-norm clipping across TP/PP/DP ranks), for fp32 models (`FP32Optimizer`) and bf16 ones (Megatron's
+mixed-precision `Float16OptimizerWithFloat16Params` or distributed optimizer: fp32 main grads and master weights,
+bf16 weights copied from them after each step). On CPU it falls back to torch's Adam (no apex / Transformer
+Engine fused Adam) and its grad clipping goes through adaptation 5 of `distributed.cpu_compat` (bf16:
+adaptation 12); on GPU the fused kernels are used when present.
 """
 
 from __future__ import annotations
@@ -15,39 +17,21 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
-from megatron_armor.config import TrainConfig
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.convert.weights import splitting_group
 from megatron_armor.diagnostics.subspace import Sharding, SubspaceConstraint
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
 
-@dataclass(frozen=True)
-class AdamConfig:
-    """Adam hyper-parameters (ARMOR recipe defaults: lr 1e-6, 10 warmup RL steps, wd 0.1, clip 1.0)."""
-
-    lr: float = 1e-6
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    distributed: bool = False  # Megatron's DistributedOptimizer: state and fp32 master weights sharded over DP
-
-    @classmethod
-    def from_config(cls, train: TrainConfig, *, distributed: bool = False) -> AdamConfig:
-        """The optimizer settings of the `train` section; `distributed`: train.use_distributed_optimizer as
-        resolved for the run's layout (`config.resolve_distributed_optimizer`)."""
-        return cls(lr=train.lr, warmup_steps=train.warmup_steps, weight_decay=train.weight_decay,
-                   adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
-                   grad_clip=train.grad_clip, distributed=distributed)
-
-
-def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+def wrap_for_training(
+    model: GPTModel, settings: OptimizerConfig, distributed: bool = False,
+) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
-    and divided by the loss callback's global token or sequence count) and build its Megatron optimizer.
+    and divided by the loss callback's global token or sequence count) and build its Megatron optimizer from
+    the `optimizer` section (`settings`).
 
     DDP's own NaN/Inf check (which raises) is off: `update_policy` checks every mini-batch's loss and
     reduced gradients before its optimizer step and skips the RL step instead (trainer/update/faults.py).
@@ -55,25 +39,23 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
     (armor.md §6); Megatron's own exemption of those needs its scheduler, which is not used here
     (`learning_rate` sets the rate per RL step).
 
-    With `settings.distributed` the grads are reduce-scattered instead of all-reduced, each data-parallel
+    With `distributed` (optimizer.use_distributed_optimizer as resolved for the run,
+    `OptimizerConfig.distributed`) the grads are reduce-scattered instead of all-reduced, each data-parallel
     rank keeps the Adam state (and the fp32 master weights of a bf16 model) of its 1/DP slice of the
     flat parameter buffer only, and the updated slices are all-gathered back into every rank's weights.
     The returned optimizer's `state_dict()` then holds this rank's shard (`ShardedStateOptimizer`).
     """
     config = model.config
-    if config.bf16 and not next(model.parameters()).is_cuda:
-        raise ValueError("model.params_dtype bfloat16 trains through Megatron's mixed-precision optimizer, which "
-                         "needs CUDA tensors: on CPU train in float32")
     config.finalize_model_grads_func = finalize_model_grads
     with megatron_device_scope():
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=settings.distributed,
+                grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
                 check_for_nan_in_grad=False
             ), model
         )
         optimizer = get_megatron_optimizer(
-            OptimizerConfig(
+            MegatronOptimizerConfig(
                 optimizer="adam",
                 lr=settings.lr,
                 weight_decay=settings.weight_decay,
@@ -83,11 +65,11 @@ def wrap_for_training(model: GPTModel, settings: AdamConfig) -> tuple[Distribute
                 clip_grad=settings.grad_clip,
                 bf16=config.bf16,
                 params_dtype=config.params_dtype,
-                use_distributed_optimizer=settings.distributed,
+                use_distributed_optimizer=distributed,
             ),
             [ddp],
         )
-    return ddp, ShardedStateOptimizer(optimizer) if settings.distributed else optimizer
+    return ddp, ShardedStateOptimizer(optimizer) if distributed else optimizer
 
 
 class ShardedStateOptimizer:
@@ -129,7 +111,7 @@ class ShardedStateOptimizer:
                 main.copy_(saved)
 
 
-def learning_rate(rl_step: int, settings: AdamConfig) -> float:
+def learning_rate(rl_step: int, settings: OptimizerConfig) -> float:
     """lr * min(1, (rl_step + 1) / warmup_steps): linear warmup over `warmup_steps` RL steps, then constant.
 
     As verl's `constant` style, the schedule advances once per RL step (`update_actor`): every

@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 
 from megatron_armor.algorithms import Algorithm, LossInputs
 from megatron_armor.algorithms.reduce import aggregation_units
+from megatron_armor.config import OptimizerConfig
 from megatron_armor.distributed.reduce import from_last_pipeline_stage, sum_over_data_parallel
 from megatron_armor.scoring.batch import SequenceBatch
 from megatron_armor.scoring.logprobs import (
@@ -20,7 +21,7 @@ from megatron_armor.scoring.routes import routing_pass
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.trainer.update.faults import NonFiniteUpdate, find_nonfinite
 from megatron_armor.trainer.update.moe_metrics import moe_aux_loss_metrics
-from megatron_armor.trainer.update.optimizer import AdamConfig, learning_rate, optimizer_step, zero_grads
+from megatron_armor.trainer.update.optimizer import learning_rate, optimizer_step, zero_grads
 
 
 class PolicyLossCallback:
@@ -74,7 +75,7 @@ class UpdateResult:
 
 def update_policy(
     ddp, optimizer, mini_batches: list[SequenceBatch], *, micro_batching: MicroBatching, algorithm: Algorithm,
-    scoring: ScoringConfig, optim: AdamConfig, rl_step: int, constraint: SubspaceConstraint | None = None,
+    scoring: ScoringConfig, optim: OptimizerConfig, rl_step: int, constraint: SubspaceConstraint | None = None,
     warmup_from: int = 0,
 ) -> UpdateResult:
     """One optimizer step per mini-batch (ppo_epochs = 1), all at RL step `rl_step`'s learning rate, its warmup

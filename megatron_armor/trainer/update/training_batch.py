@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_armor.algorithms import group_advantages, mismatch_k3, mix_kl_metrics, reverse_kl
+from megatron_armor.algorithms import (
+    ACTOR, ANCHORS, REFERENCE, TEACHER, StepSources, group_advantages, mismatch_k3, mix_kl_metrics, reverse_kl,
+)
 from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import mean_over_data_parallel
@@ -23,6 +25,8 @@ from megatron_armor.scoring.routes import routing_pass
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
 from megatron_armor.utils.seeding import stable_seed
+
+SCORE_FIELDS = {REFERENCE: "ref_logprobs", TEACHER: "teacher_logprobs"}  # `SequenceBatch` field of a policy's scores
 
 
 @dataclass
@@ -101,28 +105,26 @@ def score_logprobs(
     optimizer_steps: int, dp_rank: int,
 ) -> PreparedBatch:
     """The actor's logprobs and entropy before the update (unless the update gives them:
-    `StepPlan.old_logprobs_from_update`), and what the algorithm asks for: the reference's logprobs, the
-    teacher's, and per-token advantages from the scored batch (its random draws: one stream per optimizer-step
-    count and data shard). A MoE actor's old-logprob pass replays the batch's routes (R3) and reports its routing
-    metrics; under R2 its routers' choices become the routes the update replays. Collective over the model-parallel
-    group; fills in `advantaged.batch` in place."""
+    `StepPlan.old_logprobs_from_update`), and what the algorithm asks for: the logprobs of the policies it is scored
+    by (`StepSources.scores`: the reference's, the teacher's; into their `SCORE_FIELDS`), and per-token advantages
+    from the scored batch (its random draws: one stream per optimizer-step count and data shard). A MoE actor's
+    old-logprob pass replays the batch's routes (R3) and reports its routing metrics; under R2 its routers' choices
+    become the routes the update replays. Collective over the model-parallel group; fills in `advantaged.batch` in
+    place."""
     batch, algorithm = advantaged.batch, plan.algorithm
     old_entropy, routing_metrics = None, {}
     if not plan.old_logprobs_from_update:
-        routing = routing_pass(models.actor, batch)
-        old = compute_logprobs(models.actor, batch, micro_batching=plan.micro_batching,
+        routing = routing_pass(models.actor.model, batch)
+        old = compute_logprobs(models.actor.model, batch, micro_batching=plan.micro_batching,
                                scoring=dataclasses.replace(scoring, with_entropy=True), routing=routing)
         batch.old_logprobs, old_entropy = old.logprobs, old.entropy
         if routing is not None:
             routing_metrics = routing.metrics()
             if plan.routing_replay.update_replays_old_pass:
                 batch.routed_experts = routing.chosen
-    if algorithm.needs_ref_logprobs:
-        batch.ref_logprobs = compute_logprobs(
-            models.ref, batch, micro_batching=plan.micro_batching, scoring=scoring
-        ).logprobs
-    if algorithm.needs_teacher:
-        batch.teacher_logprobs = models.teacher.score(batch)
+    for name in algorithm.sources.scores:
+        scores = models.policy(name).score(batch, micro_batching=plan.micro_batching, scoring=scoring)
+        setattr(batch, SCORE_FIELDS[name], scores)
     generator = torch.Generator().manual_seed(stable_seed(plan.seed, optimizer_steps, algorithm.name, dp_rank))
     batch.token_advantages = algorithm.token_advantages(
         batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, batch.advantages, generator
@@ -139,17 +141,17 @@ def score_logprobs(
     )
 
 
-def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_anchors: bool) -> dict[str, float]:
-    """Metrics of a prepared batch, before the update: entropy, train/rollout mismatch (mean |diff| and
-    Mismatch-K3 on on-policy tokens; none unless the actor's engine sampled the batch: `sampled_by_actor`
-    False when the OPD teacher did), mix KL, OPD reverse KL.
+def batch_metrics(prepared: PreparedBatch, sources: StepSources) -> dict[str, float]:
+    """Metrics of a prepared batch of an algorithm with `sources`, before the update: entropy, train/rollout mismatch
+    (mean |diff| and Mismatch-K3 on on-policy tokens; none unless the actor's engine sampled the batch, not the OPD
+    teacher's), mix KL (with the anchors' terms when the algorithm has anchors), OPD reverse KL.
 
     Each is computed on the rank's data-parallel shard and averaged over data-parallel ranks (collective); the
     routing metrics of the old-logprob pass (already over all ranks) join them.
     """
     batch = prepared.batch
     metrics = {"policy/entropy": float(masked_mean(prepared.old_entropy, batch.response_mask))}
-    if sampled_by_actor:  # engine_logprobs are the actor engine's
+    if sources.sampler == ACTOR:  # engine_logprobs are the actor engine's
         on_policy = ~batch.is_anchor
         diff = (batch.old_logprobs - batch.engine_logprobs).abs() * batch.response_mask
         per_sample = diff.sum(1) / batch.response_mask.sum(1).clamp(min=1)
@@ -158,7 +160,7 @@ def batch_metrics(prepared: PreparedBatch, *, sampled_by_actor: bool, uses_ancho
         metrics["mismatch/k3"] = float(mismatch_k3(batch.old_logprobs, batch.engine_logprobs, on_policy_mask))
     if batch.ref_logprobs is not None:  # keys from the plan, not the shard: the same on every rank
         metrics.update(mix_kl_metrics(batch.old_logprobs, batch.ref_logprobs, batch.is_anchor, batch.response_mask,
-                                      with_anchors=uses_anchors))
+                                      with_anchors=ANCHORS in sources.extra_samples))
     if batch.teacher_logprobs is not None:
         metrics["opd/reverse_kl"] = float(reverse_kl(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask))
     return {**mean_over_data_parallel(metrics), **prepared.routing_metrics}

@@ -1,0 +1,106 @@
+"""The rollout backends by name (`rollout.backend`), as `weight_transport.TRANSPORTS` names the SGLang
+weight-update paths: each builds a rank's on-policy and anchor engines from the `rollout` section, whose
+sub-section named after the backend holds its own settings (`config.rollout`: `rollout.local`,
+`rollout.sglang`, which also check the rules the backend needs when the config is loaded).
+
+A new backend is one `RolloutBackend` subclass in `ROLLOUT_BACKENDS`, its settings sub-section and its name
+among `RolloutConfig.backend`'s choices; the trainer's set-up (`trainer/run/build.py`) only looks it up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megatron_armor.config import RolloutConfig
+from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
+from megatron_armor.models.hf_config import load_model_shape
+from megatron_armor.rollout.base import RolloutEngine
+from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
+
+
+@dataclass(frozen=True)
+class EngineSite:
+    """What a rank's engines need from the run besides the `rollout` section.
+
+    model_path / ref_path: the actor's and the reference's checkpoints (HF directory or Megatron checkpoint);
+    pad_token_id: the tokenizer's; rank: this process's global rank (an SGLang client's dispatcher starts its
+    round-robin there, so ranks spread their requests); placement: where in-process engines run,
+    {"device": ..., "dtype": ...} or {} (on the CPU in float32); record_routes: the actor's engine records the
+    experts it routes to (train.routing_replay rollout); log_dir: where routers started here log.
+    """
+
+    model_path: str
+    ref_path: str
+    pad_token_id: int
+    rank: int = 0
+    placement: dict = field(default_factory=dict)
+    record_routes: bool = False
+    log_dir: str | None = None
+
+
+class RolloutBackend:
+    """Builds the engines of one backend."""
+
+    def engines(self, rollout: RolloutConfig, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
+        """(on-policy engine, anchor engine), one object when rollout.anchors.engine is shared (collective)."""
+        raise NotImplementedError
+
+    def pushes_weights_by_handle(self, rollout: RolloutConfig) -> bool:
+        """Whether weight pushes hand the engines the trainer's own weight storage (no staging copy), which on
+        CPU must then live in shared memory. False unless the backend says otherwise."""
+        return False
+
+
+class LocalBackend(RolloutBackend):
+    """In-process HF models on every rank: the actor's and, unless the anchors share it, the reference's."""
+
+    def engines(self, rollout: RolloutConfig, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
+        actor = local_engine(site.model_path, rollout, site, record_routes=site.record_routes)
+        if rollout.anchors.engine == "shared":
+            return actor, actor
+        return actor, local_engine(site.ref_path, rollout, site)
+
+
+class SGLangBackend(RolloutBackend):
+    """Clients of SGLang servers (rollout.sglang.urls, and ref_urls for separate anchors); each starts from
+    whatever its servers loaded, and the trainer pushes the weights before the first rollout."""
+
+    def engines(self, rollout: RolloutConfig, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
+        from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
+        from megatron_armor.rollout.router import make_sglang_engine
+
+        client, sglang = SGLangEngineConfig.from_config(rollout.weight_sync), rollout.sglang
+
+        def engine(urls: str, router_url: str | None, client: SGLangEngineConfig = client):
+            push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
+            return make_sglang_engine(urls, router_url, sglang, client, log_dir=site.log_dir, push_urls=push_urls,
+                                      first_server=site.rank)
+
+        actor_client = client
+        if site.record_routes:
+            shape = load_model_shape(site.model_path)
+            actor_client = replace(client, routed_experts_shape=(shape.num_layers, shape.moe_top_k))
+        actor = engine(sglang.urls, sglang.router_url, actor_client)
+        ref = engine(sglang.ref_urls, sglang.ref_router_url) if sglang.ref_urls else actor
+        return actor, ref
+
+    def pushes_weights_by_handle(self, rollout: RolloutConfig) -> bool:
+        """rollout.weight_sync.payload per_tensor (with method tensor): SGLang's load_format null."""
+        return SGLangEngineConfig.from_config(rollout.weight_sync).load_format is None
+
+
+ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {"local": LocalBackend(), "sglang": SGLangBackend()}
+
+
+def local_engine(path: str, rollout: RolloutConfig, site: EngineSite, *, record_routes: bool = False) -> LocalEngine:
+    """An in-process engine for an HF checkpoint, or, for a Megatron checkpoint, an engine built from
+    its (verbatim) HF config whose weights the trainer pushes before the first rollout."""
+    model = path
+    if is_megatron_checkpoint(path):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    return LocalEngine.from_config(model, rollout, pad_token_id=site.pad_token_id, record_routes=record_routes,
+                                   **site.placement)

@@ -1,0 +1,31 @@
+"""The rollout backends' registry: one backend per name `rollout.backend` allows, each with the settings
+sub-section named after it, and the local backend's engines as rollout.anchors.engine asks."""
+
+import typing
+
+from megatron_armor.config import RolloutConfig, SGLangClientConfig, load_config
+from megatron_armor.rollout.backends import ROLLOUT_BACKENDS, EngineSite
+from megatron_armor.rollout.local import LocalEngine
+
+
+def test_every_allowed_backend_is_registered_with_its_own_settings():
+    allowed = typing.get_args(typing.get_type_hints(RolloutConfig)["backend"])
+    assert sorted(ROLLOUT_BACKENDS) == sorted(allowed)
+    for name in allowed:
+        rollout = load_config(None, ["task.synthetic=arithmetic", f"rollout.backend={name}",
+                                     "rollout.sglang.urls=http://a:1", "algorithm.name=grpo"]).rollout
+        assert rollout.backend_settings is getattr(rollout, name)
+    assert RolloutConfig().backend_settings.in_process
+    assert not RolloutConfig(backend="sglang", sglang=SGLangClientConfig(urls="http://a:1")).backend_settings.in_process
+
+
+def test_local_backend_builds_one_engine_per_policy_unless_the_anchors_share_it(tiny_model_factory):
+    checkpoint = str(tiny_model_factory())
+    site = EngineSite(model_path=checkpoint, ref_path=checkpoint, pad_token_id=0)
+    local = ROLLOUT_BACKENDS["local"]
+    actor, ref = local.engines(RolloutConfig(), site)
+    assert isinstance(actor, LocalEngine) and isinstance(ref, LocalEngine) and actor.model is not ref.model
+    shared = load_config(None, ["task.synthetic=arithmetic", "rollout.anchors.engine=shared"]).rollout
+    actor, ref = local.engines(shared, site)
+    assert actor is ref
+    assert not local.pushes_weights_by_handle(shared)
