@@ -68,12 +68,12 @@ def test_cp2_checkpoint_resumes_at_cp1(uninterrupted, synthetic_cache, tmp_path)
     """Step 1 at CP=2 (each sequence's zig-zag chunks over two ranks, one data-parallel replica), step 2 resumed at
     CP=1 x DP=2: both steps are the uninterrupted TP=2 run's."""
     run_dir = tmp_path / "run"
-    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *_overrides(synthetic_cache, run_dir, 1), *CP2)
-    assert_same_step(_metrics(run_dir)[1], _metrics(uninterrupted)[1])
+    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *run_overrides(synthetic_cache, run_dir, 1), *CP2)
+    assert_same_step(run_metrics(run_dir)[1], run_metrics(uninterrupted)[1])
     record = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert record["layout"] == {"tp": 1, "pp": 1, "dp": 1, "cp": 2}
-    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
-    assert_same_step(_metrics(run_dir)[2], _metrics(uninterrupted)[2])
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *run_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
+    assert_same_step(run_metrics(run_dir)[2], run_metrics(uninterrupted)[2])
     assert "saved at tp 1 x pp 1 x dp 1 x cp 2, resumed at tp 1 x pp 1 x dp 2" in (tmp_path / "w2" / "stderr.txt").read_text()
 
 
