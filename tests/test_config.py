@@ -297,7 +297,7 @@ def test_list_fields_take_yaml_lists_or_comma_separated_strings_and_round_trip(t
     cfg = load_config(DEMO, ["reward.audit_fns=megatron_armor.rewards.math_dapo:verify, checks/strict.py:exact"])
     assert cfg.reward.audit_fns == ["megatron_armor.rewards.math_dapo:verify", "checks/strict.py:exact"]
     assert load_config(DEMO, ["reward.audit_fns=[a:b]"]).reward.audit_fns == ["a:b"]
-    assert load_config(DEMO).reward.audit_fns == [] and load_config(DEMO).monitor.enabled is False
+    assert load_config(DEMO).reward.audit_fns == [] and load_config(DEMO).monitor.enabled is None  # on if validating
     save_config(cfg, tmp_path / "saved.yaml")
     assert load_config(tmp_path / "saved.yaml") == cfg
     with pytest.raises(ConfigError, match=r"reward.audit_fns\[0\]: expected a string"):
@@ -309,7 +309,8 @@ def test_monitor_section_loads_and_documents_its_actions():
                              "monitor.val_drop=null"])
     assert cfg.monitor.enabled and cfg.monitor.hack_rate == 0.3 and cfg.monitor.action_of()["hack_rate"] == "stop"
     assert cfg.monitor.val_drop is None and cfg.monitor.action_of()["reward_gap"] == "warn"
-    with pytest.raises(ConfigError, match="action 'rollback' is not allowed; choose one of \\['warn', 'stop', 'anchor'\\]"):
+    with pytest.raises(ConfigError, match="action 'rollback' is not allowed; choose one of \\['warn', 'stop', 'anchor', "
+                                          "'anchor_keep'\\]"):
         load_config(DEMO, ["monitor.actions=[hack_rate=rollback]"])
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "--monitor.actions VALUE per-alarm actions as <kind>=<action>" in help_text

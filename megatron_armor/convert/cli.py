@@ -30,9 +30,9 @@ def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     """
     parser = subparsers.add_parser(
         "convert", help="convert checkpoints between Hugging Face and Megatron formats",
-        description="Convert Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE checkpoints between "
-                    "Hugging Face safetensors and Megatron distributed checkpoints (loadable at any TP/PP layout, and "
-                    "by `armor train` as model.path).",
+        description="Convert Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / GLM-4.5 checkpoints "
+                    "between Hugging Face safetensors and Megatron distributed checkpoints (loadable at any TP/PP "
+                    "layout, and by `armor train` as model.path).",
     )
     directions = parser.add_subparsers(dest="direction", required=True)
     to_megatron = directions.add_parser(

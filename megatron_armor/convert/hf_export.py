@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_armor.convert.carried import export_carried_tensors
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
 from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, WrittenShard, name_shards
 from megatron_armor.convert.mapping import ParamMapping, megatron_shards_to_hf
@@ -78,7 +79,7 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
         stage = MegatronStageReader(megatron_dir, pp)
         check_tensor_keys(stage.sharded, stage.reader, megatron_dir)
         stage_rank = parallel_state.get_pipeline_model_parallel_rank()
-        plan = [TensorSpec(name, tensor_shape, stage.info.torch_dtype)
+        plan = [TensorSpec(name, tensor_shape, stage.dtype(mapping))
                 for mapping in stage.mappings for name, tensor_shape in zip(mapping.hf_names, mapping.hf_shapes)]
         with SafetensorsShardWriter(staging, plan, max_shard_bytes, prefix=f"model-s{stage_rank:02d}") as writer:
             for mapping in stage.mappings:
@@ -87,8 +88,9 @@ def write_hf_stage(megatron_dir: str | Path, out: str | Path, *, pp: int, max_sh
             shards = writer.close()
         written: list[tuple[int, list[WrittenShard]] | None] = [None] * pp
         dist.all_gather_object(written, (stage_rank, shards))
-        if dist.get_rank() == 0:
-            name_shards(staging, [shard for _, stage_shards in sorted(written) for shard in stage_shards])
+        if dist.get_rank() == 0:  # the stages' shards, then the carried tensors' (multi-token prediction)
+            carried = export_carried_tensors(megatron_dir, staging, max_shard_bytes)
+            name_shards(staging, [shard for _, stage_shards in sorted(written) for shard in stage_shards] + carried)
             copy_side_files(megatron_dir, staging)
         dist.barrier()
     finally:
@@ -128,9 +130,14 @@ class MegatronStageReader:
         self._first_layer = get_transformer_layer_offset(config)
         self._stored = self.reader.tensor_shapes()
 
+    def dtype(self, mapping: ParamMapping) -> torch.dtype:
+        """The dtype `mapping`'s HF tensors are exported in: the checkpoint's (Megatron keeps norm weights in fp32),
+        fp32 for a buffer (a router's expert bias, fp32 in Megatron and in transformers whatever the weights')."""
+        return torch.float32 if mapping.buffer else self.info.torch_dtype
+
     def read(self, mapping: ParamMapping) -> list[torch.Tensor]:
-        """The HF tensors of `mapping` (one of `mappings`, `hf_names` order) in the checkpoint's dtype
-        (Megatron keeps norm weights in fp32); reads that one parameter's region."""
+        """The HF tensors of `mapping` (one of `mappings`, `hf_names` order) in their export dtype (`dtype`); reads
+        that one parameter's region."""
         entry = self.sharded[mapping.megatron_name]
         key, param_shape = entry.key, tuple(entry.data.shape)
         lead, lead_sizes = self._leading_axes(mapping.megatron_name, key)
@@ -140,7 +147,7 @@ class MegatronStageReader:
             raise CheckpointError(f"{self.megatron_dir}: tensor {key!r} is {found}; its config.json implies {list(want)}")
         region = self.reader.read(key, lead + (0,) * len(param_shape), (1,) * len(lead) + param_shape)
         hf = megatron_shards_to_hf(mapping, [region.view(param_shape)], self.shape)
-        return [t.to(self.info.torch_dtype) for t in hf]
+        return [t.to(self.dtype(mapping)) for t in hf]
 
     def _leading_axes(self, megatron_name: str, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(index, size) of the axes a stored tensor has before the parameter's own: the layer, where Megatron

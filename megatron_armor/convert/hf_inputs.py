@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_armor.convert.mapping import model_mappings
 from megatron_armor.convert.weights import CheckpointError, HFCheckpointReader, check_hf_tensors
 from megatron_armor.models.hf_config import ModelShape, load_model_shape
 
@@ -32,7 +33,8 @@ def inspect_hf_checkpoint(model_dir: str | Path) -> HFCheckpointSummary:
     """Validate `model_dir` for conversion; raises `ModelConfigError`/`CheckpointError` naming the problem."""
     shape = load_model_shape(model_dir)  # unknown architectures are refused here, listing the supported ones
     tensors = check_hf_tensors(HFCheckpointReader(model_dir), shape)
-    dtypes = {dtype for _, dtype in tensors.values()}
+    buffers = {name for m in model_mappings(shape) if m.buffer for name in m.hf_names}  # fp32 whatever the weights
+    dtypes = {dtype for name, (_, dtype) in tensors.items() if name not in buffers}
     if len(dtypes) != 1:
         raise CheckpointError(f"{model_dir}: parameters mix dtypes {sorted(map(str, dtypes))}; convert them to one dtype first")
     num_bytes = sum(math.prod(size) * dtype.itemsize for size, dtype in tensors.values())

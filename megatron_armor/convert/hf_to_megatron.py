@@ -16,8 +16,10 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_armor.config import expert_tp_size
+from megatron_armor.convert.carried import save_carried_tensors
 from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
 from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
@@ -81,7 +83,10 @@ def write_megatron_shards(
         config = transformer_config(shape, tp_size=tp, pp_size=pp, params_dtype=summary.dtype, ep_size=ep, etp_size=etp)
         with torch.device("meta"):
             model = build_gpt_model(shape, config, trainable=False)
+        model.to("meta")  # Megatron's routers allocate their buffers (an expert bias) on an explicit device
         strategy = StreamingSaveStrategy(model, hf_parameter_source(model, hf_dir, shape))
+        if dist.get_rank() == 0:  # before the info file that marks the checkpoint complete
+            save_carried_tensors(hf_dir, shape, staging)
         save_model_checkpoint(model, shape, staging, side_files_from=hf_dir, strategy=strategy)
     finally:
         destroy_distributed()

@@ -29,6 +29,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from megatron_armor.models.tensors import checkpoint_tensors
+
 # name of a meta-device parameter -> its real value (same shape and dtype)
 Materialize = Callable[[str], torch.Tensor]
 
@@ -40,10 +42,11 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, model: torch.nn.Module, materialize: Materialize) -> None:
         super().__init__("torch_dist", 1)
-        real = [name for name, param in model.named_parameters() if not param.is_meta]
+        tensors = checkpoint_tensors(model)  # parameters and persistent buffers (a router's expert bias)
+        real = [name for name, tensor in tensors.items() if not tensor.is_meta]
         if real:
             raise ValueError(f"StreamingSaveStrategy needs a model built on the meta device; {real[:3]} have storage")
-        self._names = {id(param): name for name, param in model.named_parameters()}
+        self._names = {id(tensor): name for name, tensor in tensors.items()}
         self._materialize = materialize
         self._current: tuple[str, torch.Tensor] | None = None
 

@@ -18,6 +18,7 @@ from megatron_armor.convert.mapping import (
 )
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import ModelShape
+from megatron_armor.models.tensors import checkpoint_tensors
 
 # HF buffers that are not parameters of either model.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -92,11 +93,20 @@ class HFCheckpointReader:
         return headers
 
 
+def carried_names(reader: HFCheckpointReader, shape: ModelShape) -> list[str]:
+    """The tensors of `reader`'s checkpoint in its multi-token-prediction layers (`shape.mtp_layers` layers after the
+    decoder's: `model.layers.{num_layers + i}.*`), which the model does not build and conversion carries verbatim
+    (`convert.carried`)."""
+    prefixes = tuple(f"model.layers.{shape.num_layers + i}." for i in range(shape.mtp_layers))
+    return sorted(name for name in reader.names() if prefixes and name.startswith(prefixes))
+
+
 def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of the HF tensors a `shape` model is built from (all stages together),
     from the safetensors headers only; raises `CheckpointError` unless the checkpoint of `reader` holds
     exactly those, each in the shape config.json implies (so reading TP slices of them is safe).
 
+    Tensors of the multi-token-prediction layers (`carried_names`) are accepted and not checked here.
     With tied embeddings a stored `lm_head.weight` is also accepted and never read, as vLLM's loaders
     skip it: the model's output layer is the embedding itself, and some exporters still write the tied
     copy. It is not compared with the embedding, which would read two [vocab, hidden] tensors in a
@@ -105,7 +115,7 @@ def check_hf_tensors(reader: HFCheckpointReader, shape: ModelShape) -> dict[str,
     headers = reader.headers()
     # name -> shape config.json implies, in model order: the first mismatch is named
     expected = {n: tensor_shape for m in model_mappings(shape) for n, tensor_shape in zip(m.hf_names, m.hf_shapes)}
-    stored = reader.names() - ({TIED_HEAD} if shape.tie_word_embeddings else set())
+    stored = reader.names() - ({TIED_HEAD} if shape.tie_word_embeddings else set()) - set(carried_names(reader, shape))
     missing, unexpected = set(expected) - stored, stored - set(expected)
     if missing or unexpected:
         raise CheckpointError(
@@ -129,11 +139,12 @@ def hf_parameter_source(model: GPTModel, model_dir: str | Path, shape: ModelShap
 
     Checks up front that the checkpoint has exactly the tensors the architecture needs
     (`check_hf_tensors`); each value is checked against the shape Megatron allocated for the
-    parameter and comes in the parameter's dtype.
+    parameter and comes in the parameter's dtype. Persistent buffers the mapping names (a router's expert bias) are
+    read the same way (`models.tensors.checkpoint_tensors`).
     """
     reader = HFCheckpointReader(model_dir)
     check_hf_tensors(reader, shape)
-    params = dict(model.named_parameters())
+    params = checkpoint_tensors(model)
     mappings = {m.megatron_name: m for m in stage_mappings(model, shape)}
     if set(mappings) != set(params):
         raise CheckpointError(f"mapping table and model disagree: {sorted(set(params) ^ set(mappings))}")
@@ -154,10 +165,10 @@ def hf_parameter_source(model: GPTModel, model_dir: str | Path, shape: ModelShap
 
 
 def load_hf_weights(model: GPTModel, model_dir: str | Path, shape: ModelShape) -> None:
-    """Copy this rank's shard of every parameter from an HF checkpoint into `model`."""
+    """Copy this rank's shard of every parameter (and persistent buffer) from an HF checkpoint into `model`."""
     source = hf_parameter_source(model, model_dir, shape)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in checkpoint_tensors(model).items():
             param.copy_(source(name))
 
 
@@ -167,18 +178,17 @@ def gather_hf_weights(
     """Yield this pipeline stage's parameters as full (TP-gathered) HF-named tensors, on every TP rank,
     on the parameters' device (consumers such as the weight transports handle GPU tensors).
 
-    With `use_grads`, yields the reduced gradients (`main_grad` of Megatron DDP, else `.grad`) instead.
+    With `use_grads`, yields the reduced gradients (`main_grad` of Megatron DDP, else `.grad`) instead, of the
+    parameters only (buffers, such as a router's fixed expert bias, have none).
     Without TP (and EP), all but a split fused QKV are views of the live parameter (or gradient) storage: clone
     what you keep. MoE experts come from every expert-parallel rank (gathered over the EP group; an expert's
     TP shards over the expert-TP group), so every rank yields every expert.
     A collective over the TP (and EP) group: all its ranks must iterate it together.
     """
-    params = dict(model.named_parameters())
+    params = checkpoint_tensors(model)
     expert_copies: tuple[str, list[list[torch.Tensor]]] | None = None  # one expert parameter, every EP rank's
     with torch.no_grad():
-        for mapping in stage_mappings(model, shape, every_expert=True):
-            if not mapping.exported:
-                continue
+        for mapping in _exported(stage_mappings(model, shape, every_expert=True), use_grads):
             local = _value(params[mapping.megatron_name], use_grads)
             if mapping.expert_rank is None:
                 shards = _tensor_parallel_shards(mapping, local)
@@ -229,11 +239,12 @@ def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:
     return [[copies[rank] for copies in gathered] for rank in range(size)]
 
 
-def parameters_exported_as_views(model: GPTModel, shape: ModelShape) -> list[torch.nn.Parameter]:
-    """The parameters of this rank whose `gather_hf_weights` tensors are views of them: those its TP group (an
-    expert's: its expert-TP group) does not split, but a fused QKV of several KV groups (split by copying), and the
-    replicated ones (norms) under TP; experts only without EP (else they are gathered)."""
-    params = dict(model.named_parameters())
+def parameters_exported_as_views(model: GPTModel, shape: ModelShape) -> list[torch.Tensor]:
+    """The parameters (and persistent buffers) of this rank whose `gather_hf_weights` tensors are views of them: those
+    its TP group (an expert's: its expert-TP group) does not split, but a fused QKV of several KV groups (split by
+    copying), and the replicated ones (norms, a router's expert bias) under TP; experts only without EP (else they are
+    gathered)."""
+    params = checkpoint_tensors(model)
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     split_by_copy = "qkv" if shape.num_kv_heads > 1 else None
     return [
@@ -278,12 +289,17 @@ def gather_all_stages_hf_weights(
 def _stage_header(model: GPTModel, shape: ModelShape, use_grads: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(HF name, full shape, dtype) of every tensor `gather_hf_weights` yields for this stage, in order,
     from the mapping table and config.json's shapes alone (no collective)."""
-    params = dict(model.named_parameters())
+    params = checkpoint_tensors(model)
     return [
         (name, tensor_shape, _value(params[m.megatron_name], use_grads).dtype)
-        for m in stage_mappings(model, shape, every_expert=True) if m.exported
+        for m in _exported(stage_mappings(model, shape, every_expert=True), use_grads)
         for name, tensor_shape in zip(m.hf_names, m.hf_shapes)
     ]
+
+
+def _exported(mappings: list[ParamMapping], use_grads: bool) -> list[ParamMapping]:
+    """The mappings a stage exports: not the tied output layer's copy, and with `use_grads` no buffer (no gradient)."""
+    return [m for m in mappings if m.exported and not (use_grads and m.buffer)]
 
 
 def _next_announced(

@@ -67,6 +67,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, *, trainable: 
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(shape.rope_theta),
+            rotary_percent=shape.rotary_percent,
             rope_scaling=shape.rope_scaling_factor is not None,
             rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         )

@@ -28,6 +28,7 @@ class ModelShape:
     tie_word_embeddings: bool
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
     rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (None: unscaled)
+    rotary_percent: float = 1.0  # the share of head_dim RoPE rotates (its first dims, rotate-half), GLM-4.5: 0.5
     # Mixture of experts (Qwen2-MoE, Qwen3-MoE): 0 experts is a dense model. A MoE layer routes each token to the
     # `moe_top_k` of `num_experts` SwiGLU experts of width `moe_ffn_hidden_size` with a softmax router (its top-k
     # probabilities renormalised to sum 1 when `norm_topk_prob`); `dense_layers` (global indices) keep a dense MLP
@@ -40,6 +41,17 @@ class ModelShape:
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
     shared_expert_ffn_hidden_size: int = 0
+    # GLM-4.5's sigmoid router (its family's `router_fields`): per-expert sigmoid scores; the top k are chosen by score
+    # plus a fixed per-expert correction bias (`expert_bias`, HF's e_score_correction_bias) among the experts of the
+    # `router_group_topk` best of `router_groups` equal groups (a group's merit: its two best biased scores), their
+    # unbiased scores renormalised to sum 1, then multiplied by `routed_scaling_factor`.
+    expert_bias: bool = False
+    router_groups: int = 1
+    router_group_topk: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-token-prediction layers the HF checkpoint holds after its decoder layers (GLM's num_nextn_predict_layers,
+    # `model.layers.{num_layers + i}.*`): not built or trained, their tensors carried through conversion verbatim.
+    mtp_layers: int = 0
 
     @property
     def heads_per_group(self) -> int:

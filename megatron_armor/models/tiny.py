@@ -25,6 +25,9 @@ _CHARACTERS = [c for c in string.printable if c.isprintable()] + ["\n", "\t"]
 # Router weights of tiny MoE models are drawn with this std (HF's 0.02 makes near-ties among the experts'
 # scores common; a rounding difference between two implementations would then route a token differently).
 TINY_ROUTER_STD = 0.5
+# A sigmoid router's expert-bias correction term (GLM-4.5's e_score_correction_bias, zeros in a fresh transformers
+# model) is drawn with this std, so the bias changes which experts are chosen and a mapping that lost it would show.
+TINY_EXPERT_BIAS_STD = 0.1
 
 
 def make_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -88,11 +91,15 @@ def make_tiny_checkpoint(
 
 
 def _widen_routers(model: torch.nn.Module) -> None:
-    """Redraw every MoE router weight `[experts, hidden]` with std `TINY_ROUTER_STD` (no-op for dense models)."""
+    """Redraw every MoE router weight `[experts, hidden]` with std `TINY_ROUTER_STD`, then every expert-bias buffer
+    `[experts]` with std `TINY_EXPERT_BIAS_STD` (no-op for dense models)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, TINY_ROUTER_STD)
+        for name, buffer in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                buffer.normal_(0.0, TINY_EXPERT_BIAS_STD)
 
 
 def _rope_parameters(theta: float, scaling_factor: float | None) -> dict:

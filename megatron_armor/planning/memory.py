@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_armor.config import RecomputeConfig, expert_tp_size
+from megatron_armor.models.families import model_family
 from megatron_armor.models.hf_config import ModelShape
 
 FP32 = 4
@@ -66,8 +67,10 @@ def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[i
     numels += [q * h // tp, h]  # output projection (row-parallel), pre-MLP norm
     if shape.is_moe_layer(layer):
         shared = shape.shared_expert_ffn_hidden_size
-        # the router (replicated), then a shared expert's gate vector (replicated), fc1 (gate + up) and fc2
-        return numels + [shape.num_experts * h] + ([h, 2 * shared * h // tp, shared * h // tp] if shared else [])
+        gate = [h] if shared and model_family(shape.arch).expert_names.shared_gate else []
+        # the router (replicated; its expert bias is a buffer, not trained), then a shared expert's gate vector
+        # (replicated) where it has one, fc1 (gate + up) and fc2
+        return numels + [shape.num_experts * h] + (gate + [2 * shared * h // tp, shared * h // tp] if shared else [])
     return numels + [2 * shape.ffn_hidden_size * h // tp, shape.ffn_hidden_size * h // tp]  # fc1 (gate + up), fc2
 
 

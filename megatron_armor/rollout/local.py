@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 
 from megatron_armor.config import RolloutConfig
 from megatron_armor.models.families import model_family
+from megatron_armor.models.tensors import checkpoint_tensors
 from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
@@ -359,9 +360,9 @@ class LocalEngine(RolloutEngine):
 
     def named_parameters_hf(self) -> dict[str, torch.Tensor]:
         """The engine's current weights by HF checkpoint name (detached views; its family's
-        `ModelFamily.engine_named_views`)."""
+        `ModelFamily.engine_named_views`): parameters and persistent buffers (a router's expert bias)."""
         family = model_family(self.model.config.model_type, source="the engine's model")
-        return family.engine_named_views({name: p.detach() for name, p in self.model.named_parameters()})
+        return family.engine_named_views({name: p.detach() for name, p in checkpoint_tensors(self.model).items()})
 
     def health(self) -> bool:
         return True

@@ -64,7 +64,7 @@ def test_unknown_architecture_lists_supported(hf_copy, tmp_path, capsys):
     edit_config(hf_copy, model_type="gpt2")
     out = tmp_path / "out"
     assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported",
-                   "'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'")
+                   "'glm4_moe', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'")
 
 
 @pytest.mark.parametrize("edit, phrase", [
@@ -76,6 +76,24 @@ def test_options_the_model_would_not_build_are_refused(hf_copy, tmp_path, capsys
     edit_config(hf_copy, **edit)
     out = tmp_path / "out"
     assert_refused(capsys, convert(hf_copy, out), out, phrase)
+
+
+def test_glm_layers_the_config_does_not_declare_and_an_unrenormalised_router_are_refused_by_name(
+        tiny_model_factory, tmp_path, capsys):
+    """Tensors of a GLM-4.5 layer after the last decoder layer that config.json does not declare a
+    multi-token-prediction layer (num_nextn_predict_layers 0) are named as unexpected (with 1 they are carried:
+    tests/convert/test_moe_round_trip.py); a sigmoid router without renormalisation is refused by its config field."""
+    source = tiny_model_factory("glm4_moe")
+    copy = tmp_path / "hf"
+    shutil.copytree(source, copy)
+    tensors = load_file(copy / "model.safetensors")
+    save_file({**tensors, "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, copy / "model.safetensors",
+              metadata={"format": "pt"})
+    edit_config(copy, num_nextn_predict_layers=0)
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(copy, out), out, "unexpected ['model.layers.2.eh_proj.weight']")
+    edit_config(copy, norm_topk_prob=False)
+    assert_refused(capsys, convert(copy, out), out, "glm4_moe with norm_topk_prob false is not supported")
 
 
 def test_missing_shard(hf_copy, tmp_path, capsys):

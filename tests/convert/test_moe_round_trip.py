@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Qwen2-MoE HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
 (expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one process, or one per pipeline
 stage) round trips are bitwise."""
 
@@ -23,6 +23,9 @@ CASES = {
     "qwen2-moe-shared-expert-tp2-ep2": ("qwen2_moe", {}, {"tp": 2, "ep": 2}, 1),
     # Mixtral: its checkpoint's names (block_sparse_moe, w1 / w3 / w2), saved at TP=2 x EP=2, exported over PP=2.
     "mixtral-tp2-ep2": ("mixtral", {}, {"tp": 2, "ep": 2}, 2),
+    # GLM-4.5: the routers' expert-bias buffers, QKV biases, q/k norms and an ungated shared expert, written by TP=2
+    # ranks that are EP=2 at expert TP 1, exported over PP=2.
+    "glm4-moe-tp2-ep2-etp1": ("glm4_moe", {}, {"tp": 2, "ep": 2, "etp": 1}, 2),
 }
 
 
@@ -39,3 +42,37 @@ def test_moe_round_trip_is_bitwise(case, tiny_model_factory, tmp_path):
     expected = {name: original[name] for name in reader.names() if not (tied and name == "lm_head.weight")}
     assert exported.keys() == expected.keys()
     assert all(exported[name].equal(tensor) for name, tensor in expected.items())
+
+
+def test_a_bf16_glm_checkpoint_keeps_its_fp32_expert_bias_and_carries_its_mtp_layer_bit_for_bit(tiny_model_factory,
+                                                                                                 tmp_path):
+    """transformers keeps GLM's routers' expert bias in fp32 beside bf16 weights (as the released checkpoints store
+    it): conversion accepts the mix, Megatron keeps the bias in fp32, and the round trip returns every tensor in its
+    own dtype, bit for bit. The checkpoint's multi-token-prediction layer (`num_nextn_predict_layers` 1: tensors of
+    layer 2 of 2, which neither model builds) is carried through both conversions verbatim."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    source = tiny_model_factory("glm4_moe")
+    hf_dir = tmp_path / "bf16-mtp"
+    shutil.copytree(source, hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    original = {name: t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+                for name, t in load_file(str(source / "model.safetensors")).items()}
+    generator = torch.Generator().manual_seed(0)
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=generator).to(torch.bfloat16),
+           "model.layers.2.enorm.weight": torch.randn(64, generator=generator).to(torch.bfloat16),
+           "model.layers.2.mlp.gate.e_score_correction_bias": torch.randn(4, generator=generator)}
+    original |= mtp
+    save_file(original, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    megatron = convert_hf_to_megatron(hf_dir, tmp_path / "megatron", tp=2, pp=1, ep=2)
+    assert set(load_file(str(megatron / "carried" / "model.safetensors"))) == set(mtp)
+    back = convert_megatron_to_hf(megatron, tmp_path / "hf", pp=2)
+    exported = {name: tensor for file in back.glob("*.safetensors") for name, tensor in load_file(str(file)).items()}
+    assert {t.dtype for name, t in exported.items() if "e_score_correction_bias" in name} == {torch.float32}
+    assert exported.keys() == original.keys()
+    assert all(exported[name].dtype == t.dtype and exported[name].equal(t) for name, t in original.items())

@@ -15,9 +15,10 @@ from megatron_armor.models.hf_config import load_model_shape, model_shape_from_d
 from megatron_armor.planning.memory import parameter_count
 from megatron_armor.planning.shapes import resolve_model_shape
 
-BUILT_IN = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+BUILT_IN = ["glm4_moe", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 DENSE = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
          "intermediate_size": 64}
+GLM = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # glm4_moe's expert fields
 
 
 def test_the_built_in_families_are_registered():
@@ -47,7 +48,8 @@ def test_a_family_s_shape_maps_exactly_the_tensors_of_transformers_model(model_t
 def test_config_mapping_weight_mapping_and_planner_agree_on_the_parameter_count(model_type, tiny_model_factory):
     """Every registered family's tiny model (transformers' own, from its config class): each tensor the weight
     mapping names has the shape the mapping gives it, and the parameter count that transformers saved, the mapping's
-    and the planner's (less the vocabulary padding rows of the embedding and output layer) are one number."""
+    and the planner's (less the vocabulary padding rows of the embedding and output layer, plus the buffers both
+    checkpoints hold and nothing trains: GLM's expert bias) are one number."""
     model_dir = tiny_model_factory(model_type)
     shape = load_model_shape(model_dir)
     saved = load_file(model_dir / "model.safetensors")
@@ -55,14 +57,17 @@ def test_config_mapping_weight_mapping_and_planner_agree_on_the_parameter_count(
               for name, tensor_shape in zip(m.hf_names, m.hf_shapes)}
     assert {name: tuple(tensor.shape) for name, tensor in saved.items()} == mapped
     padding = 2 * (shape.padded_vocab_size - shape.vocab_size) * shape.hidden_size
+    buffers = sum(math.prod(tensor_shape) for m in model_mappings(shape) if m.buffer for tensor_shape in m.hf_shapes)
     assert sum(t.numel() for t in saved.values()) == sum(map(math.prod, mapped.values())) == \
-        parameter_count(shape) - padding
+        parameter_count(shape) - padding + buffers
+    assert buffers == (shape.num_experts * sum(map(shape.is_moe_layer, range(shape.num_layers)))
+                       if shape.expert_bias else 0)
 
 
 def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_name():
     shapes = known_shapes()
     assert {"qwen2.5-math-7b", "qwen3-8b-base", "qwen3-1.7b", "qwen3-30b-a3b", "mistral-7b-v0.3", "mixtral-8x7b",
-            "mixtral-8x22b"} <= set(shapes)
+            "mixtral-8x22b", "glm-4.5", "glm-4.5-air"} <= set(shapes)
     for name, fields in shapes.items():
         shape = model_shape_from_dict(fields, source=name)
         assert resolve_model_shape(f"/hub/{name.upper()}")[0] == shape, name
@@ -72,12 +77,32 @@ def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_nam
     assert (mixtral.arch, mixtral.num_experts, mixtral.moe_top_k, mixtral.moe_ffn_hidden_size) == ("mixtral", 8, 2, 16384)
     assert round(parameter_count(mixtral) / 1e9) == 141
     assert round(parameter_count(resolve_model_shape("Mixtral-8x7B-Instruct-v0.1")[0]) / 1e9, 1) == 46.7
+    # GLM-4.5 and GLM-4.5-Air (Z.ai: 355B and 106B parameters) without their multi-token-prediction layer (not built)
+    glm, air = resolve_model_shape("zai-org/GLM-4.5")[0], resolve_model_shape("zai-org/GLM-4.5-Air-FP8")[0]
+    assert (glm.arch, glm.num_experts, glm.moe_top_k, glm.dense_layers, glm.rotary_percent, glm.qk_norm,
+            glm.routed_scaling_factor) == ("glm4_moe", 160, 8, (0, 1, 2), 0.5, True, 2.5)
+    assert (air.num_experts, air.dense_layers, air.qk_norm, air.qkv_bias) == (128, (0,), False, True)
+    assert round(parameter_count(glm) / 1e9) == 353 and round(parameter_count(air) / 1e9) == 107
 
 
 def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggestion():
     with pytest.raises(ModelConfigError, match=r"'qwen2moe' is not supported; supported: \[.*'qwen2_moe'.*\]; "
                                                r"did you mean 'qwen2_moe'\?"):
         model_shape_from_dict({"model_type": "qwen2moe", **DENSE})
+
+
+def test_glm4_moe_reads_its_router_attention_and_dense_layers():
+    shape = model_shape_from_dict({"model_type": "glm4_moe", **DENSE, **GLM, "n_group": 2, "topk_group": 1,
+                                   "first_k_dense_replace": 1, "routed_scaling_factor": 2.5})
+    assert (shape.expert_bias, shape.router_groups, shape.router_group_topk, shape.routed_scaling_factor,
+            shape.mtp_layers) == (True, 2, 1, 2.5, 0)
+    assert (shape.dense_layers, shape.shared_expert_ffn_hidden_size, shape.rotary_percent) == ((0,), 32, 0.5)
+    assert not shape.qkv_bias and not shape.qk_norm  # transformers' defaults: attention_bias, use_qk_norm false
+    fields = model_family("glm4_moe").megatron_fields(shape)
+    assert fields | {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                     "moe_router_bias_update_rate": 0.0, "moe_router_topk_scaling_factor": 2.5,
+                     "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+                     "moe_shared_expert_gate": False} == fields
 
 
 @pytest.mark.parametrize("model_type, fields, phrase", [
@@ -91,6 +116,11 @@ def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggest
     ("qwen2_moe", {"mlp_bias": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 48}, "biased qwen2_moe projections"),
     ("qwen3", {"mlp_bias": True}, "biased qwen3 projections"),
+    ("glm4_moe", {**GLM, "norm_topk_prob": False}, "glm4_moe with norm_topk_prob false"),
+    ("glm4_moe", {**GLM, "n_group": 2, "topk_group": 2}, "n_group 2, topk_group 2 and num_experts_per_tok 2"),
+    ("glm4_moe", {**GLM, "n_group": 3}, "n_group 3, topk_group 1 and 4 experts"),
+    ("glm4_moe", {**GLM, "partial_rotary_factor": 0.0}, "glm4_moe with partial_rotary_factor 0.0"),
+    ("glm4_moe", {**GLM, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling .*yarn"),
 ])
 def test_what_a_family_cannot_build_is_refused_by_name(model_type, fields, phrase):
     with pytest.raises(ModelConfigError, match=phrase):

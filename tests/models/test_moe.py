@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Qwen2-MoE (a gated shared expert) and Mixtral on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
+"""Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral and GLM-4.5 (sigmoid routing, expert bias) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
 sequence parallelism, EP=2 x TP=2, and EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
 
 import re
@@ -26,6 +26,9 @@ VARIANTS = {  # name -> (arch, make_tiny_checkpoint options)
     "qwen2-moe-shared-expert": ("qwen2_moe", {}),
     # Mixtral: renormalised top-2 of 4 experts of width intermediate_size (176), checkpoint names block_sparse_moe / w1-3.
     "mixtral": ("mixtral", {}),
+    # GLM-4.5: layer 0 dense, sigmoid top-2 of 4 with a (random) expert bias, scaled by 2.5, an ungated shared expert;
+    # q/k/v biases, q/k norms, RoPE on half of each head's dims.
+    "glm4-moe": ("glm4_moe", {}),
 }
 
 

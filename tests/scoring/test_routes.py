@@ -1,6 +1,7 @@
-"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE and a tiny Mixtral in one
-process: the local engine records its routes, and the actor's forward replays them (R3) or its own earlier ones (R2);
-the routing metrics against counts taken from the HF model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
+"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers)
+and a tiny GLM-4.5 (sigmoid router with an expert bias) in one process: the local engine records its routes, and the
+actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken from the HF
+model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
 
 import pytest
 import torch
@@ -22,14 +23,29 @@ from algorithm_factory import make_algorithm
 
 # Selection bias of the engine's routers [layer, expert]: its top-k is taken on logits + bias, its weights are the
 # router's softmax at the chosen experts (as an expert-bias router's), so replaying its experts gives its logprobs.
+# A GLM router's selection bias is its own expert bias (e_score_correction_bias), which this is added to.
 ENGINE_BIAS = torch.tensor([[0.0, 0.9, 0.0, -0.9], [0.9, 0.0, -0.9, 0.0]])
+# family -> its tiny checkpoint's options (GLM's: every layer MoE, as the others')
+MODELS = {"qwen3_moe": {}, "mixtral": {}, "glm4_moe": {"moe": {"first_k_dense_replace": 0}}}
 LAYOUTS = {"rows": MicroBatching(micro_batch_size=2), "packed": MicroBatching(micro_batch_size=3, pack=True)}
 
 
+def selection_scores(arch: str, model, layer: int, logits: torch.Tensor) -> torch.Tensor:
+    """The scores [T, E] the HF `model`'s router of `layer` takes its top-k of, from its logits: a softmax router's
+    logits, a sigmoid router's sigmoid scores plus its expert bias."""
+    if arch != "glm4_moe":
+        return logits
+    return logits.sigmoid() + model.model.layers[layer].mlp.gate.e_score_correction_bias
+
+
 def bias_routing(model, bias: torch.Tensor) -> None:
-    """Make every router of the HF `model` choose its top-k on logits + bias[layer] (weights unchanged)."""
+    """Make every router of the HF `model` choose its top-k on its selection scores + bias[layer] (weights
+    unchanged): a sigmoid router's expert bias moved by it, a softmax router's forward replaced."""
     for layer, block in enumerate(model.model.layers):
         gate = block.mlp.gate
+        if hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias += bias[layer]
+            continue
 
         def forward(hidden, gate=gate, bias=bias[layer]):
             logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
@@ -40,21 +56,25 @@ def bias_routing(model, bias: torch.Tensor) -> None:
         gate.forward = forward
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=MODELS)
 def setup(tiny_model_factory, request):
-    """(checkpoint, biased engine, its samples' batch, its HF model's router logits of every sample [B][L] [T, E])."""
-    checkpoint = tiny_model_factory(request.param)
+    """(checkpoint, biased engine, its samples' batch, the selection scores of its HF model's routers (the checkpoint's)
+    for every sample [B][L] [T, E])."""
+    checkpoint = tiny_model_factory(request.param, **MODELS[request.param])
     engine = LocalEngine(AutoModelForCausalLM.from_pretrained(checkpoint), record_routes=True)
+    unbiased = AutoModelForCausalLM.from_pretrained(checkpoint)
     bias_routing(engine.model, ENGINE_BIAS)
     prompts = [[5, 17, 30, 2], [40, 8, 9], [5, 17, 30, 2], [11, 90]]  # rows 0 and 2 share a prefill
     generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
     samples = [Sample(i, g.prompt_ids, g.response_ids, g.logprobs, g.finish_reason, False,
                       routed_experts=g.routed_experts) for i, g in enumerate(generations)]
-    logits = []  # teacher-forced, one sequence at a time: the logits each router computes
+    logits = []  # teacher-forced, one sequence at a time: the selection scores of each router of the checkpoint
     with torch.no_grad():
         for g in generations:
             ids = torch.tensor([g.prompt_ids + g.response_ids])
-            logits.append(engine.model(input_ids=ids, output_router_logits=True).router_logits)
+            router_logits = engine.model(input_ids=ids, output_router_logits=True).router_logits
+            logits.append([selection_scores(request.param, unbiased, layer, values)
+                           for layer, values in enumerate(router_logits)])
     initialize_distributed(1, 1, 1)
     yield checkpoint, engine, samples, logits
     destroy_distributed()

@@ -1,4 +1,5 @@
-"""Worker: Qwen3-MoE / Qwen2-MoE on Megatron under TP x EP (x expert TP) layouts against the HF model.
+"""Worker: Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 on Megatron under TP x EP (x expert TP) layouts against the HF
+model.
 
 argv: out_dir layouts checkpoints model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after
 another on the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each
@@ -43,6 +44,7 @@ from megatron_armor.convert.weights import (  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.models.tensors import checkpoint_tensors  # noqa: E402
 
 
 def full_logits(model, ids: torch.Tensor, shape) -> torch.Tensor:
@@ -82,9 +84,10 @@ def rank_rows_grads(model, shape) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 
 
 def views_match(model, shape, exported: dict[str, torch.Tensor]) -> bool:
-    """Whether the exports sharing a parameter's storage are exactly those of `parameters_exported_as_views`."""
+    """Whether the exports sharing a parameter's (or persistent buffer's: GLM's expert bias) storage are exactly those
+    of `parameters_exported_as_views`."""
     views = {p.untyped_storage().data_ptr() for p in parameters_exported_as_views(model, shape)}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in checkpoint_tensors(model).values()}
     return {t.untyped_storage().data_ptr() for t in exported.values()} & params == views
 
 

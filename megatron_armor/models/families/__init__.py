@@ -8,7 +8,7 @@ dense or routed SwiGLU MLPs, a shared expert) is one module here, imported below
 """
 
 from megatron_armor.models.families import (  # noqa: F401 (register)
-    llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe,
 )
 from megatron_armor.models.families.base import ModelConfigError, ModelFamily
 from megatron_armor.models.families.moe import MoEFamily

@@ -1,4 +1,5 @@
-"""`MoEFamily`: a family whose MLPs are routed experts with a softmax router (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
+"""`MoEFamily`: a family whose MLPs are routed experts with a softmax router (Qwen2-MoE, Qwen3-MoE, Mixtral; a family
+of another router overrides `router_fields`: GLM-4.5's sigmoid router)."""
 
 from __future__ import annotations
 
@@ -57,12 +58,15 @@ class MoEFamily(ModelFamily):
         (`moe_router_pre_softmax` False) when renormalised, else its softmax before the top k. A shared expert is
         Megatron's `SharedExpertMLP` (split over TP as a dense MLP), with its sigmoid gate vector
         (`moe_shared_expert_gate`) where the checkpoint has one (`expert_names.shared_gate`)."""
-        fields = super().megatron_fields(shape) | {"moe_router_score_function": "softmax",
-                                                   "moe_router_pre_softmax": not shape.norm_topk_prob}
+        fields = super().megatron_fields(shape) | self.router_fields(shape)
         if shape.shared_expert_ffn_hidden_size:
             fields |= {"moe_shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
                        "moe_shared_expert_gate": self.expert_names.shared_gate is not None}
         return fields
+
+    def router_fields(self, shape: ModelShape) -> dict[str, Any]:
+        """TransformerConfig's fields of the router: a softmax router (see `megatron_fields`)."""
+        return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not shape.norm_topk_prob}
 
     def mlp_mappings(self, m: str, h: str, layer: int, shape: ModelShape, *, fused_norms: bool,
                      ep_size: int) -> list[ParamMapping]:

@@ -37,13 +37,15 @@ class ParamMapping:
     hf_shapes: tuple[tuple[int, ...], ...]
     exported: bool = True  # False for a copy that another stage already exports (tied output layer)
     expert_rank: int | None = None  # the expert-parallel rank holding this expert (None: every EP rank has it)
+    buffer: bool = False  # a persistent buffer, not a parameter: saved and loaded, never trained (no gradient)
 
 
 @dataclass(frozen=True)
 class ExpertNames:
     """How a family's HF checkpoint names a MoE block's tensors: ``model.layers.{i}.{block}.{router}.weight`` [E, H],
     ``{block}.experts.{e}.{gate|up|down}.weight``, and a shared expert's ``{block}.{shared}.{gate|up|down}.weight``
-    with, where `shared_gate` is set, its sigmoid gate vector ``{block}.{shared_gate}.weight`` [1, H]."""
+    with, where `shared_gate` is set, its sigmoid gate vector ``{block}.{shared_gate}.weight`` [1, H]; a router with
+    an expert-bias correction term (`ModelShape.expert_bias`) stores it as ``{block}.{router}.{expert_bias}`` [E]."""
 
     block: str = "mlp"
     router: str = "gate"
@@ -52,6 +54,7 @@ class ExpertNames:
     down: str = "down_proj"
     shared: str = "shared_expert"
     shared_gate: str | None = "shared_expert_gate"
+    expert_bias: str = "e_score_correction_bias"
 
 
 def attention_mappings(
@@ -92,10 +95,11 @@ def dense_mlp_mappings(m: str, h: str, shape: ModelShape, fused_norms: bool) -> 
 
 
 def moe_mappings(m: str, h: str, shape: ModelShape, ep_size: int, names: ExpertNames) -> list[ParamMapping]:
-    """A MoE layer's norm, router and the experts of every EP rank (HF expert ``e`` is local expert ``j`` of EP rank
-    ``r``, ``e = r * experts_per_rank + j``, ``mlp.experts.local_experts.{j}``), ordered by local expert, then fc1 /
-    fc2, then EP rank (a parameter's EP copies are consecutive), then the shared expert, split over TP as a dense MLP
-    on every EP rank (`shape.shared_expert_ffn_hidden_size` > 0), and its gate vector where the family has one."""
+    """A MoE layer's norm, router (and its expert-bias buffer, Megatron's `TopKRouter.expert_bias`, where
+    `shape.expert_bias`) and the experts of every EP rank (HF expert ``e`` is local expert ``j`` of EP rank ``r``,
+    ``e = r * experts_per_rank + j``, ``mlp.experts.local_experts.{j}``), ordered by local expert, then fc1 / fc2, then
+    EP rank (a parameter's EP copies are consecutive), then the shared expert, split over TP as a dense MLP on every
+    EP rank (`shape.shared_expert_ffn_hidden_size` > 0), and its gate vector where the family has one."""
     per_rank, hidden, block = shape.num_experts // ep_size, shape.hidden_size, f"{h}{names.block}."
     mappings = [
         ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated",
@@ -103,6 +107,9 @@ def moe_mappings(m: str, h: str, shape: ModelShape, ep_size: int, names: ExpertN
         ParamMapping(m + "mlp.router.weight", (f"{block}{names.router}.weight",), "replicated",
                      ((shape.num_experts, hidden),)),
     ]
+    if shape.expert_bias:
+        mappings.append(ParamMapping(m + "mlp.router.expert_bias", (f"{block}{names.router}.{names.expert_bias}",),
+                                     "replicated", ((shape.num_experts,),), buffer=True))
     experts = [_swiglu(f"{m}mlp.experts.local_experts.{local}.", f"{block}experts.{rank * per_rank + local}.", names,
                        shape.moe_ffn_hidden_size, hidden, expert_rank=rank)
                for local in range(per_rank) for rank in range(ep_size)]

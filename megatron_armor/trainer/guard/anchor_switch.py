@@ -35,6 +35,7 @@ from megatron_armor.trainer.checkpointing.checkpoint import load_modules, step_d
 from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.step.loop import RLTrainer
+from megatron_armor.trainer.step_inputs.policies import Policy
 
 log = logging.getLogger("megatron_armor")
 
@@ -86,7 +87,8 @@ class AnchorSwitch:
                 log.warning("step %d: anchor: no best checkpoint yet (checkpoint.keep_best %s); training goes on as %s",
                             step, self.best.metric, self.record.mode)
             return False
-        best_weights, source = self._best_weights()
+        into = self.trainer.models.actor if restart else self.trainer.models.ref
+        best_weights, source = self._best_weights(into)
         self.trainer.use_algorithm(build_anchored_algorithm(self.cfg))
         if restart:
             metrics.update(self.trainer.restart_from(best_weights, step))
@@ -110,15 +112,17 @@ class AnchorSwitch:
                             best, self.record.anchors)
         return True
 
-    def _best_weights(self) -> tuple[dict[str, Any], str]:
-        """The best checkpoint's actor weights (collective) and where they came from, for the log."""
+    def _best_weights(self, into: Policy) -> tuple[dict[str, Any], str]:
+        """The best checkpoint's actor weights (collective), read into `into`'s own tensors (a checkpoint's load
+        fills the tensors it is given: the actor's for a restart, the reference's for anchor_keep, so the actor's
+        stay untouched), and where they came from, for the log."""
         if self.best.step == START_STEP:
             return self.start_weights(), "the run's start (model.path), the best so far"
         self.saver.finalize()  # the best checkpoint may be the save still in flight
         checkpoint = step_dirs(self.saver.root, self.best.step)[0]
-        actor = self.trainer.models.actor.name
-        request = self.trainer.sharded_state_dict(is_loading=True, names=[actor])["modules"]
-        return load_modules(checkpoint, request)[actor], f"the best checkpoint {checkpoint.name}"
+        actor = self.trainer.models.actor
+        request = {actor.name: into.sharded_state_dict(prefix=actor.checkpoint_prefix)}
+        return load_modules(checkpoint, request)[actor.name], f"the best checkpoint {checkpoint.name}"
 
     def state(self) -> dict[str, Any]:
         return {STATE_KEY: dataclasses.asdict(self.record)}

@@ -24,6 +24,7 @@ from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.guard.reference_reset import ReferenceReset
+from megatron_armor.trainer.guard.run_guard import RunGuard
 from megatron_armor.trainer.run.build import TrainingSetup, build_training, start_weights
 from megatron_armor.trainer.run.task_setup import TaskPaths, prepare_task
 from megatron_armor.trainer.step.loop import RLTrainer
@@ -75,8 +76,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     weights, then step, validate, watch for collapse, log and checkpoint until train.max_steps; tear down. After
     train.max_consecutive_skips skipped updates in a row (non-finite loss or gradients) it checkpoints the last good
     state and raises `TooManySkipsError`; on a collapse-monitor alarm whose action is stop it checkpoints and raises
-    `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint
-    (trainer/guard/anchor_switch.py)."""
+    `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint, on anchor_keep
+    it goes on as ARMOR with the best checkpoint as the reference (trainer/guard/anchor_switch.py)."""
     algorithm = build_algorithm(cfg)
     rewards = RewardFns.from_config(cfg.reward)  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
@@ -84,16 +85,11 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
     trainer = setup.trainer
-    watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
     best = BestCheckpoint.from_config(cfg.checkpoint)
     saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                             best=best)
-    start = functools.partial(start_weights, cfg, paths, setup.models.shape)
-    anchor = AnchorSwitch.from_config(cfg, trainer, best, saver, watch, start, is_main=ctx.is_main)
-    reset = ReferenceReset.from_config(cfg.monitor, trainer, watch, is_main=ctx.is_main)
-    # their state rides in checkpoints
-    trackers = [tracker for tracker in (watch, best, anchor, reset) if tracker is not None]
-    start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
+    guard = _guard(ctx, cfg, setup, paths, best, saver)
+    start_step, ref_restored = (_resume(trainer, guard.trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
                                                  ref_restored=ref_restored))
@@ -102,11 +98,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     validate = functools.partial(_validate, ctx, cfg, setup)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
-        watch.observe(0, initial)  # the best validation accuracy starts here; nothing to stop yet
-        if best is not None:  # the start is the first restore point
-            best.consider_start(initial, Path(paths.model_path), saver.root, is_main=ctx.is_main)
-        if reset is not None:
-            reset.observe_start(initial)
+        guard.observe_start(initial, Path(paths.model_path), saver.root, is_main=ctx.is_main)
         metrics_log.log(0, initial)
     progress = tqdm(
         range(start_step, cfg.train.max_steps), initial=start_step, total=cfg.train.max_steps,
@@ -117,11 +109,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(validate(done))
-        verdict = watch.observe(done, metrics)
+        verdict, anchored = guard.observe(done, metrics)
         alarms = verdict.stopping
-        anchored = anchor is not None and anchor.act(done, verdict.anchoring, metrics, restart=verdict.restarting)
-        if reset is not None and not anchored:
-            reset.act(done, metrics)
         limit = cfg.train.max_consecutive_skips
         stop = bool(limit) and trainer.consecutive_skips >= limit
         saving = stop or alarms or done % cfg.checkpoint.every == 0 or done == cfg.train.max_steps
@@ -130,13 +119,26 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         metrics_log.log(done, metrics)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
         if saving:
-            checkpoint = _save(saver, trainer, trackers, setup.models, cfg, paths, done)
+            checkpoint = _save(saver, trainer, guard.trackers, setup.models, cfg, paths, done)
         if stop or alarms:
             _finish(trainer, saver, metrics_log)
             raise (TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint) if stop
                    else CollapseAlarmError(done, alarms, checkpoint))
     _finish(trainer, saver, metrics_log)
     _teardown(ctx, cfg, setup.models, run_dir)
+
+
+def _guard(
+    ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, paths: TaskPaths, best: BestCheckpoint | None,
+    saver: CheckpointSaver,
+) -> RunGuard:
+    """The run's collapse guard: the watch (on by default when the run validates), the anchor actions restoring
+    `best` (the start's weights read again from model.path when it is the best) and the reference reset."""
+    watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
+    start = functools.partial(start_weights, cfg, paths, setup.models.shape)
+    return RunGuard(watch, best,
+                    AnchorSwitch.from_config(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main),
+                    ReferenceReset.from_config(cfg.monitor, setup.trainer, watch, is_main=ctx.is_main))
 
 
 def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:

@@ -52,9 +52,10 @@ class Policy:
         """Its model's state dict (the actor's DDP-wrapped: Megatron's keys, no prefix)."""
         return self.model.state_dict()
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Its model's Megatron sharded state dict, tensors under their global keys behind `checkpoint_prefix`."""
-        return self.module.sharded_state_dict(prefix=self.checkpoint_prefix)
+    def sharded_state_dict(self, prefix: str | None = None) -> dict[str, Any]:
+        """Its model's Megatron sharded state dict, tensors under their global keys behind `prefix` (default its
+        `checkpoint_prefix`; another policy's, to load that policy's saved weights into this one's tensors)."""
+        return self.module.sharded_state_dict(prefix=self.checkpoint_prefix if prefix is None else prefix)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state` (a `state_dict()`, or a loaded `sharded_state_dict()`: its keys lose `checkpoint_prefix`)."""
