@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "WORLD_SIZE" not in os.environ:
         nproc = args.nproc or cfg.parallel.world_size
         if nproc != cfg.parallel.world_size:
-            print(f"error: --nproc {nproc} does not match the layout tp x pp x dp = {cfg.parallel.world_size}",
+            print(f"error: --nproc {nproc} does not match the layout tp x pp x cp x dp = {cfg.parallel.world_size}",
                   file=sys.stderr)
             return 2
         if nproc > 1:

@@ -79,6 +79,12 @@ def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message)
         check_algorithm_config(load_config(DEMO, overrides))
 
 
+def test_context_parallel_ranks_count_in_the_world_size():
+    """TP x PP x CP x DP processes: CP ranks hold chunks of the same sequences, not more data."""
+    parallel = load_config(DEMO, ["parallel.context_parallel_size=2", "parallel.data_parallel_size=2"]).parallel
+    assert (parallel.tensor_parallel_size, parallel.world_size) == (2, 8)
+
+
 def test_expert_layout_regroups_the_tp_x_dp_ranks():
     """Expert TP x EP divides TP x DP: at TP=2 x DP=1, EP=2 needs expert TP 1 (EP would have to divide DP at the
     default expert TP = TP)."""
@@ -265,6 +271,9 @@ def test_scaling_knobs_defaults_and_resolution():
     (["subspace.capture_step=3", "parallel.data_parallel_size=2", "parallel.expert_parallel_size=2",
       "train.mini_batch_size=4"],
      r"subspace.capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
+    (["parallel.context_parallel_size=0"], "parallel.context_parallel_size must be >= 1, got 0"),
+    (["parallel.context_parallel_size=2", "train.pack_sequences=true"],
+     r"parallel.context_parallel_size \(2\) does not split packed micro-batches yet"),
 ])
 def test_scaling_knobs_refuse_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

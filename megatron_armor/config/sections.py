@@ -60,7 +60,12 @@ def check_expert_layout(tp: int, dp: int, ep: int, etp: int | None, *, where: st
 class ParallelConfig:
     tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
-    data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x dp processes")
+    data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x cp x dp processes")
+    context_parallel_size: int = doc(
+        1, "context parallelism: each sequence split over this many ranks in 2 x context_parallel_size zig-zag "
+        "chunks (rank r keeps chunks r and 2cp-1-r), keys and values exchanged inside attention; for responses "
+        "whose activations do not fit one GPU. Weights are not split (no effect on checkpoints or weight sync)"
+    )
     expert_parallel_size: int = doc(
         1, "MoE models: the routed experts split over this many ranks (each holds num_experts / expert_parallel_size); "
         "divides the expert count, and times expert_tensor_parallel_size divides tensor_parallel_size x "
@@ -78,7 +83,8 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"), 1)
+        require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                                            "data_parallel_size"), 1)
         check_expert_layout(self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size,
                             self.expert_tensor_parallel_size, where="parallel.")
         require(not (self.sequence_parallel and self.tensor_parallel_size == 1),
@@ -98,7 +104,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return (self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+                * self.data_parallel_size)
 
 
 @dataclass
@@ -212,8 +219,11 @@ class TrainConfig:
                 f"({self.train_batch_size})")
 
     def check_with(self, parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
-        """The rules this section shares with others: the data-parallel split of a mini-batch (`parallel`) and
-        routing replay under `recompute`."""
+        """The rules this section shares with others: the data-parallel split of a mini-batch and packing under
+        context parallelism (`parallel`), and routing replay under `recompute`."""
+        require(parallel.context_parallel_size == 1 or not self.pack_sequences,
+                f"parallel.context_parallel_size ({parallel.context_parallel_size}) does not split packed "
+                f"micro-batches yet: set train.pack_sequences false")
         dp = parallel.data_parallel_size
         require(self.mini_batch_size % dp == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must be divisible by parallel.data_parallel_size "

@@ -36,6 +36,7 @@ def load_gpt_model(
         recompute=recompute, sequence_parallel=sequence_parallel,
         ep_size=parallel_state.get_expert_model_parallel_world_size(),
         etp_size=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe,
+        cp_size=parallel_state.get_context_parallel_world_size(),
     )
     # As Megatron-LM's `get_model`: build (on the GPU, per the config), then `.cuda()` what Megatron
     # leaves on the CPU and cast to params_dtype what it builds in fp32 (the local spec's torch RMSNorm

@@ -63,6 +63,10 @@ Adaptations (megatron-core 0.19):
     kernel; its overflow buffer is None), so nothing more is patched (tests/trainer/test_parallel_layouts.py runs the
     bf16 step at TP=2, PP=2 and DP=2 with the distributed optimizer).
 
+12. Megatron's rotary embedding under context parallelism picks this CP rank's positions with an index tensor made
+    with `pin_memory=True` (`get_pos_emb_on_this_cp_rank`), which asks for a CUDA driver; in the mode of
+    adaptation 1 a tensor factory's `pin_memory=True` becomes False (pinned host memory only speeds host-to-GPU
+    copies).
 Megatron's local `DotProductAttention` is not adapted here: it draws scratch memory from a CUDA
 global buffer, so the CPU layer spec swaps in `models.attention.SDPAttention` instead.
 """
@@ -92,7 +96,7 @@ def _is_cuda_device(device: object) -> bool:
 
 class _CudaToCpuMode(TorchFunctionMode):
     """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU; `.cuda()` is identity;
-    `.type()` of a CPU tensor names its CUDA type."""
+    `.type()` of a CPU tensor names its CUDA type; (adaptation 12) `pin_memory=True` becomes False."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
@@ -102,6 +106,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):  # adaptation 12
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

@@ -54,16 +54,18 @@ def seed_everything(seed: int) -> None:
 def initialize_distributed(
     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int | None = None, *,
     seed: int = 1234, timeout_minutes: int = 30, expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int | None = None,
+    expert_tensor_parallel_size: int | None = None, context_parallel_size: int = 1,
 ) -> DistributedContext:
     """Initialise torch.distributed from the torchrun environment (or as a 1-process group) and
-    Megatron's tensor/pipeline/data-parallel groups. gloo on CPU, NCCL on GPU.
+    Megatron's tensor/pipeline/context/data-parallel groups. gloo on CPU, NCCL on GPU.
 
     `data_parallel_size` None takes whatever the world size leaves; an explicit value must match it.
     `expert_parallel_size`, `expert_tensor_parallel_size` (MoE models): Megatron's expert groups, which regroup each
     pipeline stage's TP x DP ranks as expert TP x EP x expert DP: the routed experts are split over
     `expert_parallel_size` ranks and each expert's matrices over `expert_tensor_parallel_size` (None: the TP size,
     Megatron's default), so their product must divide TP x DP (`config.check_expert_layout`).
+    `context_parallel_size`: each sequence split over that many ranks (`distributed.context_parallel`); the
+    data-parallel size is what the world leaves after TP x PP x CP.
     """
     if not dist.is_initialized():
         launched = "WORLD_SIZE" in os.environ  # torchrun (or a launcher setting its variables)
@@ -80,19 +82,8 @@ def initialize_distributed(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     world_size = dist.get_world_size()
-    if data_parallel_size is not None and world_size != tensor_parallel_size * pipeline_parallel_size * data_parallel_size:
-        raise ValueError(
-            f"world size {world_size} does not match the layout tensor_parallel_size ({tensor_parallel_size}) x "
-            f"pipeline_parallel_size ({pipeline_parallel_size}) x data_parallel_size ({data_parallel_size}) = "
-            f"{tensor_parallel_size * pipeline_parallel_size * data_parallel_size}; launch that many processes "
-            f"(torchrun --nproc-per-node, or `armor train --nproc`)"
-        )
-    if world_size % (tensor_parallel_size * pipeline_parallel_size) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_parallel_size ({tensor_parallel_size}) x "
-            f"pipeline_parallel_size ({pipeline_parallel_size}); launch a multiple of "
-            f"{tensor_parallel_size * pipeline_parallel_size} processes"
-        )
+    _check_world_size(world_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
+                      data_parallel_size)
     check_expert_layout(tensor_parallel_size, world_size // (tensor_parallel_size * pipeline_parallel_size),
                         expert_parallel_size, expert_tensor_parallel_size)
     enable_cpu_compat()
@@ -100,11 +91,31 @@ def initialize_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel_size,
             pipeline_model_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
             expert_model_parallel_size=expert_parallel_size,
             expert_tensor_parallel_size=expert_tensor_parallel_size,
         )
     seed_everything(seed)
     return current_context()
+
+
+def _check_world_size(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int,
+                      context_parallel_size: int, data_parallel_size: int | None) -> None:
+    """Raise ValueError unless TP x PP x CP (x DP, when given) fits `world_size` processes."""
+    model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
+    layout = (f"tensor_parallel_size ({tensor_parallel_size}) x pipeline_parallel_size ({pipeline_parallel_size}) x "
+              f"context_parallel_size ({context_parallel_size})")
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
+    if data_parallel_size is not None and world_size != model_parallel * data_parallel_size:
+        raise ValueError(
+            f"world size {world_size} does not match the layout {layout} x data_parallel_size ({data_parallel_size}) "
+            f"= {model_parallel * data_parallel_size}; launch that many processes (torchrun --nproc-per-node, or "
+            f"`armor train --nproc`)"
+        )
+    if world_size % model_parallel != 0:
+        raise ValueError(f"world size {world_size} is not divisible by {layout}; launch a multiple of "
+                         f"{model_parallel} processes")
 
 
 def current_context() -> DistributedContext:

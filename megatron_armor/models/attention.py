@@ -8,6 +8,11 @@ which dispatches to flash/memory-efficient kernels on GPU and a fused C++ kernel
 Packed sequences (Megatron's `PackedSeqParams`, THD format: the sequences of a micro-batch concatenated
 along one token dimension, `cu_seqlens` their offsets) are attended one sequence at a time, each causal, so
 no token sees another sequence's.
+
+Under context parallelism (`config.context_parallel_size` > 1) each rank holds its zig-zag chunks of every
+sequence (`distributed.context_parallel`): the keys and values are all-gathered over the CP group (the simplest
+exact scheme: the gradient of the gathered keys and values is summed back over the group), and each local query
+attends to the keys at global positions up to its own. Packed sequences are not split over CP ranks yet.
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_armor.distributed.context_parallel import ZigZag, gather_sequence
+
 
 class SDPAttention(MegatronModule):
-    """Drop-in `core_attention` submodule of `SelfAttention` (tensor-parallel heads, no CP)."""
+    """Drop-in `core_attention` submodule of `SelfAttention` (tensor-parallel heads; context parallel by an
+    all-gather of keys and values)."""
 
     def __init__(
         self,
@@ -36,9 +45,11 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism; use the Transformer Engine spec")
-        del layer_number, attention_type, cp_comm_type, pg_collection
+        del layer_number, attention_type, cp_comm_type
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            cp_group = getattr(pg_collection, "cp", None)
+            self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -59,6 +70,8 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention bias")
         mask_type = attn_mask_type or self.attn_mask_type
+        if self.cp_group is not None:
+            return self._attend_context_parallel(query, key, value, attention_mask, packed_seq_params, mask_type)
         if packed_seq_params is not None:
             return self._attend_packed(query, key, value, packed_seq_params, mask_type)
         causal = attention_mask is None and mask_type == AttnMaskType.causal
@@ -73,6 +86,18 @@ class SDPAttention(MegatronModule):
         pieces = [self._attend(query[a:b, None], key[a:b, None], value[a:b, None], None, causal=True)
                   for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(pieces)
+
+    def _attend_context_parallel(self, query, key, value, attention_mask, packed_seq_params,
+                                 mask_type: AttnMaskType) -> torch.Tensor:
+        """Causal attention of this CP rank's zig-zag chunks: query [2c, b, heads, d] over the whole sequence's
+        keys/values (all-gathered from the local [2c, b, groups, d]) -> [2c, b, heads * d]."""
+        if packed_seq_params is not None or attention_mask is not None or mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPAttention under context parallelism attends causally over unpacked "
+                                      "sequences only (no packing, no explicit attention mask)")
+        key = gather_sequence(key, 0, reduce_grad=True, group=self.cp_group)
+        value = gather_sequence(value, 0, reduce_grad=True, group=self.cp_group)
+        masked = ZigZag.current(self.cp_group).causal_mask(key.shape[0], device=query.device)  # [2c, S]
+        return self._attend(query, key, value, masked[None, None], causal=False)
 
     def _attend(self, query, key, value, attention_mask, causal: bool) -> torch.Tensor:
         """SDPA of query [sq, b, heads, d] over key/value [sk, b, groups, d] -> [sq, b, heads * d]."""

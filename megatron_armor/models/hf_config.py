@@ -79,10 +79,11 @@ def _rope_scaling_factor(rope: dict, source: str) -> float | None:
 
 
 def check_parallel_layout(
-    shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None
+    shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None, cp_size: int = 1,
 ) -> None:
     """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks, its experts over `ep_size`
-    ranks and each expert's matrices over `etp_size` (expert TP; None: `tp_size`)."""
+    ranks and each expert's matrices over `etp_size` (expert TP; None: `tp_size`), or its sequences over `cp_size`
+    context-parallel ranks (dense models only, so far: a MoE model's routes are not split over them)."""
     etp_size = expert_tp_size(tp_size, etp_size)
     for name, value, split, size in (
         ("num_attention_heads", shape.num_attention_heads, "tensor_parallel_size", tp_size),
@@ -98,6 +99,9 @@ def check_parallel_layout(
         raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
     if ep_size > 1 and shape.num_experts % ep_size:
         raise ModelConfigError(f"num_experts={shape.num_experts} is not divisible by expert_parallel_size={ep_size}")
+    if cp_size > 1 and shape.num_experts:
+        raise ModelConfigError(f"context_parallel_size={cp_size} does not support MoE models yet (their routing "
+                               f"replay and metrics are not split over the context-parallel ranks)")
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def transformer_config(
     shape: ModelShape, *, tp_size: int = 1, pp_size: int = 1, params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None, recompute: RecomputeConfig = RecomputeConfig(),
     sequence_parallel: bool = False, ep_size: int = 1, etp_size: int | None = None, moe: MoERouting = MoERouting(),
-) -> TransformerConfig:
+    cp_size: int = 1) -> TransformerConfig:
     """The Megatron `TransformerConfig` equivalent to `shape` (dropout-free, no fusions that need CUDA).
 
     `recompute`: which activations the backward recomputes instead of keeping (the `recompute` section).
@@ -145,8 +149,9 @@ def transformer_config(
     `ep_size`, `etp_size`, `moe` (MoE models): experts over `ep_size` ranks, each split over `etp_size` ranks (expert
     TP; None: TP, Megatron's default here and in `initialize_model_parallel`, which must agree); load balancing
     (`MoERouting`). Training under TP needs `sequence_parallel` (Megatron's MoE layer refuses otherwise).
+    `cp_size`: each sequence over that many context-parallel ranks (`parallel_state`'s CP group must agree).
     """
-    check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size)
+    check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size, cp_size)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -168,7 +173,7 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=pp_size,
+        pipeline_model_parallel_size=pp_size, context_parallel_size=cp_size,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -30,7 +30,11 @@ def layer_spec(
     `SequenceParallelRMSNorm` (Megatron's torch norm refuses sequence parallelism). With `num_experts` the MLP
     is Megatron's `MoELayer`: a `TopKRouter` and a `SequentialMLP` of this rank's experts (one SwiGLU MLP each,
     `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels), and with the config's
-    `moe_shared_expert_intermediate_size` its `SharedExpertMLP` (Qwen2-MoE)."""
+    `moe_shared_expert_intermediate_size` its `SharedExpertMLP` (Qwen2-MoE).
+
+    Context parallelism (the config's `context_parallel_size` > 1) needs a core attention that attends over the CP
+    group: Transformer Engine's `TEDotProductAttention` in its spec (ring exchange of keys and values, the config's
+    `cp_comm_type`), else `SDPAttention`'s all-gather of them; Megatron's local `DotProductAttention` refuses CP."""
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_usable()
     if use_transformer_engine:

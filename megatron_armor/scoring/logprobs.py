@@ -24,6 +24,7 @@ from megatron_armor.config import SamplingConfig, TrainConfig
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
+from megatron_armor.scoring.context_split import ContextSplit
 from megatron_armor.scoring.micro_batches import MicroBatch, MicroBatching
 from megatron_armor.scoring.routes import RoutingPass
 
@@ -105,24 +106,31 @@ def forward_backward(
     the model; with `calculate_per_token_loss` Megatron's `finalize_model_grads` divides them by the
     total token count. With `routing` (a MoE model) each micro-batch's forward replays its routes and its routers'
     choices are recorded there (`scoring/routes.py`); the stage's forward is done when `chunk` returns, so under PP
-    each stage handles its own layers.
+    each stage handles its own layers. Under CP the model gets this rank's zig-zag chunks (`scoring/context_split`).
     """
     batches = list(micro_batches)
     mb_size, seq_len = batches[0].model_tokens[0].shape
     device = training_device()
 
+    split = ContextSplit.current()
+
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)  # host-to-GPU (or no-op): safe to overlap
         input_ids, position_ids, labels, packing = mb.model_tokens
+        if split is not None:
+            if packing is not None or routing is not None:
+                raise NotImplementedError("context parallelism does not yet split packed micro-batches or replay "
+                                          "a MoE model's routes")
+            input_ids, position_ids, labels = split.tokens(input_ids, labels)
         if routing is not None:
             routing.before(mb)
         if scoring.head == "fused":
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
                            output_processor=_fused_head(scoring), output_processor_context=labels)
-            head = lambda scores: loss_fn(_unpack(scores, mb), mb.rows)  # noqa: E731
+            head = lambda scores: _rows_loss(loss_fn, scores, mb, split)  # noqa: E731
         else:
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
-            head = lambda logits: loss_fn(_unpack(_torch_head(logits, labels, scoring), mb), mb.rows)  # noqa: E731
+            head = lambda logits: _rows_loss(loss_fn, _torch_head(logits, labels, scoring), mb, split)  # noqa: E731
         if routing is not None:
             routing.after(mb)
         return output, head
@@ -137,6 +145,17 @@ def forward_backward(
             micro_batch_size=mb_size,
             forward_only=forward_only,
         )
+
+
+def _rows_loss(loss_fn: LossFn, scores: TokenScores, mb: MicroBatch, split: ContextSplit | None):
+    """`loss_fn` on the micro-batch's rows: its scores unpacked, or under CP gathered from the CP ranks (the units
+    counted once over the CP group)."""
+    if split is None:
+        return loss_fn(_unpack(scores, mb), mb.rows)
+    width = mb.rows.labels.shape[1]
+    entropy = None if scores.entropy is None else split.gather(scores.entropy, width)
+    loss, units, stats = loss_fn(TokenScores(split.gather(scores.logprobs, width), entropy), mb.rows)
+    return loss, split.count_once(units), stats
 
 
 def _torch_head(logits: torch.Tensor, labels: torch.Tensor, scoring: ScoringConfig) -> TokenScores:

@@ -57,11 +57,11 @@ def test_training_step_under_layout(layout, synthetic_cache, tmp_path):
 
 def test_refuses_layouts_that_do_not_fit(tmp_path, tiny_model_factory):
     proc = armor_train("--tp", "2", "--dp", "2", "--nproc", "2", "--run-dir", str(tmp_path / "a"))
-    assert proc.returncode == 2 and "--nproc 2 does not match the layout tp x pp x dp = 4" in proc.stderr
+    assert proc.returncode == 2 and "--nproc 2 does not match the layout tp x pp x cp x dp = 4" in proc.stderr
     proc = armor_train("--tp", "2", "--dp", "2", "--run-dir", str(tmp_path / "b"), torchrun_nproc=2)
     assert proc.returncode != 0
     assert "world size 2 does not match the layout tensor_parallel_size (2) x pipeline_parallel_size (1) x " \
-           "data_parallel_size (2) = 4" in proc.stderr
+           "context_parallel_size (1) x data_parallel_size (2) = 4" in proc.stderr
     assert not (tmp_path / "b").exists()
     shape = load_model_shape(tiny_model_factory("qwen2"))  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ModelConfigError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):

@@ -1,6 +1,6 @@
 """Distributed checkpoints of the full training state (gloo, CPU): a checkpoint saved at TP=2 resumes at
 TP=1 x DP=2 (distributed optimizer) and one saved at PP=2 at PP=1 x DP=2, each giving the next step of the
-uninterrupted TP=2 run; a run killed with SIGKILL in the middle of a save keeps its previous checkpoint,
+uninterrupted TP=2 run, and so does one saved at CP=2 (context parallelism) at CP=1 x DP=2; a run killed with SIGKILL in the middle of a save keeps its previous checkpoint,
 and `--resume` continues from it to the same step as the uninterrupted run."""
 
 import json
@@ -23,6 +23,7 @@ CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 LOSS_KEYS = ("loss/policy_loss", "loss/clip_fraction", "loss/mixed_ratio_mean", "optim/grad_norm", "train/reward_mean")
 TP1_DP2 = ["parallel.tensor_parallel_size=1", "parallel.data_parallel_size=2"]
 PP2 = ["parallel.tensor_parallel_size=1", "parallel.pipeline_parallel_size=2"]
+CP2 = ["parallel.tensor_parallel_size=1", "parallel.context_parallel_size=2"]
 
 
 def assert_same_step(got: dict, expected: dict) -> None:
@@ -61,6 +62,19 @@ def test_pp2_checkpoint_resumes_at_pp1(uninterrupted, synthetic_cache, tmp_path)
     assert_same_step(run_metrics(run_dir)[1], run_metrics(uninterrupted)[1])
     run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *run_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
     assert_same_step(run_metrics(run_dir)[2], run_metrics(uninterrupted)[2])
+
+
+def test_cp2_checkpoint_resumes_at_cp1(uninterrupted, synthetic_cache, tmp_path):
+    """Step 1 at CP=2 (each sequence's zig-zag chunks over two ranks, one data-parallel replica), step 2 resumed at
+    CP=1 x DP=2: both steps are the uninterrupted TP=2 run's."""
+    run_dir = tmp_path / "run"
+    run_workers("train_run.py", 2, tmp_path / "w1", CONFIG, *run_overrides(synthetic_cache, run_dir, 1), *CP2)
+    assert_same_step(run_metrics(run_dir)[1], run_metrics(uninterrupted)[1])
+    record = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
+    assert record["layout"] == {"tp": 1, "pp": 1, "dp": 1, "cp": 2}
+    run_workers("train_run.py", 2, tmp_path / "w2", CONFIG, "--resume", *run_overrides(synthetic_cache, run_dir, 2), *TP1_DP2)
+    assert_same_step(run_metrics(run_dir)[2], run_metrics(uninterrupted)[2])
+    assert "saved at tp 1 x pp 1 x dp 1 x cp 2, resumed at tp 1 x pp 1 x dp 2" in (tmp_path / "w2" / "stderr.txt").read_text()
 
 
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(uninterrupted, synthetic_cache, tmp_path):

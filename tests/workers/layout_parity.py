@@ -6,10 +6,11 @@ micro-batches of at most N tokens instead of 2 sequences; "packed": packed micro
 experts over N expert-parallel ranks; "etp=N": each expert over N expert-TP ranks (default: TP's); "aux=C": its
 load-balancing auxiliary loss at coefficient C; "replay=MODE": train.routing_replay MODE, with "rollout" replaying
 random routes given to the on-policy samples as an engine's; "bf16": bf16 parameters trained through Megatron's
-mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003);
+mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
+context parallelism, each sequence over N ranks);
 the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
-a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs
+a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs and old entropy
 (keyed by sequence), the routing metrics of the old-logprob pass (MoE), the full HF-named gradients of the first
 mini-batch, whether the output weight's
 gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
@@ -106,7 +107,9 @@ def gather_sharded_grads(ddp) -> None:
 def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
     ep = next((int(option.removeprefix("ep=")) for option in options if option.startswith("ep=")), 1)
     etp = next((int(option.removeprefix("etp=")) for option in options if option.startswith("etp=")), None)
-    ctx = initialize_distributed(tp, pp, seed=0, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
+    cp = next((int(option.removeprefix("cp=")) for option in options if option.startswith("cp=")), 1)
+    ctx = initialize_distributed(tp, pp, seed=0, expert_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                 context_parallel_size=cp)
     shape = load_model_shape(actor_dir)
 
     aux = next((float(option.removeprefix("aux=")) for option in options if option.startswith("aux=")), 0.0)
@@ -115,7 +118,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
 
     def model(path, trainable):
         config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options, ep_size=ep,
-                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux), params_dtype=dtype)
+                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux), params_dtype=dtype, cp_size=cp)
         m = build_gpt_model(shape, config, trainable=trainable).to(dtype=dtype)  # as convert.loading.load_gpt_model
         load_hf_weights(m, path, shape)
         return m
@@ -142,11 +145,12 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     advantaged = advantage_batch(groups, plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)
     prepared = score_logprobs(advantaged, handles, plan, scoring, optimizer_steps=0, dp_rank=ctx.dp_rank)
     batch = prepared.batch
-    logprobs = {}
+    logprobs, entropy = {}, {}
     for row in range(batch.size):
         mask = batch.response_mask[row].bool()
         key = str(batch.input_ids[row][: int(mask.nonzero().max()) + 2].tolist())
         logprobs[key] = (batch.old_logprobs[row][mask], batch.ref_logprobs[row][mask])
+        entropy[key] = prepared.old_entropy[row][mask]
 
     forward_backward(ddp, plan.micro_batching.split(prepared.mini_batches[0]), PolicyLossCallback(algorithm),
                      scoring=scoring, forward_only=False, routing=routing_pass(ddp, prepared.mini_batches[0]))
@@ -170,7 +174,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         ddp, optimizer, prepared.mini_batches[:1], micro_batching=plan.micro_batching, algorithm=algorithm,
         scoring=scoring, optim=optim, rl_step=1))
     (Path(out_dir) / name).mkdir(exist_ok=True)
-    torch.save({"logprobs": logprobs, "routing_metrics": prepared.routing_metrics, "grads": grads, "head_in_main_grad": head_in_main_grad,
+    torch.save({"logprobs": logprobs, "entropy": entropy, "routing_metrics": prepared.routing_metrics, "grads": grads,
+                "head_in_main_grad": head_in_main_grad,
                 "metrics": update.metrics, "initial_weights": initial_weights, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")

@@ -27,12 +27,13 @@ from megatron_armor.convert.megatron_checkpoint import collect_write_results_in_
 
 def plan_save(tree: Any, directory: Path) -> AsyncRequest:
     """Plan the save of `tree`'s sharded leaves into `directory` (collective: the ranks agree who writes
-    what; a tensor replicated over data-parallel ranks is written by one of them, Megatron's fully parallel
-    save spreading those writes evenly over the DP group) and return Megatron's request: `async_fn` writes
+    what; a tensor replicated over data-parallel (and context-parallel) ranks is written by one of them, Megatron's
+    fully parallel save spreading those writes evenly over the DP x CP group) and return Megatron's request: `async_fn` writes
     this rank's shards (no collective), its `finalize_fns` (collective) write the global metadata once every
     rank wrote."""
     collect_write_results_in_process()
-    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), parallel_state.get_data_parallel_group())
+    strategy = FullyParallelSaveStrategyWrapper(
+        TorchDistSaveShardedStrategy(), parallel_state.get_data_parallel_group(with_context_parallel=True))
     return dist_checkpointing.save(_sharded_only(tree) or {}, str(directory), sharded_strategy=strategy,
                                    async_sharded_save=True, async_strategy="mcore")
 

@@ -27,17 +27,20 @@ RNG_KEY = "rng_state"
 
 
 def layout() -> dict[str, int]:
-    """This run's {"tp", "pp", "dp"} sizes (parallel_state must be initialised)."""
-    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+    """This run's {"tp", "pp", "dp"} sizes, and "cp" under context parallelism (a layout without it is CP 1's, as
+    every checkpoint saved before CP existed); parallel_state must be initialised."""
+    sizes = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+             "dp": parallel_state.get_data_parallel_world_size()}
+    cp = parallel_state.get_context_parallel_world_size()
+    return sizes if cp == 1 else {**sizes, "cp": cp}
 
 
 def rng_sharded_object() -> ShardedObject:
-    """This rank's RNG states as its cell of the (PP, TP, DP) grid: saved by this rank alone."""
-    grid = (layout()["pp"], layout()["tp"], layout()["dp"])
+    """This rank's RNG states as its cell of the (PP, TP, DP x CP) grid: saved by this rank alone."""
+    grid = (layout()["pp"], layout()["tp"], parallel_state.get_data_parallel_world_size(with_context_parallel=True))
     position = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-                parallel_state.get_data_parallel_rank())
+                parallel_state.get_data_parallel_rank(with_context_parallel=True))
     return ShardedObject(RNG_KEY, capture_rng_state(), grid, position, replica_id=0)
 
 
@@ -65,7 +68,11 @@ def reseed_after_layout_change(seed: int, step: int, saved: dict[str, int]) -> N
     """The saved layout differs from this run's: seed every generator from (seed, step, global rank)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        log.warning("checkpoint saved at tp %d x pp %d x dp %d, resumed at tp %d x pp %d x dp %d: RNG states are "
-                    "per rank and do not reshard; every rank is reseeded from (train.seed, step, rank)",
-                    saved["tp"], saved["pp"], saved["dp"], *layout().values())
+        log.warning("checkpoint saved at %s, resumed at %s: RNG states are per rank and do not reshard; every rank "
+                    "is reseeded from (train.seed, step, rank)", _describe(saved), _describe(layout()))
     seed_everything((seed * 1_000_003 + step * 1_009 + rank) % 2**31)
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    """A `layout()` as "tp 2 x pp 1 x dp 2" (with " x cp N" under context parallelism)."""
+    return " x ".join(f"{name} {size}" for name, size in sizes.items())

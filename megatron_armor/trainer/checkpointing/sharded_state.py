@@ -172,11 +172,12 @@ def _load_with_adam_step(optimizer: Any, state: dict[str, Any], step: int) -> No
 
 
 def _layout_bound_object(name: str, state: Any) -> ShardedObject:
-    """`state` as this (PP, TP) position's object, saved by DP rank 0 of the position."""
+    """`state` as this (PP, TP) position's object, saved by DP rank 0 of the position (of its first CP rank: CP
+    ranks hold the same state)."""
     grid = (parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size())
     position = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
-    return ShardedObject(f"{name}.state", state, grid, position, replica_id=parallel_state.get_data_parallel_rank())
+    return ShardedObject(f"{name}.state", state, grid, position, replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
 def _global_rank() -> int:

@@ -54,6 +54,7 @@ def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = Fa
             layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size, seed=cfg.train.seed,
             expert_parallel_size=layout.expert_parallel_size,
             expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
         )
     except ValueError as error:  # a layout that does not fit the launched processes
         print(f"error: {error}", file=sys.stderr)

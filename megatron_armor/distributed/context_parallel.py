@@ -1,0 +1,104 @@
+"""Context parallelism (CP): each sequence split over the CP group in load-balanced zig-zag chunks.
+
+A sequence of S tokens (padded to a multiple of 2 x CP, `ZigZag.padded_length`) is cut into 2 x CP chunks of
+c = S / (2 CP) tokens; CP rank r keeps chunks r and 2CP-1-r, i.e. 2c tokens (Megatron-LM's
+`get_batch_on_this_cp_rank` layout, which Megatron's rotary embedding assumes: `get_pos_emb_on_this_cp_rank`).
+Under a causal mask an early chunk attends to few keys and a late one to many: pairing chunk r with its mirror
+gives every rank the same attention work.
+
+`gather_sequence` all-gathers the ranks' local pieces back into the whole sequence, differentiably, with one of
+two backward rules: each rank's gradient of the whole is
+- "own" (`reduce_grad=False`): complete, because every rank computes the same function of the gathered tensor
+  (token scores gathered before the loss): a rank keeps its own chunks' gradient;
+- "partial" (`reduce_grad=True`): only the share of this rank's consumers (keys and values gathered inside
+  attention, used by this rank's queries alone): the gradients are summed over the group first (an all-reduce;
+  gloo has no reduce-scatter), then a rank keeps its own chunks'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+@dataclass(frozen=True)
+class ZigZag:
+    """The zig-zag layout of a sequence dimension over a CP group of `size` ranks, seen from rank `rank`."""
+
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"CP rank {self.rank} is outside a group of {self.size}")
+
+    @classmethod
+    def current(cls, group: dist.ProcessGroup | None = None) -> ZigZag:
+        """This process's layout in `group` (default: `parallel_state`'s context-parallel group)."""
+        group = group or parallel_state.get_context_parallel_group()
+        return cls(dist.get_world_size(group), dist.get_rank(group))
+
+    def padded_length(self, seq_len: int, multiple: int = 1) -> int:
+        """The smallest length >= `seq_len` that splits into 2 x size chunks whose pairs are multiples of
+        `multiple` (sequence parallelism splits each rank's 2c tokens over the TP ranks: pass the TP size)."""
+        step = 2 * self.size * multiple
+        return -(-seq_len // step) * step
+
+    def positions(self, seq_len: int, rank: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+        """[2c] int64 global positions of `rank`'s (default: this rank's) tokens of a `seq_len`-token sequence."""
+        rank = self.rank if rank is None else rank
+        chunk = self._chunk(seq_len)
+        offsets = torch.arange(chunk, device=device)
+        return torch.cat([rank * chunk + offsets, (2 * self.size - 1 - rank) * chunk + offsets])
+
+    def causal_mask(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """[2c, S] bool, True where this rank's query (row) must not see a key of the whole sequence (column): the
+        key's global position is past the query's (Megatron's convention: True = masked out)."""
+        return torch.arange(seq_len, device=device)[None, :] > self.positions(seq_len, device=device)[:, None]
+
+    def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's 2c tokens of `tensor` along `dim` (the whole sequence, a multiple of 2 x size long)."""
+        return tensor.index_select(dim, self.positions(tensor.shape[dim], device=tensor.device))
+
+    def restore(self, pieces: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole sequence from every rank's `split` concatenated in rank order along `dim` (the inverse)."""
+        seq_len = pieces.shape[dim]
+        gathered_order = torch.cat([self.positions(seq_len, r, pieces.device) for r in range(self.size)])
+        return pieces.index_select(dim, gathered_order.argsort())
+
+    def _chunk(self, seq_len: int) -> int:
+        if seq_len % (2 * self.size):
+            raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {self.size} zig-zag chunks; "
+                             f"pad it to {self.padded_length(seq_len)} (ZigZag.padded_length)")
+        return seq_len // (2 * self.size)
+
+
+def gather_sequence(local: torch.Tensor, dim: int, *, reduce_grad: bool,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every CP rank's `local` piece [..., 2c, ...] (along `dim`) as the whole sequence [..., S, ...] in global
+    order, on every rank; differentiable, with the backward rule `reduce_grad` picks (module docstring). Identity
+    on a group of one."""
+    group = group or parallel_state.get_context_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return local
+    return _GatherSequence.apply(local, dim, reduce_grad, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, dim: int, reduce_grad: bool, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.reduce_grad, ctx.group = dim, reduce_grad, group
+        layout = ZigZag.current(group)
+        pieces = [torch.empty_like(local) for _ in range(layout.size)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return layout.restore(torch.cat(pieces, dim), dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.reduce_grad:
+            grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never the caller's buffer
+            dist.all_reduce(grad, group=ctx.group)
+        return ZigZag.current(ctx.group).split(grad, ctx.dim), None, None, None
