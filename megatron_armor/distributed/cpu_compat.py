@@ -62,8 +62,7 @@ Adaptations (megatron-core 0.19):
     and for bf16 Megatron copies main params to model params with a plain `copy_` loop (no Apex multi-tensor
     kernel; its overflow buffer is None), so nothing more is patched (tests/trainer/test_parallel_layouts.py runs the
     bf16 step at TP=2, PP=2 and DP=2 with the distributed optimizer).
-
-12. Megatron's rotary embedding under context parallelism picks this CP rank's positions with an index tensor made
+13. Megatron's rotary embedding under context parallelism picks this CP rank's positions with an index tensor made
     with `pin_memory=True` (`get_pos_emb_on_this_cp_rank`), which asks for a CUDA driver; in the mode of
     adaptation 1 a tensor factory's `pin_memory=True` becomes False (pinned host memory only speeds host-to-GPU
     copies).
@@ -96,7 +95,7 @@ def _is_cuda_device(device: object) -> bool:
 
 class _CudaToCpuMode(TorchFunctionMode):
     """Adaptation 1: rewrite `device="cuda[:i]"` keyword arguments of torch calls to CPU; `.cuda()` is identity;
-    `.type()` of a CPU tensor names its CUDA type; (adaptation 12) `pin_memory=True` becomes False."""
+    `.type()` of a CPU tensor names its CUDA type; (adaptation 13) `pin_memory=True` becomes False."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
@@ -106,7 +105,7 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
-        if kwargs.get("pin_memory"):  # adaptation 12
+        if kwargs.get("pin_memory"):  # adaptation 13
             kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
