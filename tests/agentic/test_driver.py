@@ -39,7 +39,7 @@ class CaseEnv(ToolEnv):
     def __init__(self) -> None:
         super().__init__([
             Tool(add, ADD_SCHEMA), Tool(hang, {"type": "object", "properties": {"seconds": {}}}, timeout_s=0.2),
-            Tool(crash, {"type": "object"}), python_tool(PythonSandbox(timeout_s=1.0, max_output_bytes=2000)),
+            Tool(crash, {"type": "object"}), python_tool(PythonSandbox(timeout_s=5.0, max_output_bytes=2000)),
         ])
 
     def reset(self, row):

@@ -13,10 +13,13 @@ from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
 from megatron_armor.agentic.tools import ToolCall, ToolRunner
 
 SANDBOX = PythonSandbox(timeout_s=2.0, memory_mb=256, max_output_bytes=1000)
+# the same limits with time to spare: on a loaded machine a child's start alone can take seconds, and the cases
+# below must be stopped by their own limit, not the time limit
+PATIENT = PythonSandbox(timeout_s=60.0, memory_mb=256, max_output_bytes=1000)
 
 
-def run(code: str):
-    return asyncio.run(SANDBOX.run(code))
+def run(code: str, sandbox: PythonSandbox = PATIENT):
+    return asyncio.run(sandbox.run(code))
 
 
 def test_code_runs_in_a_fresh_directory_without_the_parents_environment():
@@ -32,7 +35,7 @@ def test_code_runs_in_a_fresh_directory_without_the_parents_environment():
 
 def test_limits_stop_loops_memory_floods_and_network():
     children = len(psutil.Process().children(recursive=True))
-    loop = run("while True: pass")
+    loop = run("while True: pass", SANDBOX)
     assert loop.timed_out and loop.exit_code < 0 and loop.as_text() == "[killed: time limit]"
     memory = run("x = bytearray(1 << 30)")
     assert memory.exit_code == 1 and "MemoryError" in memory.stderr
