@@ -19,8 +19,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from megatron_armor.utils.net import free_port
 
@@ -30,6 +33,7 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PRELOAD = ["torch", "transformers", "megatron.core", "megatron_armor.cli", "megatron_armor.trainer.run.train",
            "megatron_armor.convert.hf_to_megatron", "megatron_armor.kernels", "launcher"]
 _STOP_GRACE_S = 5.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,16 @@ def run_workers(worker: str, nproc: int, out_dir: Path, *args: str, timeout: int
     if result.returncode != 0:
         raise AssertionError(f"{worker} failed with exit codes {result.exit_codes}\n{result.output[-10000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def concurrently(*calls: Callable[[], T]) -> list[T]:
+    """The results of independent calls (launches, multi-process conversions), run at once on threads, in order; the
+    first failure is raised. A launch of one or two ranks leaves a core of this 2-core box idle through its start-up
+    and its ranks' waits on each other; another launch beside it fills it. Only for calls whose results do not depend
+    on timing and that write nothing in common (not training runs that may fill the synthetic task's shared cache)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
 
 
 def armor(*args: str, nproc: int, log_dir: Path, timeout: int = 600) -> Launch:

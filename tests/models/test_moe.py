@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import run_workers
+from launcher import concurrently, run_workers
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.models.hf_config import (
     ModelConfigError, check_parallel_layout, load_model_shape, model_shape_from_dict,
@@ -67,14 +67,18 @@ def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_pa
     per rank (the experts and the rest) and expert data-parallel size are the model's, and Megatron checkpoints written
     at EP=2 and (Qwen2-MoE) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit for bit."""
     model_dirs = [str(tiny_model_factory(arch, **options)) for arch, options in VARIANTS.values()]
-    checkpoints = {  # saved at EP=2, and Qwen2-MoE's (a shared expert split over TP) at TP=2 x EP=2
-        model_dirs[0]: convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2),
-        model_dirs[2]: convert_hf_to_megatron(model_dirs[2], tmp_path / "megatron-tp2-ep2", tp=2, pp=1, ep=2)}
-    results = {}
-    for nproc, layouts in LAYOUTS.items():
-        ranks = run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(layouts),
-                            ",".join(f"{model}={megatron}" for model, megatron in checkpoints.items()), *model_dirs)
-        results.update({(layout, f"n{nproc}"): [rank[layout] for rank in ranks] for layout in layouts})
+    checkpoints = dict(zip((model_dirs[0], model_dirs[2]), concurrently(  # saved at EP=2, and Qwen2-MoE's (a shared
+        lambda: convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2),  # expert split
+        lambda: convert_hf_to_megatron(model_dirs[2], tmp_path / "megatron-tp2-ep2", tp=2, pp=1, ep=2))))  # over TP)
+
+    def launch(nproc: int) -> list[dict]:
+        return run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(LAYOUTS[nproc]),
+                           ",".join(f"{model}={megatron}" for model, megatron in checkpoints.items()), *model_dirs)
+
+    launched = dict(zip((1, 2), concurrently(lambda: launch(1), lambda: launch(2))))  # one rank beside two
+    launched[4] = launch(4)
+    results = {(layout, f"n{nproc}"): [rank[layout] for rank in ranks]
+               for nproc, ranks in launched.items() for layout in LAYOUTS[nproc]}
     assert all(rank["resharded_equal"] == dict.fromkeys(checkpoints, True)
                for ranks in results.values() for rank in ranks)
     for variant, model_dir in zip(VARIANTS, model_dirs):

@@ -11,7 +11,7 @@ steps, entropy included, at CP=2 (also with the fused head), CP=2 x TP=2 (sequen
 import pytest
 import torch
 
-from launcher import run_workers
+from launcher import concurrently, run_workers
 
 LOGPROB_ATOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; reductions run in a different order per layout
@@ -80,15 +80,18 @@ JOBS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """job name -> every rank's result, from one launch per process count."""
+    """job name -> every rank's result, from one launch per process count (one and two ranks at once)."""
     checkpoints = {kind: _actor_and_ref(tmp_path_factory.mktemp(kind), **options) for kind, options in MODELS.items()}
-    results = {}
-    for nproc, jobs in JOBS.items():
-        out = tmp_path_factory.mktemp(f"n{nproc}")
-        specs = [",".join(map(str, (name, *checkpoints[kind], *layout))) for name, (kind, *layout) in jobs.items()]
-        run_workers("layout_parity.py", nproc, out, *specs)
-        results.update({name: [torch.load(out / name / f"rank{r}.pt") for r in range(nproc)] for name in jobs})
-    return results
+    outs = {nproc: tmp_path_factory.mktemp(f"n{nproc}") for nproc in JOBS}
+
+    def launch(nproc: int) -> None:
+        specs = [",".join(map(str, (name, *checkpoints[kind], *layout))) for name, (kind, *layout) in JOBS[nproc].items()]
+        run_workers("layout_parity.py", nproc, outs[nproc], *specs)
+
+    concurrently(lambda: launch(1), lambda: launch(2))  # one rank beside two: the box's 2 cores
+    launch(4)
+    return {name: [torch.load(outs[nproc] / name / f"rank{r}.pt") for r in range(nproc)]
+            for nproc, jobs in JOBS.items() for name in jobs}
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "dp2-distopt", "tp2xpp2", "tp2-fused-head", "tp2-sp",
