@@ -17,6 +17,14 @@ h = hidden, divided by tp under sequence parallelism):
                                           stage's ranks that is h' = h etp / tp and f' = moe_ffn / tp per token
   shared expert         5 s + h + 1       (Qwen2-MoE, s = shared ffn / tp) its SwiGLU, its output and the sigmoid
                                           gate's score, which multiply
+Multi-latent attention (DeepSeek-V3; r_q, r_kv the latent ranks, p the rotary dims, a = heads / tp, e = a (d_nope + p),
+u = a (d_nope + d_v), w = a d_v) in place of the QKV projection, QK norms and core attention:
+  latents               3 r_q + 3 r_kv + p + 2   the down projections' outputs (gathered whole), both norms' outputs
+                                          and their rstds, the copies scattered back to the sequence slices
+  up projections        e + u             their outputs
+  core attention        2 e + w + a       query and key (with RoPE), value and the log-sum-exp (selective
+                                          recomputation keeps 2 e + w)
+  attention output      w                 the output projection's input
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 """
 
@@ -37,13 +45,24 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     norms = 2 * (3 * h + 1)
     qk_norms = 2 * q + a + k + g if shape.qk_norm else 0
     core = q + 2 * k if selective else q + 2 * (q if layout.local_attention else k) + a
+    attention = (q + 2 * k) + qk_norms + core + q
+    if shape.mla is not None:
+        attention = _mla_elements_per_token(shape, layout.tp, selective)
     mlp = 5 * f
     if shape.is_moe_layer(layer):
         permuted = shape.hidden_size * layout.expert_tp // tp
         mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * permuted + 5 * shape.moe_ffn_hidden_size // tp)
         if shape.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP, its output and its gate's score
             mlp += 5 * shape.shared_expert_ffn_hidden_size // tp + h + 1
-    return norms + (q + 2 * k) + qk_norms + core + q + mlp
+    return norms + attention + mlp
+
+
+def _mla_elements_per_token(shape: ModelShape, tp: int, selective: bool) -> int:
+    """Multi-latent attention's elements per token (module doc), its output projection's input `w` included."""
+    mla, a = shape.mla, shape.num_attention_heads // tp
+    e, u, w = a * mla.q_head_dim, a * (mla.qk_nope_head_dim + mla.v_head_dim), a * mla.v_head_dim
+    latents = 3 * mla.q_lora_rank + 3 * mla.kv_lora_rank + mla.qk_rope_head_dim + 2
+    return latents + e + u + 2 * e + w + (0 if selective else a) + w
 
 
 @dataclass(frozen=True)
