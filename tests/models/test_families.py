@@ -156,6 +156,8 @@ def test_deepseek_v3_reads_its_latent_attention_yarn_and_router():
     ("glm4_moe", {**GLM, "partial_rotary_factor": 0.0}, "glm4_moe with partial_rotary_factor 0.0"),
     ("glm4_moe", {**GLM, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling .*yarn"),
     ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": None}, "deepseek_v3 with q_lora_rank None"),
+    ("deepseek_v3", {**DEEPSEEK, "quantization_config": {"quant_method": "fp8"}},
+     "deepseek_v3 with quantization_config {'quant_method': 'fp8'}"),
     ("deepseek_v3", {**DEEPSEEK, "rope_interleave": False}, "deepseek_v3 with rope_interleave False"),
     ("deepseek_v3", {**DEEPSEEK, "moe_layer_freq": 2}, "deepseek_v3 with moe_layer_freq 2"),
     ("deepseek_v3", {**DEEPSEEK, "num_key_value_heads": 2}, "deepseek_v3 with num_key_value_heads 2"),

@@ -1,4 +1,4 @@
-"""Worker: Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 on Megatron under TP x EP (x expert TP) layouts against the HF
+"""Worker: Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / DeepSeek-V3 on Megatron under TP x EP (x expert TP) layouts against the HF
 model.
 
 argv: out_dir layouts checkpoints model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after

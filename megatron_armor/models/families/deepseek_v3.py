@@ -11,7 +11,8 @@ top-k, the routed scaling factor and one ungated shared expert (`families.sigmoi
 Multi-token-prediction layers (`num_nextn_predict_layers`, `model.layers.{num_hidden_layers + i}.*`): not built
 (nor by transformers' model) and not trained; conversion carries their tensors bit for bit (`convert.carried`).
 
-Refused by name: a query without its latent (`q_lora_rank` null, DeepSeek-V2-Lite), `rope_interleave` false (Megatron's
+Refused by name: quantised weights (`quantization_config`: the fp8 releases, cast them to bf16 first), a query
+without its latent (`q_lora_rank` null, DeepSeek-V2-Lite), `rope_interleave` false (Megatron's
 MLA rotates interleaved pairs), `num_key_value_heads` other than `num_attention_heads`, a RoPE type other than
 default / yarn and YaRN with an explicit `attention_factor`, `truncate` false or an `mscale_all_dim` without its
 `mscale` (Megatron's YaRN scales those otherwise than transformers'), `moe_layer_freq` other than 1, biased projections, and the
@@ -45,6 +46,10 @@ class DeepseekV3Family(SigmoidMoEFamily):
             if hf.get(key, supported) != supported:
                 raise ModelConfigError(f"{source}: deepseek_v3 with {key} {hf[key]!r} is not supported; supported: "
                                        f"{key} {supported!r}")
+        if hf.get("quantization_config"):  # the released DeepSeek-V3 / R1 checkpoints: fp8 blocks with their scales
+            raise ModelConfigError(f"{source}: deepseek_v3 with quantization_config {hf['quantization_config']} is not "
+                                   f"supported; supported: none (bf16 or fp32 weights: cast the fp8 release to bf16 "
+                                   f"first)")
         if hf.get("q_lora_rank") is None:
             raise ModelConfigError(f"{source}: deepseek_v3 with q_lora_rank None (queries without a latent) is not "
                                    f"supported; supported: q_lora_rank >= 1")
