@@ -12,6 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_armor.models.attention import SDPAttention
+from megatron_armor.models.latent_attention import LocalMLASelfAttention
 from megatron_armor.models.norm import SequenceParallelRMSNorm
 
 
@@ -34,7 +35,8 @@ def layer_spec(
 
     `multi_latent_attention` (DeepSeek-V3): Megatron's `MLASelfAttention` instead (`qk_layernorm`: the RMSNorms of
     its query and key/value latents, `q_layernorm` / `kv_layernorm`, which Transformer Engine's spec fuses into the
-    up projections), on the same core attention.
+    up projections), on the same core attention; on the local spec `models.latent_attention.LocalMLASelfAttention`,
+    which sums its shared rotary key's gradient over TP.
 
     Context parallelism (the config's `context_parallel_size` > 1) needs a core attention that attends over the CP
     group: Transformer Engine's `TEDotProductAttention` in its spec (ring exchange of keys and values, the config's
@@ -51,6 +53,8 @@ def layer_spec(
         num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm,
         multi_latent_attention=multi_latent_attention)
     attention = spec.submodules.self_attention
+    if multi_latent_attention:
+        attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
     layer_norms = {}
     if sequence_parallel:
