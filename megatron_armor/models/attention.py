@@ -106,7 +106,8 @@ class SDPAttention(MegatronModule):
         return self._attend(query, key, value, masked[None, None], causal=False)
 
     def _attend(self, query, key, value, attention_mask, causal: bool) -> torch.Tensor:
-        """SDPA of query [sq, b, heads, d] over key [sk, b, groups, d], value [sk, b, groups, dv] -> [sq, b, heads * dv]."""
+        """SDPA of query [sq, b, heads, d] over key [sk, b, groups, d] and value [sk, b, groups, dv]
+        -> [sq, b, heads * dv]."""
         seq_q, batch, heads, _ = query.shape
         groups = key.shape[2]
         # [s, b, h, d] -> [b, h, s, d]; repeat K/V so each query head sees its group's K/V.

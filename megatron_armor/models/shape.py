@@ -70,10 +70,10 @@ class ModelShape:
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
     shared_expert_ffn_hidden_size: int = 0
-    # GLM-4.5's and DeepSeek-V3's sigmoid router (`families.sigmoid_moe`): per-expert sigmoid scores; the top k are
-    # chosen by score plus a fixed per-expert correction bias (`expert_bias`, HF's e_score_correction_bias) among the
-    # experts of the `router_group_topk` best of `router_groups` equal groups (a group's merit: its two best biased scores), their
-    # unbiased scores renormalised to sum 1, then multiplied by `routed_scaling_factor`.
+    # GLM-4.5's and DeepSeek-V3's sigmoid router (`families.sigmoid_moe`): per-expert sigmoid scores; the top k are #
+    # chosen by score plus a fixed per-expert correction bias (`expert_bias`, HF's e_score_correction_bias) among the #
+    # experts of the `router_group_topk` best of `router_groups` equal groups (a group's merit: its two best biased
+    # scores), their # unbiased scores renormalised to sum 1, then multiplied by `routed_scaling_factor`.
     expert_bias: bool = False
     router_groups: int = 1
     router_group_topk: int = 1

@@ -1,6 +1,6 @@
-"""Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
-(expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one process, or one per pipeline
-stage) round trips are bitwise."""
+"""Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2
+ranks whole beside TP=2 (expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one
+process, or one per pipeline stage) round trips are bitwise."""
 
 import pytest
 from safetensors.torch import load_file

@@ -69,7 +69,8 @@ def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_pa
     every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process ones, the
     exports that are views of the parameters are those `parameters_exported_as_views` names, the planner's parameters
     per rank (the experts and the rest) and expert data-parallel size are the model's, and Megatron checkpoints written
-    at EP=2 and (Qwen2-MoE, DeepSeek-V3) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit for bit."""
+    at EP=2 and (Qwen2-MoE, DeepSeek-V3) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit
+    for bit."""
     model_dirs = [str(tiny_model_factory(arch, **options)) for arch, options in VARIANTS.values()]
     checkpoints = {  # saved at EP=2, Qwen2-MoE's (a shared expert split over TP) and DeepSeek-V3's (latent attention
         # split over TP) at TP=2 x EP=2

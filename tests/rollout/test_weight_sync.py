@@ -32,10 +32,10 @@ def test_sync_weights_reports_bytes_and_updates_the_engine(tiny_model_factory, m
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"])
 def test_moe_engine_takes_checkpoint_named_experts(tiny_model_factory, arch):
-    """A Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / DeepSeek-V3 engine (transformers keeps each layer's experts fused, in a block
-    it names `mlp`) names and takes its weights as the checkpoint and the trainer's push do, one tensor per expert
-    projection (Mixtral's: `block_sparse_moe.experts.{e}.w1` / `w3` / `w2`); updates land in the fused tensors (and
-    in Qwen2-MoE's shared expert and its gate, GLM's and DeepSeek-V3's shared experts and routers' expert-bias
+    """A Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / DeepSeek-V3 engine (transformers keeps each layer's experts fused,
+    in a block it names `mlp`) names and takes its weights as the checkpoint and the trainer's push do, one tensor per
+    expert projection (Mixtral's: `block_sparse_moe.experts.{e}.w1` / `w3` / `w2`); updates land in the fused tensors
+    (and in Qwen2-MoE's shared expert and its gate, GLM's and DeepSeek-V3's shared experts and routers' expert-bias
     buffers, DeepSeek-V3's latent attention)."""
     from safetensors.torch import load_file
 

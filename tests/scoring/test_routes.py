@@ -1,7 +1,7 @@
-"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers),
-a tiny GLM-4.5 and a tiny DeepSeek-V3 (sigmoid routers with an expert bias) in one process: the local engine records its routes, and the
-actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken from the HF
-model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
+"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers), a
+tiny GLM-4.5 and a tiny DeepSeek-V3 (sigmoid routers with an expert bias) in one process: the local engine records its
+routes, and the actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken
+from the HF model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
 
 import pytest
 import torch

@@ -11,12 +11,12 @@ top-k, the routed scaling factor and one ungated shared expert (`families.sigmoi
 Multi-token-prediction layers (`num_nextn_predict_layers`, `model.layers.{num_hidden_layers + i}.*`): not built
 (nor by transformers' model) and not trained; conversion carries their tensors bit for bit (`convert.carried`).
 
-Refused by name: quantised weights (`quantization_config`: the fp8 releases, cast them to bf16 first), a query
-without its latent (`q_lora_rank` null, DeepSeek-V2-Lite), `rope_interleave` false (Megatron's
-MLA rotates interleaved pairs), `num_key_value_heads` other than `num_attention_heads`, a RoPE type other than
-default / yarn and YaRN with an explicit `attention_factor`, `truncate` false or an `mscale_all_dim` without its
-`mscale` (Megatron's YaRN scales those otherwise than transformers'), `moe_layer_freq` other than 1, biased projections, and the
-routing options `families.sigmoid_moe` refuses.
+Refused by name: quantised weights (`quantization_config`: the fp8 releases, cast them to bf16 first), a query without
+its latent (`q_lora_rank` null, DeepSeek-V2-Lite), `rope_interleave` false (Megatron's MLA rotates interleaved pairs),
+`num_key_value_heads` other than `num_attention_heads`, a RoPE type other than default / yarn and YaRN with an explicit
+`attention_factor`, `truncate` false or an `mscale_all_dim` without its `mscale` (Megatron's YaRN scales those otherwise
+than transformers'), `moe_layer_freq` other than 1, biased projections, and the routing options `families.sigmoid_moe`
+refuses.
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ DEEPSEEK_V3 = register_family(DeepseekV3Family(
             "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
             "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
             "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
-            "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-                                                  "mscale_all_dim": 1.0},
+            "rope_theta": 10000,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
             "tie_word_embeddings": False, "attention_bias": False,
         },
     },

@@ -11,12 +11,12 @@ The correction bias is loaded into Megatron's `TopKRouter.expert_bias` (a persis
 (`moe_router_bias_update_rate` 0): RL fine-tuning keeps the pretrained routing balance, so the bias is neither
 trained nor updated, and exports as loaded.
 
-Refused by name: `norm_topk_prob` false (Megatron's sigmoid router renormalises top-k > 1 always), grouped routing
-whose group merit is not the two best scores of a group (Megatron scores a group by its top
-`num_experts_per_tok / topk_group`), an expert count the groups do not divide, and a `scoring_func` / `topk_method` other than
-`sigmoid` / `noaux_tc` where the config names one. The multi-token-prediction layers real checkpoints hold after the last decoder
-layer (`num_nextn_predict_layers`) are not built (nor by transformers' model) and not trained: conversion carries
-their tensors verbatim (`convert.carried`).
+Refused by name: `norm_topk_prob` false (Megatron's sigmoid router renormalises top-k > 1 always), grouped routing whose
+group merit is not the two best scores of a group (Megatron scores a group by its top `num_experts_per_tok /
+topk_group`), an expert count the groups do not divide, and a `scoring_func` / `topk_method` other than `sigmoid` /
+`noaux_tc` where the config names one. The multi-token-prediction layers real checkpoints hold after the last decoder
+layer (`num_nextn_predict_layers`) are not built (nor by transformers' model) and not trained: conversion carries their
+tensors verbatim (`convert.carried`).
 """
 
 from __future__ import annotations
