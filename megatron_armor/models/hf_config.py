@@ -147,8 +147,7 @@ def transformer_config(
     `cp_size`: each sequence over that many context-parallel ranks (`parallel_state`'s CP group must agree).
     """
     check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size, cp_size)
-    family = model_family(shape.arch)
-    return family.megatron_config_type(
+    return model_family(shape.arch).megatron_config_type(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -186,5 +185,5 @@ def transformer_config(
                                                # dispatcher, even in a dense model, which dispatches no tokens
         **recompute.megatron_fields(),
         **moe.megatron_fields(shape, ep_size, etp_size),
-        **family.megatron_fields(shape),
+        **model_family(shape.arch).megatron_fields(shape),
     )
