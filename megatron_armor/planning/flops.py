@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_armor.models.families import model_family
 from megatron_armor.models.hf_config import ModelShape
 
 FORWARD_BACKWARD = 3  # backward = 2x forward
@@ -53,9 +54,11 @@ def attention_widths(shape: ModelShape) -> tuple[int, int]:
 
 def mlp_width(shape: ModelShape) -> int:
     """Sum over the decoder layers of the multiply-adds per token and hidden unit of its MLP: 3 ffn in a dense
-    layer, 3 k moe_ffn + E (the router) in a MoE layer, plus 3 shared_ffn + 1 (its gate) with a shared expert."""
+    layer, 3 k moe_ffn + E (the router) in a MoE layer, plus 3 shared_ffn (+ 1, its gate, where it has one) with a
+    shared expert."""
     shared = shape.shared_expert_ffn_hidden_size
-    moe = 3 * shape.moe_top_k * shape.moe_ffn_hidden_size + shape.num_experts + (3 * shared + 1 if shared else 0)
+    gate = 1 if shared and model_family(shape.arch).expert_names.shared_gate else 0  # Qwen2-MoE's; GLM's has none
+    moe = 3 * shape.moe_top_k * shape.moe_ffn_hidden_size + shape.num_experts + 3 * shared + gate
     return sum(moe if shape.is_moe_layer(layer) else 3 * shape.ffn_hidden_size for layer in range(shape.num_layers))
 
 
