@@ -17,13 +17,12 @@ h = hidden, divided by tp under sequence parallelism):
                                           stage's ranks that is h' = h etp / tp and f' = moe_ffn / tp per token
   shared expert         5 s + h + 1       (Qwen2-MoE, s = shared ffn / tp) its SwiGLU, its output and the sigmoid
                                           gate's score, which multiply
-Multi-latent attention (DeepSeek-V3; r_q, r_kv the latent ranks, p the rotary dims, a = heads / tp, e = a (d_nope + p),
-u = a (d_nope + d_v), w = a d_v) in place of the QKV projection, QK norms and core attention:
-  latents               3 r_q + 3 r_kv + p + 2   the down projections' outputs (gathered whole), both norms' outputs
-                                          and their rstds, the copies scattered back to the sequence slices
-  up projections        e + u             their outputs
-  core attention        2 e + w + a       query and key (with RoPE), value and the log-sum-exp (selective
-                                          recomputation keeps 2 e + w)
+Multi-latent attention (DeepSeek-V3; r_q, r_kv the latent ranks, a = heads / tp, e = a (d_nope + d_rope),
+w = a d_v) in place of the QKV projection, QK norms and core attention:
+  latents               2 r_q + 2 r_kv + 2   each latent's norm input and output (the up projection's input) and
+                                          its rstd (the up projections' outputs are only split, roped and joined)
+  core attention        2 e + w + a       query and key (with RoPE), value and the log-sum-exp; selective
+                                          recomputation keeps 2 e + w
   attention output      w                 the output projection's input
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 """
@@ -60,9 +59,9 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
 def _mla_elements_per_token(shape: ModelShape, tp: int, selective: bool) -> int:
     """Multi-latent attention's elements per token (module doc), its output projection's input `w` included."""
     mla, a = shape.mla, shape.num_attention_heads // tp
-    e, u, w = a * mla.q_head_dim, a * (mla.qk_nope_head_dim + mla.v_head_dim), a * mla.v_head_dim
-    latents = 3 * mla.q_lora_rank + 3 * mla.kv_lora_rank + mla.qk_rope_head_dim + 2
-    return latents + e + u + 2 * e + w + (0 if selective else a) + w
+    e, w = a * mla.q_head_dim, a * mla.v_head_dim
+    latents = 2 * mla.q_lora_rank + 2 * mla.kv_lora_rank + 2
+    return latents + 2 * e + w + (0 if selective else a) + w
 
 
 @dataclass(frozen=True)
