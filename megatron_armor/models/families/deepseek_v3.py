@@ -64,8 +64,9 @@ class DeepseekV3Family(SigmoidMoEFamily):
         return {**super().shape_fields(hf, source), "mla": mla}
 
     def rope_scaling_factor(self, rope: dict, source: str) -> float | None:
-        """None: YaRN is multi-latent attention's own (`MLAShape`); any other scaling is refused (`_yarn_fields`)."""
-        _yarn_fields(rope, source)
+        """None: YaRN is multi-latent attention's own (`MLAShape`, which `shape_fields` reads and where any other
+        scaling is refused)."""
+        del rope, source
         return None
 
     def megatron_fields(self, shape: ModelShape) -> dict[str, Any]:
