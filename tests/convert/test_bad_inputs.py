@@ -138,6 +138,7 @@ def fake_megatron_checkpoint(path: Path) -> None:
     (path / INFO_FILE).write_text("{}")
 
 
+@pytest.mark.torchrun  # it replaces torchrun's launch itself
 def test_existing_checkpoint_needs_overwrite(hf_copy, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     fake_megatron_checkpoint(out)

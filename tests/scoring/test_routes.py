@@ -17,7 +17,7 @@ from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.scoring.routes import routing_pass
+from megatron_armor.scoring.routes import RoutingCounts, routing_pass
 
 from algorithm_factory import make_algorithm
 
@@ -145,6 +145,7 @@ def test_routing_metrics_match_counts_from_the_hf_model(setup):
     assert 0 < agreed / compared < 1
     assert metrics["moe/routing_agreement"] == pytest.approx(agreed / compared, abs=1e-9)
     assert metrics["moe/expert_load_cv"] == pytest.approx(expected_cv, rel=1e-6)
+    assert metrics["moe/replay_applied"] == 1.0  # every token went to the engine's experts, though its own differ
 
     unbiased = LocalEngine(AutoModelForCausalLM.from_pretrained(checkpoint), record_routes=True)
     same = unbiased.generate([s.prompt_ids for s in samples], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
@@ -153,6 +154,18 @@ def test_routing_metrics_match_counts_from_the_hf_model(setup):
     routing = routing_pass(actor, batch)
     compute_logprobs(actor, batch, micro_batching=LAYOUTS["rows"], scoring=ScoringConfig(), routing=routing)
     assert routing.metrics()["moe/routing_agreement"] == 1.0
+
+
+def test_routing_counts_tell_a_replay_that_took_effect_from_one_that_did_not():
+    """RoutingCounts on hand-made routes of 1 row x 3 positions x 2 layers x top-2 (the last position padding): of the
+    4 real token-layer routes with a target, the router's own choice matches 2 (as sets) and the forward applied 3."""
+    target = torch.tensor([[[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[0, 1], [0, 1]]]])
+    chosen = torch.tensor([[[[1, 0], [2, 1]], [[1, 2], [0, 2]], [[0, 1], [0, 1]]]])  # agrees at (0, 0), (1, 0)
+    applied = torch.tensor([[[[1, 0], [3, 2]], [[2, 1], [0, 2]], [[2, 3], [2, 3]]]])  # misses (1, 1) only
+    counts = RoutingCounts(torch.zeros(2, 4, dtype=torch.int64))
+    counts.add(chosen, applied, target, real=torch.tensor([[True, True, False]]))
+    assert (counts.agreed, counts.applied, counts.compared) == (2, 3, 4)
+    assert counts.load.sum() == 4 * 2 and counts.load[1, 3] == 1  # the applied experts of the real positions
 
 
 def test_recompute_replays_the_old_pass_routing_and_gradients_reach_the_routers(setup):
@@ -179,7 +192,8 @@ def test_recompute_replays_the_old_pass_routing_and_gradients_reach_the_routers(
     forward_backward(actor, batching.split(batch), _loss(), scoring=ScoringConfig(), forward_only=False,
                      routing=replayed)
     assert torch.equal(replayed.counts.load, old.counts.load)
-    assert replayed.metrics()["moe/routing_agreement"] < 1
+    metrics = replayed.metrics()
+    assert metrics["moe/routing_agreement"] < 1 and metrics["moe/replay_applied"] == 1.0
     assert len(routers) == 2 and all(float(w.grad.abs().sum()) > 0 for w in routers.values())
 
 

@@ -144,6 +144,7 @@ def test_moe_routing_replay_under_ep2_pp2_and_tp2_matches_single_rank(runs):
     some_key = next(iter(base["logprobs"]))
     assert not torch.allclose(r3["logprobs"][some_key][0], base["logprobs"][some_key][0], atol=1e-3)
     assert 0 < r3["routing_metrics"]["moe/routing_agreement"] < 0.5 and "moe/routing_agreement" not in r2["routing_metrics"]
+    assert r3["routing_metrics"]["moe/replay_applied"] == 1.0  # and at every layout below: the replay took effect
     for name in ("moe-ep2-r3", "moe-tp2-sp-r3", "moe-ep2-tp2-sp-r3", "moe-pp2-r2"):
         reference = r3 if name.endswith("r3") else r2
         for result in runs[name]:
