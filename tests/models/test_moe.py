@@ -1,4 +1,5 @@
-"""Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral and GLM-4.5 (sigmoid routing, expert bias) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
+"""Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral, GLM-4.5 and DeepSeek-V3 (sigmoid routing, expert bias;
+DeepSeek-V3's multi-latent attention) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
 sequence parallelism, EP=2 x TP=2, and EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
 
 import re
@@ -29,6 +30,9 @@ VARIANTS = {  # name -> (arch, make_tiny_checkpoint options)
     # GLM-4.5: layer 0 dense, sigmoid top-2 of 4 with a (random) expert bias, scaled by 2.5, an ungated shared expert;
     # q/k/v biases, q/k norms, RoPE on half of each head's dims.
     "glm4-moe": ("glm4_moe", {}),
+    # DeepSeek-V3: multi-latent attention (q/kv latents split over TP, YaRN RoPE with both mscales), layer 0 dense,
+    # sigmoid top-2 of 4 in 2 groups (the best 1 kept) with a (random) expert bias, scaled by 2.5, a shared expert.
+    "deepseek-v3": ("deepseek_v3", {}),
 }
 
 
@@ -65,11 +69,15 @@ def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_pa
     every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process ones, the
     exports that are views of the parameters are those `parameters_exported_as_views` names, the planner's parameters
     per rank (the experts and the rest) and expert data-parallel size are the model's, and Megatron checkpoints written
-    at EP=2 and (Qwen2-MoE) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit for bit."""
+    at EP=2 and (Qwen2-MoE, DeepSeek-V3) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit
+    for bit."""
     model_dirs = [str(tiny_model_factory(arch, **options)) for arch, options in VARIANTS.values()]
-    checkpoints = dict(zip((model_dirs[0], model_dirs[2]), concurrently(  # saved at EP=2, and Qwen2-MoE's (a shared
-        lambda: convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2),  # expert split
-        lambda: convert_hf_to_megatron(model_dirs[2], tmp_path / "megatron-tp2-ep2", tp=2, pp=1, ep=2))))  # over TP)
+    saved = {0: ("megatron-ep2", 1), 2: ("megatron-tp2-ep2", 2), 5: ("megatron-v3-tp2-ep2", 2)}  # index: (dir, tp)
+    # saved at EP=2, Qwen2-MoE's (a shared expert split over TP) and DeepSeek-V3's (latent attention split over TP) at
+    # TP=2 x EP=2, all at once
+    checkpoints = dict(zip((model_dirs[i] for i in saved), concurrently(*(
+        lambda i=i, out=out, tp=tp: convert_hf_to_megatron(model_dirs[i], tmp_path / out, tp=tp, pp=1, ep=2)
+        for i, (out, tp) in saved.items()))))
 
     def launch(nproc: int) -> list[dict]:
         return run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(LAYOUTS[nproc]),

@@ -1,7 +1,7 @@
-"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers)
-and a tiny GLM-4.5 (sigmoid router with an expert bias) in one process: the local engine records its routes, and the
-actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken from the HF
-model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
+"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers), a
+tiny GLM-4.5 and a tiny DeepSeek-V3 (sigmoid routers with an expert bias) in one process: the local engine records its
+routes, and the actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken
+from the HF model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
 
 import pytest
 import torch
@@ -23,17 +23,20 @@ from algorithm_factory import make_algorithm
 
 # Selection bias of the engine's routers [layer, expert]: its top-k is taken on logits + bias, its weights are the
 # router's softmax at the chosen experts (as an expert-bias router's), so replaying its experts gives its logprobs.
-# A GLM router's selection bias is its own expert bias (e_score_correction_bias), which this is added to.
+# A sigmoid router's selection bias is its own expert bias (e_score_correction_bias), which this is added to.
 ENGINE_BIAS = torch.tensor([[0.0, 0.9, 0.0, -0.9], [0.9, 0.0, -0.9, 0.0]])
 # family -> its tiny checkpoint's options (GLM's: every layer MoE, as the others')
-MODELS = {"qwen3_moe": {}, "mixtral": {}, "glm4_moe": {"moe": {"first_k_dense_replace": 0}}}
+# (DeepSeek-V3's: one expert group, multi-latent attention, packed micro-batches through its padded value dims)
+MODELS = {"qwen3_moe": {}, "mixtral": {}, "glm4_moe": {"moe": {"first_k_dense_replace": 0}},
+          "deepseek_v3": {"moe": {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}}}
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
 LAYOUTS = {"rows": MicroBatching(micro_batch_size=2), "packed": MicroBatching(micro_batch_size=3, pack=True)}
 
 
 def selection_scores(arch: str, model, layer: int, logits: torch.Tensor) -> torch.Tensor:
     """The scores [T, E] the HF `model`'s router of `layer` takes its top-k of, from its logits: a softmax router's
     logits, a sigmoid router's sigmoid scores plus its expert bias."""
-    if arch != "glm4_moe":
+    if arch not in SIGMOID_ROUTED:
         return logits
     return logits.sigmoid() + model.model.layers[layer].mlp.gate.e_score_correction_bias
 
