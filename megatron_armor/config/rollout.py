@@ -295,6 +295,9 @@ class RolloutConfig:
         require(not self.partial_rollouts or self.mode == "async",
                 f"rollout.partial_rollouts continues generations a weight push interrupted, which only rollout.mode "
                 f"async does (sync and one_step_off push weights while nothing generates): got mode {self.mode}")
+        require(not self.partial_rollouts or self.agentic.environment is None,
+                "rollout.partial_rollouts continues interrupted single completions; a trajectory's turns are not "
+                "continued yet (rollout.agentic.environment): turn partial rollouts off for multi-turn runs")
         require_at_least("rollout", self, ("max_staleness",), 0)
         require_at_least("rollout", self, ("async_buffer_batches",), 1)
         self.backend_settings.check_with(self)
@@ -309,8 +312,11 @@ class RolloutConfig:
 
     def check_with(self, routing_replay: str) -> None:
         """Partial rollouts mix weight versions within a response, which train.`routing_replay` rollout cannot
-        replay."""
+        replay; trajectories do not record the engine's routes."""
         require(not self.partial_rollouts or routing_replay != "rollout",
                 "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
                 "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix "
                 "of both; use routing_replay recompute (R2) or none with partial rollouts")
+        require(self.agentic.environment is None or routing_replay != "rollout",
+                "rollout.agentic.environment: trajectories do not record the engine's routes, which train.routing_replay "
+                "rollout (R3) replays; use routing_replay recompute (R2) or none with multi-turn rollouts")

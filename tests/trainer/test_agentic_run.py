@@ -82,3 +82,20 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
             assert 0 in matches[0].loss_mask[matches[0].prompt_length:]
             checked += 1
     assert checked == sum(b.size for b in batches) > 0
+
+
+def test_grpo_kl_trains_on_trajectories_in_async_rollouts(synthetic_cache, tmp_path, monkeypatch):
+    """The background generator of rollout.mode async rolls trajectories out on its thread (an event loop of its
+    own per generation batch); GRPO + KL scores them with the reference on the sampled tokens."""
+    run_dir = tmp_path / "run"
+    overrides = [*agentic_overrides(synthetic_cache, run_dir, 2), "algorithm.name=grpo_kl", "kl.coef=0.01",
+                 "rollout.sampling.actor_n=4", "rollout.mode=async", "rollout.max_staleness=1"]
+    assert run_training(load_config(CONFIG, overrides)) == 0
+    rows = {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    for step in (1, 2):
+        row = rows[step]
+        assert row["agent/turns_mean"] == 2.0 and row["agent/status_completed"] == 1.0
+        assert row["train/update_skipped"] == 0.0 and "armor/anchor_accuracy" not in row
+        assert row["async/staleness_max"] <= 1
+    assert rows[1]["mismatch/logprob_abs_diff"] < 1e-5  # the first batch was sampled by the weights it trains
+    assert rows[1]["loss/kl_to_ref"] == 0.0 < rows[2]["loss/kl_to_ref"]  # the actor leaves the reference
