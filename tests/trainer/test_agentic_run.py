@@ -1,12 +1,14 @@
 """ARMOR on multi-turn trajectories through `armor train`'s code path (`run_training`, one process): the policy's
 samples and the anchors are two-turn trajectories of an environment (tests/trainer/agentic_task/), the trained tokens
 are exactly those the policy sampled (checked against the trajectories' own record), the trainer's logprobs equal the
-engine's to the fp32 floor, and the agent/* metrics reach metrics.jsonl."""
+engine's to the fp32 floor, the agent/* metrics reach metrics.jsonl, and a run resumed mid-way continues with the
+same metrics (each turn's sampling seed derives from its request)."""
 
-import json
 from pathlib import Path
 
 import torch
+
+from training_runs import resume_from, run_metrics
 
 from megatron_armor.config import load_config
 from megatron_armor.models.tiny import make_char_tokenizer
@@ -46,9 +48,9 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
     monkeypatch.setattr(TrajectoryScorer, "_roll_out", recorded_roll_out)
     monkeypatch.setattr(training_batch, "build_sequence_batch", recorded_build)
     run_dir = tmp_path / "run"
-    assert run_training(load_config(CONFIG, agentic_overrides(synthetic_cache, run_dir, 2))) == 0
+    assert run_training(load_config(CONFIG, [*agentic_overrides(synthetic_cache, run_dir, 2), "checkpoint.every=1"])) == 0
 
-    rows = {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    rows = run_metrics(run_dir)
     for step in (1, 2):
         row = rows[step]
         assert row["mismatch/logprob_abs_diff"] < 1e-5  # the fp32 floor (~1e-7), far below any real mismatch
@@ -83,6 +85,13 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
             checked += 1
     assert checked == sum(b.size for b in batches) > 0
 
+    resumed = tmp_path / "resumed"
+    resume_from(run_dir, resumed, 1)
+    assert run_training(load_config(CONFIG, agentic_overrides(synthetic_cache, resumed, 2)), resume=True) == 0
+    timings = ("perf/", "agent/generation_s_mean", "agent/tool_s_mean")
+    deterministic = [key for key in rows[2] if not key.startswith(timings)]
+    assert {k: run_metrics(resumed)[2][k] for k in deterministic} == {k: rows[2][k] for k in deterministic}
+
 
 def test_grpo_kl_trains_on_trajectories_in_async_rollouts(synthetic_cache, tmp_path, monkeypatch):
     """The background generator of rollout.mode async rolls trajectories out on its thread (an event loop of its
@@ -91,7 +100,7 @@ def test_grpo_kl_trains_on_trajectories_in_async_rollouts(synthetic_cache, tmp_p
     overrides = [*agentic_overrides(synthetic_cache, run_dir, 2), "algorithm.name=grpo_kl", "kl.coef=0.01",
                  "rollout.sampling.actor_n=4", "rollout.mode=async", "rollout.max_staleness=1"]
     assert run_training(load_config(CONFIG, overrides)) == 0
-    rows = {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    rows = run_metrics(run_dir)
     for step in (1, 2):
         row = rows[step]
         assert row["agent/turns_mean"] == 2.0 and row["agent/status_completed"] == 1.0
