@@ -6,6 +6,7 @@ same metrics (each turn's sampling seed derives from its request)."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from training_runs import resume_from, run_metrics
@@ -108,3 +109,32 @@ def test_grpo_kl_trains_on_trajectories_in_async_rollouts(synthetic_cache, tmp_p
         assert row["async/staleness_max"] <= 1
     assert rows[1]["mismatch/logprob_abs_diff"] < 1e-5  # the first batch was sampled by the weights it trains
     assert rows[1]["loss/kl_to_ref"] == 0.0 < rows[2]["loss/kl_to_ref"]  # the actor leaves the reference
+
+
+@pytest.mark.parametrize("algorithm", ["mipu", "opd"])
+def test_mipu_and_opd_train_on_trajectories(synthetic_cache, tmp_path, monkeypatch, algorithm):
+    """MIPU's update gate measures the engine on trajectories of held-out prompts, as the step samples them (every
+    trajectory rolled out beyond the step's own is the gate's); OPD's teacher scores the student's trajectories (the
+    untrained student: its turns mostly run to their token limit, ending the trajectory truncated)."""
+    rolled_out = []
+    roll_out = TrajectoryScorer._roll_out
+
+    def counted_roll_out(self, engine, rows, *args):
+        rolled_out.extend(rows)
+        return roll_out(self, engine, rows, *args)
+
+    monkeypatch.setattr(TrajectoryScorer, "_roll_out", counted_roll_out)
+    options = {"mipu": ["mipu.gate_prompts=2", "mipu.gate_n=3", "algorithm.clip_high=null", "algorithm.dual_clip=null"],
+               "opd": ["algorithm.filter_groups=false"]}[algorithm]
+    run_dir = tmp_path / "run"
+    overrides = [*agentic_overrides(synthetic_cache, run_dir, 1), f"algorithm.name={algorithm}",
+                 "rollout.sampling.actor_n=4", *options]
+    assert run_training(load_config(CONFIG, overrides)) == 0
+    row = run_metrics(run_dir)[1]
+    assert row["train/update_skipped"] == 0.0 and row["agent/trainable_token_fraction"] > 0
+    assert row["mismatch/logprob_abs_diff"] < 1e-5
+    if algorithm == "mipu":
+        assert row["mipu/accepted"] in (0.0, 1.0) and abs(row["mipu/gap_proxy"]) < float("inf")
+        assert len(rolled_out) == row["filter/prompts_generated"] * 4 + 2 * 3  # the step's, then the gate's
+    else:
+        assert row["opd/reverse_kl"] > 0 and row["agent/status_truncated"] > 0

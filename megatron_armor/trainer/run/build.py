@@ -103,7 +103,8 @@ def build_training(
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
     train_scorer = _train_scorer(cfg, tokenizer, rewards)
     val_scorer = SampleScorer(tokenizer, rewards.val)
-    gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
+    gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
+    gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, gate_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
@@ -243,7 +244,8 @@ def _update_gate(
     sampling: SamplingParams,
 ) -> InferenceGapGate | None:
     """The algorithm's post-update gate over held-out prompts, or None when it has none. Its advantages come
-    from verifier rewards (mipu.md §3): the validation scorer, no overlong penalty."""
+    from verifier rewards (mipu.md §3): `val_scorer`, the validation scorer, no overlong penalty (a multi-turn run's
+    trajectory scorer: the gate measures the engine on trajectories, as it samples them)."""
     if config is None:
         return None
     return InferenceGapGate.from_config(config, val_rows, val_scorer, sampling, seed=cfg.train.seed,
