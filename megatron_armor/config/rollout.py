@@ -318,5 +318,6 @@ class RolloutConfig:
                 "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix "
                 "of both; use routing_replay recompute (R2) or none with partial rollouts")
         require(self.agentic.environment is None or routing_replay != "rollout",
-                "rollout.agentic.environment: trajectories do not record the engine's routes, which train.routing_replay "
-                "rollout (R3) replays; use routing_replay recompute (R2) or none with multi-turn rollouts")
+                "rollout.agentic.environment: trajectories do not record the engine's routes, which "
+                "train.routing_replay rollout (R3) replays; use routing_replay recompute (R2) or none with multi-turn "
+                "rollouts")

@@ -188,8 +188,8 @@ def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninter
         for row in rows:
             assert row["filter/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH, row["step"]
             assert row["agent/status_completed"] == 1.0 and row["agent/turns_mean"] == 2.0, row["step"]
-        drawn = [GEN_BATCH * int(sum(row["train/num_gen_batches"] for row in rows[: step + 1])) for step in range(STEPS)]
-        assert _samplers(run_dir) == [{"epoch": 0, "cursor": cursor} for cursor in drawn]
+        batches = [int(sum(row["train/num_gen_batches"] for row in rows[: step + 1])) for step in range(STEPS)]
+        assert _samplers(run_dir) == [{"epoch": 0, "cursor": GEN_BATCH * count} for count in batches]
     assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1
 
 

@@ -49,7 +49,8 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
     monkeypatch.setattr(TrajectoryScorer, "_roll_out", recorded_roll_out)
     monkeypatch.setattr(training_batch, "build_sequence_batch", recorded_build)
     run_dir = tmp_path / "run"
-    assert run_training(load_config(CONFIG, [*agentic_overrides(synthetic_cache, run_dir, 2), "checkpoint.every=1"])) == 0
+    overrides = [*agentic_overrides(synthetic_cache, run_dir, 2), "checkpoint.every=1"]
+    assert run_training(load_config(CONFIG, overrides)) == 0
 
     rows = run_metrics(run_dir)
     for step in (1, 2):

@@ -216,8 +216,9 @@ class RolloutPhase:
     ) -> dict[str, float]:
         """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept, the
         anchors among the kept groups, the audit verifiers' verdicts on every on-policy sample and a multi-turn run's
-        agent/* metrics of every on-policy trajectory (counts summed over `group`: collective), the actor's engine's own counters summed over the ranks (`engine_counters`, as
-        rollout/*), and what the algorithm's extra sources add (`AnchorSource.metrics`)."""
+        agent/* metrics of every on-policy trajectory (counts summed over `group`: collective), the actor's engine's
+        own counters summed over the ranks (`engine_counters`, as rollout/*), and what the algorithm's extra sources
+        add (`AnchorSource.metrics`)."""
         metrics = {
             "train/reward_mean": mean([s.reward for s in on_policy]),
             "train/accuracy": mean([float(s.correct) for s in on_policy]),
