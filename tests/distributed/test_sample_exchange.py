@@ -143,3 +143,4 @@ def test_all_gather_samples_equals_all_gather_object_on_two_ranks(tmp_path):
         assert results[0][case]["samples"] == results[1][case]["samples"], case
     assert [len(results[0][case]["samples"]) for case in ("one_rank_empty", "uneven", "all_empty")] == [5, 10, 0]
     assert results[0]["uneven"]["samples"][3]["prompt_index"] == 100  # rank 1's first sample follows rank 0's three
+    assert sum(s["loss_mask"] is not None for s in results[0]["uneven"]["samples"]) == 3  # trajectories' masks too
