@@ -95,12 +95,13 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
     assert {k: run_metrics(resumed)[2][k] for k in deterministic} == {k: rows[2][k] for k in deterministic}
 
 
-def test_grpo_kl_trains_on_trajectories_in_async_rollouts(synthetic_cache, tmp_path, monkeypatch):
-    """The background generator of rollout.mode async rolls trajectories out on its thread (an event loop of its
-    own per generation batch); GRPO + KL scores them with the reference on the sampled tokens."""
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_grpo_kl_trains_on_trajectories_in_overlapped_rollouts(synthetic_cache, tmp_path, monkeypatch, mode):
+    """The overlapped rollout modes roll trajectories out on their background thread (an event loop of its own per
+    generation batch); GRPO + KL scores them with the reference on the sampled tokens."""
     run_dir = tmp_path / "run"
     overrides = [*agentic_overrides(synthetic_cache, run_dir, 2), "algorithm.name=grpo_kl", "kl.coef=0.01",
-                 "rollout.sampling.actor_n=4", "rollout.mode=async", "rollout.max_staleness=1"]
+                 "rollout.sampling.actor_n=4", f"rollout.mode={mode}", "rollout.max_staleness=1"]
     assert run_training(load_config(CONFIG, overrides)) == 0
     rows = run_metrics(run_dir)
     for step in (1, 2):
