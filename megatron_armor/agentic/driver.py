@@ -31,6 +31,7 @@ from megatron_armor.agentic.trajectory import (
     DRIFT_POLICIES, DriftPolicy, Status, Trajectory, TrajectoryBuilder, TrajectoryStats, TurnCheck,
 )
 from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.utils.seeding import stable_seed
 
 logger = logging.getLogger(__name__)
 
@@ -168,29 +169,47 @@ def _log_failure(row: dict, error: Exception) -> str:
     return message
 
 
+class TurnSeeds:
+    """A `Generator` that samples its k-th call (k = 1, 2, ...) with seed `stable_seed(seed, k)`: a trajectory's
+    turns then depend on its own seed only, not on which other trajectories' turns share an engine batch."""
+
+    def __init__(self, generator: Generator, seed: int) -> None:
+        self.generator, self.seed, self.calls = generator, seed, 0
+
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams) -> GenerateResult:
+        self.calls += 1
+        return await self.generator.generate(token_ids, replace(sampling, seed=stable_seed(self.seed, self.calls)))
+
+
 async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequence[dict],
-                       max_in_flight: int = 64) -> list[Trajectory]:
+                       max_in_flight: int = 64, seeds: Sequence[int] | None = None) -> list[Trajectory]:
     """One task per row running `rollout`, at most `max_in_flight` at once; trajectories in the order of `rows`.
+    With `seeds` (one per row) row i's trajectory samples its turns seeded from `seeds[i]` (`TurnSeeds`), so it is
+    reproducible whatever runs beside it (an engine samples a batch of differently seeded calls one call at a time).
     A rollout function that raises gives a `failed` trajectory without segments. Synchronous environment methods and
     plain-function tools run meanwhile on a pool of `max_in_flight` threads (`tools.WORKER_THREADS`), so every
     trajectory in flight may wait on one; the pool is shut down on return without waiting for a call past its
     time-out."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if seeds is not None and len(seeds) != len(rows):
+        raise ValueError(f"{len(seeds)} seeds for {len(rows)} rows")
     admission = asyncio.Semaphore(max_in_flight)
     threads = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="agentic-worker")
     token = WORKER_THREADS.set(threads)  # the tasks below copy this context
 
-    async def one(row: dict) -> Trajectory:
+    async def one(row: dict, seed: int | None) -> Trajectory:
         async with admission:
             try:
-                return await rollout(ctx, row)
+                return await rollout(ctx if seed is None else replace(ctx, generator=TurnSeeds(ctx.generator, seed)),
+                                     row)
             except Exception as error:
                 return Trajectory(row, [], Status.FAILED, 0.0, [], [], TrajectoryStats(),
                                   error=_log_failure(row, error))
 
     try:
-        return list(await asyncio.gather(*(one(row) for row in rows)))
+        row_seeds = [None] * len(rows) if seeds is None else seeds
+        return list(await asyncio.gather(*(one(row, seed) for row, seed in zip(rows, row_seeds))))
     finally:
         WORKER_THREADS.reset(token)
         threads.shutdown(wait=False)

@@ -6,7 +6,7 @@
     optimizer.py        optimizer (Adam, grad clip, warmup, the distributed optimizer)
     recompute.py        recompute (activation recomputation)
     subspace.py         subspace (subspace-constrained training)
-    rollout.py          rollout and its sub-sections: sampling, anchors, sglang, weight_sync, memory
+    rollout.py          rollout and its sub-sections: sampling, anchors, agentic, sglang, weight_sync, memory
     algorithm.py        algorithm, and the built-in algorithms' own sections armor, kl, mipu, opd
     section_registry.py the algorithms' own sections (built-ins and plug-ins), by name
     plugins.py          objects named by path (reward functions, plug-in algorithms)
@@ -30,7 +30,8 @@ from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.optimizer import OptimizerConfig
 from megatron_armor.config.recompute import RecomputeConfig
 from megatron_armor.config.rollout import (
-    AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig, WeightSyncConfig,
+    AgenticConfig, AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig,
+    WeightSyncConfig,
 )
 from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.subspace import SubspaceConfig
@@ -40,7 +41,8 @@ from megatron_armor.config.sections import (
 )
 
 __all__ = [
-    "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig",
+    "EvalConfig",
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
     "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout",

@@ -1,4 +1,5 @@
-"""`rollout`: the engine that samples responses, and its sub-sections: sampling, ARMOR's anchors, the settings
+"""`rollout`: the engine that samples responses, and its sub-sections: sampling, ARMOR's anchors, multi-turn
+(agentic) rollouts, the settings
 of each rollout backend (`local`, `sglang`: a backend's settings are the sub-section named after it), the weight
 sync to the servers, and the GPU-memory hand-off with colocated servers.
 
@@ -65,6 +66,62 @@ class AnchorsConfig:
     def __post_init__(self) -> None:
         check_choices("rollout.anchors", self)
         require_at_least("rollout.anchors", self, ("cache_max_prompts",), 1)
+
+
+STATUS_ACTIONS = ("train", "zero_reward", "resample")  # what rollout.agentic.on_<status> may say
+
+
+@dataclass
+class AgenticConfig:
+    """Multi-turn, tool-using rollouts (docs/guides/agentic.md): with an environment, every training sample (and
+    ARMOR's anchor, sampled by the reference through the same environment) is a trajectory."""
+
+    environment: str | None = doc(
+        None, "the environment class (package.module:Class or path/to/file.py:Class, a subclass of "
+        "megatron_armor.agentic.environment.Environment) whose trajectories the policy trains on; null: one "
+        "completion per sample"
+    )
+    chat_template: str | None = doc(
+        None, "a Jinja chat-template file rendering the conversations (null: the tokenizer's own chat_template)"
+    )
+    end_of_turn: str | None = doc(
+        None, "the token that ends an assistant turn (the policy's stop token in trajectories, e.g. <|im_end|>); "
+        "null: the tokenizer's EOS"
+    )
+    max_turns: int = doc(8, "policy turns per trajectory (truncated after)")
+    max_total_tokens: int = doc(
+        4096, "tokens of a trajectory (prompt, turns, tool results; truncated when spent); each turn samples at most "
+        "rollout.sampling.max_new_tokens"
+    )
+    max_invalid_turns: int = doc(3, "invalid turns in a row (e.g. malformed tool calls) before a trajectory aborts")
+    max_in_flight: int = doc(64, "trajectories a rank runs at once (one asyncio task each)")
+    on_completed: Literal["train", "zero_reward", "resample"] = doc(
+        "train", "what a trajectory that the environment ended becomes: train (its reward, the policy's tokens "
+        "trained) | zero_reward (trained with reward 0, never correct) | resample (dropped, the row rolled out again)"
+    )
+    on_truncated: Literal["train", "zero_reward", "resample"] = doc(
+        "train", "the same for a trajectory a limit ended (turns, tokens, a turn cut at its token limit)"
+    )
+    on_aborted: Literal["train", "zero_reward", "resample"] = doc(
+        "zero_reward", "the same for one the engine interrupted or that made max_invalid_turns invalid turns in a row"
+    )
+    on_failed: Literal["train", "zero_reward", "resample"] = doc(
+        "zero_reward", "the same for one whose environment or tool raised or timed out (the error is logged once)"
+    )
+    max_resamples: int = doc(
+        2, "rollouts again of a row whose trajectory an on_<status> resample dropped (or that sampled nothing); past "
+        "them the last one is trained with reward 0"
+    )
+
+    def __post_init__(self) -> None:
+        check_choices("rollout.agentic", self)
+        require_at_least("rollout.agentic", self, ("max_turns", "max_total_tokens", "max_invalid_turns",
+                                                   "max_in_flight"), 1)
+        require_at_least("rollout.agentic", self, ("max_resamples",), 0)
+
+    def action(self, status: str) -> str:
+        """What a trajectory ending in `status` (an agentic `Status` value) becomes: one of STATUS_ACTIONS."""
+        return getattr(self, f"on_{status}")
 
 
 @dataclass
@@ -215,6 +272,7 @@ class RolloutConfig:
     )
     sampling: SamplingConfig = section(SamplingConfig)
     anchors: AnchorsConfig = section(AnchorsConfig)
+    agentic: AgenticConfig = section(AgenticConfig)
     local: LocalEngineConfig = section(LocalEngineConfig)
     sglang: SGLangClientConfig = section(SGLangClientConfig)
     weight_sync: WeightSyncConfig = section(WeightSyncConfig)
@@ -237,6 +295,9 @@ class RolloutConfig:
         require(not self.partial_rollouts or self.mode == "async",
                 f"rollout.partial_rollouts continues generations a weight push interrupted, which only rollout.mode "
                 f"async does (sync and one_step_off push weights while nothing generates): got mode {self.mode}")
+        require(not self.partial_rollouts or self.agentic.environment is None,
+                "rollout.partial_rollouts continues interrupted single completions; a trajectory's turns are not "
+                "continued yet (rollout.agentic.environment): turn partial rollouts off for multi-turn runs")
         require_at_least("rollout", self, ("max_staleness",), 0)
         require_at_least("rollout", self, ("async_buffer_batches",), 1)
         self.backend_settings.check_with(self)
@@ -251,8 +312,12 @@ class RolloutConfig:
 
     def check_with(self, routing_replay: str) -> None:
         """Partial rollouts mix weight versions within a response, which train.`routing_replay` rollout cannot
-        replay."""
+        replay; trajectories do not record the engine's routes."""
         require(not self.partial_rollouts or routing_replay != "rollout",
                 "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
                 "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix "
                 "of both; use routing_replay recompute (R2) or none with partial rollouts")
+        require(self.agentic.environment is None or routing_replay != "rollout",
+                "rollout.agentic.environment: trajectories do not record the engine's routes, which "
+                "train.routing_replay rollout (R3) replays; use routing_replay recompute (R2) or none with multi-turn "
+                "rollouts")

@@ -22,6 +22,9 @@ class Sample:
     every response token but the last) in each of the L decoder layers (SGLang's `routed_experts`), or None.
     token_versions: [R] int, the weight version that sampled each response token (rollout.partial_rollouts: a
     response continued under newer weights mixes versions), or None: the rollout's version of the sample's group.
+    loss_mask: [R] int, 1 where the policy sampled the response token (a multi-turn trajectory's response also holds
+    tool results and template scaffolding, which are not trained; agentic/trajectory.py), or None: every response
+    token was sampled. engine_logprobs are 0.0 where it is 0.
     """
 
     prompt_index: int
@@ -34,3 +37,4 @@ class Sample:
     correct: bool = False
     routed_experts: torch.Tensor | None = field(default=None, compare=False)
     token_versions: list[int] | None = None
+    loss_mask: list[int] | None = None

@@ -20,7 +20,7 @@ from megatron_armor.data.types import FinishReason, Sample
 from megatron_armor.distributed.device import collective_device
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)  # finish reason i travels as the code i
-SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code", "routed", "versioned")
+SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code", "routed", "versioned", "masked")
 
 
 @dataclass
@@ -30,10 +30,11 @@ class PackedSamples:
     token_ids:       [T] int64, each sample's prompt ids then its response ids, samples in order
     engine_logprobs: [L] float64, each sample's response logprobs, samples in order
     lengths:         [n, 2] int64, (P_i, R_i)
-    scalars:         [n, 6] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS; routed / versioned: 1
-                     when the sample carries routed experts / token versions)
+    scalars:         [n, 7] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS; routed / versioned /
+                     masked: 1 when the sample carries routed experts / token versions / a loss mask)
     rewards:         [n] float64
     token_versions:  [sum over versioned samples of R_i] int64, their `token_versions` in order
+    loss_masks:      [sum over masked samples of R_i] int64, their `loss_mask` in order
     routes:          [sum over routed samples of (P_i + R_i - 1) * L * k] int32, their `routed_experts` in order
     route_shape:     (L, k) of every routed sample's experts, (0, 0) when none is routed
     """
@@ -44,18 +45,19 @@ class PackedSamples:
     scalars: torch.Tensor
     rewards: torch.Tensor
     token_versions: torch.Tensor
+    loss_masks: torch.Tensor
     routes: torch.Tensor
     route_shape: tuple[int, int]
 
     def to_words(self) -> torch.Tensor:
-        """One [3 + 9n + T + L + |token_versions| + ceil(|routes| / 2)] int64 buffer: n, route_shape, lengths,
-        scalars, rewards, token ids, logprobs (floats as their bits), token versions, routes (int32 pairs as their
-        bits), so that a single collective moves it."""
+        """One [3 + 10n + T + L + |token_versions| + |loss_masks| + ceil(|routes| / 2)] int64 buffer: n,
+        route_shape, lengths, scalars, rewards, token ids, logprobs (floats as their bits), token versions, loss masks,
+        routes (int32 pairs as their bits), so that a single collective moves it."""
         header = torch.tensor([self.lengths.shape[0], *self.route_shape], dtype=torch.int64)
         routes = torch.nn.functional.pad(self.routes, (0, self.routes.numel() % 2))
         return torch.cat([header, self.lengths.reshape(-1), self.scalars.reshape(-1), self.rewards.view(torch.int64),
                           self.token_ids, self.engine_logprobs.view(torch.int64), self.token_versions,
-                          routes.view(torch.int64)])
+                          self.loss_masks, routes.view(torch.int64)])
 
     @classmethod
     def from_words(cls, words: torch.Tensor) -> PackedSamples:
@@ -63,14 +65,17 @@ class PackedSamples:
         n, layers, top_k = words[:3].tolist()
         lengths = words[3 : 3 + 2 * n].reshape(n, 2)
         total_tokens, total_logprobs = int(lengths.sum()), int(lengths[:, 1].sum())
-        scalars = words[3 + 2 * n : 3 + 8 * n].reshape(n, 6)
+        scalars = words[3 + 2 * n : 3 + 9 * n].reshape(n, 7)
         total_versions = int((lengths[:, 1] * scalars[:, 5]).sum())
-        offsets = torch.tensor([3 + 8 * n, n, total_tokens, total_logprobs, total_versions]).cumsum(0).tolist()
-        rewards, token_ids, logprobs, versions = (words[a:b] for a, b in zip(offsets, offsets[1:]))
+        total_masks = int((lengths[:, 1] * scalars[:, 6]).sum())
+        offsets = torch.tensor([3 + 9 * n, n, total_tokens, total_logprobs, total_versions, total_masks]).cumsum(0)
+        offsets = offsets.tolist()
+        rewards, token_ids, logprobs, versions, masks = (words[a:b] for a, b in zip(offsets, offsets[1:]))
         total_routes = int(((lengths.sum(1) - 1) * scalars[:, 4]).sum()) * layers * top_k
         routes = words[offsets[-1] : offsets[-1] + -(-total_routes // 2)].view(torch.int32)[:total_routes]
         return cls(token_ids=token_ids, engine_logprobs=logprobs.view(torch.float64), lengths=lengths,
-                   scalars=scalars, rewards=rewards.view(torch.float64), token_versions=versions, routes=routes,
+                   scalars=scalars, rewards=rewards.view(torch.float64), token_versions=versions, loss_masks=masks,
+                   routes=routes,
                    route_shape=(layers, top_k))
 
 
@@ -94,7 +99,7 @@ def pack_samples(samples: list[Sample]) -> PackedSamples:
 
     struct.pack per sample: the fastest way from Python ints and floats to bytes (about twice array.extend's speed).
     """
-    ids, logprobs, ints, rewards, versions = [], [], [], [], []
+    ids, logprobs, ints, rewards, versions, masks = [], [], [], [], [], []
     for i, s in enumerate(samples):
         if len(s.engine_logprobs) != len(s.response_ids):
             raise ValueError(
@@ -104,18 +109,23 @@ def pack_samples(samples: list[Sample]) -> PackedSamples:
                 raise ValueError(
                     f"sample {i}: {len(s.token_versions)} token versions for {len(s.response_ids)} response tokens")
             versions.append(struct.pack(f"{len(s.token_versions)}q", *s.token_versions))
+        if s.loss_mask is not None:
+            if len(s.loss_mask) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {i}: a loss mask of {len(s.loss_mask)} for {len(s.response_ids)} response tokens")
+            masks.append(struct.pack(f"{len(s.loss_mask)}q", *s.loss_mask))
         ids.append(struct.pack(f"{len(s.prompt_ids) + len(s.response_ids)}q", *s.prompt_ids, *s.response_ids))
         logprobs.append(struct.pack(f"{len(s.engine_logprobs)}d", *s.engine_logprobs))
-        ints.append(struct.pack("8q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
+        ints.append(struct.pack("9q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
                                 finish_code(s.finish_reason), s.routed_experts is not None,
-                                s.token_versions is not None))
+                                s.token_versions is not None, s.loss_mask is not None))
         rewards.append(struct.pack("d", s.reward))
-    table = _tensor(ints, torch.int64).reshape(len(samples), 8)
+    table = _tensor(ints, torch.int64).reshape(len(samples), 9)
     routes, route_shape = _packed_routes(samples)
     return PackedSamples(token_ids=_tensor(ids, torch.int64), engine_logprobs=_tensor(logprobs, torch.float64),
                          lengths=table[:, :2].contiguous(), scalars=table[:, 2:].contiguous(),
                          rewards=_tensor(rewards, torch.float64), token_versions=_tensor(versions, torch.int64),
-                         routes=routes, route_shape=route_shape)
+                         loss_masks=_tensor(masks, torch.int64), routes=routes, route_shape=route_shape)
 
 
 def _packed_routes(samples: list[Sample]) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -143,13 +153,15 @@ def unpack_samples(packed: PackedSamples) -> list[Sample]:
     per_route = packed.route_shape[0] * packed.route_shape[1]
     routes = iter(packed.routes.split([(p + r - 1) * per_route for (p, r), row in zip(lengths, scalars) if row[4]]))
     versions = iter(packed.token_versions.split([r for (_, r), row in zip(lengths, scalars) if row[5]]))
+    masks = iter(packed.loss_masks.split([r for (_, r), row in zip(lengths, scalars) if row[6]]))
     return [
         Sample(prompt_index=index, prompt_ids=ids[2 * i].tolist(), response_ids=ids[2 * i + 1].tolist(),
                engine_logprobs=logprobs[i].tolist(), finish_reason=FINISH_REASONS[code], is_anchor=bool(anchor),
                reward=reward, correct=bool(correct),
                routed_experts=next(routes).view(-1, *packed.route_shape).clone() if routed else None,
-               token_versions=next(versions).tolist() if versioned else None)
-        for i, ((index, anchor, correct, code, routed, versioned), reward)
+               token_versions=next(versions).tolist() if versioned else None,
+               loss_mask=next(masks).tolist() if masked else None)
+        for i, ((index, anchor, correct, code, routed, versioned, masked), reward)
         in enumerate(zip(scalars, packed.rewards.tolist()))
     ]
 

@@ -17,7 +17,8 @@ class SequenceBatch:
     Position t predicts token t+1, so every per-token tensor is "label aligned":
       input_ids:     [B, S] int64, prompt + response + padding
       labels:        [B, S] int64, input_ids shifted left by one (last column is padding)
-      response_mask: [B, S] float32, 1 where labels[:, t] is a response token
+      response_mask: [B, S] float32, 1 where labels[:, t] is a response token the policy sampled (all of them
+                     unless the sample's `loss_mask` says otherwise: a trajectory's tool results are not)
       engine_logprobs: [B, S] float32, the rollout engine's logprob of labels[:, t] (0 off-response)
       advantages:    [B] float32 (broadcast over tokens by the loss)
       is_anchor:     [B] bool
@@ -108,7 +109,8 @@ def build_sequence_batch(
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         # labels[t] = input_ids[t + 1], so response token j (at position P + j) is label P + j - 1.
         start = len(sample.prompt_ids) - 1
-        response_mask[row, start : start + len(sample.response_ids)] = 1.0
+        response_mask[row, start : start + len(sample.response_ids)] = (
+            1.0 if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32))
         engine_logprobs[row, start : start + len(sample.response_ids)] = torch.tensor(sample.engine_logprobs)
     labels = torch.cat([input_ids[:, 1:], torch.full((len(samples), 1), pad_token_id)], dim=1)
     routes = [s.routed_experts for s in samples]

@@ -49,20 +49,21 @@ def test_packed_shapes_and_dtypes():
     assert (packed.token_ids.dtype, packed.token_ids.shape) == (torch.int64, (3 + 2 + 1 + 0 + 0 + 3 + 4 + 1,))
     assert (packed.engine_logprobs.dtype, packed.engine_logprobs.shape) == (torch.float64, (6,))
     assert packed.lengths.tolist() == [[3, 2], [1, 0], [0, 3], [4, 1]]
-    assert packed.scalars.tolist() == [[3, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0], [9, 0, 0, 1, 0, 0],
-                                       [2**40, 1, 1, 0, 0, 0]]
+    assert packed.scalars.tolist() == [[3, 0, 1, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0], [9, 0, 0, 1, 0, 0, 0],
+                                       [2**40, 1, 1, 0, 0, 0, 0]]
     assert packed.routes.shape == (0,) and packed.route_shape == (0, 0) and packed.token_versions.shape == (0,)
+    assert packed.loss_masks.shape == (0,)
     assert (packed.rewards.dtype, packed.rewards.shape) == (torch.float64, (4,))
     assert FINISH_REASONS == ("stop", "length")
 
 
 def test_words_round_trip_ignores_padding_and_holds_no_samples():
     words = pack_samples(samples()).to_words()
-    assert words.dtype == torch.int64 and words.numel() == 3 + 9 * 4 + 14 + 6
+    assert words.dtype == torch.int64 and words.numel() == 3 + 10 * 4 + 14 + 6
     padded = torch.cat([words, torch.full((5,), -7, dtype=torch.int64)])
     assert bits(unpack_samples(PackedSamples.from_words(padded))) == bits(samples())
     empty = pack_samples([])
-    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 6)
+    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 7)
     assert unpack_samples(PackedSamples.from_words(empty.to_words())) == []
 
 
@@ -74,7 +75,7 @@ def test_routed_experts_travel_exactly_and_only_with_the_samples_that_have_them(
         fed = len(routed[i].prompt_ids) + len(routed[i].response_ids) - 1
         routed[i].routed_experts = torch.randint(0, 128, (fed, 3, 2), generator=g, dtype=torch.int32)
     words = pack_samples(routed).to_words()
-    assert words.numel() == 3 + 9 * 4 + 14 + 6 + (4 + 4) * 3 * 2 // 2
+    assert words.numel() == 3 + 10 * 4 + 14 + 6 + (4 + 4) * 3 * 2 // 2
     back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.full((3,), -7, dtype=torch.int64)])))
     assert bits(back) == bits(routed)
     for mine, theirs in zip(back, routed):
@@ -92,13 +93,29 @@ def test_token_versions_travel_exactly_and_only_with_the_samples_that_have_them(
     versioned[2].token_versions = [0, 0, BIG]
     versioned[3].routed_experts = torch.arange(4 * 2 * 1, dtype=torch.int32).view(4, 2, 1)
     words = pack_samples(versioned).to_words()
-    assert words.numel() == 3 + 9 * 4 + 14 + 6 + 5 + 4 * 2 // 2
+    assert words.numel() == 3 + 10 * 4 + 14 + 6 + 5 + 4 * 2 // 2
     back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.zeros(2, dtype=torch.int64)])))
     assert [s.token_versions for s in back] == [[3, 4], None, [0, 0, BIG], None]
     assert torch.equal(back[3].routed_experts, versioned[3].routed_experts) and bits(back) == bits(versioned)
     versioned[0].token_versions = [3]
     with pytest.raises(ValueError, match="sample 0: 1 token versions for 2 response tokens"):
         pack_samples(versioned)
+
+
+def test_loss_masks_travel_exactly_and_only_with_the_samples_that_have_them():
+    """A trajectory's per-token loss mask ([R], 1 where the policy sampled the token) beside token versions."""
+    masked = samples()
+    masked[0].loss_mask = [1, 0]
+    masked[2].loss_mask = [0, 1, 1]
+    masked[2].token_versions = [5, 6, 7]
+    words = pack_samples(masked).to_words()
+    assert words.numel() == 3 + 10 * 4 + 14 + 6 + 3 + 5
+    back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.zeros(2, dtype=torch.int64)])))
+    assert [s.loss_mask for s in back] == [[1, 0], None, [0, 1, 1], None]
+    assert back == masked and bits(back) == bits(masked)
+    masked[0].loss_mask = [1, 0, 1]
+    with pytest.raises(ValueError, match="sample 0: a loss mask of 3 for 2 response tokens"):
+        pack_samples(masked)
 
 
 def test_unknown_finish_reason_and_mismatched_logprobs_are_refused():
@@ -126,3 +143,4 @@ def test_all_gather_samples_equals_all_gather_object_on_two_ranks(tmp_path):
         assert results[0][case]["samples"] == results[1][case]["samples"], case
     assert [len(results[0][case]["samples"]) for case in ("one_rank_empty", "uneven", "all_empty")] == [5, 10, 0]
     assert results[0]["uneven"]["samples"][3]["prompt_index"] == 100  # rank 1's first sample follows rank 0's three
+    assert sum(s["loss_mask"] is not None for s in results[0]["uneven"]["samples"]) == 3  # trajectories' masks too

@@ -5,7 +5,7 @@ derives from its prompt's sampler position (async) and index, not from the serve
 server dies mid-generation must train exactly the batches of an uninterrupted run: the same prompts (the sampler
 position every checkpoint saves: gen_batch_size x the generation batches trained so far) and the same samples (a
 request lost with the server is answered again by another, and nothing is dropped or repeated). The trainer must not
-deadlock: the run finishes in time.
+deadlock: the run finishes in time. So it must with multi-turn rollouts: no trajectory is lost with the server.
 """
 
 import json
@@ -25,6 +25,15 @@ TRAIN_BATCH = 8  # correct anchor), and per step (examples/tiny/armor.yaml's tra
 BATCH = ("train/reward_mean", "train/accuracy", "response/length_mean", "filter/prompts_kept", "armor/anchors_used",
          "armor/anchor_accuracy", "filter/prompts_generated", "train/num_gen_batches")
 LOSSES = ("loss/policy_loss", "policy/entropy", "mismatch/logprob_abs_diff")  # of the same samples at lr 0
+
+
+AGENTIC_TASK = Path(__file__).parents[1] / "trainer" / "agentic_task"
+AGENTIC = {  # turns -> the run's overrides
+    "single": (),
+    "multi": ("--rollout.agentic.environment", f"{AGENTIC_TASK / 'two_turns.py'}:TwoTurnArithmetic",
+              "--rollout.agentic.chat_template", str(AGENTIC_TASK / "char_chat.jinja"),
+              "--rollout.agentic.max_turns", "2"),
+}
 
 
 def _train(run_dir: Path, actors, refs, cache: Path, log_dir: Path, *extra: str) -> Launch:
@@ -146,25 +155,41 @@ def test_async_run_with_a_reference_server_killed_mid_generation_trains_the_unin
     assert rows[-1]["rollout/retries"] == 0  # the actor's server was not touched
 
 
+@pytest.mark.parametrize("turns", ["single", "multi"])
 def test_async_run_with_an_actor_server_killed_mid_generation_trains_the_uninterrupted_run_s_batches(
-    start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted,
+    start_server, tiny_model_factory, servers, synthetic_cache, tmp_path, uninterrupted, turns,
 ):
     """The same with the second of two actor servers killed in its second period of generating. Every actor server
     gets every weight push (rank r pushes to server r, rollout/push_assignment.py): rank 1's client leaves the dead
     server out of its pushes, and every rank's client out of generation (`retire_servers`), so the run goes on with
-    the other server."""
+    the other server.
+
+    multi: every sample (anchors too) is a two-turn trajectory (rollout.agentic, tests/trainer/agentic_task/), each
+    turn its own request; a turn lost with the server is sent again to the other (its seed derives from its
+    trajectory, not its server), so no trajectory is lost: every one completes both turns, every step trains full
+    batches, and each checkpoint saved the position after exactly the generation batches trained (no prompt lost or
+    drawn twice)."""
     actor, ref = servers
     victim = _serve(start_server, tiny_model_factory)
     actors, refs = [actor, victim], [ref]
     killer = KillWhenGenerating(victim, period=2)
     killer.start()
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, actors, refs, synthetic_cache, tmp_path / "logs")
+    proc = _train(run_dir, actors, refs, synthetic_cache, tmp_path / "logs", *AGENTIC[turns])
     killer.stop.set()
     assert killer.killed_at is not None, "the actor server was never killed"
     assert proc.returncode == 0, proc.output[-6000:]
     assert f"weight push: {victim.url} cannot be reached" in proc.output  # left out of the push, with a warning
-    rows = _check_same_training(run_dir, uninterrupted)
+    if turns == "single":
+        rows = _check_same_training(run_dir, uninterrupted)
+    else:
+        rows = _rows(run_dir)
+        assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+        for row in rows:
+            assert row["filter/prompts_kept"] == row["armor/anchors_used"] == TRAIN_BATCH, row["step"]
+            assert row["agent/status_completed"] == 1.0 and row["agent/turns_mean"] == 2.0, row["step"]
+        batches = [int(sum(row["train/num_gen_batches"] for row in rows[: step + 1])) for step in range(STEPS)]
+        assert _samplers(run_dir) == [{"epoch": 0, "cursor": GEN_BATCH * count} for count in batches]
     assert rows[-1]["rollout/failed_requests"] >= 1 and rows[-1]["rollout/retries"] >= 1
 
 

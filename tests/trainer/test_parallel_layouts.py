@@ -6,7 +6,8 @@ process, PP=2 with micro-batches of different shapes, TP=2 with sequence paralle
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2; so does a Qwen2-MoE step (a gated shared expert) at TP=2 (sequence
 parallel) beside EP=2, and Mixtral's and GLM-4.5's (sigmoid router, expert bias) at PP=2; so do context-parallel
-steps, entropy included, at CP=2 (also with the fused head), CP=2 x TP=2 (sequence parallel) and CP=2 x PP=2."""
+steps, entropy included, at CP=2 (also with the fused head), CP=2 x TP=2 (sequence parallel) and CP=2 x PP=2; so do
+steps on multi-turn trajectories' samples (tokens inside the response that are not trained) at TP=2 and DP=2."""
 
 import pytest
 import torch
@@ -52,7 +53,8 @@ JOBS = {
         "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute"),
         "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
         "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2"),
-        "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch")},
+        "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch"),
+        "masked-base": ("dense", 1, 1, "torch", "masked")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -73,7 +75,8 @@ JOBS = {
         "deepseek-v3-pp2": ("deepseek-v3", 1, 2, "torch"),
         "bf16-tp2": ("dense", 2, 1, "torch", "bf16", "clip=0.2"), "bf16-pp2": ("dense", 1, 2, "torch", "bf16", "clip=0.2"),
         "bf16-dp2-distopt": ("dense", 1, 1, "torch", "bf16", "distopt", "clip=0.2"),
-        "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2")},
+        "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2"),
+        "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
@@ -106,6 +109,21 @@ def test_layout_matches_single_rank(runs, name):
     assert ranks[0]["layout"] == (tp, pp, len(ranks) // (tp * pp))
     assert_same_step(ranks, runs["base"][0])
     assert_head_gradient_path(ranks, head)
+
+
+def test_trajectory_loss_masks_at_tp2_and_dp2_match_single_rank(runs):
+    """Multi-turn trajectories' samples: responses holding tokens the policy did not sample (loss_mask 0: a tool
+    result between two turns). Their ARMOR step at TP=2 and at DP=2 equals the one-process step; only the sampled
+    tokens are scored and trained (the step differs from the same batch trained on every response token)."""
+    masked, whole = runs["masked-base"][0], runs["base"][0]
+    for name in ("masked-tp2", "masked-dp2"):
+        assert_same_step(runs[name], masked)
+    assert masked["logprobs"].keys() == whole["logprobs"].keys()  # each sequence, up to its last (sampled) token
+    for key, (old, ref) in masked["logprobs"].items():
+        kept = [0] + list(range(3, len(whole["logprobs"][key][0])))  # the response's tokens 1 and 2 are not scored
+        torch.testing.assert_close(old, whole["logprobs"][key][0][kept], atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(ref, whole["logprobs"][key][1][kept], atol=LOGPROB_ATOL, rtol=0)
+    assert masked["metrics"]["loss/policy_loss"] != pytest.approx(whole["metrics"]["loss/policy_loss"], rel=1e-3)
 
 
 def test_distributed_optimizer_halves_the_state_per_rank(runs):

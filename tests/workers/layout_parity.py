@@ -7,7 +7,8 @@ experts over N expert-parallel ranks; "etp=N": each expert over N expert-TP rank
 load-balancing auxiliary loss at coefficient C; "replay=MODE": train.routing_replay MODE, with "rollout" replaying
 random routes given to the on-policy samples as an engine's; "bf16": bf16 parameters trained through Megatron's
 mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
-context parallelism, each sequence over N ranks);
+context parallelism, each sequence over N ranks; "masked": every response holds two tokens the policy did not sample
+(a multi-turn trajectory's tool result: loss_mask 0) after its first);
 the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs and old entropy
@@ -50,8 +51,9 @@ from megatron_armor.trainer.update.training_batch import advantage_batch, score_
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 from megatron_armor.scoring.routes import REPLAY_MODES, routing_pass  # noqa: E402
 
-def fixed_groups(num_groups=4, group_size=4):
-    """Random sequences of varying length; one correct anchor closes each group."""
+def fixed_groups(num_groups=4, group_size=4, masked=False):
+    """Random sequences of varying length; one correct anchor closes each group. `masked`: response tokens 1 and 2 of
+    every sample are context, not sampled (loss_mask 0, engine logprob 0), as a trajectory's tool result is."""
     g = torch.Generator().manual_seed(123)
     groups = []
     for p in range(num_groups):
@@ -61,7 +63,8 @@ def fixed_groups(num_groups=4, group_size=4):
             response = torch.randint(1, 96, (4 + (p * 3 + k) % 7,), generator=g).tolist()
             correct = k % 2 == 0 or k == group_size - 1
             group.append(Sample(p, prompt, response, [0.0] * len(response), "stop", k == group_size - 1,
-                                1.0 if correct else -1.0, correct))
+                                1.0 if correct else -1.0, correct,
+                                loss_mask=[1, 0, 0] + [1] * (len(response) - 3) if masked else None))
         groups.append(group)
     return groups
 
@@ -139,7 +142,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                     ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
                     seed=0, routing_replay=REPLAY_MODES[replay])
     scoring = ScoringConfig(temperature=1.0, head=head)
-    groups = fixed_groups()
+    groups = fixed_groups(masked="masked" in options)
     if replay == "rollout":
         give_random_routes(groups, shape.num_layers, shape.num_experts, shape.moe_top_k)
     advantaged = advantage_batch(groups, plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)

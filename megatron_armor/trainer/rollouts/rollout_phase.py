@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron_armor.agentic.metrics import AgentCounts
 from megatron_armor.algorithms import ACTOR, ANCHORS, GroupCollector, GroupStats, build_groups
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
@@ -123,7 +124,8 @@ class RolloutPhase:
         ahead of the batch or while the actor samples it (trainer/rollouts/anchor_prefetch.py). `on_actor_done()` is
         called once the training responses are drawn (the actor's engine is done with the batch)."""
         plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
-        counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None)
+        counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None,
+                                   agent=AgentCounts() if self.scorer.rolls_out_trajectories else None)
         position = self.sampler.state_dict()
         prompts = self.draw_prompts(self.sampler)
         extras = [self.extra_sources[name] for name in plan.algorithm.sources.extra_samples]
@@ -193,7 +195,7 @@ class RolloutPhase:
         counters.add_push(self.engine_weights.load(sampler), anchors=False)
         return generate_samples(
             sampler.engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False, seed=seed,
-            audit=counters.audit, group=self.group,
+            audit=counters.audit, agent=counters.agent, group=self.group,
         )
 
     def sample_extra(
@@ -213,9 +215,10 @@ class RolloutPhase:
         counters: RolloutCounters, group: dist.ProcessGroup | None,
     ) -> dict[str, float]:
         """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept, the
-        anchors among the kept groups, the audit verifiers' verdicts on every on-policy sample (counts summed over
-        `group`: collective), the actor's engine's own counters summed over the ranks (`engine_counters`, as
-        rollout/*), and what the algorithm's extra sources add (`AnchorSource.metrics`)."""
+        anchors among the kept groups, the audit verifiers' verdicts on every on-policy sample and a multi-turn run's
+        agent/* metrics of every on-policy trajectory (counts summed over `group`: collective), the actor's engine's
+        own counters summed over the ranks (`engine_counters`, as rollout/*), and what the algorithm's extra sources
+        add (`AnchorSource.metrics`)."""
         metrics = {
             "train/reward_mean": mean([s.reward for s in on_policy]),
             "train/accuracy": mean([float(s.correct) for s in on_policy]),
@@ -227,6 +230,8 @@ class RolloutPhase:
         }
         if counters.audit is not None:
             metrics.update(counters.audit.from_vector(sum_over_ranks(counters.audit.as_vector(), group)).metrics())
+        if counters.agent is not None:
+            metrics.update(AgentCounts.from_vector(sum_over_ranks(counters.agent.as_vector(), group)).metrics())
         metrics.update(engine_counters(self.models.actor.engine, group))
         for name in self.plan.algorithm.sources.extra_samples:
             metrics.update(self.extra_sources[name].metrics(groups, extra, counters,

@@ -9,11 +9,14 @@ list of `Sample`s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.distributed as dist
 
+from megatron_armor.agentic.metrics import AgentCounts
 from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
@@ -45,7 +48,11 @@ class OverlongPenalty:
 
 class SampleScorer:
     """Turns engine generations into scored `Sample`s (decode, verify, overlong penalty); with `audits`, also
-    judges them by the audit verifiers (`audit`), which never change a sample's reward."""
+    judges them by the audit verifiers (`audit`), which never change a sample's reward. `respond` samples one
+    completion per prompt; a multi-turn run's scorer samples a trajectory instead (trainer/rollouts/trajectories.py).
+    """
+
+    rolls_out_trajectories: ClassVar[bool] = False  # whether `respond` counts trajectories into its `agent` counts
 
     def __init__(
         self, tokenizer, reward_fn: RewardFn, overlong: OverlongPenalty | None = None,
@@ -55,6 +62,19 @@ class SampleScorer:
         self.reward_fn = reward_fn
         self.overlong = overlong
         self.audits = audits
+
+    def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
+                is_anchor: bool, agent: AgentCounts | None = None) -> list[Sample]:
+        """One scored completion of each of `prompts` from `engine`, in order; samples keep the engine's routed
+        experts unless they are anchors (the reference's weights routed them). `agent`: the counts of trajectories
+        (none here)."""
+        generations = engine.generate([p.prompt_ids for p in prompts], sampling) if prompts else []
+        return [
+            self(p, g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
+                 routed_experts=None if is_anchor else g.routed_experts,  # the actor routes anchors itself
+                 token_versions=g.versions)
+            for p, g in zip(prompts, generations)
+        ]
 
     def audit(self, prompt: PromptRow, sample: Sample) -> tuple[bool, ...]:
         """Each audit verifier's `correct` for `sample`, a response to `prompt` (() without audits)."""
@@ -98,6 +118,7 @@ class RolloutCounters:
     weight_swaps: int = 0  # pushes into a shared engine
     anchor_cache_hits: int = 0  # prompts whose anchors came from the cache
     audit: AuditCounts | None = None  # audit verdicts on the on-policy samples this rank scored (with audits)
+    agent: AgentCounts | None = None  # the on-policy trajectories this rank rolled out (multi-turn runs)
 
     def add_push(self, report: SyncReport | None, *, anchors: bool) -> None:
         """Count a push into a shared engine (None: none was needed): of the reference's weights for the `anchors`,
@@ -114,11 +135,14 @@ class RolloutCounters:
     def merged(cls, parts: Sequence[RolloutCounters]) -> RolloutCounters:
         """The sums of `parts` (e.g. of a step's generation batches; their audit counts too, when they have them)."""
         total = cls()
-        for name in (f.name for f in dataclasses.fields(cls) if f.name != "audit"):
+        for name in (f.name for f in dataclasses.fields(cls) if f.name not in ("audit", "agent")):
             setattr(total, name, sum(getattr(part, name) for part in parts))
         audits = [part.audit for part in parts if part.audit is not None]
         if audits:
             total.audit = audits[0].from_vector([sum(v) for v in zip(*(a.as_vector() for a in audits), strict=True)])
+        agents = [part.agent for part in parts if part.agent is not None]
+        if agents:
+            total.agent = functools.reduce(AgentCounts.merged, agents)
         return total
 
 
@@ -132,28 +156,23 @@ def generate_samples(
     is_anchor: bool,
     seed: int,
     audit: AuditCounts | None = None,
+    agent: AgentCounts | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> list[Sample]:
     """`samples_per_prompt` scored samples of every prompt, ordered by prompt then sample index.
 
     A collective over `group` (default: the default process group) when torch.distributed is initialised (the
     background rollouts of rollout.mode one_step_off and async use a group of their own): each rank generates its
-    round-robin share of the requests with a rank-specific seed derived from `seed`. Samples keep the engine's
-    routed experts unless they are anchors (the reference's weights routed them). With `audit`, the scorer's
-    audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts over
-    ranks for the whole batch's).
+    round-robin share of the requests with a rank-specific seed derived from `seed`, each as the scorer responds
+    (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the scorer's audit verdicts on
+    this rank's share are counted into it before the samples are gathered (sum the counts over ranks for the whole
+    batch's); with `agent`, the share's trajectories (multi-turn runs).
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
     mine = requests[rank::world]
     local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
-    generations = engine.generate([prompts[p].prompt_ids for p, _ in mine], local_sampling) if mine else []
-    samples = [
-        scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
-               routed_experts=None if is_anchor else g.routed_experts,  # the actor routes anchors itself
-               token_versions=g.versions)
-        for (p, _), g in zip(mine, generations)
-    ]
+    samples = scorer.respond(engine, [prompts[p] for p, _ in mine], local_sampling, is_anchor=is_anchor, agent=agent)
     if audit is not None:
         for (p, _), sample in zip(mine, samples):
             audit.add(sample.correct, scorer.audit(prompts[p], sample))

@@ -40,6 +40,7 @@ from megatron_armor.trainer.colocation.offload import TrainerOffload
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
 from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step.validation import Validation
@@ -100,10 +101,10 @@ def build_training(
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
-    overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
-    train_scorer = SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
+    train_scorer = _train_scorer(cfg, tokenizer, rewards)
     val_scorer = SampleScorer(tokenizer, rewards.val)
-    gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
+    gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
+    gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, gate_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
@@ -113,6 +114,17 @@ def build_training(
                         ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
     validation = Validation.from_config(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
+
+
+def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScorer:
+    """What turns the training prompts into scored samples: one completion each, or with rollout.agentic.environment a
+    trajectory of that environment each (trainer/rollouts/trajectories.py)."""
+    agentic = cfg.rollout.agentic
+    if agentic.environment is not None:
+        return TrajectoryScorer.from_config(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
+                                            audits=rewards.audits)
+    overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
+    return SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
 
 
 def _memory_handoff(cfg: ArmorConfig, actor_engine: RolloutEngine, ref_engine: RolloutEngine) -> MemoryHandoff | None:
@@ -232,7 +244,8 @@ def _update_gate(
     sampling: SamplingParams,
 ) -> InferenceGapGate | None:
     """The algorithm's post-update gate over held-out prompts, or None when it has none. Its advantages come
-    from verifier rewards (mipu.md §3): the validation scorer, no overlong penalty."""
+    from verifier rewards (mipu.md §3): `val_scorer`, the validation scorer, no overlong penalty (a multi-turn run's
+    trajectory scorer: the gate measures the engine on trajectories, as it samples them)."""
     if config is None:
         return None
     return InferenceGapGate.from_config(config, val_rows, val_scorer, sampling, seed=cfg.train.seed,

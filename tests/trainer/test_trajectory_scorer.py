@@ -1,0 +1,67 @@
+"""The trainer's trajectory scorer on the in-process engine of a tiny model: the per-status actions (zero reward;
+resample, and what is left once resamples run out) and rollouts reproducible from their seed whatever runs beside
+them. (tests/trainer/test_agentic_run.py checks multi-turn samples and their loss masks in a training run.)"""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.agentic.environment import load_environment
+from megatron_armor.config import AgenticConfig
+from megatron_armor.data.datasets import PromptRow
+from megatron_armor.models.tiny import make_char_tokenizer
+from megatron_armor.rollout.base import SamplingParams
+from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
+
+TASK = Path(__file__).parent / "agentic_task"
+FLAKY = f"{TASK / 'flaky.py'}:Flaky"
+Flaky = load_environment(FLAKY)  # the class the scorer loads (a file is loaded once per process)
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+
+
+@pytest.fixture
+def engine(tiny_model_factory):
+    return LocalEngine(tiny_model_factory("qwen2"), pad_token_id=0)
+
+
+def scorer(**settings) -> TrajectoryScorer:
+    Flaky.attempts.clear()
+    config = AgenticConfig(environment=FLAKY, chat_template=str(TASK / "char_chat.jinja"), **settings)
+    return TrajectoryScorer.from_config(config, make_char_tokenizer(), in_process=True)
+
+
+def prompts(*rows: dict) -> list[PromptRow]:
+    tokenizer = make_char_tokenizer()
+    return [PromptRow(i, tokenizer.encode(r["prompt"]), r) for i, r in enumerate(rows)]
+
+
+def test_zero_reward_action_keeps_the_tokens_and_drops_the_reward(engine):
+    """A turn cut at its token limit ends the trajectory truncated, one that samples the stop token completed."""
+    actions = dict(on_completed="zero_reward", on_truncated="zero_reward")
+    [sample] = scorer(**actions).respond(engine, prompts({"prompt": "3="}), SAMPLING, is_anchor=False)
+    assert sample.reward == 0.0 and not sample.correct and sample.loss_mask == [1] * len(sample.response_ids)
+    [kept] = scorer().respond(engine, prompts({"prompt": "3="}), SAMPLING, is_anchor=False)
+    assert kept.reward == 1.0 and kept.correct and kept.response_ids == sample.response_ids
+
+
+def test_resample_rolls_a_row_out_again_until_it_samples_and_gives_up_with_reward_zero(engine):
+    rows = prompts({"prompt": "4=", "fail": 2}, {"prompt": "5=", "fail": 9}, {"prompt": "6="})
+    samples = scorer(max_resamples=2).respond(engine, rows, SAMPLING, is_anchor=False)
+    assert Flaky.attempts == {"4=": 3, "5=": 3, "6=": 1}  # a failed reset samples nothing: rolled out again
+    assert samples[0].reward == 1.0 and sum(samples[0].loss_mask) > 0  # the third attempt succeeded
+    assert (samples[1].prompt_ids, samples[1].response_ids, samples[1].loss_mask, samples[1].reward) == (
+        rows[1].prompt_ids, [], [], 0.0)  # out of resamples: trains nothing
+    assert samples[2].reward == 1.0
+
+
+def test_trajectories_depend_on_their_seed_only(engine):
+    """A row's trajectory is the same rolled out alone or beside others (each turn its own seed), not with another
+    seed."""
+    rows = prompts(*({"prompt": f"{d}+{d}="} for d in range(3)))
+    together = scorer(max_in_flight=3).respond(engine, rows, SAMPLING, is_anchor=False)
+    [alone] = scorer(max_in_flight=1).respond(engine, rows[:1], SAMPLING, is_anchor=False)
+    assert alone == together[0] and alone.response_ids != together[1].response_ids
+    [other_seed] = scorer().respond(engine, rows[:1], SamplingParams(temperature=1.0, max_new_tokens=6, seed=12),
+                                    is_anchor=False)
+    assert other_seed.response_ids != alone.response_ids
