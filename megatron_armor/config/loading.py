@@ -177,7 +177,7 @@ def validate(cfg: ArmorConfig) -> None:
     cfg.checkpoint.check_with(cfg.eval)
     cfg.monitor.check_with(cfg.checkpoint.keep_best)
     cfg.rollout.check_with(cfg.train.routing_replay)
-    cfg.task.check_with(cfg.model, cfg.data)
+    cfg.task.check_with(cfg.model, cfg.data, cfg.rollout.agentic.environment)
 
 
 def save_config(cfg: ArmorConfig, path: str | Path) -> None:

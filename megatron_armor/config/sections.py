@@ -296,20 +296,33 @@ class TaskConfig:
     synthetic: Literal["arithmetic"] | None = doc(None, "generate a synthetic task (and tiny model) in cache_dir")
     num_train_rows: int = doc(2000, "synthetic training prompts")
     num_val_rows: int = doc(200, "synthetic validation prompts")
+    min_terms: int = doc(2, "fewest operands of a synthetic arithmetic problem")
+    max_terms: int = doc(3, "most operands of a synthetic arithmetic problem (longer chains: a harder task)")
     warm_start_steps: int = doc(0, "supervised warm-start steps of the synthetic model (0: none)")
     warm_start_target_accuracy: float = doc(0.6, "stop the warm start at this sampled accuracy")
+    warm_start_tool_fraction: float = doc(
+        0.0, "fraction of the warm start's rows shown as a tool-using conversation of rollout.agentic.environment "
+        "(its `demonstration(row)`, rendered by rollout.agentic.chat_template); the rest as worked solutions"
+    )
     cache_dir: str = doc(".cache/megatron-armor", "where synthetic assets and warm starts are cached")
 
     def __post_init__(self) -> None:
         check_choices("task", self)
         require_at_least("task", self, ("warm_start_steps",), 0)
+        require(2 <= self.min_terms <= self.max_terms,
+                f"task needs 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        require(0.0 <= self.warm_start_tool_fraction <= 1.0,
+                f"task.warm_start_tool_fraction must be in [0, 1], got {self.warm_start_tool_fraction}")
 
-    def check_with(self, model: ModelConfig, data: DataConfig) -> None:
-        """Without a synthetic task the run's model and prompts come from the `model` and `data` sections."""
+    def check_with(self, model: ModelConfig, data: DataConfig, environment: str | None) -> None:
+        """Without a synthetic task the run's model and prompts come from the `model` and `data` sections; tool
+        demonstrations in the warm start come from the run's `environment` (rollout.agentic.environment)."""
         if self.synthetic is None:
             require(model.path is not None,
                     "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
             require(data.train_path is not None, "data.train_path is required unless task.synthetic is set")
+        require(self.warm_start_tool_fraction == 0.0 or environment is not None,
+                "task.warm_start_tool_fraction > 0 needs rollout.agentic.environment (the demonstrations' source)")
 
 
 @dataclass

@@ -47,9 +47,11 @@ def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
     from megatron_armor.rewards.arithmetic import make_rows
 
     cache = Path(cfg.task.cache_dir)
-    train_rows = make_rows(cfg.task.num_train_rows, seed=cfg.train.seed)
-    val_rows = make_rows(cfg.task.num_val_rows, seed=cfg.train.seed + 1)
-    data_dir = cache / f"arithmetic-{config_hash({'train': cfg.task.num_train_rows, 'val': cfg.task.num_val_rows, 'seed': cfg.train.seed})}"
+    task = cfg.task
+    terms = dict(min_terms=task.min_terms, max_terms=task.max_terms)
+    train_rows = make_rows(task.num_train_rows, seed=cfg.train.seed, **terms)
+    val_rows = make_rows(task.num_val_rows, seed=cfg.train.seed + 1, **terms)
+    data_dir = cache / f"arithmetic-{config_hash({'train': task.num_train_rows, 'val': task.num_val_rows, 'seed': cfg.train.seed, **terms})}"
     train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
     if not val_path.is_file():
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +75,6 @@ def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
 def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], cfg: ArmorConfig) -> Path:
     from megatron_armor.trainer.run.warmstart import WarmStartConfig, cached_warm_start
 
-    warm_start = WarmStartConfig.from_config(cfg.task, seed=cfg.train.seed)
+    warm_start = WarmStartConfig.from_config(cfg.task, cfg.rollout.agentic, seed=cfg.train.seed)
     result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", warm_start)
     return Path(result.path)

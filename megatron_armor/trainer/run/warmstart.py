@@ -2,11 +2,15 @@
 
 ARMOR continues training from a policy that already solves part of the task (its anchors must be
 correct sometimes). For the synthetic demo that policy is made here: a short SFT on
-`prompt + solution + EOS`, with the loss on the solution and EOS tokens only.
+`prompt + solution + EOS`, with the loss on the solution and EOS tokens only. For a run that trains on trajectories
+of an environment (rollout.agentic), a fraction of the rows (`tool_fraction`) is shown instead as the environment's
+demonstration of a solved episode (tool calls, tool results, answer), rendered by the chat template the rollouts use,
+with the loss on the assistant turns only (`ToolDemonstrations`).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -18,7 +22,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from megatron_armor.config import TaskConfig
+from megatron_armor.agentic.environment import load_environment
+from megatron_armor.agentic.render import ChatRenderer, TemplateError
+from megatron_armor.config import AgenticConfig, TaskConfig
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import verify
 from megatron_armor.rollout.base import SamplingParams
@@ -36,11 +42,21 @@ class WarmStartConfig:
     eval_every: int = 50
     eval_rows: int = 64
     seed: int = 0
+    tool_fraction: float = 0.0  # rows shown as the environment's demonstration (`ToolDemonstrations`)
+    environment: str | None = None  # the environment class (module:Class or file.py:Class) of those
+    chat_template: str | None = None  # the Jinja template (its text) they are rendered with; None: the tokenizer's
 
     @classmethod
-    def from_config(cls, task: TaskConfig, *, seed: int) -> WarmStartConfig:
-        """The synthetic task's warm start: task.warm_start_steps at most, until task.warm_start_target_accuracy."""
-        return cls(steps=task.warm_start_steps, target_accuracy=task.warm_start_target_accuracy, seed=seed)
+    def from_config(cls, task: TaskConfig, agentic: AgenticConfig, *, seed: int) -> WarmStartConfig:
+        """The synthetic task's warm start: task.warm_start_steps at most, until task.warm_start_target_accuracy;
+        task.warm_start_tool_fraction of its rows demonstrated by rollout.agentic's environment and chat template."""
+        demonstrations = {}
+        if task.warm_start_tool_fraction > 0:
+            template = agentic.chat_template and Path(agentic.chat_template).read_text()
+            demonstrations = dict(tool_fraction=task.warm_start_tool_fraction, environment=agentic.environment,
+                                  chat_template=template)
+        return cls(steps=task.warm_start_steps, target_accuracy=task.warm_start_target_accuracy, seed=seed,
+                   **demonstrations)
 
 
 @dataclass(frozen=True)
@@ -50,8 +66,53 @@ class WarmStartResult:
     accuracy: float
 
 
+@dataclass(frozen=True)
+class Example:
+    """One supervised sequence: `token_ids` [S] and `trained` [S], True where the token is a target."""
+
+    token_ids: list[int]
+    trained: list[bool]
+
+
+def solution_example(tokenizer, row: dict) -> Example:
+    """`prompt + solution + EOS`, the solution and EOS trained."""
+    prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
+    target = tokenizer.encode(row["solution"], add_special_tokens=False) + [tokenizer.eos_token_id]
+    return Example(prompt + target, [False] * len(prompt) + [True] * len(target))
+
+
+class ToolDemonstrations:
+    """Rows as solved episodes of `environment` (its `demonstration(row) -> messages`), rendered with the tools it
+    offers by `tokenizer`'s chat template, as the rollouts render them: the assistant turns trained (their content
+    and the template's footer after it, the end-of-turn token included), the rest (problem, tool results,
+    scaffolding) not. Each assistant turn's tokens are read between the render of the conversation before it (with the
+    generation prompt) and the render through it, so the template must render a conversation as its earlier renders
+    followed by new tokens (TemplateError otherwise)."""
+
+    def __init__(self, tokenizer, environment: str) -> None:
+        self.environment = load_environment(environment)()
+        if not callable(getattr(self.environment, "demonstration", None)):
+            raise ValueError(f"environment {environment!r} has no demonstration(row) method for the warm start")
+        self.renderer = ChatRenderer(tokenizer, (), tools=self.environment.tools)
+
+    def example(self, row: dict) -> Example:
+        messages = self.environment.demonstration(row)
+        token_ids = self.renderer.ids(messages, generation_prompt=False)
+        trained = [False] * len(token_ids)
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.renderer.ids(messages[:k], generation_prompt=True)
+            through = self.renderer.ids(messages[: k + 1], generation_prompt=False)
+            if through[: len(before)] != before or token_ids[: len(through)] != through:
+                raise TemplateError(f"the chat template does not render assistant turn {k} of {messages} as the "
+                                    f"conversation before it followed by new tokens")
+            trained[len(before) : len(through)] = [True] * (len(through) - len(before))
+        return Example(token_ids, trained)
+
+
 def sampled_accuracy(model, tokenizer, rows: list[dict], *, seed: int, max_new_tokens: int = 40) -> float:
-    """Fraction of `rows` whose T=1 sample passes the arithmetic verifier."""
+    """Fraction of `rows` whose T=1 sample, answering the bare prompt (no tools), passes the arithmetic verifier."""
     engine = LocalEngine(model, pad_token_id=tokenizer.pad_token_id, prepack_weights=False)  # `model` is in training
     prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
@@ -60,21 +121,44 @@ def sampled_accuracy(model, tokenizer, rows: list[dict], *, seed: int, max_new_t
     return sum(verify(text, row)[1] for text, row in zip(texts, rows)) / len(rows)
 
 
-def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, S] right-padded; labels [B, S] with -100 outside solution + EOS."""
-    sequences, starts = [], []
-    for row in rows:
-        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        target = tokenizer.encode(row["solution"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        sequences.append(prompt + target)
-        starts.append(len(prompt))
-    width = max(map(len, sequences))
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (seq, start) in enumerate(zip(sequences, starts)):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, start : len(seq)] = torch.tensor(seq[start:])
+def _padded(examples: list[Example], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, S] right-padded; labels [B, S]: the token where it is trained, else -100."""
+    width = max(len(e.token_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, example in enumerate(examples):
+        ids = torch.tensor(example.token_ids)
+        input_ids[i, : len(ids)] = ids
+        labels[i, : len(ids)] = torch.where(torch.tensor(example.trained), ids, -100)
     return input_ids, labels
+
+
+def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The worked solutions of `rows`: input_ids [B, S] right-padded; labels [B, S] with -100 outside solution + EOS."""
+    return _padded([solution_example(tokenizer, row) for row in rows], tokenizer.pad_token_id)
+
+
+class _Examples:
+    """The warm start's example of each training row, made once: its demonstration (a `cfg.tool_fraction` of the rows,
+    drawn with `rng`) or its worked solution."""
+
+    def __init__(self, tokenizer, rows: list[dict], cfg: WarmStartConfig, rng: random.Random) -> None:
+        self.tokenizer, self.rows = tokenizer, rows
+        self.demonstrations = None
+        if cfg.tool_fraction > 0:
+            if cfg.chat_template is not None:
+                self.tokenizer = tokenizer = copy.deepcopy(tokenizer)
+                tokenizer.chat_template = cfg.chat_template
+            self.demonstrations = ToolDemonstrations(tokenizer, cfg.environment)
+        self.demonstrated = [rng.random() < cfg.tool_fraction for _ in rows]
+        self._made: dict[int, Example] = {}
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        for i in indices:
+            if i not in self._made:
+                self._made[i] = (self.demonstrations.example(self.rows[i]) if self.demonstrated[i]
+                                 else solution_example(self.tokenizer, self.rows[i]))
+        return _padded([self._made[i] for i in indices], self.tokenizer.pad_token_id)
 
 
 def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg: WarmStartConfig, *,
@@ -86,11 +170,12 @@ def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     held_out, train_rows = rows[: cfg.eval_rows], rows[cfg.eval_rows :] or rows
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    examples = _Examples(tokenizer, train_rows, cfg, random.Random(cfg.seed + 1))
     accuracy, step = 0.0, 0
     bar = tqdm(range(cfg.steps), desc="warm start", disable=not progress, dynamic_ncols=True)
     for step in bar:
         model.train()
-        input_ids, labels = _sft_batch(tokenizer, rng.sample(train_rows, min(cfg.batch_size, len(train_rows))))
+        input_ids, labels = examples.batch(rng.sample(range(len(train_rows)), min(cfg.batch_size, len(train_rows))))
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
