@@ -358,3 +358,33 @@ def test_a_plugin_path_that_does_not_import_is_refused_by_name_before_any_flag_i
     assert message.count("algorithm.name plug-in 'nosuch_module_here:Algo'") == 1 and "nosuch_module_here" in message
     with pytest.raises(ConfigError, match="cannot import module 'nosuch_module_here'"):
         load_config(DEMO, ["algorithm.name=nosuch_module_here:Algo"])
+
+
+AGENTIC_DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "agentic.yaml"
+
+
+def test_agentic_demo_config_loads_its_environment_template_and_harder_task():
+    """examples/tiny/agentic.yaml: one process, the packaged calculator environment, its chat template on disk, 4 to 6
+    operands, half the warm start demonstrated with tool calls."""
+    from megatron_armor.agentic.environment import load_environment
+    from megatron_armor.agentic.examples import CalculatorArithmetic
+
+    cfg = load_config(AGENTIC_DEMO)
+    agentic = cfg.rollout.agentic
+    assert load_environment(agentic.environment) is CalculatorArithmetic and cfg.algorithm.name == "armor"
+    assert (Path(__file__).parents[1] / agentic.chat_template).is_file() and cfg.parallel.world_size == 1
+    assert (cfg.task.min_terms, cfg.task.max_terms, cfg.task.warm_start_tool_fraction) == (4, 6, 0.5)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["task.min_terms=1"], "2 <= min_terms <= max_terms, got 1, 3"),
+        (["task.min_terms=5", "task.max_terms=4"], "2 <= min_terms <= max_terms, got 5, 4"),
+        (["task.warm_start_tool_fraction=1.5"], "warm_start_tool_fraction must be in \\[0, 1\\], got 1.5"),
+        (["task.warm_start_tool_fraction=0.5"], "warm_start_tool_fraction > 0 needs rollout.agentic.environment"),
+    ],
+)
+def test_task_options_of_the_agentic_demo_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, overrides)
