@@ -208,7 +208,9 @@ def _validate(ctx: DistributedContext, cfg: ArmorConfig, setup: TrainingSetup, s
     prompts; collective)."""
     result = setup.validation.run(setup.models.actor.engine, seed=(cfg.train.seed, step, "val"))
     if result and ctx.is_main:
-        tqdm.write(f"step {step}: val/accuracy = {result['val/accuracy']:.3f}")
+        accuracies = ", ".join(f"{key} = {value:.3f}" for key, value in result.items()
+                               if key == "val/accuracy" or key.startswith("val/accuracy_") and key != "val/accuracy_stderr")
+        tqdm.write(f"step {step}: {accuracies}")
     return result
 
 

@@ -7,6 +7,7 @@ reward function, and turned into `SampleRecord`s and the dataset's metrics (eval
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,11 +78,14 @@ def evaluate_set(engine: RolloutEngine, eval_set: EvalSet, *, seed: tuple) -> Da
 class Validation:
     """The datasets validated during training. `per_dataset` (eval.datasets given): every dataset's metrics are
     logged as val/<name>/<metric>; in any case the primary dataset's avg@n is val/accuracy, beside its reward,
-    response length and aborted fraction (what validation of data.val_path logs)."""
+    response length and aborted fraction (what validation of data.val_path logs). `companions` (name, set): that
+    set's avg@n is logged as val/accuracy_<name> too (a run on trajectories: the same prompts answered without tools).
+    """
 
     sets: list[EvalSet]
     per_dataset: bool
     primary: int = 0  # the set whose avg@n is val/accuracy
+    companions: tuple[tuple[str, int], ...] = ()
 
     @property
     def validates(self) -> bool:
@@ -90,9 +94,12 @@ class Validation:
 
     @classmethod
     def from_config(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
-                    val_scorer: SampleScorer, val_sampling: SamplingParams) -> Validation:
+                    val_scorer: SampleScorer, val_sampling: SamplingParams,
+                    tool_scorer: SampleScorer | None = None) -> Validation:
         """eval.datasets' list, else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
-        rollout.sampling.val_n times with `val_sampling` and scored by `val_scorer`; none without either."""
+        rollout.sampling.val_n times with `val_sampling` and scored by `val_scorer`; none without either. With
+        `tool_scorer` (the run's trajectories, rollout.agentic) those prompts are rolled out as its trajectories for
+        val/accuracy, and answered bare (`val_scorer`) for val/accuracy_no_tools."""
         if cfg.eval.datasets is not None:
             datasets, primary = validation_datasets(cfg.eval.datasets, cfg.eval.primary)
             return cls([EvalSet.load(d, tokenizer, stop_token_ids) for d in datasets], per_dataset=True,
@@ -106,25 +113,38 @@ class Validation:
             top_p=val_sampling.top_p, max_new_tokens=val_sampling.max_new_tokens,
             apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length,
         )
-        return cls([EvalSet(dataset, val_rows[: cfg.eval.max_prompts], val_scorer, val_sampling)], per_dataset=False)
+        rows = val_rows[: cfg.eval.max_prompts]
+        if tool_scorer is None:
+            return cls([EvalSet(dataset, rows, val_scorer, val_sampling)], per_dataset=False)
+        bare = EvalSet(dataclasses.replace(dataset, name="val_no_tools"), rows, val_scorer, val_sampling)
+        return cls([EvalSet(dataset, rows, tool_scorer, val_sampling), bare], per_dataset=False,
+                   companions=(("no_tools", 1),))
 
     def run(self, engine: RolloutEngine, *, seed: tuple) -> dict[str, float]:
         """The validation metrics ({} without datasets; collective)."""
         if not self.sets:
             return {}
         return validation_metrics([evaluate_set(engine, s, seed=seed) for s in self.sets],
-                                  per_dataset=self.per_dataset, primary=self.primary)
+                                  per_dataset=self.per_dataset, primary=self.primary, companions=self.companions)
 
 
-def validation_metrics(results: Sequence[DatasetResult], *, per_dataset: bool, primary: int = 0) -> dict[str, float]:
+def _avg_at_n(metrics: dict[str, float]) -> str:
+    (accuracy,) = [key for key in metrics if key.startswith("avg@") and not key.endswith("_stderr")]
+    return accuracy
+
+
+def validation_metrics(results: Sequence[DatasetResult], *, per_dataset: bool, primary: int = 0,
+                       companions: Sequence[tuple[str, int]] = ()) -> dict[str, float]:
     """val/accuracy (the avg@n of dataset `primary`), its standard error val/accuracy_stderr (the bootstrap's over
     prompts: the collapse monitor's val_drop_se measures drops in it) and that dataset's reward, length and aborted
-    fraction; with
+    fraction; val/accuracy_<name> (the avg@n of dataset i) for each (name, i) of `companions`; with
     `per_dataset` also val/<name>/<metric> of every dataset."""
     chosen = results[primary].metrics
-    (accuracy,) = [key for key in chosen if key.startswith("avg@") and not key.endswith("_stderr")]
+    accuracy = _avg_at_n(chosen)
     metrics = {"val/accuracy": chosen[accuracy], "val/accuracy_stderr": chosen[f"{accuracy}_stderr"],
                **{key: chosen[name] for key, name in _PRIMARY_KEYS.items()}}
+    for name, i in companions:
+        metrics[f"val/accuracy_{name}"] = results[i].metrics[_avg_at_n(results[i].metrics)]
     if per_dataset:
         metrics.update({f"val/{r.name}/{key}": value for r in results for key, value in r.metrics.items()})
     return metrics
