@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_armor.planning.activations import cp_rank_tokens
 from megatron_armor.planning.planner import GIB, RunPlan
 
 
@@ -24,8 +25,11 @@ def memory_lines(plan: RunPlan) -> list[str]:
         ("activations", memory.activations.peak,
          f"recompute {recompute.granularity}"
          + (f" ({recompute.method}, {recompute.num_layers})" if recompute.granularity == "full" else "")
-         + f", {inputs.micro_batch_tokens} tokens/micro-batch, sequence parallel {layout.sequence_parallel}; "
-           f"saved {memory.activations.saved / GIB:.2f} GiB + recompute {memory.activations.recompute / GIB:.2f} GiB"),
+         + f", {inputs.micro_batch_tokens} tokens/micro-batch"
+         + (f" ({cp_rank_tokens(layout, inputs.micro_batch_tokens)} per CP rank)" if layout.cp > 1 else "")
+         + f", sequence parallel {layout.sequence_parallel}; saved {memory.activations.saved / GIB:.2f} GiB + "
+           f"recompute {memory.activations.recompute / GIB:.2f} GiB"
+         + (f" + CP K/V exchange {memory.activations.exchange / GIB:.2f} GiB" if layout.cp > 1 else "")),
         (f"LM head ({layout.head})", memory.logits.peak,
          f"torch head {memory.logits_torch.peak / GIB:.2f} GiB, fused head {memory.logits_fused.peak / GIB:.2f} GiB"),
         ("reserve", inputs.reserve_bytes, "CUDA context, communication buffers, fragmentation"),
@@ -45,7 +49,8 @@ def format_plan(plan: RunPlan) -> str:
     lines = [
         f"model: {shape.arch}, {shape.num_layers} layers, hidden {shape.hidden_size}, heads {shape.num_attention_heads}"
         f" (kv {shape.num_kv_heads}), ffn {shape.ffn_hidden_size}, vocab {shape.vocab_size} ({plan.shape_source})",
-        f"layout: tp {layout.tp} x pp {layout.pp} x dp {layout.dp} = {plan.trainer_gpus} trainer GPUs of {plan.gpus}; "
+        f"layout: tp {layout.tp} x pp {layout.pp} x " + (f"cp {layout.cp} x " if layout.cp > 1 else "")
+        + f"dp {layout.dp} = {plan.trainer_gpus} trainer GPUs of {plan.gpus}; "
         + (f"experts over ep {layout.ep} x etp {layout.expert_tp} (expert dp {layout.expert_dp}); "
            if shape.num_experts else "")
         + f"{inputs.micro_batches} micro-batches per optimizer step per rank",
