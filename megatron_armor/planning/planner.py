@@ -171,7 +171,10 @@ class Hardware:
 class RunPlan:
     """A config's plan: `memory` (per GPU), `advice` (empty when it fits), `flops` of one RL step with every
     sequence at `max_len` tokens (an upper bound: real responses are shorter), `sequences` per RL step,
-    `trainer_gpus` = tp x pp x cp x dp of the `gpus` in all, and where the model's shape came from."""
+    `trainer_gpus` = tp x pp x cp x dp of the `gpus` in all, and where the model's shape came from;
+    `longest_without_cp` / `longest_with_cp`: the longest max_new_tokens (1024-token steps) that fits the config's
+    layout at the (cp, dp) of `without_cp` / `with_cp` (`context_layouts`; None: no CP layout for this model on
+    these GPUs)."""
 
     memory: MemoryPlan
     advice: list[str]
@@ -181,6 +184,10 @@ class RunPlan:
     gpus: int
     trainer_gpus: int
     shape_source: str
+    without_cp: tuple[int, int]
+    longest_without_cp: int
+    with_cp: tuple[int, int] | None
+    longest_with_cp: int | None
 
 
 def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
@@ -242,6 +249,43 @@ def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tup
     return (("teacher", resolve_model_shape(opd.teacher_path)[0] if opd.teacher_path else student),)
 
 
+def context_layouts(cfg: ArmorConfig, shape: ModelShape,
+                    gpus: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """(cp, dp) of `cfg`'s GPUs without context parallelism, and with it: the configured CP size, or at CP 1 the CP
+    raise `knob_changes` advises (2, on as many GPUs where dp allows); None where the model cannot run under CP
+    (a MoE model) or the `gpus` cannot hold it."""
+    par = cfg.parallel
+    replicas = par.data_parallel_size * par.context_parallel_size
+    model_parallel = par.tensor_parallel_size * par.pipeline_parallel_size
+    cp = par.context_parallel_size if par.context_parallel_size > 1 else 2
+    dp = max(replicas // cp, 1)
+    layout = Layout(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=dp, cp=cp,
+                    ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size)
+    held = model_parallel * cp * dp <= gpus and gpus % (model_parallel * cp) == 0
+    return (1, replicas), ((cp, dp) if held and _splits(shape, layout) else None)
+
+
+def longest_response(cfg: ArmorConfig, algorithm, hardware: Hardware, cp: tuple[int, int], *, step: int = 1024,
+                     limit: int = 2**22) -> int:
+    """The longest rollout.sampling.max_new_tokens, a multiple of `step` tokens, whose plan fits `hardware` with
+    the config's context-parallel and data-parallel sizes set to `cp` = (cp, dp); 0 when `step` tokens do not fit,
+    `limit` when that does (the plan's bytes grow with the response, so a bisection finds it)."""
+    parallel = replace(cfg.parallel, context_parallel_size=cp[0], data_parallel_size=cp[1])
+
+    def fits(tokens: int) -> bool:
+        sampling = replace(cfg.rollout.sampling, max_new_tokens=tokens)
+        changed = replace(cfg, parallel=parallel, rollout=replace(cfg.rollout, sampling=sampling))
+        return memory_plan(plan_inputs(changed, algorithm, hardware)).fits
+
+    low, high = 0, limit // step  # fits(low * step) (or low = 0); not fits(high * step) unless high is the limit
+    if fits(limit):
+        return limit
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle)
+    return low * step
+
+
 def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     """Plan `cfg` on `hardware` (the trainer takes tp x pp x cp x dp of its GPUs)."""
     from megatron_armor.algorithms import REFERENCE, TEACHER, build_algorithm  # imports torch
@@ -251,6 +295,7 @@ def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
     memory = memory_plan(inputs)
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
     fed = padded_length(max_len, inputs.layout)
+    without_cp, with_cp = context_layouts(cfg, inputs.shape, hardware.gpus)
     sequences = cfg.train.train_batch_size * cfg.rollout.sampling.n_samples
     teacher = None
     if algorithm.sources.uses(TEACHER):  # in-process or a server: its forward counts alike
@@ -262,4 +307,6 @@ def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
                                 cfg.train.train_batch_size // cfg.train.mini_batch_size)),
         sequences=sequences, max_len=max_len, gpus=hardware.gpus, trainer_gpus=cfg.parallel.world_size,
         shape_source=resolve_model_shape(cfg.model.path)[1],
+        without_cp=without_cp, longest_without_cp=longest_response(cfg, algorithm, hardware, without_cp),
+        with_cp=with_cp, longest_with_cp=longest_response(cfg, algorithm, hardware, with_cp) if with_cp else None,
     )

@@ -15,11 +15,12 @@ def memory_lines(plan: RunPlan) -> list[str]:
     memory, inputs = plan.memory, plan.memory.inputs
     layout, state = inputs.layout, memory.state
     recompute = layout.recompute
+    sharding = f"distributed over dp{' x cp' if layout.cp > 1 else ''}" if layout.distributed_optimizer else "replicated"
     rows = [
         ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"),
         ("gradients", state.gradients, "fp32 DDP grad buffer"),
         ("optimizer state", state.optimizer,
-         f"Adam {'distributed over dp' if layout.distributed_optimizer else 'replicated'}; replicated "
+         f"Adam {sharding}; replicated "
          f"{state.optimizer_replicated / GIB:.2f} GiB, distributed {state.optimizer_distributed / GIB:.2f} GiB"),
         *((f"{name} model", size, "frozen weights") for name, size in memory.frozen.items()),
         ("activations", memory.activations.peak,
@@ -42,6 +43,17 @@ def memory_lines(plan: RunPlan) -> list[str]:
     return lines
 
 
+def longest_response_line(plan: RunPlan) -> str:
+    """The longest responses that fit without and with context parallelism (the knob for long responses)."""
+    line = (f"longest responses that fit (rollout.sampling.max_new_tokens): {plan.longest_without_cp} tokens without "
+            f"context parallelism (dp {plan.without_cp[1]})")
+    if plan.with_cp is None:
+        why = "does not run MoE models yet" if plan.memory.inputs.shape.num_experts else "needs more GPUs"
+        return line + f"; context parallelism {why}"
+    cp, dp = plan.with_cp
+    return line + f", {plan.longest_with_cp} with parallel.context_parallel_size {cp} (dp {dp})"
+
+
 def format_plan(plan: RunPlan) -> str:
     """The whole report: model, layout, per-GPU bytes, verdict and advice, FLOPs of one RL step."""
     inputs, layout = plan.memory.inputs, plan.memory.inputs.layout
@@ -61,6 +73,7 @@ def format_plan(plan: RunPlan) -> str:
         f"bound): {flops.total:.3e} (update {flops.update:.3e}, old logprobs {flops.old_logprobs:.3e}, reference "
         f"{flops.reference:.3e}, teacher {flops.teacher:.3e}); per trainer GPU {flops.total / plan.trainer_gpus:.3e}",
     ]
+    lines.append(longest_response_line(plan))
     if plan.trainer_gpus > plan.gpus:
         lines.append(f"error: the layout needs {plan.trainer_gpus} GPUs, only {plan.gpus} given")
     return "\n".join(lines)
