@@ -9,17 +9,42 @@ unsplit run's, computed alike on each CP rank; the gather's backward keeps a ran
 rank's loss is the same function of the gathered scores), so the weight gradients, summed over the CP group by
 Megatron's DDP (which reduces over data-parallel x CP ranks), are the unsplit run's. The loss's unit count, which
 `finalize_model_grads` sums over the same ranks, is counted by CP rank 0 alone (`count_once`).
+
+A packed micro-batch (THD) is split sequence by sequence: each sequence of the pack is right-padded to a multiple
+of 2 x CP x TP, the rank keeps its zig-zag chunks of every sequence (Megatron's THD layout under CP: the
+cu_seqlens Megatron gets are the re-padded row's, global; its rotary embedding picks each sequence's chunk
+positions from them), and the gathered scores are put back into the pack's own layout, which `MicroBatch.unpack`
+reads.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_armor.distributed.context_parallel import ZigZag, gather_sequence
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What a CP rank feeds the model of one micro-batch: its chunks of the token ids, (global) position ids and
+    labels ([b, 2c] rows, or packed [1, T_p / CP]) and, packed, Megatron's THD description of them (`packing`:
+    the re-padded row's global cu_seqlens); and how its scores return: `width` tokens per row of the micro-batch
+    as the model tokens had them, `cu_seqlens` (packed: the re-padded row's offsets) and `index` (packed: [T] where
+    each of the pack's tokens sits in the re-padded row)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    packing: PackedSeqParams | None
+    width: int
+    cu_seqlens: tuple[int, ...] | None = None
+    index: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -37,22 +62,48 @@ class ContextSplit:
             return None
         return cls(ZigZag.current(group), parallel_state.get_tensor_model_parallel_world_size())
 
-    def tokens(self, input_ids: torch.Tensor,
-               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's chunks [b, 2c] of the token ids, (global) position ids and labels of right-padded rows
-        [b, s] (whose position ids are 0..s-1)."""
+    def share(self, input_ids: torch.Tensor, labels: torch.Tensor,
+              packing: PackedSeqParams | None = None) -> RankShare:
+        """This rank's share of a micro-batch's model tokens: right-padded rows [b, s] (whose position ids are
+        0..s-1), or a packed row [1, T] with its `packing`."""
+        if packing is not None:
+            return self._packed_share(input_ids, labels, packing)
         padded = self.layout.padded_length(input_ids.shape[1], self.multiple)
         positions = torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1)
-        return tuple(self.layout.split(tensor, 1) for tensor in (
+        ids, positions, labels = (self.layout.split(tensor, 1) for tensor in (
             self._pad(input_ids, padded), positions, self._pad(labels, padded)))
+        return RankShare(ids, positions, labels, None, width=input_ids.shape[1])
 
-    def gather(self, scores: torch.Tensor, width: int) -> torch.Tensor:
-        """Per-token scores of this rank's chunks [b, 2c] as the whole rows [b, width] (differentiable)."""
-        return gather_sequence(scores, 1, reduce_grad=False)[:, :width]
+    def gather(self, scores: torch.Tensor, share: RankShare) -> torch.Tensor:
+        """Per-token scores of this rank's share ([b, 2c], or packed [1, T_p / CP]) as the micro-batch's model
+        tokens had them ([b, width] rows, or the packed row [1, T]); differentiable."""
+        whole = gather_sequence(scores, 1, reduce_grad=False, cu_seqlens=share.cu_seqlens)
+        return whole[:, :share.width] if share.index is None else whole[:, share.index]
 
     def count_once(self, units: torch.Tensor) -> torch.Tensor:
         """`units` on CP rank 0, zero on the others (every CP rank computes the same loss and units)."""
         return units if self.layout.rank == 0 else torch.zeros_like(units)
+
+    def _packed_share(self, input_ids: torch.Tensor, labels: torch.Tensor, packing: PackedSeqParams) -> RankShare:
+        """Every sequence of the pack (a segment of `packing.cu_seqlens_q`) right-padded to a multiple of
+        2 x CP x TP, then split zig-zag sequence by sequence (`ZigZag.packed_positions`)."""
+        bounds, device = packing.cu_seqlens_q.tolist(), input_ids.device
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        padded = [self.layout.padded_length(n, self.multiple) for n in lengths]
+        cu_seqlens = (0, *itertools.accumulate(padded))
+        index = torch.cat([start + torch.arange(n, device=device) for start, n in zip(cu_seqlens, lengths)])
+
+        def spread(tensor: torch.Tensor) -> torch.Tensor:  # [1, T] -> this rank's chunks of the re-padded row
+            row = tensor.new_zeros((1, cu_seqlens[-1]))
+            row[:, index] = tensor
+            return self.layout.split(row, 1, cu_seqlens)
+
+        positions = torch.cat([self.layout.positions(n, device=device) for n in padded])[None]
+        offsets = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                                 max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
+        return RankShare(spread(input_ids), positions, spread(labels), params, width=input_ids.shape[1],
+                         cu_seqlens=cu_seqlens, index=index)
 
     @staticmethod
     def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

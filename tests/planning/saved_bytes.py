@@ -30,7 +30,8 @@ def measured_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, head: str
     positions, labels = torch.arange(tokens.shape[1]).expand_as(tokens), tokens
     split = ContextSplit.current()
     if split is not None:  # under context parallelism: this rank's zig-zag chunks, as the trainer feeds them
-        tokens, positions, labels = split.tokens(tokens, labels)
+        share = split.share(tokens, labels)
+        tokens, positions, labels = share.input_ids, share.position_ids, share.labels
     with megatron_device_scope(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         if head == "fused":
             scores = model(tokens, positions, None, output_processor=_fused_head(ScoringConfig(head="fused")),

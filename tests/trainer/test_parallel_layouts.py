@@ -6,7 +6,8 @@ process, PP=2 with micro-batches of different shapes, TP=2 with sequence paralle
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2; so does a Qwen2-MoE step (a gated shared expert) at TP=2 (sequence
 parallel) beside EP=2, and Mixtral's and GLM-4.5's (sigmoid router, expert bias) at PP=2; so do context-parallel
-steps, entropy included, at CP=2 (also with the fused head), CP=2 x TP=2 (sequence parallel) and CP=2 x PP=2."""
+steps, entropy included, at CP=2 (also with the fused head and with packed micro-batches), CP=2 x TP=2 (sequence
+parallel) and CP=2 x PP=2."""
 
 import pytest
 import torch
@@ -70,7 +71,8 @@ JOBS = {
         "mixtral-pp2": ("mixtral", 1, 2, "torch"), "glm4-moe-pp2": ("glm4-moe", 1, 2, "torch"),
         "bf16-tp2": ("dense", 2, 1, "torch", "bf16", "clip=0.2"), "bf16-pp2": ("dense", 1, 2, "torch", "bf16", "clip=0.2"),
         "bf16-dp2-distopt": ("dense", 1, 1, "torch", "bf16", "distopt", "clip=0.2"),
-        "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2")},
+        "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2"),
+        "cp2-budget-packed": ("dense", 1, 1, "torch", "cp=2", "budget=40", "packed")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
@@ -148,11 +150,12 @@ def test_moe_routing_replay_under_ep2_pp2_and_tp2_matches_single_rank(runs):
     assert r2["routing_metrics"]["moe/expert_load_cv"] > 0
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp2-fused-head", "cp2xtp2-sp", "cp2xpp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp2-fused-head", "cp2xtp2-sp", "cp2xpp2", "cp2-budget-packed"])
 def test_context_parallel_matches_single_rank(runs, name):
     """Every CP rank holds its zig-zag chunks of each sequence (no data-parallel replica: DP 1) and logs the whole
     step: logprobs, entropy, gradients, metrics and updated weights equal the one-process step's, with the torch
-    head or the fused one (which scores each rank's chunks and adds its weight gradient into main_grad)."""
+    head or the fused one (which scores each rank's chunks and adds its weight gradient into main_grad), and with
+    token-budget packed micro-batches (THD: each packed sequence re-padded and split zig-zag on its own)."""
     ranks, baseline = runs[name], runs["base"][0]
     _, tp, pp, head, *_ = next(jobs[name] for jobs in JOBS.values() if name in jobs)
     assert [result["layout"] for result in ranks] == [(tp, pp, 1)] * len(ranks)
