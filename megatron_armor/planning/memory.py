@@ -59,9 +59,9 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x dp ranks
-        regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp / ep at expert TP = TP."""
-        return self.tp * self.dp // (self.expert_tp * self.ep)
+        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x cp x dp
+        ranks regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp x cp / ep at expert TP = TP."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
 
 def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[int]:

@@ -125,7 +125,7 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
 def _splits(shape: ModelShape, layout: Layout) -> bool:
     """Whether `layout` splits `shape` (`check_parallel_layout`) and its experts (`check_expert_layout`)."""
     try:
-        check_parallel_layout(shape, layout.tp, layout.pp, layout.ep, layout.etp, layout.cp)
+        check_parallel_layout(shape, layout.tp, layout.pp, layout.ep, layout.etp)
         check_expert_layout(layout.tp, layout.dp, layout.ep, layout.etp)
     except ValueError:
         return False
@@ -196,7 +196,7 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
     shape, _ = resolve_model_shape(cfg.model.path)
     train, par = cfg.train, cfg.parallel
     check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size,
-                          par.expert_tensor_parallel_size, par.context_parallel_size)
+                          par.expert_tensor_parallel_size)
     check_context_groups(par.tensor_parallel_size * par.pipeline_parallel_size, par.context_parallel_size,
                          hardware.gpus)
     layout = Layout(
@@ -252,8 +252,8 @@ def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tup
 def context_layouts(cfg: ArmorConfig, shape: ModelShape,
                     gpus: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """(cp, dp) of `cfg`'s GPUs without context parallelism, and with it: the configured CP size, or at CP 1 the CP
-    raise `knob_changes` advises (2, on as many GPUs where dp allows); None where the model cannot run under CP
-    (a MoE model) or the `gpus` cannot hold it."""
+    raise `knob_changes` advises (2, on as many GPUs where dp allows); None where the model's layout does not split
+    at that CP size or the `gpus` cannot hold it."""
     par = cfg.parallel
     replicas = par.data_parallel_size * par.context_parallel_size
     model_parallel = par.tensor_parallel_size * par.pipeline_parallel_size

@@ -5,6 +5,9 @@ from __future__ import annotations
 from megatron_armor.planning.activations import cp_rank_tokens
 from megatron_armor.planning.planner import GIB, RunPlan
 
+# the longest-response line where `context_layouts` finds no CP layout
+NO_CP_LAYOUT = "no context-parallel layout of these GPUs splits the model and its experts"
+
 
 def _gib(value: int) -> str:
     return f"{value / GIB:9.2f} GiB"
@@ -48,8 +51,7 @@ def longest_response_line(plan: RunPlan) -> str:
     line = (f"longest responses that fit (rollout.sampling.max_new_tokens): {plan.longest_without_cp} tokens without "
             f"context parallelism (dp {plan.without_cp[1]})")
     if plan.with_cp is None:
-        why = "does not run MoE models yet" if plan.memory.inputs.shape.num_experts else "needs more GPUs"
-        return line + f"; context parallelism {why}"
+        return line + f"; {NO_CP_LAYOUT}"
     cp, dp = plan.with_cp
     return line + f", {plan.longest_with_cp} with parallel.context_parallel_size {cp} (dp {dp})"
 

@@ -32,12 +32,13 @@ from megatron_armor.distributed.context_parallel import ZigZag, gather_sequence
 
 @dataclass(frozen=True)
 class RankShare:
-    """What a CP rank feeds the model of one micro-batch: its chunks of the token ids, (global) position ids and
-    labels ([b, 2c] rows, or packed [1, T_p / CP]) and, packed, Megatron's THD description of them (`packing`:
-    the re-padded row's global cu_seqlens); and how its scores return: `width` tokens per row of the micro-batch
-    as the model tokens had them, `cu_seqlens` (packed: the re-padded row's offsets) and `index` (packed: [T] where
-    each of the pack's tokens sits in the re-padded row)."""
+    """What a CP rank (`layout`) feeds the model of one micro-batch: its chunks of the token ids, (global) position
+    ids and labels ([b, 2c] rows, or packed [1, T_p / CP]) and, packed, Megatron's THD description of them
+    (`packing`: the re-padded row's global cu_seqlens); and how per-token values move between the micro-batch's
+    model tokens and the share: `width` tokens per row as the model tokens have them, `cu_seqlens` (packed: the
+    re-padded row's offsets) and `index` (packed: [T] where each of the pack's tokens sits in the re-padded row)."""
 
+    layout: ZigZag
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
@@ -45,6 +46,23 @@ class RankShare:
     width: int
     cu_seqlens: tuple[int, ...] | None = None
     index: torch.Tensor | None = None
+
+    def split(self, values: torch.Tensor, fill: int) -> torch.Tensor:
+        """Per-token `values` [b, width, ...] of the model tokens (rows, or the packed row) as this rank's share
+        [b, 2c, ...] (packed [1, T_p / CP, ...]); the padding the share adds holds `fill`."""
+        length = self.input_ids.shape[1] * self.layout.size
+        whole = values.new_full((values.shape[0], length, *values.shape[2:]), fill)
+        if self.index is None:
+            whole[:, :self.width] = values
+        else:
+            whole[:, self.index] = values
+        return self.layout.split(whole, 1, self.cu_seqlens)
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token `values` of this rank's share ([b, 2c, ...], or packed [1, T_p / CP, ...]) as the model tokens
+        had them ([b, width, ...] rows, or the packed row [1, T, ...]), from every CP rank; differentiable."""
+        whole = gather_sequence(values, 1, reduce_grad=False, cu_seqlens=self.cu_seqlens)
+        return whole[:, :self.width] if self.index is None else whole[:, self.index]
 
 
 @dataclass(frozen=True)
@@ -72,13 +90,7 @@ class ContextSplit:
         positions = torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1)
         ids, positions, labels = (self.layout.split(tensor, 1) for tensor in (
             self._pad(input_ids, padded), positions, self._pad(labels, padded)))
-        return RankShare(ids, positions, labels, None, width=input_ids.shape[1])
-
-    def gather(self, scores: torch.Tensor, share: RankShare) -> torch.Tensor:
-        """Per-token scores of this rank's share ([b, 2c], or packed [1, T_p / CP]) as the micro-batch's model
-        tokens had them ([b, width] rows, or the packed row [1, T]); differentiable."""
-        whole = gather_sequence(scores, 1, reduce_grad=False, cu_seqlens=share.cu_seqlens)
-        return whole[:, :share.width] if share.index is None else whole[:, share.index]
+        return RankShare(self.layout, ids, positions, labels, None, width=input_ids.shape[1])
 
     def count_once(self, units: torch.Tensor) -> torch.Tensor:
         """`units` on CP rank 0, zero on the others (every CP rank computes the same loss and units)."""
@@ -102,8 +114,8 @@ class ContextSplit:
         offsets = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
                                  max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
-        return RankShare(spread(input_ids), positions, spread(labels), params, width=input_ids.shape[1],
-                         cu_seqlens=cu_seqlens, index=index)
+        return RankShare(self.layout, spread(input_ids), positions, spread(labels), params,
+                         width=input_ids.shape[1], cu_seqlens=cu_seqlens, index=index)
 
     @staticmethod
     def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

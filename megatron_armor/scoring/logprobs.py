@@ -119,12 +119,10 @@ def forward_backward(
         input_ids, position_ids, labels, packing = mb.model_tokens
         share = None
         if split is not None:
-            if routing is not None:
-                raise NotImplementedError("context parallelism does not yet replay a MoE model's routes")
             share = split.share(input_ids, labels, packing)
             input_ids, position_ids, labels, packing = share.input_ids, share.position_ids, share.labels, share.packing
         if routing is not None:
-            routing.before(mb)
+            routing.before(mb, share)
         if scoring.head == "fused":
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
                            output_processor=_fused_head(scoring), output_processor_context=labels)
@@ -134,7 +132,7 @@ def forward_backward(
             head = lambda logits: _rows_loss(  # noqa: E731
                 loss_fn, _torch_head(logits, labels, scoring), mb, split, share)
         if routing is not None:
-            routing.after(mb)
+            routing.after(mb, share)
         return output, head
 
     with megatron_device_scope():
@@ -155,8 +153,8 @@ def _rows_loss(loss_fn: LossFn, scores: TokenScores, mb: MicroBatch, split: Cont
     (the units counted once over the CP group)."""
     if split is None:
         return loss_fn(_unpack(scores, mb), mb.rows)
-    entropy = None if scores.entropy is None else split.gather(scores.entropy, share)
-    loss, units, stats = loss_fn(_unpack(TokenScores(split.gather(scores.logprobs, share), entropy), mb), mb.rows)
+    entropy = None if scores.entropy is None else share.gather(scores.entropy)
+    loss, units, stats = loss_fn(_unpack(TokenScores(share.gather(scores.logprobs), entropy), mb), mb.rows)
     return loss, split.count_once(units), stats
 
 

@@ -116,13 +116,22 @@ def test_plan_advises_context_parallelism_for_responses_that_do_not_fit():
     changed = dict(knob_changes(inputs, 32768))["set parallel.context_parallel_size 2 (dp 8; each sequence split "
                                                 "over 2 GPUs)"]
     assert changed.layout == inputs.layout.with_(cp=2, dp=8) and memory_plan(changed).fits
-    # a MoE model is not advised CP (the trainer refuses it)
-    assert not [knob for knob, _ in knob_changes(inputs_of("qwen3-30b-a3b/armor.yaml"), 10240)
-                if knob.startswith("set parallel.context_parallel_size")]
+    # a MoE model is advised CP too, where its expert layout still divides TP x DP (EP 8 of TP 4 x DP 8, not of DP 4)
+    assert [knob for knob, _ in knob_changes(inputs_of("qwen3-30b-a3b/armor.yaml"), 10240)
+            if knob.startswith("set parallel.context_parallel_size")] == [
+        "set parallel.context_parallel_size 2 (dp 8; each sequence split over 2 GPUs)"]
+
+
+def test_context_parallel_ranks_hold_the_same_experts():
+    """A MoE model's expert data-parallel group spans the CP ranks (Megatron regroups TP x CP x DP for the experts):
+    CP 2 at half the DP keeps the expert state per GPU and halves the activations."""
+    recipe = "qwen3-30b-a3b/armor.yaml"
+    cp1, cp2 = inputs_of(recipe), inputs_of(recipe, "parallel.context_parallel_size=2", "parallel.data_parallel_size=8")
+    assert (cp1.layout.expert_dp, cp2.layout.expert_dp) == (2, 2)
+    assert memory_plan(cp2).state == memory_plan(cp1).state
+    assert 2 * memory_plan(cp2).activations.saved == memory_plan(cp1).activations.saved
 
 
 def test_a_context_parallel_layout_the_gpus_cannot_hold_is_refused():
     with pytest.raises(ValueError, match=r"tp x pp x cp = 12 GPUs do not divide the 128 GPUs"):
         inputs_of("qwen3-8b-base/armor.yaml", "parallel.context_parallel_size=3", "parallel.data_parallel_size=4")
-    with pytest.raises(ValueError, match="context_parallel_size=2 does not support MoE models"):
-        inputs_of("qwen3-30b-a3b/armor.yaml", "parallel.context_parallel_size=2", "parallel.data_parallel_size=8")
