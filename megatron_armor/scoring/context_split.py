@@ -23,7 +23,6 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -31,38 +30,43 @@ from megatron_armor.distributed.context_parallel import ZigZag, gather_sequence
 
 
 @dataclass(frozen=True)
-class RankShare:
-    """What a CP rank (`layout`) feeds the model of one micro-batch: its chunks of the token ids, (global) position
-    ids and labels ([b, 2c] rows, or packed [1, T_p / CP]) and, packed, Megatron's THD description of them
-    (`packing`: the re-padded row's global cu_seqlens); and how per-token values move between the micro-batch's
-    model tokens and the share: `width` tokens per row as the model tokens have them, `cu_seqlens` (packed: the
-    re-padded row's offsets) and `index` (packed: [T] where each of the pack's tokens sits in the re-padded row)."""
+class TokenSplit:
+    """How per-token values move between a micro-batch's model tokens and a CP rank's share of them: the model tokens
+    have `width` per row (rows [b, width], or the packed row [1, width]), right-padded to `length` (packed: each
+    sequence padded on its own, `cu_seqlens` the padded row's offsets and `index` [width] where each model token
+    sits in it) and split zig-zag by `layout` (packed: sequence by sequence)."""
 
     layout: ZigZag
+    width: int
+    length: int
+    cu_seqlens: tuple[int, ...] | None = None
+    index: torch.Tensor | None = None
+
+    def split(self, values: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """Per-token `values` [b, width, ...] as this rank's share [b, length / CP, ...]; the padding holds `fill`."""
+        whole = values.new_full((values.shape[0], self.length, *values.shape[2:]), fill)
+        whole[:, slice(self.width) if self.index is None else self.index] = values
+        return self.layout.split(whole, 1, self.cu_seqlens)
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token `values` of this rank's share [b, length / CP, ...] as the model tokens had them
+        [b, width, ...], from every CP rank; differentiable."""
+        whole = gather_sequence(values, 1, reduce_grad=False, cu_seqlens=self.cu_seqlens)
+        return whole[:, slice(self.width) if self.index is None else self.index]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What a CP rank feeds the model of one micro-batch: its chunks of the token ids, (global) position ids and
+    labels ([b, 2c] rows, or packed [1, T_p / CP]), and packed, Megatron's THD description of them (`packing`: the
+    re-padded row's global cu_seqlens); `tokens`: how per-token values move between the micro-batch's model tokens
+    and this share."""
+
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
     packing: PackedSeqParams | None
-    width: int
-    cu_seqlens: tuple[int, ...] | None = None
-    index: torch.Tensor | None = None
-
-    def split(self, values: torch.Tensor, fill: int) -> torch.Tensor:
-        """Per-token `values` [b, width, ...] of the model tokens (rows, or the packed row) as this rank's share
-        [b, 2c, ...] (packed [1, T_p / CP, ...]); the padding the share adds holds `fill`."""
-        length = self.input_ids.shape[1] * self.layout.size
-        whole = values.new_full((values.shape[0], length, *values.shape[2:]), fill)
-        if self.index is None:
-            whole[:, :self.width] = values
-        else:
-            whole[:, self.index] = values
-        return self.layout.split(whole, 1, self.cu_seqlens)
-
-    def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-token `values` of this rank's share ([b, 2c, ...], or packed [1, T_p / CP, ...]) as the model tokens
-        had them ([b, width, ...] rows, or the packed row [1, T, ...]), from every CP rank; differentiable."""
-        whole = gather_sequence(values, 1, reduce_grad=False, cu_seqlens=self.cu_seqlens)
-        return whole[:, :self.width] if self.index is None else whole[:, self.index]
+    tokens: TokenSplit
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,10 @@ class ContextSplit:
         0..s-1), or a packed row [1, T] with its `packing`."""
         if packing is not None:
             return self._packed_share(input_ids, labels, packing)
-        padded = self.layout.padded_length(input_ids.shape[1], self.multiple)
-        positions = torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1)
-        ids, positions, labels = (self.layout.split(tensor, 1) for tensor in (
-            self._pad(input_ids, padded), positions, self._pad(labels, padded)))
-        return RankShare(self.layout, ids, positions, labels, None, width=input_ids.shape[1])
+        width = input_ids.shape[1]
+        tokens = TokenSplit(self.layout, width, self.layout.padded_length(width, self.multiple))
+        positions = torch.arange(tokens.length, device=input_ids.device).expand(input_ids.shape[0], -1)
+        return RankShare(tokens.split(input_ids), self.layout.split(positions, 1), tokens.split(labels), None, tokens)
 
     def count_once(self, units: torch.Tensor) -> torch.Tensor:
         """`units` on CP rank 0, zero on the others (every CP rank computes the same loss and units)."""
@@ -104,19 +107,9 @@ class ContextSplit:
         padded = [self.layout.padded_length(n, self.multiple) for n in lengths]
         cu_seqlens = (0, *itertools.accumulate(padded))
         index = torch.cat([start + torch.arange(n, device=device) for start, n in zip(cu_seqlens, lengths)])
-
-        def spread(tensor: torch.Tensor) -> torch.Tensor:  # [1, T] -> this rank's chunks of the re-padded row
-            row = tensor.new_zeros((1, cu_seqlens[-1]))
-            row[:, index] = tensor
-            return self.layout.split(row, 1, cu_seqlens)
-
+        tokens = TokenSplit(self.layout, input_ids.shape[1], cu_seqlens[-1], cu_seqlens, index)
         positions = torch.cat([self.layout.positions(n, device=device) for n in padded])[None]
         offsets = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
                                  max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
-        return RankShare(self.layout, spread(input_ids), positions, spread(labels), params,
-                         width=input_ids.shape[1], cu_seqlens=cu_seqlens, index=index)
-
-    @staticmethod
-    def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
-        return F.pad(tensor, (0, length - tensor.shape[1]))
+        return RankShare(tokens.split(input_ids), positions, tokens.split(labels), params, tokens)

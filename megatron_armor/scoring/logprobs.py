@@ -153,8 +153,8 @@ def _rows_loss(loss_fn: LossFn, scores: TokenScores, mb: MicroBatch, split: Cont
     (the units counted once over the CP group)."""
     if split is None:
         return loss_fn(_unpack(scores, mb), mb.rows)
-    entropy = None if scores.entropy is None else share.gather(scores.entropy)
-    loss, units, stats = loss_fn(_unpack(TokenScores(share.gather(scores.logprobs), entropy), mb), mb.rows)
+    entropy = None if scores.entropy is None else share.tokens.gather(scores.entropy)
+    loss, units, stats = loss_fn(_unpack(TokenScores(share.tokens.gather(scores.logprobs), entropy), mb), mb.rows)
     return loss, split.count_once(units), stats
 
 

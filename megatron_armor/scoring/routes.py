@@ -38,7 +38,7 @@ def router_order(routes: torch.Tensor, mb: MicroBatch, share: RankShare | None =
         rows, columns = mb.packed.token_rows.to(routes.device), mb.packed.token_columns.to(routes.device)
         tokens[0, : rows.numel()] = routes[rows, columns]
     if share is not None:
-        tokens = share.split(tokens, NO_ROUTE)
+        tokens = share.tokens.split(tokens, NO_ROUTE)
     return tokens.transpose(0, 1).reshape(-1, *routes.shape[2:])
 
 
@@ -49,7 +49,7 @@ def row_order(flat: torch.Tensor, mb: MicroBatch, share: RankShare | None = None
     n, s = mb.rows.input_ids.shape
     tokens = flat.view(-1, 1 if mb.packed is not None else n, *flat.shape[1:]).transpose(0, 1)  # [b, s', L, k]
     if share is not None:
-        tokens = share.gather(tokens)
+        tokens = share.tokens.gather(tokens)
     if mb.packed is None:
         return tokens
     rows = flat.new_full((n, s, *flat.shape[1:]), NO_ROUTE)
