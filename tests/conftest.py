@@ -15,6 +15,33 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))  # the shared `launcher` helper
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torchrun: conversions in this test launch their workers under torchrun, as "
+                                       "users' do (the other tests fork them from the launcher's zygote)")
+
+
+@pytest.fixture(autouse=True)
+def conversion_workers_from_the_zygote(request, monkeypatch, tmp_path_factory):
+    """A multi-process conversion's ranks forked from the suite's pre-imported zygote (tests/launcher.py) instead of
+    torchrun's fresh interpreters: the same worker command (`python -m megatron_armor.convert.cli ... --worker`) and
+    environment, without ~8 s of imports per launch on this 2-core box. Tests marked `torchrun` keep torchrun; the
+    conversion tools run as users run them (tests/convert/test_round_trip.py) launch it from their own process."""
+    if request.node.get_closest_marker("torchrun"):
+        return
+    from launcher import launch
+
+    from megatron_armor.convert import workers
+
+    def run_conversion_workers(nproc: int, cli_args, *, failure: str) -> None:
+        result = launch(["-m", "megatron_armor.convert.cli", *cli_args], nproc,
+                        tmp_path_factory.mktemp("conversion-workers"), env={"CUDA_VISIBLE_DEVICES": ""})
+        if result.returncode != 0:
+            sys.stderr.write(result.output)
+            raise workers.ConversionError(failure)
+
+    monkeypatch.setattr(workers, "run_conversion_workers", run_conversion_workers)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """(arch, **make_tiny_checkpoint options) -> directory of a tiny random HF checkpoint (made once per session)."""

@@ -16,10 +16,14 @@ import multiprocessing.connection
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from megatron_armor.utils.net import free_port
 
@@ -29,6 +33,7 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PRELOAD = ["torch", "transformers", "megatron.core", "megatron_armor.cli", "megatron_armor.trainer.run.train",
            "megatron_armor.convert.hf_to_megatron", "megatron_armor.kernels", "launcher"]
 _STOP_GRACE_S = 5.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,41 @@ def _run_rank(target: list[str], env: dict[str, str], log_path: str) -> None:
         raise SystemExit(code)
 
 
+def _fork(target: list[str], env: dict[str, str], log_path: Path) -> multiprocessing.process.BaseProcess:
+    """`target` started (not waited for) in a process forked from the zygote, with environment `env`, output to
+    `log_path`."""
+    process = _zygote().Process(target=_run_rank, args=(target, env, str(log_path)))
+    process.start()
+    return process
+
+
+class Forked:
+    """A process forked from the zygote running `target` (a script and its args, or "-m", a module and its args)
+    until it exits or is killed, seen through the part of `subprocess.Popen`'s interface the tests use: `pid`,
+    `poll()`, `wait()`, `kill()`, `terminate()` (exit codes as Popen's: -N after signal N)."""
+
+    def __init__(self, target: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self._process = _fork(target, {**os.environ, **RANK_ENV, **(env or {})}, log_path)
+        self.pid = self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self._process.name), timeout)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        if self._process.exitcode is None:
+            self._process.kill()
+
+    def terminate(self) -> None:
+        if self._process.exitcode is None:
+            self._process.terminate()
+
+
 def launch(target: list[str], nproc: int, log_dir: Path, *, env: dict[str, str] | None = None,
            timeout: float = 600) -> Launch:
     """Run `target` (a script path and its args, or "-m", a module and its args) on `nproc` ranks of one gloo job.
@@ -99,16 +139,13 @@ def launch(target: list[str], nproc: int, log_dir: Path, *, env: dict[str, str] 
     seconds every rank is killed and the launch fails with its output. Each rank's output is kept in
     `log_dir/rank<r>.log`."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    context = _zygote()
     port = str(free_port())
     ranks = []
     for rank in range(nproc):
         rank_env = {**os.environ, **RANK_ENV, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                     "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        process = context.Process(target=_run_rank, args=(target, rank_env, str(log_dir / f"rank{rank}.log")))
-        process.start()
-        ranks.append(process)
+        ranks.append(_fork(target, rank_env, log_dir / f"rank{rank}.log"))
     deadline = time.monotonic() + timeout
     timed_out = False
     while any(p.exitcode is None for p in ranks):
@@ -153,6 +190,16 @@ def run_workers(worker: str, nproc: int, out_dir: Path, *args: str, timeout: int
     if result.returncode != 0:
         raise AssertionError(f"{worker} failed with exit codes {result.exit_codes}\n{result.output[-10000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def concurrently(*calls: Callable[[], T]) -> list[T]:
+    """The results of independent calls (launches, multi-process conversions), run at once on threads, in order; the
+    first failure is raised. A launch of one or two ranks leaves a core of this 2-core box idle through its start-up
+    and its ranks' waits on each other; another launch beside it fills it. Only for calls whose results do not depend
+    on timing and that write nothing in common (not training runs that may fill the synthetic task's shared cache)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
 
 
 def armor(*args: str, nproc: int, log_dir: Path, timeout: int = 600) -> Launch:

@@ -127,17 +127,33 @@ def test_a_context_longer_than_the_models_positions_is_named_at_start_up():
     assert context_length_warning(cfg, model_shape_from_dict({**hf, "max_position_embeddings": 10240})) is None
 
 
-def test_moe_recipe_replays_the_servers_routing_and_states_its_hardware():
-    """examples/qwen3-30b-a3b: ARMOR's 8B hyperparameters on Qwen3-30B-A3B with experts over EP 8 and rollout routing
-    replay; its launcher starts the servers that must return their routed experts (`armor plan`: test_recipes_plan)."""
-    cfg = load_config(EXAMPLES / "qwen3-30b-a3b" / "armor.yaml")
-    for dotted, expected in {**COMMON, "armor.alpha": 0.875, "train.routing_replay": "rollout",
-                             "parallel.expert_parallel_size": 8, "model.moe_aux_loss_coeff": 0.0}.items():
+# MoE recipe -> (its layout: expert parallel size, trainer GPUs; the hardware its launcher names)
+MOE_RECIPES = {
+    "qwen3-30b-a3b": ({"parallel.expert_parallel_size": 8}, 64, "Hardware: 16 nodes x 8 H100"),
+    "glm-4.5-air": ({"parallel.expert_parallel_size": 4}, 64, "Hardware: 16 nodes x 8 H200"),
+    "deepseek-v3": ({"parallel.expert_parallel_size": 256, "parallel.expert_tensor_parallel_size": 1}, 256,
+                    "Hardware: 48 nodes x 8 H200"),
+}
+
+
+@pytest.mark.parametrize("recipe", MOE_RECIPES)
+def test_moe_recipe_replays_the_servers_routing_and_states_its_hardware(recipe):
+    """examples/qwen3-30b-a3b, glm-4.5-air, deepseek-v3: ARMOR's 8B hyperparameters with experts over EP and rollout
+    routing replay; the launcher starts the servers that must return their routed experts, and the header says what
+    ran on CPU and what has not run (`armor plan`: test_recipes_plan)."""
+    layout, trainer_gpus, hardware = MOE_RECIPES[recipe]
+    cfg = load_config(EXAMPLES / recipe / "armor.yaml")
+    for dotted, expected in {**COMMON, **layout, "armor.alpha": 0.875, "train.routing_replay": "rollout",
+                             "model.moe_aux_loss_coeff": 0.0, "recompute.granularity": "selective"}.items():
         assert value_at(cfg, dotted) == expected, dotted
     assert on_policy_samples(cfg) == 15  # + 1 anchor per group
-    assert cfg.parallel.world_size == 64 and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
-    script = EXAMPLES / "qwen3-30b-a3b" / "run_torchrun.sh"
-    assert "Hardware: 16 nodes x 8 H100" in script.read_text() and "--enable-return-routed-experts" in script.read_text()
+    assert cfg.parallel.world_size == trainer_gpus and cfg.train.mini_batch_size % cfg.parallel.data_parallel_size == 0
+    script = EXAMPLES / recipe / "run_torchrun.sh"
+    assert hardware in script.read_text() and "--enable-return-routed-experts" in script.read_text()
+    assert load_config(EXAMPLES / recipe / "armor.yaml").rollout.weight_sync.method == "distributed"
+    if recipe != "qwen3-30b-a3b":  # the newer recipes' headers: what ran on CPU, and that nothing ran on GPUs
+        header = (EXAMPLES / recipe / "armor.yaml").read_text()
+        assert "What ran: nothing of this recipe has run on GPUs" in header and "On CPU, `armor plan`" in header
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 

@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_armor.convert import workers
 from megatron_armor.convert.carried import export_carried_tensors
 from megatron_armor.convert.dist_checkpoint_reader import DistCheckpointReader
 from megatron_armor.convert.hf_shards import SafetensorsShardWriter, TensorSpec, WrittenShard, name_shards
@@ -33,7 +34,6 @@ from megatron_armor.convert.mapping import ParamMapping, megatron_shards_to_hf
 from megatron_armor.convert.megatron_checkpoint import DIST_CHECKPOINT_DIR, copy_side_files, read_checkpoint_info
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.weights import CheckpointError, stage_mappings
-from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import check_parallel_layout, load_model_shape, transformer_config
@@ -63,7 +63,7 @@ def convert_megatron_to_hf(
         if pp == 1:
             write_hf_stage(megatron_dir, out, pp=1, max_shard_bytes=max_shard_bytes)
         else:
-            run_conversion_workers(
+            workers.run_conversion_workers(
                 pp, ["megatron-to-hf", "--megatron-path", str(megatron_dir), "--out", str(out), "--pp", str(pp),
                      "--max-shard-size", repr(max_shard_bytes / 1024**3), "--worker"],
                 failure=f"exporting {megatron_dir} failed in a worker process (output above); nothing written to {out}",

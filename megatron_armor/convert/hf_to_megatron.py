@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.config import expert_tp_size
+from megatron_armor.convert import workers
 from megatron_armor.convert.carried import save_carried_tensors
 from megatron_armor.convert.hf_inputs import inspect_hf_checkpoint
 from megatron_armor.convert.megatron_checkpoint import dtype_name, is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.convert.output_dir import check_output_dir, staged_output, staging_dir
 from megatron_armor.convert.streaming_save import StreamingSaveStrategy
 from megatron_armor.convert.weights import hf_parameter_source
-from megatron_armor.convert.workers import run_conversion_workers
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import check_parallel_layout, transformer_config
@@ -53,7 +53,7 @@ def convert_hf_to_megatron(
         if nproc == 1:
             write_megatron_shards(hf_dir, out, tp=1, pp=1)
         else:
-            run_conversion_workers(
+            workers.run_conversion_workers(
                 nproc, ["hf-to-megatron", "--hf-path", str(hf_dir), "--out", str(out), "--tp", str(tp),
                         "--pp", str(pp), "--ep", str(ep), "--etp", str(etp), "--worker"],
                 failure=f"converting {hf_dir} failed in a worker process (output above); nothing written to {out}",

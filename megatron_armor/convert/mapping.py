@@ -100,6 +100,9 @@ def hf_shard_index(mapping: ParamMapping, shape: ModelShape, tp_rank: int, tp_si
         per_rank = shape.padded_vocab_size // tp_size
         start, stop = (min(shape.vocab_size, r * per_rank) for r in (tp_rank, tp_rank + 1))
         return [(slice(start, stop),)]
+    if mapping.layout == "column_linear":
+        rows = mapping.hf_shapes[0][0] // tp_size
+        return [(slice(tp_rank * rows, (tp_rank + 1) * rows),)]
     if mapping.layout == "row":
         columns = mapping.hf_shapes[0][1] // tp_size
         return [(slice(None), slice(tp_rank * columns, (tp_rank + 1) * columns))]
@@ -118,7 +121,7 @@ def hf_to_megatron_shard(
 ) -> torch.Tensor:
     """A TP rank's Megatron tensor for `mapping` from the parts of its HF tensors that `hf_shard_index`
     names (in `hf_names` order; read just those, e.g. with `HFCheckpointReader.get(name, index)`)."""
-    if mapping.layout in ("replicated", "row"):
+    if mapping.layout in ("replicated", "column_linear", "row"):
         return hf_parts[0]
     if mapping.layout == "column":
         return _pad_rows(hf_parts[0], shape.padded_vocab_size // tp_size)
@@ -137,6 +140,8 @@ def megatron_shards_to_hf(mapping: ParamMapping, shards: list[torch.Tensor], sha
         return [shards[0]]
     if mapping.layout == "column":
         return [_join(shards, dim=0)[: shape.vocab_size]]
+    if mapping.layout == "column_linear":
+        return [_join(shards, dim=0)]
     if mapping.layout == "row":
         return [_join(shards, dim=1)]
     if mapping.layout == "qkv":

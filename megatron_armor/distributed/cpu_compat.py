@@ -15,7 +15,9 @@ Adaptations (megatron-core 0.19):
    arguments) names a CPU tensor by its CUDA type, e.g. 'torch.cuda.FloatTensor': the distributed
    optimizer sorts parameters into fp32 and fp16/bf16 groups by those names and refuses any other.
 2. `torch.cuda.current_device()` (asked by p2p communication and the DDP grad buffers to place
-   tensors) returns the CPU device instead of raising "no CUDA GPUs".
+   tensors, and by multi-latent attention's rotary embeddings, `RotaryEmbedding` / `YarnRotaryEmbedding`, which it
+   builds without `use_cpu_initialization` and whose YaRN frequencies it moves there at the first forward) returns
+   the CPU device instead of raising "no CUDA GPUs".
 3. `torch.cuda.synchronize()` (called around p2p ops and buffer frees) becomes a no-op: CPU ops
    are synchronous.
 4. `torch.cuda.current_stream()` (the grad-reduce bucket waits on CUDA-graph events from it) returns

@@ -44,9 +44,13 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
-        del layer_number, attention_type, cp_comm_type
+        # k_channels / v_channels: multi-latent attention's query/key and value dims per head (they differ), which
+        # the tensors it is given carry
+        del layer_number, attention_type, cp_comm_type, k_channels, v_channels
         self.cp_group = None
         if config.context_parallel_size > 1:
             cp_group = getattr(pg_collection, "cp", None)
@@ -65,9 +69,11 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """query: [sq, b, heads, d]; key/value: [sk, b, groups, d]; attention_mask: optional bool
-        [b or 1, 1, sq, sk], True = masked out (Megatron convention). Returns [sq, b, heads * d].
-        Packed (THD `packed_seq_params`): query [t, heads, d], key/value [t, groups, d] -> [t, 1, heads * d]."""
+        """query/key: [sq, b, heads, d] / [sk, b, groups, d]; value: [sk, b, groups, dv] (dv = d but in multi-latent
+        attention); attention_mask: optional bool [b or 1, 1, sq, sk], True = masked out (Megatron convention).
+        Returns [sq, b, heads * dv]. Packed (THD `packed_seq_params`): query [t, heads, d], key/value [t, groups, d]
+        -> [t, heads, dv] (the attention module flattens the heads, after multi-latent attention trims the value
+        dims it padded)."""
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention bias")
         mask_type = attn_mask_type or self.attn_mask_type
@@ -79,21 +85,21 @@ class SDPAttention(MegatronModule):
         return self._attend(query, key, value, attention_mask, causal)
 
     def _attend_packed(self, query, key, value, packed_seq_params, mask_type: AttnMaskType) -> torch.Tensor:
-        """Causal attention within each sequence of a THD pack; [t, heads, d] in, [t, 1, heads * d] out."""
+        """Causal attention within each sequence of a THD pack; [t, heads, d] in, [t, heads, dv] out."""
         if packed_seq_params.qkv_format != "thd" or mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"SDPAttention packs only causal THD sequences, got "
                                       f"{packed_seq_params.qkv_format} {mask_type}")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         pieces = [self._attend(query[a:b, None], key[a:b, None], value[a:b, None], None, causal=True)
                   for a, b in zip(bounds[:-1], bounds[1:])]
-        return torch.cat(pieces)
+        return torch.cat(pieces).reshape(query.shape[0], query.shape[1], value.shape[-1])
 
     def _attend_context_parallel(self, query, key, value, attention_mask, packed_seq_params,
                                  mask_type: AttnMaskType) -> torch.Tensor:
         """Causal attention of this CP rank's zig-zag chunks: query [2c, b, heads, d] over the whole sequence's
-        keys/values (all-gathered from the local [2c, b, groups, d]) -> [2c, b, heads * d]. Packed (THD,
+        keys/values (all-gathered from the local [2c, b, groups, d]) -> [2c, b, heads * dv]. Packed (THD,
         `packed_seq_params.cu_seqlens_q` the global offsets): query [t, heads, d], key/value [t, groups, d], this
-        rank's chunks of every sequence, each attending over its own sequence -> [t, 1, heads * d]."""
+        rank's chunks of every sequence, each attending over its own sequence -> [t, heads, dv]."""
         if attention_mask is not None or mask_type != AttnMaskType.causal:
             raise NotImplementedError("SDPAttention under context parallelism attends causally only (no explicit "
                                       "attention mask)")
@@ -112,11 +118,12 @@ class SDPAttention(MegatronModule):
             masked = layout.causal_mask(end - start, device=query.device)
             pieces.append(self._attend(query[local, None], key[start:end, None], value[start:end, None],
                                        masked[None, None], causal=False))
-        return torch.cat(pieces)
+        return torch.cat(pieces).reshape(query.shape[0], query.shape[1], value.shape[-1])
 
     def _attend(self, query, key, value, attention_mask, causal: bool) -> torch.Tensor:
-        """SDPA of query [sq, b, heads, d] over key/value [sk, b, groups, d] -> [sq, b, heads * d]."""
-        seq_q, batch, heads, head_dim = query.shape
+        """SDPA of query [sq, b, heads, d] over key [sk, b, groups, d] and value [sk, b, groups, dv]
+        -> [sq, b, heads * dv]."""
+        seq_q, batch, heads, _ = query.shape
         groups = key.shape[2]
         # [s, b, h, d] -> [b, h, s, d]; repeat K/V so each query head sees its group's K/V.
         q = query.permute(1, 2, 0, 3)
@@ -131,4 +138,4 @@ class SDPAttention(MegatronModule):
             is_causal=causal,
             scale=self.softmax_scale,
         )
-        return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * head_dim)
+        return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * value.shape[-1])

@@ -14,10 +14,6 @@ from megatron_armor.config import RecomputeConfig, expert_tp_size
 from megatron_armor.models.families import ModelConfigError, model_family
 from megatron_armor.models.shape import ModelShape
 
-# Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
-_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
 def load_model_shape(model_dir: str | Path) -> ModelShape:
     """Read `config.json` of an HF checkpoint directory into a `ModelShape`."""
     path = Path(model_dir) / "config.json"
@@ -50,7 +46,7 @@ def model_shape_from_dict(hf: dict, *, source: str = "config") -> ModelShape:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_scaling_factor=_rope_scaling_factor(rope, source),
+        rope_scaling_factor=family.rope_scaling_factor(rope, source),
         **family_fields,
     )
 
@@ -64,18 +60,6 @@ def _refuse_unsupported_attention_and_activation(hf: dict, source: str) -> None:
     if hf.get("use_sliding_window") or windowed:
         raise ModelConfigError(f"{source}: sliding-window attention (use_sliding_window / layer_types {windowed}) is "
                                f"not supported; supported: full attention in every layer")
-
-
-def _rope_scaling_factor(rope: dict, source: str) -> float | None:
-    """None for plain RoPE, the factor for Llama 3 scaling; anything else is refused."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_ROPE_CONSTANTS.items()):
-        return float(rope["factor"])
-    raise ModelConfigError(
-        f"{source}: RoPE scaling {rope} is not supported; supported: none, or rope_type 'llama3' with {_LLAMA3_ROPE_CONSTANTS}"
-    )
 
 
 def check_parallel_layout(
@@ -92,6 +76,7 @@ def check_parallel_layout(
         ("padded vocab_size", shape.padded_vocab_size, "tensor_parallel_size", tp_size),
         ("moe_intermediate_size", shape.moe_ffn_hidden_size, "expert_tensor_parallel_size", etp_size),
         ("shared_expert_intermediate_size", shape.shared_expert_ffn_hidden_size, "tensor_parallel_size", tp_size),
+        *_latent_widths(shape, tp_size),
     ):
         if value % size:
             raise ModelConfigError(f"{name}={value} is not divisible by {split}={size}")
@@ -99,6 +84,16 @@ def check_parallel_layout(
         raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
     if ep_size > 1 and shape.num_experts % ep_size:
         raise ModelConfigError(f"num_experts={shape.num_experts} is not divisible by expert_parallel_size={ep_size}")
+
+
+def _latent_widths(shape: ModelShape, tp_size: int) -> tuple[tuple[str, int, str, int], ...]:
+    """Multi-latent attention's down projections, column-parallel on the local layer spec (Megatron gathers their
+    outputs): the query latent and the key/value latent with the rotary key."""
+    if shape.mla is None:
+        return ()
+    return (("q_lora_rank", shape.mla.q_lora_rank, "tensor_parallel_size", tp_size),
+            ("kv_lora_rank + qk_rope_head_dim", shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim,
+             "tensor_parallel_size", tp_size))
 
 
 @dataclass(frozen=True)
@@ -149,7 +144,7 @@ def transformer_config(
     `cp_size`: each sequence over that many context-parallel ranks (`parallel_state`'s CP group must agree).
     """
     check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size)
-    return TransformerConfig(
+    return model_family(shape.arch).megatron_config_type(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,

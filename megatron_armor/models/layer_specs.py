@@ -12,6 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_armor.models.attention import SDPAttention
+from megatron_armor.models.latent_attention import LocalMLASelfAttention
 from megatron_armor.models.norm import SequenceParallelRMSNorm
 
 
@@ -23,7 +24,7 @@ def transformer_engine_usable() -> bool:
 
 def layer_spec(
     *, qk_layernorm: bool = False, use_transformer_engine: bool | None = None, sequence_parallel: bool = False,
-    num_experts: int | None = None,
+    num_experts: int | None = None, multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """Decoder layer spec: Transformer Engine's fused layers on GPU when present, else Megatron's
     local layers with SDPA core attention (runs on CPU and GPU); with `sequence_parallel` their norms are
@@ -31,6 +32,11 @@ def layer_spec(
     is Megatron's `MoELayer`: a `TopKRouter` and a `SequentialMLP` of this rank's experts (one SwiGLU MLP each,
     `experts.local_experts.{j}`; no grouped GEMM, which needs CUDA kernels), and with the config's
     `moe_shared_expert_intermediate_size` its `SharedExpertMLP` (Qwen2-MoE).
+
+    `multi_latent_attention` (DeepSeek-V3): Megatron's `MLASelfAttention` instead (`qk_layernorm`: the RMSNorms of
+    its query and key/value latents, `q_layernorm` / `kv_layernorm`, which Transformer Engine's spec fuses into the
+    up projections), on the same core attention; on the local spec `models.latent_attention.LocalMLASelfAttention`,
+    which sums its shared rotary key's gradient over TP.
 
     Context parallelism (the config's `context_parallel_size` > 1) needs a core attention that attends over the CP
     group: Transformer Engine's `TEDotProductAttention` in its spec (ring exchange of keys and values, the config's
@@ -41,16 +47,21 @@ def layer_spec(
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention)
     spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm,
+        multi_latent_attention=multi_latent_attention)
     attention = spec.submodules.self_attention
+    if multi_latent_attention:
+        attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
     layer_norms = {}
     if sequence_parallel:
         norm = SequenceParallelRMSNorm
+        qk_norms = ("q_layernorm", "kv_layernorm" if multi_latent_attention else "k_layernorm")
         attention_submodules = dataclasses.replace(
-            attention_submodules, **({"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {})
+            attention_submodules, **(dict.fromkeys(qk_norms, norm) if qk_layernorm else {})
         )
         layer_norms = {"input_layernorm": norm, "pre_mlp_layernorm": norm}
     self_attention = dataclasses.replace(attention, submodules=attention_submodules)

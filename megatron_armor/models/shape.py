@@ -10,6 +10,35 @@ VOCAB_PADDING_MULTIPLE = 128  # Megatron vocab = HF vocab rounded up to this; in
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention (DeepSeek-V2/V3; Megatron's `MLASelfAttention`): per token, queries come from a
+    `q_lora_rank`-wide latent (RMSNorm, then up-projected to every head's `qk_nope_head_dim + qk_rope_head_dim`
+    dims) and keys and values from one `kv_lora_rank`-wide latent (RMSNorm, then up-projected to every head's
+    `qk_nope_head_dim` key dims and `v_head_dim` value dims) plus one `qk_rope_head_dim`-wide rotary key shared by the
+    heads (decoupled RoPE, on interleaved pairs of dims). RoPE is plain (`yarn_factor` None) or YaRN-scaled: `factor`
+    over `original_max_position_embeddings`, ramp `beta_fast` / `beta_slow`, cos/sin scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax by mscale(factor, mscale_all_dim)^2
+    (mscale(s, m) = 0.1 m ln s + 1)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    yarn_factor: float | None = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+
+    @property
+    def q_head_dim(self) -> int:
+        """A query's (and key's) dims per head: the position-free ones, then the rotary ones."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The architecture facts both the HF and the Megatron side need (decoder-only, RoPE, SwiGLU)."""
 
@@ -41,17 +70,20 @@ class ModelShape:
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
     shared_expert_ffn_hidden_size: int = 0
-    # GLM-4.5's sigmoid router (its family's `router_fields`): per-expert sigmoid scores; the top k are chosen by score
-    # plus a fixed per-expert correction bias (`expert_bias`, HF's e_score_correction_bias) among the experts of the
-    # `router_group_topk` best of `router_groups` equal groups (a group's merit: its two best biased scores), their
-    # unbiased scores renormalised to sum 1, then multiplied by `routed_scaling_factor`.
+    # GLM-4.5's and DeepSeek-V3's sigmoid router (`families.sigmoid_moe`): per-expert sigmoid scores; the top k are #
+    # chosen by score plus a fixed per-expert correction bias (`expert_bias`, HF's e_score_correction_bias) among the #
+    # experts of the `router_group_topk` best of `router_groups` equal groups (a group's merit: its two best biased
+    # scores), their # unbiased scores renormalised to sum 1, then multiplied by `routed_scaling_factor`.
     expert_bias: bool = False
     router_groups: int = 1
     router_group_topk: int = 1
     routed_scaling_factor: float = 1.0
-    # Multi-token-prediction layers the HF checkpoint holds after its decoder layers (GLM's num_nextn_predict_layers,
+    # Multi-token-prediction layers the HF checkpoint holds after its decoder layers (num_nextn_predict_layers,
     # `model.layers.{num_layers + i}.*`): not built or trained, their tensors carried through conversion verbatim.
     mtp_layers: int = 0
+    # Multi-latent attention in place of standard attention (DeepSeek-V3): its ranks and head dims (`MLAShape`);
+    # `num_kv_heads` is then `num_attention_heads` and `head_dim` unused.
+    mla: MLAShape | None = None
 
     @property
     def heads_per_group(self) -> int:

@@ -61,8 +61,9 @@ def make_tiny_checkpoint(
     """Write config.json, model.safetensors, tokenizer and generation config to `out_dir`.
 
     `arch`: a registered model_type. `rope_scaling_factor` adds Llama 3 RoPE scaling (llama only); `head_dim`
-    defaults to hidden_size / num_attention_heads. The family's `tiny_fields` complete the config (a MoE family's
-    experts: `models.families.moe.TINY_EXPERTS`); `moe` (MoE families only) overrides them.
+    defaults to hidden_size / num_attention_heads. The family's `tiny_fields` complete the config, or override its
+    fields (a MoE family's experts: `models.families.moe.TINY_EXPERTS`; DeepSeek-V3's attention ranks, key/value heads
+    and YaRN RoPE); `moe` (MoE families only) overrides them.
     """
     family = model_family(arch, source="make_tiny_checkpoint")
     if moe and not isinstance(family, MoEFamily):
@@ -70,16 +71,16 @@ def make_tiny_checkpoint(
     tokenizer = make_char_tokenizer()
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = getattr(transformers, family.config_class)(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-6, rope_parameters=_rope_parameters(rope_theta, rope_scaling_factor),
-        head_dim=head_dim or hidden_size // num_attention_heads,
-        tie_word_embeddings=tie_word_embeddings, attention_dropout=0.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        **{**family.tiny_fields, **(moe or {})},
-    )
+    config = getattr(transformers, family.config_class)(**{
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+        "intermediate_size": intermediate_size, "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6, "rope_parameters": _rope_parameters(rope_theta, rope_scaling_factor),
+        "head_dim": head_dim or hidden_size // num_attention_heads,
+        "tie_word_embeddings": tie_word_embeddings, "attention_dropout": 0.0,
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None,
+        **family.tiny_fields, **(moe or {}),
+    })
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _widen_routers(model)

@@ -17,6 +17,13 @@ h = hidden, divided by tp under sequence parallelism):
                                           stage's ranks that is h' = h etp / tp and f' = moe_ffn / tp per token
   shared expert         5 s + h + 1       (Qwen2-MoE, s = shared ffn / tp) its SwiGLU, its output and the sigmoid
                                           gate's score, which multiply
+Multi-latent attention (DeepSeek-V3; r_q, r_kv the latent ranks, a = heads / tp, e = a (d_nope + d_rope),
+w = a d_v) in place of the QKV projection, QK norms and core attention:
+  latents               2 r_q + 2 r_kv + 2   each latent's norm input and output (the up projection's input) and
+                                          its rstd (the up projections' outputs are only split, roped and joined)
+  core attention        2 e + w + a       query and key (with RoPE), value and the log-sum-exp; selective
+                                          recomputation keeps 2 e + w
+  attention output      w                 the output projection's input
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 
 Under context parallelism (`Layout.cp` > 1) each rank holds 1 / cp of every (padded) sequence's tokens, and the
@@ -45,13 +52,24 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     norms = 2 * (3 * h + 1)
     qk_norms = 2 * q + a + k + g if shape.qk_norm else 0
     core = q + 2 * k if selective else q + 2 * (q * layout.cp if layout.local_attention else k) + a
+    attention = (q + 2 * k) + qk_norms + core + q
+    if shape.mla is not None:
+        attention = _mla_elements_per_token(shape, layout.tp, selective)
     mlp = 5 * f
     if shape.is_moe_layer(layer):
         permuted = shape.hidden_size * layout.expert_tp // tp
         mlp = 2 * shape.num_experts + shape.moe_top_k * (2 * permuted + 5 * shape.moe_ffn_hidden_size // tp)
         if shape.shared_expert_ffn_hidden_size:  # a dense SwiGLU MLP, its output and its gate's score
             mlp += 5 * shape.shared_expert_ffn_hidden_size // tp + h + 1
-    return norms + (q + 2 * k) + qk_norms + core + q + mlp
+    return norms + attention + mlp
+
+
+def _mla_elements_per_token(shape: ModelShape, tp: int, selective: bool) -> int:
+    """Multi-latent attention's elements per token (module doc), its output projection's input `w` included."""
+    mla, a = shape.mla, shape.num_attention_heads // tp
+    e, w = a * mla.q_head_dim, a * mla.v_head_dim
+    latents = 2 * mla.q_lora_rank + 2 * mla.kv_lora_rank + 2
+    return latents + 2 * e + w + (0 if selective else a) + w
 
 
 @dataclass(frozen=True)

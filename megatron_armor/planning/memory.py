@@ -67,12 +67,8 @@ class Layout:
 def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[int]:
     """Elements of each parameter tensor of decoder layer `layer` on one TP rank, in Megatron's order, its experts
     left out (`layer_expert_numels`)."""
-    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     h = shape.hidden_size
-    numels = [h, h * (q + 2 * kv) // tp]  # input norm, fused QKV (column-parallel)
-    numels += [(q + 2 * kv) // tp] if shape.qkv_bias else []
-    numels += [shape.head_dim, shape.head_dim] if shape.qk_norm else []  # q / k norms, replicated
-    numels += [q * h // tp, h]  # output projection (row-parallel), pre-MLP norm
+    numels = attention_numels(shape, tp) + [h]  # the pre-MLP norm
     if shape.is_moe_layer(layer):
         shared = shape.shared_expert_ffn_hidden_size
         gate = [h] if shared and model_family(shape.arch).expert_names.shared_gate else []
@@ -80,6 +76,22 @@ def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[i
         # (replicated) where it has one, fc1 (gate + up) and fc2
         return numels + [shape.num_experts * h] + (gate + [2 * shared * h // tp, shared * h // tp] if shared else [])
     return numels + [2 * shape.ffn_hidden_size * h // tp, shape.ffn_hidden_size * h // tp]  # fc1 (gate + up), fc2
+
+
+def attention_numels(shape: ModelShape, tp: int) -> list[int]:
+    """Elements of each parameter of a layer's attention and its input norm on one TP rank (local layer spec)."""
+    h, mla = shape.hidden_size, shape.mla
+    if mla is not None:  # multi-latent attention: every projection column- or row-parallel, the latents' norms whole
+        heads = shape.num_attention_heads
+        return [h, heads * mla.v_head_dim * h // tp, mla.q_lora_rank * h // tp,
+                heads * mla.q_head_dim * mla.q_lora_rank // tp, (mla.kv_lora_rank + mla.qk_rope_head_dim) * h // tp,
+                heads * (mla.qk_nope_head_dim + mla.v_head_dim) * mla.kv_lora_rank // tp, mla.q_lora_rank,
+                mla.kv_lora_rank]
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    numels = [h, h * (q + 2 * kv) // tp]  # input norm, fused QKV (column-parallel)
+    numels += [(q + 2 * kv) // tp] if shape.qkv_bias else []
+    numels += [shape.head_dim, shape.head_dim] if shape.qk_norm else []  # q / k norms, replicated
+    return numels + [q * h // tp]  # output projection (row-parallel)
 
 
 def layer_expert_numels(shape: ModelShape, etp: int, ep: int, layer: int) -> list[int]:

@@ -71,12 +71,13 @@ class RoutingCounts:
 
     load: [L, E] int64 tokens sent to each expert of each layer (the routing the forward used);
     agreed / compared: token-layer routes where the router's own top-k is, as a set, the replayed one, of those
-    with a replayed route.
+    with a replayed route; applied: those where the forward sent the token to the replayed experts.
     """
 
     load: torch.Tensor
     agreed: int = 0
     compared: int = 0
+    applied: int = 0
 
     def add(self, chosen: torch.Tensor, applied: torch.Tensor, target: torch.Tensor | None, real: torch.Tensor) -> None:
         """Count one micro-batch: chosen / applied / target [n, s, L, k] (NO_ROUTE: none), real [n, s] bool."""
@@ -87,22 +88,28 @@ class RoutingCounts:
                                       torch.ones(experts.numel(), dtype=torch.int64))
         if target is not None:
             replayed = routed & (target >= 0).all(-1)
-            same = (chosen.sort(-1).values == target.sort(-1).values).all(-1)
+            target_set = target.sort(-1).values
+            same = (chosen.sort(-1).values == target_set).all(-1)
             self.agreed += int((same & replayed).sum())
             self.compared += int(replayed.sum())
+            self.applied += int(((applied.sort(-1).values == target_set).all(-1) & replayed).sum())
 
     def metrics(self, *, agreement: bool) -> dict[str, float]:
         """{"moe/expert_load_cv": std / mean of the tokens per expert, averaged over the routed layers, and with
-        `agreement` "moe/routing_agreement": agreed / compared}, over every rank's tokens (collective over all ranks;
+        `agreement` "moe/routing_agreement": agreed / compared (how far the trainer's router is from the engine's:
+        below 1 wherever they would route apart) and "moe/replay_applied": applied / compared (1 when the replay took
+        effect in every routed layer and micro-batch)}, over every rank's tokens (collective over all ranks;
         data-parallel ranks hold other tokens, pipeline stages other layers; the scale tensor-parallel copies add
-        changes neither ratio)."""
-        summed = sum_over_ranks([*self.load.reshape(-1).tolist(), self.agreed, self.compared])
-        load = torch.tensor(summed[:-2], dtype=torch.float64).view_as(self.load)
+        changes no ratio)."""
+        summed = sum_over_ranks([*self.load.reshape(-1).tolist(), self.agreed, self.applied, self.compared])
+        agreed, applied, compared = summed[-3:]
+        load = torch.tensor(summed[:-3], dtype=torch.float64).view_as(self.load)
         load = load[load.sum(1) > 0]  # the routed layers
         cv = load.std(1, unbiased=False) / load.mean(1)
         metrics = {"moe/expert_load_cv": float(cv.mean()) if len(load) else 0.0}
         if agreement:
-            metrics["moe/routing_agreement"] = summed[-2] / max(summed[-1], 1)
+            metrics["moe/routing_agreement"] = agreed / max(compared, 1)
+            metrics["moe/replay_applied"] = applied / max(compared, 1)
         return metrics
 
 

@@ -64,7 +64,8 @@ def test_unknown_architecture_lists_supported(hf_copy, tmp_path, capsys):
     edit_config(hf_copy, model_type="gpt2")
     out = tmp_path / "out"
     assert_refused(capsys, convert(hf_copy, out), out, "'gpt2' is not supported",
-                   "'glm4_moe', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'")
+                   "'deepseek_v3', 'glm4_moe', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', "
+                   "'qwen3_moe'")
 
 
 @pytest.mark.parametrize("edit, phrase", [
@@ -94,6 +95,16 @@ def test_glm_layers_the_config_does_not_declare_and_an_unrenormalised_router_are
     assert_refused(capsys, convert(copy, out), out, "unexpected ['model.layers.2.eh_proj.weight']")
     edit_config(copy, norm_topk_prob=False)
     assert_refused(capsys, convert(copy, out), out, "glm4_moe with norm_topk_prob false is not supported")
+
+
+def test_an_fp8_deepseek_v3_checkpoint_is_refused_by_its_quantization_config(tiny_model_factory, tmp_path, capsys):
+    """DeepSeek-V3 / R1 as released: fp8 weight blocks with their scales, which config.json's quantization_config
+    declares; refused by that field before any tensor is read (the recipe says to cast them to bf16 first)."""
+    copy = tmp_path / "hf"
+    shutil.copytree(tiny_model_factory("deepseek_v3"), copy)
+    edit_config(copy, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    out = tmp_path / "out"
+    assert_refused(capsys, convert(copy, out), out, "deepseek_v3 with quantization_config {'quant_method': 'fp8'")
 
 
 def test_missing_shard(hf_copy, tmp_path, capsys):
@@ -127,6 +138,7 @@ def fake_megatron_checkpoint(path: Path) -> None:
     (path / INFO_FILE).write_text("{}")
 
 
+@pytest.mark.torchrun  # it replaces torchrun's launch itself
 def test_existing_checkpoint_needs_overwrite(hf_copy, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     fake_megatron_checkpoint(out)

@@ -1,6 +1,6 @@
-"""Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2 ranks whole beside TP=2
-(expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one process, or one per pipeline
-stage) round trips are bitwise."""
+"""Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 HF -> Megatron (experts written by EP=1 or EP=2 ranks, by EP=2
+ranks whole beside TP=2 (expert TP 1), beside TP=2 with a shared expert, or saved at PP=2) -> HF (exported by one
+process, or one per pipeline stage) round trips are bitwise."""
 
 import pytest
 from safetensors.torch import load_file
@@ -44,19 +44,31 @@ def test_moe_round_trip_is_bitwise(case, tiny_model_factory, tmp_path):
     assert all(exported[name].equal(tensor) for name, tensor in expected.items())
 
 
-def test_a_bf16_glm_checkpoint_keeps_its_fp32_expert_bias_and_carries_its_mtp_layer_bit_for_bit(tiny_model_factory,
-                                                                                                 tmp_path):
-    """transformers keeps GLM's routers' expert bias in fp32 beside bf16 weights (as the released checkpoints store
-    it): conversion accepts the mix, Megatron keeps the bias in fp32, and the round trip returns every tensor in its
-    own dtype, bit for bit. The checkpoint's multi-token-prediction layer (`num_nextn_predict_layers` 1: tensors of
-    layer 2 of 2, which neither model builds) is carried through both conversions verbatim."""
+# A few tensors of a multi-token-prediction layer (layer 2 of a 2-layer model) under each family's checkpoint names.
+MTP_TENSORS = {
+    "glm4_moe": {"model.layers.2.eh_proj.weight": (64, 128), "model.layers.2.enorm.weight": (64,)},
+    "deepseek_v3": {"model.layers.2.eh_proj.weight": (64, 128), "model.layers.2.hnorm.weight": (64,),
+                    "model.layers.2.self_attn.kv_a_proj_with_mqa.weight": (40, 64),
+                    "model.layers.2.shared_head.head.weight": (128, 64)},
+}
+
+
+@pytest.mark.parametrize("arch", MTP_TENSORS)
+def test_a_bf16_checkpoint_keeps_its_fp32_expert_bias_and_carries_its_mtp_layer_bit_for_bit(arch, tiny_model_factory,
+                                                                                            tmp_path):
+    """transformers keeps GLM's and DeepSeek-V3's routers' expert bias in fp32 beside bf16 weights (as the released
+    checkpoints store it): conversion accepts the mix, Megatron keeps the bias in fp32, and the round trip (written by
+    TP=2 ranks that are EP=2, exported over PP=2: DeepSeek-V3's multi-latent attention split over TP, its dense first
+    layer, sigmoid router and shared expert) returns every tensor in its own dtype, bit for bit. The checkpoint's
+    multi-token-prediction layer (`num_nextn_predict_layers` 1: tensors of layer 2 of 2, which neither model builds)
+    is carried through both conversions verbatim."""
     import json
     import shutil
 
     import torch
     from safetensors.torch import save_file
 
-    source = tiny_model_factory("glm4_moe")
+    source = tiny_model_factory(arch)
     hf_dir = tmp_path / "bf16-mtp"
     shutil.copytree(source, hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -64,9 +76,8 @@ def test_a_bf16_glm_checkpoint_keeps_its_fp32_expert_bias_and_carries_its_mtp_la
     original = {name: t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
                 for name, t in load_file(str(source / "model.safetensors")).items()}
     generator = torch.Generator().manual_seed(0)
-    mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=generator).to(torch.bfloat16),
-           "model.layers.2.enorm.weight": torch.randn(64, generator=generator).to(torch.bfloat16),
-           "model.layers.2.mlp.gate.e_score_correction_bias": torch.randn(4, generator=generator)}
+    mtp = {name: torch.randn(size, generator=generator).to(torch.bfloat16) for name, size in MTP_TENSORS[arch].items()}
+    mtp["model.layers.2.mlp.gate.e_score_correction_bias"] = torch.randn(4, generator=generator)
     original |= mtp
     save_file(original, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     megatron = convert_hf_to_megatron(hf_dir, tmp_path / "megatron", tp=2, pp=1, ep=2)

@@ -4,6 +4,7 @@ refuses checkpoints whose tensors disagree with their config.json."""
 import json
 import shutil
 
+import pytest
 import torch
 
 from launcher import run_workers
@@ -37,10 +38,14 @@ def test_region_reads_across_stored_chunks(tiny_model_factory, tmp_path):
     assert torch.equal(middle[0], expected[rows // 4: rows // 4 + rows // 2])
 
 
-def test_tp_shards_are_built_from_their_slices_alone(tiny_model_factory):
+@pytest.mark.parametrize("arch, options", [
+    ("qwen3", {"tie_word_embeddings": True, "vocab_size": 100, "head_dim": 32}),
+    ("deepseek_v3", {}),  # multi-latent attention's column-parallel down and up projections
+])
+def test_tp_shards_are_built_from_their_slices_alone(tiny_model_factory, arch, options):
     """At TP=2 each rank reads disjoint rows / columns of the HF tensors (all of them between the ranks,
     none of the vocabulary padding), and the shards built from them export back to the HF tensors."""
-    hf_dir = tiny_model_factory("qwen3", tie_word_embeddings=True, vocab_size=100, head_dim=32)
+    hf_dir = tiny_model_factory(arch, **options)
     shape, hf = load_model_shape(hf_dir), HFCheckpointReader(hf_dir)
     for mapping in model_mappings(shape):
         parts = [list(map(hf.get, mapping.hf_names, hf_shard_index(mapping, shape, rank, 2))) for rank in range(2)]

@@ -12,13 +12,19 @@ from megatron_armor.models.families import (
     ModelConfigError, ModelFamily, known_shapes, model_family, register_family, registered_families, unregister_family,
 )
 from megatron_armor.models.hf_config import load_model_shape, model_shape_from_dict
+from megatron_armor.planning.flops import forward_backward_flops
 from megatron_armor.planning.memory import parameter_count
 from megatron_armor.planning.shapes import resolve_model_shape
 
-BUILT_IN = ["glm4_moe", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+BUILT_IN = ["deepseek_v3", "glm4_moe", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 DENSE = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
          "intermediate_size": 64}
 GLM = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # glm4_moe's expert fields
+# deepseek_v3's latent attention and expert fields (one expert group: the config class's default is 8)
+DEEPSEEK = {**GLM, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 1, "topk_group": 1}
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+        "mscale_all_dim": 1.0}
 
 
 def test_the_built_in_families_are_registered():
@@ -67,7 +73,7 @@ def test_config_mapping_weight_mapping_and_planner_agree_on_the_parameter_count(
 def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_name():
     shapes = known_shapes()
     assert {"qwen2.5-math-7b", "qwen3-8b-base", "qwen3-1.7b", "qwen3-30b-a3b", "mistral-7b-v0.3", "mixtral-8x7b",
-            "mixtral-8x22b", "glm-4.5", "glm-4.5-air"} <= set(shapes)
+            "mixtral-8x22b", "glm-4.5", "glm-4.5-air", "deepseek-v3"} <= set(shapes)
     for name, fields in shapes.items():
         shape = model_shape_from_dict(fields, source=name)
         assert resolve_model_shape(f"/hub/{name.upper()}")[0] == shape, name
@@ -83,6 +89,13 @@ def test_every_known_shape_reads_into_its_family_and_the_planner_finds_it_by_nam
             glm.routed_scaling_factor) == ("glm4_moe", 160, 8, (0, 1, 2), 0.5, True, 2.5)
     assert (air.num_experts, air.dense_layers, air.qk_norm, air.qkv_bias) == (128, (0,), False, True)
     assert round(parameter_count(glm) / 1e9) == 353 and round(parameter_count(air) / 1e9) == 107
+    # DeepSeek-V3 / R1 (DeepSeek: 671B parameters, 37B active, without the 14B multi-token-prediction layer)
+    v3 = resolve_model_shape("deepseek-ai/DeepSeek-V3-0324")[0]
+    assert (v3.arch, v3.num_experts, v3.moe_top_k, v3.dense_layers, v3.router_groups, v3.router_group_topk,
+            v3.mtp_layers, v3.mla.q_lora_rank, v3.mla.kv_lora_rank, v3.mla.yarn_factor) == (
+        "deepseek_v3", 256, 8, (0, 1, 2), 8, 4, 1, 1536, 512, 40.0)
+    assert round(parameter_count(v3) / 1e9) == 671
+    assert round(forward_backward_flops(v3, 1, 0) / 6e9) == 37  # per token, forward + backward: 6 x the active ones
 
 
 def test_an_unknown_model_type_is_refused_with_the_registered_ones_and_a_suggestion():
@@ -105,6 +118,27 @@ def test_glm4_moe_reads_its_router_attention_and_dense_layers():
                      "moe_shared_expert_gate": False} == fields
 
 
+def test_deepseek_v3_reads_its_latent_attention_yarn_and_router():
+    shape = model_shape_from_dict({"model_type": "deepseek_v3", **DENSE, **DEEPSEEK, "n_group": 2,
+                                   "first_k_dense_replace": 1, "rope_parameters": {**YARN, "mscale": 0.8}})
+    assert (shape.mla.q_head_dim, shape.mla.v_head_dim, shape.mla.yarn_factor, shape.mla.yarn_mscale,
+            shape.mla.yarn_mscale_all_dim, shape.rope_scaling_factor) == (24, 16, 40.0, 0.8, 1.0, None)
+    assert (shape.dense_layers, shape.router_groups, shape.routed_scaling_factor, shape.expert_bias,
+            shape.shared_expert_ffn_hidden_size) == ((0,), 2, 2.5, True, 32)  # 2.5: the config class's default
+    fields = model_family("deepseek_v3").megatron_fields(shape)
+    assert fields | {"multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_head_dim": 16,
+                     "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "rope_type": "yarn", "rotary_scaling_factor": 40.0,
+                     "original_max_position_embeddings": 4096, "mscale": 0.8, "mscale_all_dim": 1.0,
+                     "qk_layernorm": True, "moe_router_score_function": "sigmoid", "moe_router_num_groups": 2,
+                     "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5} == fields
+    plain = model_shape_from_dict({"model_type": "deepseek_v3", **DENSE, **DEEPSEEK})
+    assert plain.mla.yarn_factor is None and model_family("deepseek_v3").megatron_fields(plain)["rope_type"] == "rope"
+    # transformers reads mscale only beside mscale_all_dim; without it the cos/sin scale is mscale(factor, 1)
+    alone = model_shape_from_dict({"model_type": "deepseek_v3", **DENSE, **DEEPSEEK,
+                                   "rope_parameters": {**YARN, "mscale": 0.7, "mscale_all_dim": 0}})
+    assert (alone.mla.yarn_mscale, alone.mla.yarn_mscale_all_dim) == (1.0, 0.0)
+
+
 @pytest.mark.parametrize("model_type, fields, phrase", [
     ("mistral", {"sliding_window": 4096}, "mistral with sliding_window 4096"),  # Mistral-7B-v0.1's window
     ("mixtral", {"sliding_window": 4096, "num_local_experts": 4, "num_experts_per_tok": 2},
@@ -121,6 +155,24 @@ def test_glm4_moe_reads_its_router_attention_and_dense_layers():
     ("glm4_moe", {**GLM, "n_group": 3}, "n_group 3, topk_group 1 and 4 experts"),
     ("glm4_moe", {**GLM, "partial_rotary_factor": 0.0}, "glm4_moe with partial_rotary_factor 0.0"),
     ("glm4_moe", {**GLM, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling .*yarn"),
+    ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": None}, "deepseek_v3 with q_lora_rank None"),
+    ("deepseek_v3", {**DEEPSEEK, "quantization_config": {"quant_method": "fp8"}},
+     "deepseek_v3 with quantization_config {'quant_method': 'fp8'}"),
+    ("deepseek_v3", {**DEEPSEEK, "rope_interleave": False}, "deepseek_v3 with rope_interleave False"),
+    ("deepseek_v3", {**DEEPSEEK, "moe_layer_freq": 2}, "deepseek_v3 with moe_layer_freq 2"),
+    ("deepseek_v3", {**DEEPSEEK, "num_key_value_heads": 2}, "deepseek_v3 with num_key_value_heads 2"),
+    ("deepseek_v3", {**DEEPSEEK, "attention_bias": True}, "biased deepseek_v3 projections"),
+    ("deepseek_v3", {**DEEPSEEK, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+     "deepseek_v3 with rope_type 'llama3'"),
+    ("deepseek_v3", {**DEEPSEEK, "rope_parameters": {**YARN, "attention_factor": 1.2}},
+     "deepseek_v3 with yarn attention_factor 1.2"),
+    ("deepseek_v3", {**DEEPSEEK, "rope_parameters": {**YARN, "truncate": False}}, "deepseek_v3 with yarn truncate"),
+    ("deepseek_v3", {**DEEPSEEK, "rope_parameters": {**YARN, "mscale": None}}, "deepseek_v3 with yarn mscale None"),
+    ("deepseek_v3", {**DEEPSEEK, "rope_parameters": {**YARN, "factor": None}}, "deepseek_v3 with yarn factor None"),
+    ("deepseek_v3", {**DEEPSEEK, "scoring_func": "softmax"}, "deepseek_v3 with scoring_func 'softmax'"),
+    ("deepseek_v3", {**DEEPSEEK, "topk_method": "group_limited_greedy"}, "topk_method 'group_limited_greedy'"),
+    ("deepseek_v3", {**DEEPSEEK, "n_group": 2, "topk_group": 2}, "n_group 2, topk_group 2"),
+    ("deepseek_v3", {**DEEPSEEK, "norm_topk_prob": False}, "deepseek_v3 with norm_topk_prob false"),
 ])
 def test_what_a_family_cannot_build_is_refused_by_name(model_type, fields, phrase):
     with pytest.raises(ModelConfigError, match=phrase):

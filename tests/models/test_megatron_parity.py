@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher import run_workers
+from launcher import concurrently, run_workers
 
 TOL = 1e-4
 
@@ -18,10 +18,10 @@ VARIANTS = {
 
 
 def test_megatron_matches_hf_tp1_and_tp2(tiny_model_factory, tmp_path):
-    """Every variant in one process group per TP size (process start-up is most of the cost)."""
+    """Every variant in one process group per TP size (process start-up is most of the cost), both at once."""
     model_dirs = {variant: str(tiny_model_factory(arch, **options)) for variant, (arch, options) in VARIANTS.items()}
-    tp1 = run_workers("megatron_parity.py", 1, tmp_path / "tp1", *model_dirs.values())
-    tp2 = run_workers("megatron_parity.py", 2, tmp_path / "tp2", *model_dirs.values())
+    tp1, tp2 = concurrently(lambda: run_workers("megatron_parity.py", 1, tmp_path / "tp1", *model_dirs.values()),
+                            lambda: run_workers("megatron_parity.py", 2, tmp_path / "tp2", *model_dirs.values()))
     for variant, model_dir in model_dirs.items():
         for result in (rank[model_dir] for rank in tp1 + tp2):
             assert result["forward_diff"] < TOL and result["padding_masked"], variant

@@ -1,4 +1,5 @@
-"""Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral and GLM-4.5 (sigmoid routing, expert bias) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
+"""Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral, GLM-4.5 and DeepSeek-V3 (sigmoid routing, expert bias;
+DeepSeek-V3's multi-latent attention) on Megatron (MoE layers; experts over EP=1 and EP=2, TP=2 with
 sequence parallelism, EP=2 x TP=2, and EP=2 at expert TP 1 beside TP=2; gloo) against the HF transformers reference."""
 
 import re
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import run_workers
+from launcher import concurrently, run_workers
 from megatron_armor.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_armor.models.hf_config import (
     ModelConfigError, check_parallel_layout, load_model_shape, model_shape_from_dict,
@@ -29,6 +30,9 @@ VARIANTS = {  # name -> (arch, make_tiny_checkpoint options)
     # GLM-4.5: layer 0 dense, sigmoid top-2 of 4 with a (random) expert bias, scaled by 2.5, an ungated shared expert;
     # q/k/v biases, q/k norms, RoPE on half of each head's dims.
     "glm4-moe": ("glm4_moe", {}),
+    # DeepSeek-V3: multi-latent attention (q/kv latents split over TP, YaRN RoPE with both mscales), layer 0 dense,
+    # sigmoid top-2 of 4 in 2 groups (the best 1 kept) with a (random) expert bias, scaled by 2.5, a shared expert.
+    "deepseek-v3": ("deepseek_v3", {}),
 }
 
 
@@ -63,16 +67,24 @@ def test_moe_matches_hf_and_layouts_match_one_process(tiny_model_factory, tmp_pa
     every layout's logprobs (of its data-parallel rank's rows) and gathered gradients equal the one-process ones, the
     exports that are views of the parameters are those `parameters_exported_as_views` names, the planner's parameters
     per rank (the experts and the rest) and expert data-parallel size are the model's, and Megatron checkpoints written
-    at EP=2 and (Qwen2-MoE) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit for bit."""
+    at EP=2 and (Qwen2-MoE, DeepSeek-V3) at TP=2 x EP=2 load at every layout (resharded across TP, EP and expert TP) bit
+    for bit."""
     model_dirs = [str(tiny_model_factory(arch, **options)) for arch, options in VARIANTS.values()]
-    checkpoints = {  # saved at EP=2, and Qwen2-MoE's (a shared expert split over TP) at TP=2 x EP=2
-        model_dirs[0]: convert_hf_to_megatron(model_dirs[0], tmp_path / "megatron-ep2", tp=1, pp=1, ep=2),
-        model_dirs[2]: convert_hf_to_megatron(model_dirs[2], tmp_path / "megatron-tp2-ep2", tp=2, pp=1, ep=2)}
-    results = {}
-    for nproc, layouts in LAYOUTS.items():
-        ranks = run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(layouts),
-                            ",".join(f"{model}={megatron}" for model, megatron in checkpoints.items()), *model_dirs)
-        results.update({(layout, f"n{nproc}"): [rank[layout] for rank in ranks] for layout in layouts})
+    saved = {0: ("megatron-ep2", 1), 2: ("megatron-tp2-ep2", 2), 5: ("megatron-v3-tp2-ep2", 2)}  # index: (dir, tp)
+    # saved at EP=2, Qwen2-MoE's (a shared expert split over TP) and DeepSeek-V3's (latent attention split over TP) at
+    # TP=2 x EP=2, all at once
+    checkpoints = dict(zip((model_dirs[i] for i in saved), concurrently(*(
+        lambda i=i, out=out, tp=tp: convert_hf_to_megatron(model_dirs[i], tmp_path / out, tp=tp, pp=1, ep=2)
+        for i, (out, tp) in saved.items()))))
+
+    def launch(nproc: int) -> list[dict]:
+        return run_workers("moe_parity.py", nproc, tmp_path / f"n{nproc}", ",".join(LAYOUTS[nproc]),
+                           ",".join(f"{model}={megatron}" for model, megatron in checkpoints.items()), *model_dirs)
+
+    launched = dict(zip((1, 2), concurrently(lambda: launch(1), lambda: launch(2))))  # one rank beside two
+    launched[4] = launch(4)
+    results = {(layout, f"n{nproc}"): [rank[layout] for rank in ranks]
+               for nproc, ranks in launched.items() for layout in LAYOUTS[nproc]}
     assert all(rank["resharded_equal"] == dict.fromkeys(checkpoints, True)
                for ranks in results.values() for rank in ranks)
     for variant, model_dir in zip(VARIANTS, model_dirs):

@@ -76,7 +76,7 @@ def test_bf16_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, 
 
 @pytest.mark.parametrize("head", ["torch", "fused"])
 @pytest.mark.parametrize("recompute", RECOMPUTE, ids=RECOMPUTE_IDS)
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_activation_estimate_within_15_percent(megatron_world, tiny_model_factory, arch, recompute, head):
     shape = load_model_shape(tiny_model_factory(arch, num_layers=4, vocab_size=256))
     model = build_gpt_model(shape, transformer_config(shape, recompute=recompute), trainable=True)

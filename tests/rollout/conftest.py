@@ -7,8 +7,6 @@ import base64
 import contextlib
 import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launcher import Forked
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.rollout.http_server import LocalSGLangServer
@@ -27,7 +26,7 @@ from megatron_armor.utils.net import free_port
 @dataclass
 class ServerProcess:
     url: str
-    proc: subprocess.Popen
+    proc: Forked
     log: Path
 
     def output(self) -> str:
@@ -37,7 +36,9 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
     """start_server(model_dir, *args) -> ServerProcess running `python -m megatron_armor.rollout.http_server`
-    (args: more of its flags).
+    (args: more of its flags) in a process forked from the suite's pre-imported zygote (tests/launcher.py: the
+    server's own main, without ~5 s of imports per server; `armor serve-local` as a fresh interpreter is started by
+    tests/agentic/test_engines.py and the launch tests).
 
     Every server a test module starts is killed when the module ends.
     """
@@ -47,11 +48,8 @@ def start_server(tmp_path_factory):
     def start(model_dir: Path, *args: str) -> ServerProcess:
         port = free_port()
         log = logs / f"server-{port}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port),
-               *args]
-        with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        proc = Forked(["-m", "megatron_armor.rollout.http_server", "--model", str(model_dir), "--port", str(port), *args],
+                      log)
         started.append(ServerProcess(f"http://127.0.0.1:{port}", proc, log))
         return started[-1]
 

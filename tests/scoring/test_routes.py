@@ -1,7 +1,7 @@
-"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers)
-and a tiny GLM-4.5 (sigmoid router with an expert bias) in one process: the local engine records its routes, and the
-actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken from the HF
-model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
+"""Routing replay (scoring/routes.py, models/routing_replay.py) on a tiny Qwen3-MoE, a tiny Mixtral (softmax routers), a
+tiny GLM-4.5 and a tiny DeepSeek-V3 (sigmoid routers with an expert bias) in one process: the local engine records its
+routes, and the actor's forward replays them (R3) or its own earlier ones (R2); the routing metrics against counts taken
+from the HF model. Multi-rank layouts (EP=2, PP=2): tests/trainer/test_parallel_layouts.py."""
 
 import pytest
 import torch
@@ -17,23 +17,26 @@ from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward
 from megatron_armor.scoring.micro_batches import MicroBatching
-from megatron_armor.scoring.routes import routing_pass
+from megatron_armor.scoring.routes import RoutingCounts, routing_pass
 
 from algorithm_factory import make_algorithm
 
 # Selection bias of the engine's routers [layer, expert]: its top-k is taken on logits + bias, its weights are the
 # router's softmax at the chosen experts (as an expert-bias router's), so replaying its experts gives its logprobs.
-# A GLM router's selection bias is its own expert bias (e_score_correction_bias), which this is added to.
+# A sigmoid router's selection bias is its own expert bias (e_score_correction_bias), which this is added to.
 ENGINE_BIAS = torch.tensor([[0.0, 0.9, 0.0, -0.9], [0.9, 0.0, -0.9, 0.0]])
 # family -> its tiny checkpoint's options (GLM's: every layer MoE, as the others')
-MODELS = {"qwen3_moe": {}, "mixtral": {}, "glm4_moe": {"moe": {"first_k_dense_replace": 0}}}
+# (DeepSeek-V3's: one expert group, multi-latent attention, packed micro-batches through its padded value dims)
+MODELS = {"qwen3_moe": {}, "mixtral": {}, "glm4_moe": {"moe": {"first_k_dense_replace": 0}},
+          "deepseek_v3": {"moe": {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}}}
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
 LAYOUTS = {"rows": MicroBatching(micro_batch_size=2), "packed": MicroBatching(micro_batch_size=3, pack=True)}
 
 
 def selection_scores(arch: str, model, layer: int, logits: torch.Tensor) -> torch.Tensor:
     """The scores [T, E] the HF `model`'s router of `layer` takes its top-k of, from its logits: a softmax router's
     logits, a sigmoid router's sigmoid scores plus its expert bias."""
-    if arch != "glm4_moe":
+    if arch not in SIGMOID_ROUTED:
         return logits
     return logits.sigmoid() + model.model.layers[layer].mlp.gate.e_score_correction_bias
 
@@ -142,6 +145,7 @@ def test_routing_metrics_match_counts_from_the_hf_model(setup):
     assert 0 < agreed / compared < 1
     assert metrics["moe/routing_agreement"] == pytest.approx(agreed / compared, abs=1e-9)
     assert metrics["moe/expert_load_cv"] == pytest.approx(expected_cv, rel=1e-6)
+    assert metrics["moe/replay_applied"] == 1.0  # every token went to the engine's experts, though its own differ
 
     unbiased = LocalEngine(AutoModelForCausalLM.from_pretrained(checkpoint), record_routes=True)
     same = unbiased.generate([s.prompt_ids for s in samples], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
@@ -150,6 +154,18 @@ def test_routing_metrics_match_counts_from_the_hf_model(setup):
     routing = routing_pass(actor, batch)
     compute_logprobs(actor, batch, micro_batching=LAYOUTS["rows"], scoring=ScoringConfig(), routing=routing)
     assert routing.metrics()["moe/routing_agreement"] == 1.0
+
+
+def test_routing_counts_tell_a_replay_that_took_effect_from_one_that_did_not():
+    """RoutingCounts on hand-made routes of 1 row x 3 positions x 2 layers x top-2 (the last position padding): of the
+    4 real token-layer routes with a target, the router's own choice matches 2 (as sets) and the forward applied 3."""
+    target = torch.tensor([[[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[0, 1], [0, 1]]]])
+    chosen = torch.tensor([[[[1, 0], [2, 1]], [[1, 2], [0, 2]], [[0, 1], [0, 1]]]])  # agrees at (0, 0), (1, 0)
+    applied = torch.tensor([[[[1, 0], [3, 2]], [[2, 1], [0, 2]], [[2, 3], [2, 3]]]])  # misses (1, 1) only
+    counts = RoutingCounts(torch.zeros(2, 4, dtype=torch.int64))
+    counts.add(chosen, applied, target, real=torch.tensor([[True, True, False]]))
+    assert (counts.agreed, counts.applied, counts.compared) == (2, 3, 4)
+    assert counts.load.sum() == 4 * 2 and counts.load[1, 3] == 1  # the applied experts of the real positions
 
 
 def test_recompute_replays_the_old_pass_routing_and_gradients_reach_the_routers(setup):
@@ -176,7 +192,8 @@ def test_recompute_replays_the_old_pass_routing_and_gradients_reach_the_routers(
     forward_backward(actor, batching.split(batch), _loss(), scoring=ScoringConfig(), forward_only=False,
                      routing=replayed)
     assert torch.equal(replayed.counts.load, old.counts.load)
-    assert replayed.metrics()["moe/routing_agreement"] < 1
+    metrics = replayed.metrics()
+    assert metrics["moe/routing_agreement"] < 1 and metrics["moe/replay_applied"] == 1.0
     assert len(routers) == 2 and all(float(w.grad.abs().sum()) > 0 for w in routers.values())
 
 

@@ -12,7 +12,7 @@ parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps (auxiliary loss, routing
 import pytest
 import torch
 
-from launcher import run_workers
+from launcher import concurrently, run_workers
 
 LOGPROB_ATOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; reductions run in a different order per layout
@@ -41,6 +41,8 @@ MODELS = {
     "mixtral": {"arch": "mixtral"},  # 4 experts of width intermediate_size, top-2 renormalised, block_sparse_moe names
     # layer 0 dense, sigmoid top-2 with a fixed expert bias (a buffer), routed scaling, an ungated shared expert
     "glm4-moe": {"arch": "glm4_moe"},
+    # DeepSeek-V3: multi-latent attention with YaRN RoPE, layer 0 dense, grouped sigmoid top-2 with an expert bias
+    "deepseek-v3": {"arch": "deepseek_v3"},
 }
 
 # job name -> (checkpoint kind, tp, pp, head, worker options...); the jobs of one process count share one launch.
@@ -51,7 +53,7 @@ JOBS = {
         "moe-r3": ("moe", 1, 1, "torch", "replay=rollout"), "moe-r2": ("moe", 1, 1, "torch", "replay=recompute"),
         "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
         "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2"),
-        "glm4-moe-base": ("glm4-moe", 1, 1, "torch")},
+        "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -69,6 +71,7 @@ JOBS = {
         "moe-tp2-sp-ep2-etp1": ("moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
         "qwen2-moe-tp2-sp-ep2-etp1": ("qwen2-moe", 2, 1, "torch", "sp", "ep=2", "etp=1"),
         "mixtral-pp2": ("mixtral", 1, 2, "torch"), "glm4-moe-pp2": ("glm4-moe", 1, 2, "torch"),
+        "deepseek-v3-pp2": ("deepseek-v3", 1, 2, "torch"),
         "bf16-tp2": ("dense", 2, 1, "torch", "bf16", "clip=0.2"), "bf16-pp2": ("dense", 1, 2, "torch", "bf16", "clip=0.2"),
         "bf16-dp2-distopt": ("dense", 1, 1, "torch", "bf16", "distopt", "clip=0.2"),
         "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2"),
@@ -85,15 +88,18 @@ JOBS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """job name -> every rank's result, from one launch per process count."""
+    """job name -> every rank's result, from one launch per process count (one and two ranks at once)."""
     checkpoints = {kind: _actor_and_ref(tmp_path_factory.mktemp(kind), **options) for kind, options in MODELS.items()}
-    results = {}
-    for nproc, jobs in JOBS.items():
-        out = tmp_path_factory.mktemp(f"n{nproc}")
-        specs = [",".join(map(str, (name, *checkpoints[kind], *layout))) for name, (kind, *layout) in jobs.items()]
-        run_workers("layout_parity.py", nproc, out, *specs)
-        results.update({name: [torch.load(out / name / f"rank{r}.pt") for r in range(nproc)] for name in jobs})
-    return results
+    outs = {nproc: tmp_path_factory.mktemp(f"n{nproc}") for nproc in JOBS}
+
+    def launch(nproc: int) -> None:
+        specs = [",".join(map(str, (name, *checkpoints[kind], *layout))) for name, (kind, *layout) in JOBS[nproc].items()]
+        run_workers("layout_parity.py", nproc, outs[nproc], *specs)
+
+    concurrently(lambda: launch(1), lambda: launch(2))  # one rank beside two: the box's 2 cores
+    launch(4)
+    return {name: [torch.load(outs[nproc] / name / f"rank{r}.pt") for r in range(nproc)]
+            for nproc, jobs in JOBS.items() for name in jobs}
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2", "dp2-distopt", "tp2xpp2", "tp2-fused-head", "tp2-sp",
@@ -146,6 +152,7 @@ def test_moe_routing_replay_under_ep2_pp2_and_tp2_matches_single_rank(runs):
     some_key = next(iter(base["logprobs"]))
     assert not torch.allclose(r3["logprobs"][some_key][0], base["logprobs"][some_key][0], atol=1e-3)
     assert 0 < r3["routing_metrics"]["moe/routing_agreement"] < 0.5 and "moe/routing_agreement" not in r2["routing_metrics"]
+    assert r3["routing_metrics"]["moe/replay_applied"] == 1.0  # and at every layout below: the replay took effect
     for name in ("moe-ep2-r3", "moe-tp2-sp-r3", "moe-ep2-tp2-sp-r3", "moe-pp2-r2"):
         reference = r3 if name.endswith("r3") else r2
         for result in runs[name]:
@@ -320,18 +327,20 @@ def test_mixtral_pp2_step_matches_single_rank(runs):
     assert_same_step(runs["mixtral-pp2"], base)
 
 
-def test_glm4_moe_pp2_step_matches_single_rank(runs, tmp_path):
-    """A GLM-4.5 ARMOR step over PP=2 (the dense layer 0 on the first stage, the MoE layer on the second) equals the
-    one-process step (its TP=2 and EP=2 logprobs and gradients: tests/models/test_moe.py); the routers' expert bias is
-    exported with the weights, has no gradient and does not move (the actor's checkpoint is remade to compare)."""
+@pytest.mark.parametrize("kind", ["glm4-moe", "deepseek-v3"])
+def test_sigmoid_routed_pp2_step_matches_single_rank(runs, tmp_path, kind):
+    """A GLM-4.5 or DeepSeek-V3 (multi-latent attention) ARMOR step over PP=2 (the dense layer 0 on the first stage,
+    the MoE layer on the second) equals the one-process step (their TP=2 and EP=2 logprobs and gradients:
+    tests/models/test_moe.py); the routers' expert bias is exported with the weights, has no gradient and does not
+    move (the actor's checkpoint is remade to compare)."""
     from safetensors.torch import load_file
 
-    base = runs["glm4-moe-base"][0]
+    base = runs[f"{kind}-base"][0]
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert bias not in base["grads"] and any(".mlp.shared_experts.down_proj." in name for name in base["grads"])
-    actor = _actor_and_ref(tmp_path, **MODELS["glm4-moe"])[0]
+    actor = _actor_and_ref(tmp_path, **MODELS[kind])[0]
     assert torch.equal(base["weights"][bias], load_file(actor / "model.safetensors")[bias])
-    assert_same_step(runs["glm4-moe-pp2"], base)
+    assert_same_step(runs[f"{kind}-pp2"], base)
 
 
 def test_moe_expert_tp1_steps_match_single_rank(runs):

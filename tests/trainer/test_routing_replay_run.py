@@ -2,7 +2,8 @@
 (its routers' top-k taken on biased logits, tests/workers/biased_engine_run.py). With `train.routing_replay rollout`
 the trainer replays the engine's experts and its old logprobs are the engine's to the fp32 floor; without it the
 trainer routes on its own and misses them by a hundred times more. `moe/routing_agreement` (the trainer's own choices
-against the replayed ones) measures the bias: below 1."""
+against the replayed ones) measures the bias: below 1; `moe/replay_applied` (the experts the forward used against
+the replayed ones) shows the replay took effect: 1."""
 
 from pathlib import Path
 
@@ -36,4 +37,5 @@ def test_replay_gives_the_engine_logprobs_and_measures_the_bias(steps):
     assert replayed["mismatch/logprob_abs_diff"] < 1e-5, replayed["mismatch/logprob_abs_diff"]
     assert own["mismatch/logprob_abs_diff"] > 100 * replayed["mismatch/logprob_abs_diff"]
     assert 0.5 < replayed["moe/routing_agreement"] < 1.0  # the bias moves some tokens' experts, not most
-    assert "moe/routing_agreement" not in own
+    assert replayed["moe/replay_applied"] == 1.0  # yet the forward sent every token to the engine's experts
+    assert "moe/routing_agreement" not in own and "moe/replay_applied" not in own

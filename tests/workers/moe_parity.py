@@ -1,5 +1,5 @@
-"""Worker: Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 on Megatron under TP x EP (x expert TP) layouts against the HF
-model.
+"""Worker: Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 / DeepSeek-V3 on Megatron under TP x EP (x expert TP) layouts
+against the HF model.
 
 argv: out_dir layouts checkpoints model_dir..., layouts a comma-separated list of "tp<T>ep<E>[etp<X>]" run one after
 another on the one process group (Megatron's parallel state rebuilt for each); each model is checked in turn under each

@@ -4,11 +4,12 @@ checkpoints, and the shapes of its public models that `armor plan` knows. Import
 built-ins; `register_family` adds one from outside.
 
 Adding a family that reuses the layer kinds built here (attention with or without q/k/v biases or q/k norms,
-dense or routed SwiGLU MLPs, a shared expert) is one module here, imported below, plus its tests.
+dense or routed SwiGLU MLPs, a shared expert, multi-latent attention) is one module here, imported below, plus its
+tests.
 """
 
 from megatron_armor.models.families import (  # noqa: F401 (register)
-    glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe,
 )
 from megatron_armor.models.families.base import ModelConfigError, ModelFamily
 from megatron_armor.models.families.moe import MoEFamily

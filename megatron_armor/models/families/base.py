@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.models.families.weights import ParamMapping, attention_mappings, dense_mlp_mappings
 from megatron_armor.models.layer_specs import layer_spec
@@ -17,6 +18,10 @@ from megatron_armor.models.shape import ModelShape
 
 class ModelConfigError(ValueError):
     """An HF checkpoint whose architecture this project cannot build."""
+
+
+# Megatron's RoPE scaling is Llama 3's with these fixed constants (rotary_pos_embedding._apply_scaling).
+LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def refuse_sliding_window(hf: dict, source: str, model_type: str) -> None:
@@ -54,6 +59,8 @@ class ModelFamily:
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)
     # name (matched case-insensitively in a model path) -> config.json fields of a public model (model_type implied)
     known_shapes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # the Megatron config class its layers read (multi-latent attention reads `MLATransformerConfig`)
+    megatron_config_type: type[TransformerConfig] = TransformerConfig
 
     def shape_fields(self, hf: dict, source: str) -> dict[str, Any]:
         """The `ModelShape` fields this family decides, from config.json `hf` (read from `source`); a
@@ -62,6 +69,17 @@ class ModelFamily:
             raise ModelConfigError(f"{source}: biased {self.model_type} projections (attention_bias/mlp_bias) are "
                                    f"not supported")
         return {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm}
+
+    def rope_scaling_factor(self, rope: dict, source: str) -> float | None:
+        """`ModelShape.rope_scaling_factor` from config.json's `rope_parameters` (or 4.x `rope_scaling`): None for
+        plain RoPE, the factor for Llama 3 scaling with Megatron's constants; anything else is refused."""
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in (None, "default"):
+            return None
+        if kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in LLAMA3_ROPE_CONSTANTS.items()):
+            return float(rope["factor"])
+        raise ModelConfigError(f"{source}: RoPE scaling {rope} is not supported; supported: none, or rope_type "
+                               f"'llama3' with {LLAMA3_ROPE_CONSTANTS}")
 
     def megatron_fields(self, shape: ModelShape) -> dict[str, Any]:
         """The `TransformerConfig` fields of this family's layers beyond those every family shares

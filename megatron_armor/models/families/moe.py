@@ -1,5 +1,5 @@
 """`MoEFamily`: a family whose MLPs are routed experts with a softmax router (Qwen2-MoE, Qwen3-MoE, Mixtral; a family
-of another router overrides `router_fields`: GLM-4.5's sigmoid router)."""
+of another router overrides `router_fields`: `families.sigmoid_moe`, GLM-4.5's and DeepSeek-V3's sigmoid router)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """Building blocks of a family's weight mapping table: the `ParamMapping`s of standard attention, a dense SwiGLU MLP
 and a routed-expert MLP, which a `ModelFamily` composes into its decoder layers (`ModelFamily.layer_mappings`).
 
-Every Megatron parameter is produced from one or more HF tensors (full shapes in `hf_shapes`) by one of five
+Every Megatron parameter is produced from one or more HF tensors (full shapes in `hf_shapes`) by one of six
 layouts (`convert.mapping` slices and joins them):
 
 - ``replicated``: identical on every tensor-parallel (TP) rank (norm weights, routers).
 - ``column``: split along dim 0 (vocab-parallel embedding / output layer).
+- ``column_linear``: split along dim 0 in equal parts (multi-latent attention's column-parallel projections).
 - ``row``: split along dim 1 (attention output projection, MLP down projection).
 - ``qkv``: q, k, v fused per query group: for each KV group g, the rows of its ``heads_per_group`` query heads, then
   its key head, then its value head; TP ranks own contiguous groups. Applies to the weight ``[groups*(hpg+2)*d, H]``
@@ -24,7 +25,7 @@ from typing import Literal
 
 from megatron_armor.models.shape import ModelShape
 
-Layout = Literal["replicated", "column", "row", "qkv", "gate_up"]
+Layout = Literal["replicated", "column", "column_linear", "row", "qkv", "gate_up"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,37 @@ def attention_mappings(
             ParamMapping(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated", ((d,),)),
         ]
     return mappings, extras
+
+
+def mla_attention_mappings(m: str, h: str, shape: ModelShape, fused_norms: bool) -> list[ParamMapping]:
+    """Multi-latent attention (`ModelShape.mla`, Megatron's `MLASelfAttention`) of the layer whose Megatron / HF
+    prefixes are `m` / `h`, and its input norm: the query latent's down projection (HF ``q_a_proj``), its RMSNorm
+    (``q_a_layernorm``) and up projection to every head's query (``q_b_proj``), the key/value latent with the shared
+    rotary key (``kv_a_proj_with_mqa``: the latent's rows, then the rotary key's), its RMSNorm (``kv_a_layernorm``) and
+    up projection to every head's key and value dims (``kv_b_proj``), and the output projection (``o_proj``).
+
+    Megatron's local spec splits both down projections over TP by rows (column-parallel, outputs gathered);
+    Transformer Engine's keeps them whole on every rank and fuses the latents' norms into the up projections
+    (`fused_norms`). The input norm is a module of its own in either spec."""
+    mla, attn, hidden, heads = shape.mla, h + "self_attn.", shape.hidden_size, shape.num_attention_heads
+    down = "replicated" if fused_norms else "column_linear"
+    q_norm = "linear_q_up_proj.layer_norm_weight" if fused_norms else "q_layernorm.weight"
+    kv_norm = "linear_kv_up_proj.layer_norm_weight" if fused_norms else "kv_layernorm.weight"
+    a = m + "self_attention."
+    return [
+        ParamMapping(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", ((hidden,),)),
+        ParamMapping(a + "linear_proj.weight", (attn + "o_proj.weight",), "row", ((hidden, heads * mla.v_head_dim),)),
+        ParamMapping(a + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), down,
+                     ((mla.q_lora_rank, hidden),)),
+        ParamMapping(a + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), "column_linear",
+                     ((heads * mla.q_head_dim, mla.q_lora_rank),)),
+        ParamMapping(a + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), down,
+                     ((mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),)),
+        ParamMapping(a + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), "column_linear",
+                     ((heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),)),
+        ParamMapping(a + q_norm, (attn + "q_a_layernorm.weight",), "replicated", ((mla.q_lora_rank,),)),
+        ParamMapping(a + kv_norm, (attn + "kv_a_layernorm.weight",), "replicated", ((mla.kv_lora_rank,),)),
+    ]
 
 
 def dense_mlp_mappings(m: str, h: str, shape: ModelShape, fused_norms: bool) -> list[ParamMapping]:
