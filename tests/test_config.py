@@ -84,9 +84,11 @@ def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message)
 
 
 def test_context_parallel_ranks_count_in_the_world_size():
-    """TP x PP x CP x DP processes: CP ranks hold chunks of the same sequences, not more data."""
-    parallel = load_config(DEMO, ["parallel.context_parallel_size=2", "parallel.data_parallel_size=2"]).parallel
-    assert (parallel.tensor_parallel_size, parallel.world_size) == (2, 8)
+    """TP x PP x CP x DP processes: CP ranks hold chunks of the same sequences, not more data; packed micro-batches
+    split under CP too."""
+    cfg = load_config(DEMO, ["parallel.context_parallel_size=2", "parallel.data_parallel_size=2",
+                             "train.pack_sequences=true"])
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.world_size, cfg.train.pack_sequences) == (2, 8, True)
 
 
 def test_expert_layout_regroups_the_tp_x_dp_ranks():
@@ -276,8 +278,6 @@ def test_scaling_knobs_defaults_and_resolution():
       "train.mini_batch_size=4"],
      r"subspace.capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size must be >= 1, got 0"),
-    (["parallel.context_parallel_size=2", "train.pack_sequences=true"],
-     r"parallel.context_parallel_size \(2\) does not split packed micro-batches yet"),
 ])
 def test_scaling_knobs_refuse_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

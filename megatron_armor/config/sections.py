@@ -219,11 +219,8 @@ class TrainConfig:
                 f"({self.train_batch_size})")
 
     def check_with(self, parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
-        """The rules this section shares with others: the data-parallel split of a mini-batch and packing under
-        context parallelism (`parallel`), and routing replay under `recompute`."""
-        require(parallel.context_parallel_size == 1 or not self.pack_sequences,
-                f"parallel.context_parallel_size ({parallel.context_parallel_size}) does not split packed "
-                f"micro-batches yet: set train.pack_sequences false")
+        """The rules this section shares with others: the data-parallel split of a mini-batch (`parallel`) and
+        routing replay under `recompute`."""
         dp = parallel.data_parallel_size
         require(self.mini_batch_size % dp == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must be divisible by parallel.data_parallel_size "

@@ -23,8 +23,9 @@ BUCKET_ALIGN = 128  # ... and pads each bucket to a multiple of lcm(DP, 128) ele
 
 @dataclass(frozen=True)
 class Layout:
-    """How a model is split and trained: TP x PP x DP sizes (a MoE model's experts over `ep` ranks, each expert's
-    matrices over `etp` ranks, None: TP, Megatron's default expert TP), sequence parallelism, the distributed optimizer,
+    """How a model is split and trained: TP x PP x CP x DP sizes (a MoE model's experts over `ep` ranks, each expert's
+    matrices over `etp` ranks, None: TP, Megatron's default expert TP; each sequence over `cp` context-parallel
+    ranks, which hold the same weights and state), sequence parallelism, the distributed optimizer,
     the weights' bytes per element (2 for bf16, 4 for fp32), activation recomputation, the LM head ("torch":
     [tokens, V/tp] logits; "fused": no logits) and the attention kernel (`local_attention`: the local layer spec's
     SDPAttention, which repeats K/V to every query head, as on CPU; else Transformer Engine's flash attention)."""
@@ -32,6 +33,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
@@ -50,10 +52,16 @@ class Layout:
         return expert_tp_size(self.tp, self.etp)
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same (dense) weights: Megatron's data-parallel group with context parallelism, over
+        which DDP reduces gradients and the distributed optimizer shards its state."""
+        return self.dp * self.cp
+
+    @property
     def expert_dp(self) -> int:
-        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x dp ranks
-        regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp / ep at expert TP = TP."""
-        return self.tp * self.dp // (self.expert_tp * self.ep)
+        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x cp x dp
+        ranks regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp x cp / ep at expert TP = TP."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
 
 def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[int]:
@@ -163,7 +171,8 @@ class StateBytes:
 
 
 def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
-    """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out). A MoE
+    """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out; the
+    distributed optimizer shards the dense state over the DP x CP ranks, `Layout.dp_cp`). A MoE
     model's experts have their own grad buffer and their distributed optimizer state is sharded over the ranks
     that hold the same experts (Megatron's expert data-parallel group, `Layout.expert_dp`)."""
     tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
@@ -171,12 +180,12 @@ def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
     dense, experts = stage_dense_numels(shape, tp, pp, stage), stage_expert_numels(shape, etp, pp, stage, ep)
     params, expert_dp = sum(dense) + sum(experts), layout.expert_dp
 
-    def sharded(bytes_per_param: int) -> int:  # 1/DP of the dense parameters' and 1/expert-DP of the experts'
-        return math.ceil(sum(dense) * bytes_per_param / layout.dp) + math.ceil(sum(experts) * bytes_per_param / expert_dp)
+    def sharded(bytes_per_param: int) -> int:  # 1/(DP x CP) of the dense parameters' and 1/expert-DP of the experts'
+        return math.ceil(sum(dense) * bytes_per_param / layout.dp_cp) + math.ceil(sum(experts) * bytes_per_param / expert_dp)
 
     moments, master = 2 * FP32, (FP32 if layout.dtype_bytes != FP32 else 0)  # exp_avg + exp_avg_sq; fp32 master
     replicated, distributed = params * (moments + master), sharded(moments) + sharded(master)
-    gradients = grad_buffer_numel(dense, layout.dp, layout.distributed_optimizer) + (
+    gradients = grad_buffer_numel(dense, layout.dp_cp, layout.distributed_optimizer) + (
         grad_buffer_numel(experts, expert_dp, layout.distributed_optimizer) if experts else 0)
     return StateBytes(
         params=params, weights=params * layout.dtype_bytes,
