@@ -131,6 +131,7 @@ def generate_samples(
     *,
     is_anchor: bool,
     seed: int,
+    seed_per_request: bool = False,
     audit: AuditCounts | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> list[Sample]:
@@ -138,7 +139,9 @@ def generate_samples(
 
     A collective over `group` (default: the default process group) when torch.distributed is initialised (the
     background rollouts of rollout.mode one_step_off and async use a group of their own): each rank generates its
-    round-robin share of the requests with a rank-specific seed derived from `seed`. Samples keep the engine's
+    round-robin share of the requests with a rank-specific seed derived from `seed`, or with `seed_per_request`
+    each request (prompt p, sample k) with its own, stable_seed(seed, p's dataset index, k): the samples are then
+    the same at any number of ranks (evaluation's; training's rollouts keep the rank seeds). Samples keep the engine's
     routed experts unless they are anchors (the reference's weights routed them). With `audit`, the scorer's
     audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts over
     ranks for the whole batch's).
@@ -146,7 +149,11 @@ def generate_samples(
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
     mine = requests[rank::world]
-    local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
+    if seed_per_request:
+        local_sampling = dataclasses.replace(
+            sampling, seeds=tuple(stable_seed(seed, prompts[p].index, k) for p, k in mine))
+    else:
+        local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
     generations = engine.generate([prompts[p].prompt_ids for p, _ in mine], local_sampling) if mine else []
     samples = [
         scorer(prompts[p], g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
