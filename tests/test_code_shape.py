@@ -1,7 +1,9 @@
 """Rules of the code's shape, read from the source with `ast` (nothing is imported):
 - outside megatron_armor/algorithms/, no code compares an algorithm's name with a string: callers ask the
   algorithm object what it needs;
-- no function is longer than 60 lines unless its docstring gives the reason, as "(long: <why>)".
+- no function is longer than 60 lines unless its docstring gives the reason, as "(long: <why>)";
+- the runtime classes that only copied a config section's fields (issue 28) do not come back: the component takes
+  its section.
 """
 
 import ast
@@ -58,6 +60,16 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
     return out
 
 
+# Copy classes deleted because their component takes the config section itself -> what replaced them.
+DELETED_COPY_CLASSES = {
+    "OverlongPenalty": "SampleScorer takes the reward section (reward.overlong_*)",
+}
+
+
+def defined_classes(tree: ast.AST) -> set[str]:
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+
 def test_the_checks_catch_what_they_look_for():
     tree = ast.parse('if cfg.algorithm.name == "mipu":\n    pass\nif name in ("grpo_kl", "opd"):\n    pass\n'
                      'x = algorithm.name != other\nok = engine.name == "actor"\n')
@@ -65,6 +77,7 @@ def test_the_checks_catch_what_they_look_for():
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     assert long_functions(ast.parse(f"def f():\n{body}\n")) == [("f", MAX_FUNCTION_LINES + 1)]
     assert long_functions(ast.parse(f'def f():\n    """(long: one table)"""\n{body}\n')) == []
+    assert defined_classes(ast.parse("class A:\n    class B:\n        pass\n")) == {"A", "B"}
 
 
 def test_no_code_outside_algorithms_compares_an_algorithm_name():
@@ -76,4 +89,10 @@ def test_no_code_outside_algorithms_compares_an_algorithm_name():
 def test_functions_are_short_or_say_why_not():
     found = [f"{path.relative_to(PACKAGE.parent)}: {name} ({length} lines)" for path, tree in _sources()
              for name, length in long_functions(tree)]
+    assert found == []
+
+
+def test_deleted_copy_classes_do_not_come_back():
+    found = [f"{path.relative_to(PACKAGE.parent)}: {name} ({DELETED_COPY_CLASSES[name]})" for path, tree in _sources()
+             for name in sorted(defined_classes(tree) & DELETED_COPY_CLASSES.keys())]
     assert found == []

@@ -29,31 +29,25 @@ from megatron_armor.utils.seeding import stable_seed
 RewardFn = Callable[[str, dict], tuple[float, bool]]
 
 
-@dataclass(frozen=True)
-class OverlongPenalty:
-    """DAPO soft overlong penalty settings; buffer_length 0 disables it."""
-
-    max_response_length: int
-    buffer_length: int = 0
-    factor: float = 1.0
-
-    @classmethod
-    def from_config(cls, reward: RewardConfig, max_response_length: int) -> OverlongPenalty:
-        """The penalty of the reward section for responses of at most `max_response_length` tokens."""
-        return cls(max_response_length, reward.overlong_buffer_for(max_response_length), reward.overlong_factor)
-
-
 class SampleScorer:
     """Turns engine generations into scored `Sample`s (decode, verify, overlong penalty); with `audits`, also
-    judges them by the audit verifiers (`audit`), which never change a sample's reward."""
+    judges them by the audit verifiers (`audit`), which never change a sample's reward.
+
+    With `reward` (the reward section) a response of L tokens also gets DAPO's soft overlong penalty
+    (rewards/overlong.py) for responses of at most `max_response_length` tokens (rollout.sampling.max_new_tokens):
+    the section's `overlong_buffer_for(max_response_length)` and `overlong_factor`; without it (validation, the
+    MIPU gate), none.
+    """
 
     def __init__(
-        self, tokenizer, reward_fn: RewardFn, overlong: OverlongPenalty | None = None,
+        self, tokenizer, reward_fn: RewardFn, reward: RewardConfig | None = None, *, max_response_length: int = 0,
         audits: AuditVerifiers = AuditVerifiers(),
     ) -> None:
+        if reward is not None and max_response_length < 1:
+            raise ValueError(f"the overlong penalty needs max_response_length >= 1, got {max_response_length}")
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
-        self.overlong = overlong
+        self.reward, self.max_response_length = reward, max_response_length
         self.audits = audits
 
     def audit(self, prompt: PromptRow, sample: Sample) -> tuple[bool, ...]:
@@ -70,10 +64,11 @@ class SampleScorer:
     def __call__(self, prompt: PromptRow, response_ids, logprobs, finish_reason: str, *, is_anchor: bool,
                  routed_experts=None, token_versions=None) -> Sample:
         reward, correct = score(self.reward_fn, self.response_text(response_ids, finish_reason), prompt.row)
-        if self.overlong is not None and self.overlong.buffer_length > 0:
-            reward += overlong_penalty(
-                len(response_ids), self.overlong.max_response_length, self.overlong.buffer_length, self.overlong.factor
-            )
+        if self.reward is not None:
+            buffer = self.reward.overlong_buffer_for(self.max_response_length)
+            if buffer > 0:
+                reward += overlong_penalty(len(response_ids), self.max_response_length, buffer,
+                                           self.reward.overlong_factor)
         return Sample(
             prompt_index=prompt.index,
             prompt_ids=list(prompt.prompt_ids),

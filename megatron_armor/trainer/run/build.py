@@ -39,7 +39,7 @@ from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.colocation.offload import TrainerOffload
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
-from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.rollouts.samples import SampleScorer
 from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step.validation import Validation
@@ -100,8 +100,8 @@ def build_training(
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
     sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
-    overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
-    train_scorer = SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
+    train_scorer = SampleScorer(tokenizer, rewards.train, cfg.reward,
+                                max_response_length=cfg.rollout.sampling.max_new_tokens, audits=rewards.audits)
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
     anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
