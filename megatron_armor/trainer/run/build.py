@@ -104,7 +104,7 @@ def build_training(
                                 max_response_length=cfg.rollout.sampling.max_new_tokens, audits=rewards.audits)
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, val_scorer, sampling)
-    anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
+    anchor_cache = AnchorCache(cfg.rollout.anchors) if cfg.rollout.anchors.cache else None
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
