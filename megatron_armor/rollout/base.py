@@ -17,6 +17,9 @@ class SamplingParams:
     """Sampling settings for one `generate` call (SGLang `sampling_params` semantics; named after that request
     field, as it is the request's payload rather than a config section).
 
+    Not a config section: `from_config` joins rollout.sampling with the tokenizer's stop tokens (not config), and a
+    call adds its seeds; config/ sits below rollout/, so the section cannot build it.
+
     `top_p` filtering happens after temperature scaling; reported logprobs are taken before it.
     `seed` makes a call reproducible for a given engine state; None draws from the engine's generator.
     `seeds` (one per prompt of the call, instead of `seed`): prompt i's draws come from `seeds[i]` alone, so its
