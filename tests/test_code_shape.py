@@ -72,13 +72,13 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
 # Copy classes deleted because their component takes the config section itself -> what replaced them.
 DELETED_COPY_CLASSES = {
     "OverlongPenalty": "SampleScorer takes the reward section (reward.overlong_*)",
-}
+}  # trainer/run/warmstart.py's WarmStartConfig became the task.warm_start section (config.WarmStartConfig)
 
 
 # The classes left with a `from_config` adapter (issue 28 removes them one by one): a class may lose its adapter, none
 # may gain one. A component takes its section instead; one that combines several sections says why in its docstring.
 FROM_CONFIG_CLASSES = {
-    "StepPlan", "InferenceGapGate", "WarmStartConfig", "AnchorSwitch", "ReferenceReset", "BestCheckpoint",
+    "StepPlan", "InferenceGapGate", "AnchorSwitch", "ReferenceReset", "BestCheckpoint",
     "Validation", "SamplingParams", "SGLangEngineConfig", "LocalEngine", "RewardFns", "PromptSampler",
     "TeacherServerConfig", "MicroBatching", "ScoringConfig", "MetricsLogger",
 }

@@ -36,13 +36,13 @@ from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.subspace import SubspaceConfig
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
-    TrainConfig, check_expert_layout, expert_tp_size,
+    TrainConfig, WarmStartConfig, check_expert_layout, expert_tp_size,
 )
 
 __all__ = [
     "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
-    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout",
-    "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
+    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig",
+    "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
 ]
