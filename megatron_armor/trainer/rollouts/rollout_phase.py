@@ -135,8 +135,8 @@ class RolloutPhase:
             if ahead is not None:
                 return ahead.take(anchor_key(position), counters)
             seeds = [self.seed(source.key(position), source.seed_tag) for source in extras]
-            return [s for source, seed in zip(extras, seeds) for s in source.sample(prompts, seed, counters,
-                                                                                  group=self.group)]
+            return [s for source, seed in zip(extras, seeds)
+                    for s in source.sample(prompts, seed, counters, group=self.group)]
 
         sampler_first = self.models.policy(plan.algorithm.sources.sampler).holds_weights
         extra = [] if sampler_first else sample_extras()
