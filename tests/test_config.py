@@ -201,6 +201,9 @@ def test_moved_fields_name_their_new_place(tmp_path):
     old.write_text("task:\n  synthetic: arithmetic\nmodel:\n  teacher_path: /teacher\n")
     with pytest.raises(ConfigError, match="old.yaml: model.teacher_path moved to opd.teacher_path"):
         load_config(old)
+    old.write_text("task:\n  synthetic: arithmetic\n  warm_start_steps: 400\n")  # into a sub-section of its own
+    with pytest.raises(ConfigError, match="old.yaml: task.warm_start_steps moved to task.warm_start.steps"):
+        load_config(old)
     assert not set(MOVED_FIELDS) & {dotted for dotted, _ in config_fields()}
 
 

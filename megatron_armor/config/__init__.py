@@ -37,7 +37,7 @@ from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.subspace import SubspaceConfig
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
-    TrainConfig, check_expert_layout, expert_tp_size,
+    TrainConfig, WarmStartConfig, check_expert_layout, expert_tp_size,
 )
 
 __all__ = [
@@ -45,6 +45,6 @@ __all__ = [
     "EvalConfig",
     "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
     "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
-    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout",
-    "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
+    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig",
+    "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
 ]

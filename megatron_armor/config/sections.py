@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_armor.config.base import check_choices, doc, require, require_at_least
+from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
 from megatron_armor.config.recompute import RecomputeConfig
 
 
@@ -289,17 +289,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """The synthetic task's supervised warm start (trainer/run/warmstart.py): the tiny model is fine-tuned on the
+    task's worked solutions (AdamW, train.seed) until its sampled (T=1) accuracy on held-out rows reaches
+    target_accuracy, for at most `steps` optimizer steps; the result is cached in task.cache_dir."""
+
+    steps: int = doc(0, "supervised warm-start steps of the synthetic model at most (0: none)")
+    target_accuracy: float = doc(0.6, "stop the warm start at this sampled accuracy")
+    lr: float = doc(3e-3, "warm-start learning rate (AdamW, no weight decay)")
+    batch_size: int = doc(64, "rows per warm-start step")
+    eval_every: int = doc(50, "warm-start steps between accuracy measurements")
+    eval_rows: int = doc(64, "the first rows of the training rows, held out to measure the accuracy on")
+
+    def __post_init__(self) -> None:
+        require_at_least("task.warm_start", self, ("steps",), 0)
+        require_at_least("task.warm_start", self, ("batch_size", "eval_every", "eval_rows"), 1)
+
+
+@dataclass
 class TaskConfig:
     synthetic: Literal["arithmetic"] | None = doc(None, "generate a synthetic task (and tiny model) in cache_dir")
     num_train_rows: int = doc(2000, "synthetic training prompts")
     num_val_rows: int = doc(200, "synthetic validation prompts")
-    warm_start_steps: int = doc(0, "supervised warm-start steps of the synthetic model (0: none)")
-    warm_start_target_accuracy: float = doc(0.6, "stop the warm start at this sampled accuracy")
     cache_dir: str = doc(".cache/megatron-armor", "where synthetic assets and warm starts are cached")
+    warm_start: WarmStartConfig = section(WarmStartConfig)
 
     def __post_init__(self) -> None:
         check_choices("task", self)
-        require_at_least("task", self, ("warm_start_steps",), 0)
 
     def check_with(self, model: ModelConfig, data: DataConfig) -> None:
         """Without a synthetic task the run's model and prompts come from the `model` and `data` sections."""

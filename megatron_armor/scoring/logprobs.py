@@ -52,7 +52,13 @@ LossFn = Callable[[TokenScores, SequenceBatch], tuple[torch.Tensor, torch.Tensor
 
 @dataclass(frozen=True)
 class ScoringConfig:
-    """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not."""
+    """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not.
+
+    Not a config section, and not a copy of one: it joins two sections' settings the scoring needs together, the
+    temperature of rollout.sampling (tokens are scored under the distribution the engines sampled from, or the
+    importance ratios would compare different distributions) and train.logprob_head resolved for this machine
+    ("auto"), with `with_entropy`, which each scoring pass chooses for itself.
+    """
 
     temperature: float = 1.0
     head: str = "torch"

@@ -39,7 +39,7 @@ from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.colocation.offload import TrainerOffload
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
-from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.rollouts.samples import SampleScorer
 from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
@@ -105,7 +105,7 @@ def build_training(
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, gate_scorer, sampling)
-    anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
+    anchor_cache = AnchorCache(cfg.rollout.anchors) if cfg.rollout.anchors.cache else None
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
@@ -121,10 +121,10 @@ def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScor
     trajectory of that environment each (trainer/rollouts/trajectories.py)."""
     agentic = cfg.rollout.agentic
     if agentic.environment is not None:
-        return TrajectoryScorer.from_config(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
-                                            audits=rewards.audits)
-    overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
-    return SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
+        return TrajectoryScorer.load(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
+                                     audits=rewards.audits)
+    return SampleScorer(tokenizer, rewards.train, cfg.reward, max_response_length=cfg.rollout.sampling.max_new_tokens,
+                        audits=rewards.audits)
 
 
 def _memory_handoff(cfg: ArmorConfig, actor_engine: RolloutEngine, ref_engine: RolloutEngine) -> MemoryHandoff | None:

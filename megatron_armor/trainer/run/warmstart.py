@@ -18,29 +18,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from megatron_armor.config import TaskConfig
+from megatron_armor.config import WarmStartConfig
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import verify
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 
 COMPLETE_MARKER = "WARM_START_COMPLETE"
-
-
-@dataclass(frozen=True)
-class WarmStartConfig:
-    steps: int = 400  # maximum optimizer steps
-    lr: float = 3e-3
-    batch_size: int = 64
-    target_accuracy: float = 0.5  # stop once sampled (T=1) accuracy on held-out rows reaches this
-    eval_every: int = 50
-    eval_rows: int = 64
-    seed: int = 0
-
-    @classmethod
-    def from_config(cls, task: TaskConfig, *, seed: int) -> WarmStartConfig:
-        """The synthetic task's warm start: task.warm_start_steps at most, until task.warm_start_target_accuracy."""
-        return cls(steps=task.warm_start_steps, target_accuracy=task.warm_start_target_accuracy, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -77,11 +61,12 @@ def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]
     return input_ids, labels
 
 
-def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg: WarmStartConfig, *,
+def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg: WarmStartConfig, *, seed: int,
                progress: bool = True) -> WarmStartResult:
-    """SFT `model_dir` on `rows` (dicts with prompt/solution/answer) and save to `out_dir` atomically."""
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
+    """SFT `model_dir` on `rows` (dicts with prompt/solution/answer) as `cfg` (task.warm_start) says, seeded by
+    `seed`, and save to `out_dir` atomically."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     held_out, train_rows = rows[: cfg.eval_rows], rows[cfg.eval_rows :] or rows
@@ -97,7 +82,7 @@ def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg
         optimizer.step()
         if (step + 1) % cfg.eval_every == 0:
             model.eval()
-            accuracy = sampled_accuracy(model, tokenizer, held_out, seed=cfg.seed + step)
+            accuracy = sampled_accuracy(model, tokenizer, held_out, seed=seed + step)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
             if accuracy >= cfg.target_accuracy:
                 break
@@ -121,14 +106,14 @@ def _directory_hash(path: Path) -> str:
 
 
 def cached_warm_start(model_dir: str | Path, rows: list[dict], cache_root: str | Path, cfg: WarmStartConfig, *,
-                      progress: bool = True) -> WarmStartResult:
-    """`warm_start`, reusing a complete earlier result for the same model, rows and settings."""
+                      seed: int, progress: bool = True) -> WarmStartResult:
+    """`warm_start`, reusing a complete earlier result for the same model, rows, settings and seed."""
     key = hashlib.sha256(
-        json.dumps([_directory_hash(Path(model_dir)), asdict(cfg), rows], sort_keys=True).encode()
+        json.dumps([_directory_hash(Path(model_dir)), {**asdict(cfg), "seed": seed}, rows], sort_keys=True).encode()
     ).hexdigest()[:16]
     out = Path(cache_root) / key
     marker = out / COMPLETE_MARKER
     if marker.is_file():
         return WarmStartResult(**json.loads(marker.read_text()))
     out.parent.mkdir(parents=True, exist_ok=True)
-    return warm_start(model_dir, rows, out, cfg, progress=progress)
+    return warm_start(model_dir, rows, out, cfg, seed=seed, progress=progress)
