@@ -1,8 +1,9 @@
 """Low-rank adapters (LoRA) on Megatron's own tensor-parallel linear layers, the base weights frozen.
 
 `apply_lora(model, settings)` gives each targeted `ColumnParallelLinear` / `RowParallelLinear` of a built and loaded
-GPTModel stage a `LoRAAdapter` child, `<layer>.adapter`, whose forward hook adds `(alpha / r) B A x` to the layer's
-output, and freezes every other parameter: Megatron's DDP and optimizers skip parameters without `requires_grad`, so
+GPTModel stage a `LoRAAdapter` beside it (`<parent>.<layer>_adapter`, so that the parent's sharded state dict holds
+it with its own TP sharding), whose forward hook on the layer adds `(alpha / r) B A x` to the layer's output, and
+freezes every other parameter: Megatron's DDP and optimizers skip parameters without `requires_grad`, so
 their gradient buffers and optimizer state hold the adapters only. The base layer and its parameter names are
 untouched (the HF mapping, loaders and exports see the base model). `adapters_disabled(model)` turns every adapter
 off: the model is then the base, the reference policy of a LoRA run.
@@ -46,12 +47,14 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from megatron_armor.config.lora import LoRAConfig
 from megatron_armor.utils.seeding import stable_seed
 
-ADAPTER = "adapter"  # the child name of a layer's adapter: `<layer>.adapter.lora_a`, `<layer>.adapter.lora_b`
+ADAPTER_SUFFIX = "_adapter"  # a layer's adapter sits beside it: `<parent>.linear_qkv_adapter.lora_a`, `.lora_b`
 
 
 class LoRAError(ValueError):
@@ -61,11 +64,13 @@ class LoRAError(ValueError):
 class LoRAAdapter(torch.nn.Module):
     """The adapter of one tensor-parallel linear layer (`host`): `lora_a` `[r, in or in/tp]` and `lora_b`
     `[out/tp or out, r]` in the host's dtype and device (see the module docstring for which is split), and the
-    forward hook that adds `scale * B A dropout(x)` to the host's output while `enabled`."""
+    forward hook that adds `scale * B A dropout(x)` to the host's output while `enabled`. `glu`: the host is a gated
+    MLP's fused fc1, whose rows (and B's) are this rank's gate rows then its up rows."""
 
-    def __init__(self, host: ColumnParallelLinear | RowParallelLinear, settings: LoRAConfig, seed: int) -> None:
+    def __init__(self, host: ColumnParallelLinear | RowParallelLinear, settings: LoRAConfig, seed: int,
+                 *, glu: bool = False) -> None:
         super().__init__()
-        self.column = isinstance(host, ColumnParallelLinear)
+        self.column, self.glu = isinstance(host, ColumnParallelLinear), glu
         if not self.column and not host.input_is_parallel:
             raise LoRAError("LoRA on a RowParallelLinear needs input_is_parallel (Megatron's layers all have it)")
         if self.column and host.gather_output:
@@ -113,6 +118,22 @@ class LoRAAdapter(torch.nn.Module):
                      else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         return torch.nn.functional.linear(h, self.lora_b) * self.scale
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's sharded state of `lora_a` / `lora_b`: the split factor sharded over the host's TP group along
+        the host's split axis (a gated fc1's B as Megatron shards the fc1 weight: gate and up halves apart), the
+        other replicated; layer and expert offsets come in `sharded_offsets` and `prefix`, as for the host."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        axis = {"lora_b": 0} if self.column else {"lora_a": 1}
+        state = make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, axis, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"])
+        if self.glu:
+            key = f"{prefix}lora_b"
+            state[key] = apply_swiglu_sharded_factory(
+                state[key], sharded_offsets, metadata.get("singleton_local_shards", False), tp_group=self.tp_group,
+                dp_group=metadata["dp_cp_group"])
+        return state
+
     def _add_to_output(self, host: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
         """Forward hook of the host: its `(output, bias)` with the adapter's delta added to `output`."""
         if not self.enabled:
@@ -130,7 +151,7 @@ def apply_lora(model: GPTModel, settings: LoRAConfig, *, seed: int = 0) -> list[
     smaller dimension, or when `experts` is asked of a model without routed experts."""
     if not settings.enabled:
         raise LoRAError("model.lora.rank is 0: there are no adapters to build")
-    names = dict(_targets(model, settings))
+    names = dict(_targets(model, settings))  # before any adapter is added beside them
     has_experts = any(".experts." in name for name, _ in model.named_modules())
     if settings.experts and not has_experts:
         raise LoRAError("model.lora.experts is set, but this model has no routed experts")
@@ -147,8 +168,10 @@ def apply_lora(model: GPTModel, settings: LoRAConfig, *, seed: int = 0) -> list[
         if settings.rank > min(host.input_size, host.output_size):
             raise LoRAError(f"model.lora.rank {settings.rank} exceeds {name}'s smaller dimension "
                             f"(in {host.input_size}, out {host.output_size})")
-        adapter = LoRAAdapter(host, settings, stable_seed("lora", seed, global_layer_name(model, name)))
-        host.add_module(ADAPTER, adapter)
+        parent_name, _, attribute = name.rpartition(".")
+        glu = attribute == "linear_fc1" and model.config.gated_linear_unit
+        adapter = LoRAAdapter(host, settings, stable_seed("lora", seed, global_layer_name(model, name)), glu=glu)
+        model.get_submodule(parent_name).add_module(attribute + ADAPTER_SUFFIX, adapter)
         adapters.append(adapter)
     if model.pre_process and model.config.recompute_granularity == "full":
         model.embedding.register_forward_hook(_require_grad)

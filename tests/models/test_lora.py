@@ -88,20 +88,20 @@ def test_adapter_gradients_equal_a_plain_torch_reference(megatron_world, tiny_mo
 
     reference = _model(checkpoint)
     reference.requires_grad_(False)
-    factors = {name.removesuffix(".adapter"): (module.lora_a.detach().clone().requires_grad_(),
+    factors = {name.removesuffix("_adapter"): (module.lora_a.detach().clone().requires_grad_(),
                                                module.lora_b.detach().clone().requires_grad_())
-               for name, module in lora_model.named_modules() if name.endswith(".adapter")}
+               for name, module in lora_model.named_modules() if name.endswith("_adapter")}
     _reference_hooks(reference, factors, LORA.alpha / LORA.rank)
     reference_logits = _logits(reference, tokens)
     _loss(reference_logits, tokens).backward()
 
     torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-6)
     for name, (a, b) in factors.items():
-        adapter = lora_model.get_submodule(f"{name}.adapter")
+        adapter = lora_model.get_submodule(f"{name}_adapter")
         assert a.grad.abs().max() > 0 and b.grad.abs().max() > 0, name
         torch.testing.assert_close(adapter.lora_a.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
         torch.testing.assert_close(adapter.lora_b.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
-    frozen = [name for name, p in lora_model.named_parameters() if ".adapter." not in name]
+    frozen = [name for name, p in lora_model.named_parameters() if "_adapter." not in name]
     assert frozen and all(lora_model.get_parameter(name).grad is None for name in frozen)
 
 
@@ -121,7 +121,7 @@ def test_only_adapters_reach_ddp_buffers_and_the_optimizer(megatron_world, tiny_
     else:
         groups = [group["params"] for group in optimizer.param_groups]
     assert {id(p) for group in groups for p in group} == expected
-    base = {name: p.detach().clone() for name, p in model.named_parameters() if ".adapter." not in name}
+    base = {name: p.detach().clone() for name, p in model.named_parameters() if "_adapter." not in name}
 
     tokens = _tokens(load_model_shape(checkpoint).vocab_size)
     zero_grads(ddp, optimizer)
@@ -166,3 +166,19 @@ def test_bad_settings_fail_with_the_field_named(megatron_world, tiny_model_facto
         layer.mlp = torch.nn.Identity()
     with pytest.raises(LoRAError, match=r"\['linear_fc1', 'linear_fc2'\] match no layer"):
         apply_lora(model, LoRAConfig(rank=4))
+
+
+def test_the_sharded_state_holds_the_adapters_at_their_global_shapes(megatron_world, tiny_model_factory):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    model = _model(tiny_model_factory())  # hidden 64, 4 heads of 16, 2 KV groups: qkv out 128; ffn 176
+    apply_lora(model, LORA)
+    state = model.sharded_state_dict()  # global shapes: [layers, *the tensor's]
+    attention = "decoder.layers.1.self_attention"
+    assert state[f"{attention}.linear_qkv_adapter.lora_a"].global_shape == (2, 4, 64)
+    assert state[f"{attention}.linear_qkv_adapter.lora_b"].global_shape == (2, 128, 4)
+    assert state[f"{attention}.linear_proj_adapter.lora_a"].global_shape == (2, 4, 64)
+    assert state["decoder.layers.0.mlp.linear_fc2_adapter.lora_b"].global_shape == (2, 64, 4)
+    fc1_b = state["decoder.layers.0.mlp.linear_fc1_adapter.lora_b"]  # gate and up halves sharded apart, as fc1's
+    assert isinstance(fc1_b, ShardedTensorFactory) and fc1_b.data.shape == (2 * 176, 4)
+    assert state[f"{attention}.linear_qkv.weight"].global_shape == (2, 128, 64)  # the base's keys as without LoRA
