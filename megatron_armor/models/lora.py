@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+import torch.distributed as dist
 
 import torch
 from megatron.core import parallel_state
@@ -52,6 +54,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from megatron_armor.config.lora import LoRAConfig
+from megatron_armor.models.tensors import checkpoint_tensors
 from megatron_armor.utils.seeding import stable_seed
 
 ADAPTER_SUFFIX = "_adapter"  # a layer's adapter sits beside it: `<parent>.linear_qkv_adapter.lora_a`, `.lora_b`
@@ -95,6 +98,7 @@ class LoRAAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(param, is_parallel=param is split and tp_size > 1,
                                                  dim=0 if self.column else 1, stride=1)
             param.allreduce = getattr(weight, "allreduce", True)  # False: an expert-parallel parameter
+        self.host_weight = weight  # what `merged_weight` adds the product to (no module reference: no cycle)
         self.sequence_parallel = host.sequence_parallel and not host.is_expert
         if self.sequence_parallel:  # each TP rank's gradient comes from its own sequence chunk: summed over TP
             (self.lora_a if self.column else self.lora_b).sequence_parallel = True
@@ -117,6 +121,30 @@ class LoRAAdapter(torch.nn.Module):
                 h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
                      else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         return torch.nn.functional.linear(h, self.lora_b) * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """The host's weight shard with the adapter merged in, `W + scale B A` (a new tensor in W's dtype, summed in
+        float32): column `[out/tp, in]` = `[out/tp, r] @ [r, in]`, row `[out, in/tp]` = `[out, r] @ [r, in/tp]`, so
+        no communication is needed."""
+        product = self.lora_b.float() @ self.lora_a.float()
+        return (self.host_weight.float() + self.scale * product).to(self.host_weight.dtype)
+
+    def full_factors(self, *, use_grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A `[r, in]`, B `[out, r]`) whole, TP-gathered on every rank of the host's TP group (collective over it),
+        B's rows in the TP=1 order (a gated fc1's: all gate rows, then all up rows); with `use_grads` their reduced
+        gradients (DDP's `main_grad`) instead."""
+        a, b = (_value(p, use_grads) for p in (self.lora_a, self.lora_b))
+        size = self.tp_group.size()
+        if size == 1:
+            return a, b
+        if not self.column:
+            return torch.cat(_gather(a, self.tp_group), dim=1), b
+        shards = _gather(b, self.tp_group)
+        if self.glu:  # each shard is [its gate rows; its up rows]
+            halves = [shard.chunk(2, dim=0) for shard in shards]
+            return a, torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
+        return a, torch.cat(shards, dim=0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron's sharded state of `lora_a` / `lora_b`: the split factor sharded over the host's TP group along
@@ -205,6 +233,63 @@ def global_layer_name(model: GPTModel, name: str) -> str:
         return name
     first = parallel_state.get_expert_model_parallel_rank() * local_experts
     return re.sub(r"(?<=\.local_experts\.)(\d+)", lambda m: str(int(m.group(1)) + first), name)
+
+
+def _value(param: torch.nn.Parameter, use_grads: bool) -> torch.Tensor:
+    """`param` detached, or its reduced gradient (Megatron DDP's `main_grad`, else `.grad`)."""
+    if not use_grads:
+        return param.detach()
+    grad = getattr(param, "main_grad", None)
+    return (param.grad if grad is None else grad).detach()
+
+
+def _gather(local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank of `group`'s `local` (same shape everywhere), in rank order."""
+    shards = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
+def full_adapters(model: torch.nn.Module, *, use_grads: bool = False) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapters whole: `<global layer name>_adapter.lora_a` -> A `[r, in]`, `.lora_b` -> B
+    `[out, r]` (`LoRAAdapter.full_factors`; global layer and expert numbers, `global_layer_name`), the same at every
+    layout. With `use_grads` their reduced gradients. Collective over each adapter's TP group."""
+    module = getattr(model, "module", model)
+    out = {}
+    for name, adapter in module.named_modules():
+        if isinstance(adapter, LoRAAdapter):
+            a, b = adapter.full_factors(use_grads=use_grads)
+            key = global_layer_name(module, name)
+            out[f"{key}.lora_a"], out[f"{key}.lora_b"] = a, b
+    return out
+
+
+class MergedTensors(Mapping):
+    """`checkpoint_tensors(model)` without the adapters' own parameters, each adapted layer's weight merged with its
+    adapter (`LoRAAdapter.merged_weight`, made when looked up) while the adapter is enabled: the base weights the
+    model computes with. What weight exports and pushes read; a model without adapters gives its own tensors."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        tensors = checkpoint_tensors(model)
+        self.merged: dict[str, LoRAAdapter] = {}
+        for name, adapter in model.named_modules():
+            if isinstance(adapter, LoRAAdapter):
+                prefix = name.removesuffix(ADAPTER_SUFFIX)
+                for key in (f"{name}.lora_a", f"{name}.lora_b"):
+                    del tensors[key]
+                if adapter.enabled:
+                    self.merged[f"{prefix}.weight"] = adapter
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        adapter = self.merged.get(name)
+        return self.tensors[name] if adapter is None else adapter.merged_weight()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def lora_adapters(model: torch.nn.Module) -> list[LoRAAdapter]:

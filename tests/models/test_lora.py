@@ -182,3 +182,34 @@ def test_the_sharded_state_holds_the_adapters_at_their_global_shapes(megatron_wo
     fc1_b = state["decoder.layers.0.mlp.linear_fc1_adapter.lora_b"]  # gate and up halves sharded apart, as fc1's
     assert isinstance(fc1_b, ShardedTensorFactory) and fc1_b.data.shape == (2 * 176, 4)
     assert state[f"{attention}.linear_qkv.weight"].global_shape == (2, 128, 64)  # the base's keys as without LoRA
+
+
+def test_merged_export_gives_the_adapted_model_in_transformers(megatron_world, tiny_model_factory):
+    """`gather_hf_weights` of a LoRA model exports W + (alpha / r) B A under the HF names: loaded into the
+    transformers model they give the Megatron model's logits with its adapters on; inside `adapters_disabled` the
+    export is the base checkpoint's tensors exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_armor.convert.weights import gather_hf_weights
+
+    checkpoint = tiny_model_factory()
+    shape = load_model_shape(checkpoint)
+    model = _model(checkpoint)
+    apply_lora(model, LORA)
+    _randomize_b(model)
+    tokens = _tokens(shape.vocab_size)
+    with torch.no_grad():
+        logits = _logits(model, tokens)
+        merged = {name: tensor.clone() for name, tensor in gather_hf_weights(model, shape)}
+        with adapters_disabled(model):
+            base = dict(gather_hf_weights(model, shape))
+    stored = load_file(checkpoint / "model.safetensors")
+    assert base.keys() == stored.keys() and all(torch.equal(base[name], stored[name]) for name in stored)
+    assert not torch.equal(merged["model.layers.0.mlp.up_proj.weight"], stored["model.layers.0.mlp.up_proj.weight"])
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    hf.load_state_dict(merged)
+    with torch.no_grad():
+        hf_logits = hf(tokens).logits
+    vocab = shape.vocab_size
+    torch.testing.assert_close(hf_logits[..., :vocab], logits[..., :vocab], rtol=0, atol=1e-4)
