@@ -7,8 +7,14 @@ The section is what `models.lora.apply_lora` builds the adapters from; no other 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_armor.config.base import doc, require
+
+if TYPE_CHECKING:
+    from megatron_armor.config.algorithm import AlgorithmConfig
+    from megatron_armor.config.monitor import MonitorConfig
+    from megatron_armor.config.rollout import MemoryHandoffConfig
 
 # Megatron's names of the linear layers an adapter can sit on: attention's fused QKV (column-parallel) and output
 # projection (row-parallel), the MLP's fused gate/up (column) and down (row) projections.
@@ -41,6 +47,26 @@ class LoRAConfig:
                              f"{list(LORA_TARGETS)}")
         require(not self.enabled or bool(self.target_modules),
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
+
+    def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
+                   memory: MemoryHandoffConfig, subspace_enabled: bool) -> None:
+        """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
+        (model.ref_path, reference resets, the monitor's anchor actions: not yet adapter resets); trainer offload
+        and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
+        section imports this one's) read or move whole weights and do not know adapters yet."""
+        if not self.enabled:
+            return
+        refused = (  # (what, whether the run uses it, how to turn it off)
+            ("model.ref_path", ref_path is not None, "unset it"),
+            ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
+            ("monitor.actions anchor / anchor_keep", monitor.anchors, "choose warn or stop"),
+            ("monitor.reference_reset", monitor.reference_reset, "set it to false"),
+            ("rollout.memory.offload_trainer", memory.offload_trainer, "set it to false"),
+            ("subspace.capture_step", subspace_enabled, "unset it"),
+        )
+        for name, used, fix in refused:
+            require(not used, f"model.lora (rank {self.rank}) does not work with {name} yet: under LoRA the reference "
+                              f"is model.path with the adapters off, and only the adapters train; {fix}")
 
     @property
     def enabled(self) -> bool:

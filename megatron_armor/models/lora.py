@@ -98,7 +98,7 @@ class LoRAAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(param, is_parallel=param is split and tp_size > 1,
                                                  dim=0 if self.column else 1, stride=1)
             param.allreduce = getattr(weight, "allreduce", True)  # False: an expert-parallel parameter
-        self.host_weight = weight  # what `merged_weight` adds the product to (no module reference: no cycle)
+        self.__dict__["host_weight"] = weight  # what `merged_weight` adds to; the host's, so not registered here
         self.sequence_parallel = host.sequence_parallel and not host.is_expert
         if self.sequence_parallel:  # each TP rank's gradient comes from its own sequence chunk: summed over TP
             (self.lora_a if self.column else self.lora_b).sequence_parallel = True

@@ -188,7 +188,7 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
         distributed_optimizer=cfg.optimizer.distributed(par, cfg.subspace, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
         recompute=cfg.recompute,
-        head="torch" if train.logprob_head == "torch" else "fused",
+        head="torch" if train.logprob_head == "torch" else "fused", lora=cfg.model.lora,
     )
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
     rank_sequences = train.mini_batch_size * cfg.rollout.sampling.n_samples // layout.dp
@@ -199,11 +199,16 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         tokens, micro_batches = train.micro_batch_size * max_len, -(-rank_sequences // train.micro_batch_size)
     return PlanInputs(
         shape=shape, layout=layout, micro_batch_tokens=tokens, micro_batches=micro_batches,
-        frozen=(("reference", shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
+        frozen=(*_reference(cfg, shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
         reserve_bytes=int(hardware.reserve_gb * GIB), colocated=cfg.rollout.memory.release_servers,
         offload_trainer=cfg.rollout.memory.offload_trainer, server_tp=hardware.server_tp or layout.tp,
         server_mem_fraction=hardware.server_mem_fraction,
     )
+
+
+def _reference(cfg: ArmorConfig, shape: ModelShape) -> tuple[tuple[str, ModelShape], ...]:
+    """(("reference", shape),): the frozen copy each rank holds; none under LoRA (the base with adapters off)."""
+    return () if cfg.model.lora.enabled else (("reference", shape),)
 
 
 def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tuple[tuple[str, ModelShape], ...]:

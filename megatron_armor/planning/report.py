@@ -15,8 +15,10 @@ def memory_lines(plan: RunPlan) -> list[str]:
     layout, state = inputs.layout, memory.state
     recompute = layout.recompute
     rows = [
-        ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"),
-        ("gradients", state.gradients, "fp32 DDP grad buffer"),
+        ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"
+         + (f"; {state.trainable / 1e6:.2f} M of them LoRA adapters (rank {layout.lora.rank})"
+            if layout.lora.enabled else "")),
+        ("gradients", state.gradients, "fp32 DDP grad buffer" + (" (the adapters')" if layout.lora.enabled else "")),
         ("optimizer state", state.optimizer,
          f"Adam {'distributed over dp' if layout.distributed_optimizer else 'replicated'}; replicated "
          f"{state.optimizer_replicated / GIB:.2f} GiB, distributed {state.optimizer_distributed / GIB:.2f} GiB"),

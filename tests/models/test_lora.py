@@ -182,6 +182,11 @@ def test_the_sharded_state_holds_the_adapters_at_their_global_shapes(megatron_wo
     fc1_b = state["decoder.layers.0.mlp.linear_fc1_adapter.lora_b"]  # gate and up halves sharded apart, as fc1's
     assert isinstance(fc1_b, ShardedTensorFactory) and fc1_b.data.shape == (2 * 176, 4)
     assert state[f"{attention}.linear_qkv.weight"].global_shape == (2, 128, 64)  # the base's keys as without LoRA
+    adapter_keys = {key for key in state if "_adapter." in key}
+    assert adapter_keys == {f"{prefix}_adapter.{factor}" for prefix in (
+        f"decoder.layers.{layer}.{block}.{name}" for layer in range(2)
+        for block, name in [("self_attention", "linear_qkv"), ("self_attention", "linear_proj"), ("mlp", "linear_fc1"),
+                            ("mlp", "linear_fc2")]) for factor in ("lora_a", "lora_b")}
 
 
 def test_merged_export_gives_the_adapted_model_in_transformers(megatron_world, tiny_model_factory):
