@@ -38,9 +38,8 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -106,7 +105,7 @@ class LoRAAdapter(torch.nn.Module):
         self.scale = settings.scale
         self.dropout = settings.dropout
         self.enabled = True
-        self.hook = host.register_forward_hook(self._add_to_output)
+        host.register_forward_hook(self._add_to_output)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """`scale * B A dropout(x)` for the host's input `x` `[s(/tp), b, in or in/tp]`: `[s(/tp), b, out(/tp)]`,
