@@ -12,7 +12,9 @@ from megatron_armor.config import load_config
 from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
-LORA = ["parallel.tensor_parallel_size=1", "model.lora.rank=8", "optimizer.lr=1e-4"]
+# the guide's command (docs/guides/lora.md) on a smaller batch: 4 prompts per RL step, one optimizer step each
+LORA = ["parallel.tensor_parallel_size=1", "model.lora.rank=8", "optimizer.lr=1e-4",
+        "train.train_batch_size=4", "train.gen_batch_size=8", "train.mini_batch_size=4"]
 
 
 def test_armor_lora_run_trains_adapters_against_the_base_and_resumes_exactly(synthetic_cache, tmp_path):
