@@ -2,6 +2,7 @@
 its adapters off (no second model), the engine gets the merged weights and samples what the trainer scores, only the
 adapters move and have optimizer state, and a resume from the checkpoint repeats the uninterrupted step exactly."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ def test_armor_lora_run_trains_adapters_against_the_base_and_resumes_exactly(syn
                             for key in adapters if key.endswith("lora_b"))
     assert all(torch.equal(first["actor"][key], value) for key, value in second["actor"].items()
                if key not in adapters and isinstance(value, torch.Tensor))  # the base is frozen
+    record = json.loads((full / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert record["extra"]["lora_base"]["fingerprint"]  # the base the adapters belong to (test_lora_base.py)
     moments = [key for key in second["optimizer"] if key.startswith("optimizer.state.")]
     assert moments and all("_adapter." in key for key in moments)
 
