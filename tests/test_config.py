@@ -361,3 +361,19 @@ def test_a_plugin_path_that_does_not_import_is_refused_by_name_before_any_flag_i
     assert message.count("algorithm.name plug-in 'nosuch_module_here:Algo'") == 1 and "nosuch_module_here" in message
     with pytest.raises(ConfigError, match="cannot import module 'nosuch_module_here'"):
         load_config(DEMO, ["algorithm.name=nosuch_module_here:Algo"])
+
+
+def test_lora_refuses_what_would_make_the_reference_another_model():
+    """Under model.lora the reference is model.path with the adapters off: a reference of its own, resets of it, the
+    monitor's anchor actions, trainer offload and subspace training are refused at start-up, each with its fix."""
+    base = ["task.synthetic=arithmetic", "model.lora.rank=8"]
+    assert load_config(None, base).model.lora.rank == 8
+    refused = {"model.ref_path=/ckpt": "model.ref_path yet.*unset it",
+               "algorithm.ref_reset_period=2": "algorithm.ref_reset_period yet.*set it to 0",
+               "monitor.reference_reset=true": "monitor.reference_reset yet.*set it to false",
+               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer yet.*set it to false"}
+    for override, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*base, override])
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['q_proj'\] name no adaptable layer"):
+        load_config(None, [*base, "model.lora.target_modules=[q_proj]"])

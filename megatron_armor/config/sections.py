@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
+from megatron_armor.config.lora import LoRAConfig
 from megatron_armor.config.recompute import RecomputeConfig
 
 
@@ -29,6 +30,7 @@ class ModelConfig:
         0.0, "MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (0: off, as RL "
         "recipes usually run it; the routing is the same either way)"
     )
+    lora: LoRAConfig = section(LoRAConfig)
 
     def __post_init__(self) -> None:
         check_choices("model", self)

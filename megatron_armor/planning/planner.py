@@ -205,7 +205,7 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
         distributed_optimizer=cfg.optimizer.distributed(par, cfg.subspace, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
         recompute=cfg.recompute,
-        head="torch" if train.logprob_head == "torch" else "fused",
+        head="torch" if train.logprob_head == "torch" else "fused", lora=cfg.model.lora,
     )
     max_len = padded_length(cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens, layout)
     rank_sequences = train.mini_batch_size * cfg.rollout.sampling.n_samples // layout.dp
@@ -216,7 +216,7 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         tokens, micro_batches = train.micro_batch_size * max_len, -(-rank_sequences // train.micro_batch_size)
     return PlanInputs(
         shape=shape, layout=layout, micro_batch_tokens=tokens, micro_batches=micro_batches,
-        frozen=(("reference", shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
+        frozen=(*_reference(cfg, shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
         reserve_bytes=int(hardware.reserve_gb * GIB), colocated=cfg.rollout.memory.release_servers,
         offload_trainer=cfg.rollout.memory.offload_trainer, server_tp=hardware.server_tp or layout.tp,
         server_mem_fraction=hardware.server_mem_fraction,
@@ -237,6 +237,11 @@ def check_context_groups(model_parallel: int, cp: int, gpus: int) -> None:
         raise ValueError(f"parallel.context_parallel_size {cp}: a model replica's tp x pp x cp = "
                          f"{model_parallel * cp} GPUs do not divide the {gpus} GPUs (--gpus); choose a context-parallel "
                          f"size that makes tp x pp x cp a divisor of {gpus}")
+
+
+def _reference(cfg: ArmorConfig, shape: ModelShape) -> tuple[tuple[str, ModelShape], ...]:
+    """(("reference", shape),): the frozen copy each rank holds; none under LoRA (the base with adapters off)."""
+    return () if cfg.model.lora.enabled else (("reference", shape),)
 
 
 def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tuple[tuple[str, ModelShape], ...]:

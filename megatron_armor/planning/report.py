@@ -20,8 +20,10 @@ def memory_lines(plan: RunPlan) -> list[str]:
     recompute = layout.recompute
     sharding = f"distributed over dp{' x cp' if layout.cp > 1 else ''}" if layout.distributed_optimizer else "replicated"
     rows = [
-        ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"),
-        ("gradients", state.gradients, "fp32 DDP grad buffer"),
+        ("weights", state.weights, f"{state.params / 1e6:.1f} M params on this GPU, {layout.dtype_bytes} bytes each"
+         + (f"; {state.trainable / 1e6:.2f} M of them LoRA adapters (rank {layout.lora.rank})"
+            if layout.lora.enabled else "")),
+        ("gradients", state.gradients, "fp32 DDP grad buffer" + (" (the adapters')" if layout.lora.enabled else "")),
         ("optimizer state", state.optimizer,
          f"Adam {sharding}; replicated "
          f"{state.optimizer_replicated / GIB:.2f} GiB, distributed {state.optimizer_distributed / GIB:.2f} GiB"),

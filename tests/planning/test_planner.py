@@ -41,6 +41,18 @@ def test_frozen_models_follow_the_algorithm():
     assert plan_run(load_config(str(EXAMPLES / "tiny/opd.yaml"), []), H100).flops.teacher > 0
 
 
+def test_lora_keeps_no_reference_and_only_the_adapters_state():
+    """Qwen3-8B's ARMOR recipe with rank-64 adapters (reference resets off): no frozen reference copy, the same base
+    weights plus the adapters', and gradients / optimizer state of the adapters alone (a few % of the full run's)."""
+    full = memory_plan(inputs_of("qwen3-8b-base/armor.yaml"))
+    lora = memory_plan(inputs_of("qwen3-8b-base/armor.yaml", "model.lora.rank=64", "algorithm.ref_reset_period=0"))
+    assert full.frozen.keys() == {"reference"} and lora.frozen == {}
+    assert lora.state.params == full.state.params + lora.state.trainable
+    assert 0 < lora.state.trainable < 0.05 * full.state.params  # ~3% per GPU at TP 4 (the replicated factors)
+    assert lora.state.gradients < 0.05 * full.state.gradients and lora.state.optimizer < 0.05 * full.state.optimizer
+    assert lora.training_peak < full.training_peak - full.frozen["reference"]
+
+
 def test_colocated_servers_get_what_the_trainer_leaves():
     inputs = inputs_of("qwen3-1.7b/mipu.yaml", "rollout.memory.release_servers=true", "rollout.backend=sglang",
                        "rollout.sglang.urls=http://s:1")

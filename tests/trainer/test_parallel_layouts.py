@@ -55,7 +55,8 @@ JOBS = {
         "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
         "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2"),
         "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch"),
-        "masked-base": ("dense", 1, 1, "torch", "masked")},
+        "masked-base": ("dense", 1, 1, "torch", "masked"),
+        "lora-base": ("dense", 1, 1, "torch", "lora"), "lora-moe-base": ("moe", 1, 1, "torch", "lora")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -81,7 +82,10 @@ JOBS = {
         "moe-cp2": ("moe", 1, 1, "torch", "cp=2"), "moe-cp2-aux": ("moe", 1, 1, "torch", "cp=2", "aux=0.1"),
         "moe-cp2-r3": ("moe", 1, 1, "torch", "cp=2", "replay=rollout"),
         "moe-cp2-budget-packed-r3": ("moe", 1, 1, "torch", "cp=2", "budget=40", "packed", "replay=rollout"),
-        "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked")},
+        "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked"),
+        "lora-tp2": ("dense", 2, 1, "torch", "lora"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
+        "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora"),
+        "lora-moe-ep2": ("moe", 1, 1, "torch", "ep=2", "lora")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
@@ -310,6 +314,31 @@ def assert_head_gradient_path(ranks, head):
     `grad_added_to_main_grad` flag is up after the backward); the torch head leaves that to DDP's hook."""
     flags = [result["head_in_main_grad"] for result in ranks if result["head_in_main_grad"] is not None]
     assert flags and all(flag == (head == "fused") for flag in flags), flags
+
+
+@pytest.mark.parametrize("name, baseline", [("lora-tp2", "lora-base"), ("lora-tp2-sp", "lora-base"),
+                                            ("lora-pp2", "lora-base"), ("lora-dp2-distopt", "lora-base"),
+                                            ("lora-moe-ep2", "lora-moe-base")])
+def test_lora_layout_matches_single_rank(runs, name, baseline):
+    """A LoRA ARMOR step (the reference: the actor's model with its adapters off) at TP=2 (with and without sequence
+    parallelism), PP=2, DP=2 with the distributed optimizer, and a MoE model's with experts adapted over EP=2, equals
+    the one-process step: logprobs, the adapters' gradients (whole, TP-gathered), the merged weights after two
+    optimizer steps and the adapters themselves; the base weights never move, and the adapters off still score the
+    base after the step."""
+    ranks, base = runs[name], runs[baseline][0]
+    assert_same_step(ranks, base)
+    assert base["grads"] and all(name.endswith((".lora_a", ".lora_b")) for name in base["grads"])
+    assert any(g.abs().max() > 0 for name, g in base["grads"].items() if name.endswith(".lora_b"))
+    if "moe" in name:
+        assert any(".local_experts.3." in key for key in base["adapters"])  # every expert, gathered over EP
+    for result in ranks:
+        assert result["adapters"].keys() == base["adapters"].keys()
+        for key, tensor in result["adapters"].items():
+            torch.testing.assert_close(tensor, base["adapters"][key], atol=WEIGHT_ATOL, rtol=0, msg=key)
+        before, after = result["ref_logprobs_before_and_after"]
+        assert torch.equal(before, after)
+    changed = [key for key, w in base["weights"].items() if not torch.equal(w, base["initial_weights"][key])]
+    assert changed and all(key.endswith("proj.weight") for key in changed), changed  # only the adapted (merged) ones
 
 
 def test_baseline_step_is_not_trivial(runs):
