@@ -43,10 +43,11 @@ from megatron_armor.config.sections import (
 )
 
 __all__ = [
-    "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig",
-    "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig",
-    "MipuConfig", "MixedRatioConfig", "MonitorConfig",
-    "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
-    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig",
-    "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
+    "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError",
+    "DataConfig", "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LoggingConfig", "MOVED_FIELDS",
+    "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig", "ModelConfig", "OpdConfig",
+    "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
+    "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig", "WeightSyncConfig",
+    "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config",
+    "validate",
 ]
