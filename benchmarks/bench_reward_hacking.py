@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 
-from megatron_armor.config import load_config
+from megatron_armor.config import WarmStartConfig, load_config
 from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.rewards.arithmetic import make_rows
 from megatron_armor.trainer.run.train import run_training
-from megatron_armor.trainer.run.warmstart import WarmStartConfig, cached_warm_start
+from megatron_armor.trainer.run.warmstart import cached_warm_start
 
 CONFIG = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
 GRADERS = "megatron_armor.rewards.loophole"
@@ -71,15 +71,15 @@ def listing_start(out: Path, args: argparse.Namespace) -> Path:
     tiny = out / "cache" / "tiny-qwen2"
     if not (tiny / "config.json").is_file():
         make_tiny_checkpoint(tiny, arch="qwen2", seed=args.seed)
-    warm = WarmStartConfig(steps=400, target_accuracy=0.5, seed=args.seed)
-    return Path(cached_warm_start(tiny, rows, out / "cache" / "warm-start", warm).path)
+    warm = WarmStartConfig(steps=400, target_accuracy=0.5)
+    return Path(cached_warm_start(tiny, rows, out / "cache" / "warm-start", warm, seed=args.seed).path)
 
 
 def overrides(run: str, out: Path, start: Path, args: argparse.Namespace) -> list[str]:
     """The run's config overrides: the shared start, task, budget and graders, then the algorithm's own."""
     return [
         "parallel.tensor_parallel_size=1", f"task.cache_dir={out / 'cache'}", f"logging.run_dir={out / run}",
-        f"model.path={start}", "task.warm_start_steps=0",
+        f"model.path={start}", "task.warm_start.steps=0",
         f"reward.train_fn={GRADERS}:lenient", f"reward.val_fn={GRADERS}:strict", f"reward.audit_fns=[{GRADERS}:strict]",
         f"rollout.sampling.actor_n={ACTOR_N}", f"train.max_steps={args.steps}", f"optimizer.lr={args.lr}",
         f"train.seed={args.seed}", f"eval.every={args.eval_every}", "eval.before_train=true",

@@ -31,14 +31,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_armor.config import ArmorConfig, load_config
+from megatron_armor.config import ArmorConfig, WarmStartConfig, load_config
 from megatron_armor.convert.hf_export import read_megatron_checkpoint
 from megatron_armor.convert.weights import HFCheckpointReader
 from megatron_armor.diagnostics import DiagnoseConfig, Snapshot, diagnose_sources
@@ -46,7 +46,7 @@ from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import make_rows
 from megatron_armor.trainer.checkpointing.checkpoint import list_checkpoints
 from megatron_armor.trainer.run.task_setup import prepare_task
-from megatron_armor.trainer.run.warmstart import WarmStartConfig, _sft_batch, cached_warm_start, sampled_accuracy
+from megatron_armor.trainer.run.warmstart import _sft_batch, cached_warm_start, sampled_accuracy
 from megatron_armor.trainer.update.optimizer import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,8 +86,8 @@ def task_rows(cfg: ArmorConfig) -> tuple[list[dict], list[dict]]:
 def prepare_base_and_teacher(cfg: ArmorConfig) -> tuple[Path, Path]:
     """(W0, teacher) HF directories: the tiny task's warm start, and that further SFT-trained (both cached)."""
     base = Path(prepare_task(cfg, is_main=True, needs_teacher=False).model_path)  # the warm start is the student
-    teacher_settings = replace(TEACHER, seed=cfg.train.seed)
-    teacher = cached_warm_start(base, task_rows(cfg)[0], Path(cfg.task.cache_dir) / "warm-start", teacher_settings)
+    teacher = cached_warm_start(base, task_rows(cfg)[0], Path(cfg.task.cache_dir) / "warm-start", TEACHER,
+                                seed=cfg.train.seed)
     return base.resolve(), Path(teacher.path).resolve()
 
 
@@ -125,7 +125,7 @@ def run_rl(args: argparse.Namespace, algo: str, base: Path, run_dir: Path, extra
     command = [
         sys.executable, "-m", "megatron_armor.cli", "train", "--config", str(TINY_CONFIG), "--algo", algo, "--tp", "1",
         "--max-steps", str(args.steps), "--run-dir", str(run_dir), "--overwrite", "--model.path", str(base),
-        "--task.warm_start_steps", "0", "--optimizer.lr", str(args.lr),
+        "--task.warm_start.steps", "0", "--optimizer.lr", str(args.lr),
         "--checkpoint.every", str(args.steps // args.checkpoints), "--checkpoint.keep_last", "0",
         "--eval.every", "0", "--eval.before_train", "false", "--logging.plot", "false",
         "--logging.tensorboard", "false", *extra,

@@ -65,7 +65,7 @@ def overrides(run_dir: Path, model: Path, cache: Path, steps: int, max_new_token
         f"model.path={model}", "model.params_dtype=bfloat16",
         "parallel.tensor_parallel_size=1", "parallel.data_parallel_size=1", "optimizer.use_distributed_optimizer=true",
         "train.logprob_head=fused", f"train.max_steps={steps}", "optimizer.warmup_steps=1",
-        f"rollout.sampling.max_new_tokens={max_new_tokens}", f"reward.train_fn={Path(__file__).resolve()}:first_char_is_digit", f"task.cache_dir={cache}", "task.warm_start_steps=0",
+        f"rollout.sampling.max_new_tokens={max_new_tokens}", f"reward.train_fn={Path(__file__).resolve()}:first_char_is_digit", f"task.cache_dir={cache}", "task.warm_start.steps=0",
         "task.num_train_rows=400", "task.num_val_rows=16", "eval.every=0", "eval.before_train=false",
         f"checkpoint.every={steps // 2}", "checkpoint.keep_last=0", "checkpoint.save_model=false",
         f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.plot=false",

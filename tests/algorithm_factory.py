@@ -13,7 +13,7 @@ def make_algorithm(name: str, *overrides: str) -> Algorithm:
     rollout.sampling.actor_n = n_samples (16), and the synthetic task's warm start is OPD's teacher."""
     anchored = algorithm_class(name).on_policy_samples(SamplingConfig(n_samples=16)) < 16  # a place is the anchor's
     group = [] if anchored else ["rollout.sampling.actor_n=16"]
-    base = ["task.synthetic=arithmetic", "task.warm_start_steps=10", f"algorithm.name={name}", *group]
+    base = ["task.synthetic=arithmetic", "task.warm_start.steps=10", f"algorithm.name={name}", *group]
     return build_algorithm(load_config(None, [*base, *overrides]))
 
 

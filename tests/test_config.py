@@ -84,9 +84,11 @@ def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message)
 
 
 def test_context_parallel_ranks_count_in_the_world_size():
-    """TP x PP x CP x DP processes: CP ranks hold chunks of the same sequences, not more data."""
-    parallel = load_config(DEMO, ["parallel.context_parallel_size=2", "parallel.data_parallel_size=2"]).parallel
-    assert (parallel.tensor_parallel_size, parallel.world_size) == (2, 8)
+    """TP x PP x CP x DP processes: CP ranks hold chunks of the same sequences, not more data; packed micro-batches
+    split under CP too."""
+    cfg = load_config(DEMO, ["parallel.context_parallel_size=2", "parallel.data_parallel_size=2",
+                             "train.pack_sequences=true"])
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.world_size, cfg.train.pack_sequences) == (2, 8, True)
 
 
 def test_expert_layout_regroups_the_tp_x_dp_ranks():
@@ -199,6 +201,9 @@ def test_moved_fields_name_their_new_place(tmp_path):
     old.write_text("task:\n  synthetic: arithmetic\nmodel:\n  teacher_path: /teacher\n")
     with pytest.raises(ConfigError, match="old.yaml: model.teacher_path moved to opd.teacher_path"):
         load_config(old)
+    old.write_text("task:\n  synthetic: arithmetic\n  warm_start_steps: 400\n")  # into a sub-section of its own
+    with pytest.raises(ConfigError, match="old.yaml: task.warm_start_steps moved to task.warm_start.steps"):
+        load_config(old)
     assert not set(MOVED_FIELDS) & {dotted for dotted, _ in config_fields()}
 
 
@@ -276,8 +281,6 @@ def test_scaling_knobs_defaults_and_resolution():
       "train.mini_batch_size=4"],
      r"subspace.capture_step does not work with parallel.expert_parallel_size \(2\) > 1 yet"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size must be >= 1, got 0"),
-    (["parallel.context_parallel_size=2", "train.pack_sequences=true"],
-     r"parallel.context_parallel_size \(2\) does not split packed micro-batches yet"),
 ])
 def test_scaling_knobs_refuse_bad_values(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -373,7 +376,7 @@ def test_agentic_demo_config_loads_its_environment_template_and_harder_task():
     agentic = cfg.rollout.agentic
     assert load_environment(agentic.environment) is CalculatorArithmetic and cfg.algorithm.name == "armor"
     assert (Path(__file__).parents[1] / agentic.chat_template).is_file() and cfg.parallel.world_size == 1
-    assert (cfg.task.min_terms, cfg.task.max_terms, cfg.task.warm_start_tool_fraction) == (4, 6, 0.5)
+    assert (cfg.task.min_terms, cfg.task.max_terms, cfg.task.warm_start.tool_fraction) == (4, 6, 0.5)
 
 
 @pytest.mark.parametrize(
@@ -381,10 +384,26 @@ def test_agentic_demo_config_loads_its_environment_template_and_harder_task():
     [
         (["task.min_terms=1"], "2 <= min_terms <= max_terms, got 1, 3"),
         (["task.min_terms=5", "task.max_terms=4"], "2 <= min_terms <= max_terms, got 5, 4"),
-        (["task.warm_start_tool_fraction=1.5"], "warm_start_tool_fraction must be in \\[0, 1\\], got 1.5"),
-        (["task.warm_start_tool_fraction=0.5"], "warm_start_tool_fraction > 0 needs rollout.agentic.environment"),
+        (["task.warm_start.tool_fraction=1.5"], "warm_start.tool_fraction must be in \\[0, 1\\], got 1.5"),
+        (["task.warm_start.tool_fraction=0.5"], "warm_start.tool_fraction > 0 needs rollout.agentic.environment"),
     ],
 )
 def test_task_options_of_the_agentic_demo_are_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEMO, overrides)
+
+
+def test_lora_refuses_what_would_make_the_reference_another_model():
+    """Under model.lora the reference is model.path with the adapters off: a reference of its own, resets of it, the
+    monitor's anchor actions, trainer offload and subspace training are refused at start-up, each with its fix."""
+    base = ["task.synthetic=arithmetic", "model.lora.rank=8"]
+    assert load_config(None, base).model.lora.rank == 8
+    refused = {"model.ref_path=/ckpt": "model.ref_path yet.*unset it",
+               "algorithm.ref_reset_period=2": "algorithm.ref_reset_period yet.*set it to 0",
+               "monitor.reference_reset=true": "monitor.reference_reset yet.*set it to false",
+               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer yet.*set it to false"}
+    for override, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*base, override])
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['q_proj'\] name no adaptable layer"):
+        load_config(None, [*base, "model.lora.target_modules=[q_proj]"])

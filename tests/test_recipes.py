@@ -1,6 +1,7 @@
 """The multi-node recipes load as valid configs and carry the paper's hyperparameters (armor.md section 6)."""
 
 import functools
+import itertools
 import re
 import subprocess
 from pathlib import Path
@@ -153,4 +154,65 @@ def test_moe_recipe_replays_the_servers_routing_and_states_its_hardware(recipe):
     if recipe != "qwen3-30b-a3b":  # the newer recipes' headers: what ran on CPU, and that nothing ran on GPUs
         header = (EXAMPLES / recipe / "armor.yaml").read_text()
         assert "What ran: nothing of this recipe has run on GPUs" in header and "On CPU, `armor plan`" in header
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+CLAIM = re.compile(
+    r"armor plan \((?P<gpus>\d+) GPUs of (?P<gb>\d+) GB\): responses up to (?P<without>\d+) tokens fit without context "
+    r"parallelism \(dp (?P<dp>\d+)\)(?:, (?P<with>\d+) with parallel\.context_parallel_size (?P<cp>\d+) \(dp "
+    r"(?P<cp_dp>\d+)\)|; no context-parallel layout of these GPUs splits the model and its experts)")
+GPU_RECIPES = sorted(str(path.relative_to(EXAMPLES)) for path in EXAMPLES.glob("*/*.yaml")
+                     if not path.parent.name == "tiny" and path.read_text().startswith("#"))
+
+
+def header(path: Path) -> str:
+    """A recipe's leading comment lines as one line of text."""
+    lines = path.read_text().splitlines()
+    return " ".join(line.lstrip("# ") for line in itertools.takewhile(lambda line: line.startswith("#"), lines))
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_header_states_the_response_lengths_that_fit_without_and_with_context_parallelism(recipe):
+    """Each GPU recipe's header names the longest responses `armor plan` fits on its hardware without context
+    parallelism and with it (rounded down to 4096 tokens: the planner's longest is within the next 4096), or that
+    no CP layout of its GPUs splits its model (GLM-4.5-Air: EP 4 x expert TP 8 do not divide TP 8 x DP 2)."""
+    from megatron_armor.planning.planner import Hardware, plan_run
+    from megatron_armor.planning.report import NO_CP_LAYOUT, format_plan
+
+    claim = CLAIM.search(header(EXAMPLES / recipe))
+    assert claim, f"{recipe}: no 'armor plan (N GPUs of M GB): responses up to ...' line in its header"
+    plan = plan_run(load_config(EXAMPLES / recipe), Hardware(int(claim["gpus"]), float(claim["gb"])))
+    assert plan.memory.fits
+    assert plan.without_cp == (1, int(claim["dp"]))
+    assert int(claim["without"]) <= plan.longest_without_cp < int(claim["without"]) + 4096
+    if claim["with"] is None:
+        assert plan.with_cp is None and NO_CP_LAYOUT in format_plan(plan)
+    else:
+        assert plan.with_cp == (int(claim["cp"]), int(claim["cp_dp"]))
+        assert int(claim["with"]) <= plan.longest_with_cp < int(claim["with"]) + 4096
+
+
+def test_long_response_recipe_needs_context_parallelism_and_fits_with_it():
+    """examples/qwen3-8b-base-long: the 8B recipe with 30720-token responses (prompt + response = the model's 32768
+    positions) at selective recomputation: `armor plan` says the responses do not fit without CP and fit at CP 2,
+    advises the CP raise on the layout without it, and its launcher names its config."""
+    from megatron_armor.planning.planner import Hardware, plan_run
+
+    path = EXAMPLES / "qwen3-8b-base-long" / "armor.yaml"
+    cfg, base = load_config(path), load_config(EXAMPLES / "qwen3-8b-base" / "armor.yaml")
+    for dotted, expected in {**COMMON, "armor.alpha": 0.875, "rollout.sampling.max_new_tokens": 30720,
+                             "parallel.context_parallel_size": 2, "parallel.data_parallel_size": 8,
+                             "recompute.granularity": "selective"}.items():
+        assert value_at(cfg, dotted) == expected, dotted
+    assert cfg.parallel.world_size == base.parallel.world_size == 64
+    assert cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens == 32768  # Qwen3-8B-Base's positions
+    plan = plan_run(cfg, Hardware(128, 80))
+    assert plan.memory.fits and plan.longest_without_cp < 30720 <= plan.longest_with_cp
+    without = plan_run(load_config(path, ["parallel.context_parallel_size=1", "parallel.data_parallel_size=16"]),
+                       Hardware(128, 80))
+    assert not without.memory.fits
+    assert any(line.startswith("set parallel.context_parallel_size 2 (dp 8") and line.endswith("(fits)")
+               for line in without.advice)
+    script = EXAMPLES / "qwen3-8b-base-long" / "run_torchrun.sh"
+    assert "Hardware: 16 nodes x 8 H100" in script.read_text() and "examples/qwen3-8b-base-long/armor.yaml" in script.read_text()
     subprocess.run(["bash", "-n", str(script)], check=True)

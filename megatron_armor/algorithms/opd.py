@@ -135,13 +135,13 @@ class Opd(Grpo):
     def check_config(cls, cfg: ArmorConfig) -> None:
         super().check_config(cfg)
         opd, synthetic = cfg.opd, cfg.task.synthetic is not None
-        warm_start = synthetic and cfg.task.warm_start_steps > 0
+        warm_start = synthetic and cfg.task.warm_start.steps > 0
         require(opd.teacher_layout is None or opd.teacher_path is not None or synthetic,
                 "opd.teacher_tensor/pipeline_parallel_size start a teacher server of opd.teacher_path: set "
                 "opd.teacher_path (or opd.teacher_url for a server that runs already)")
         require(opd.teacher_url is not None or opd.teacher_path is not None or warm_start,
                 "opd.teacher_path is required for algorithm.name opd (an HF checkpoint dir of the teacher; the "
-                "synthetic task with task.warm_start_steps > 0 uses its warm start), or opd.teacher_url")
+                "synthetic task with task.warm_start.steps > 0 uses its warm start), or opd.teacher_url")
         if opd.rollouts == "teacher":
             clip = cls.resolve_clip(cfg)
             require(clip.low == 1.0 and clip.high == 1.0,

@@ -5,6 +5,7 @@
     sections.py         model, parallel, data, reward, train, eval, checkpoint, task, logging
     optimizer.py        optimizer (Adam, grad clip, warmup, the distributed optimizer)
     recompute.py        recompute (activation recomputation)
+    lora.py             model.lora (low-rank adapters on the actor)
     subspace.py         subspace (subspace-constrained training)
     rollout.py          rollout and its sub-sections: sampling, anchors, agentic, sglang, weight_sync, memory
     algorithm.py        algorithm, and the built-in algorithms' own sections armor, kl, mipu, opd
@@ -24,6 +25,7 @@ Each section checks its own fields when it is built, and the rules it shares wit
 
 from megatron_armor.config.algorithm import AlgorithmConfig, KLConfig, MipuConfig, MixedRatioConfig, OpdConfig
 from megatron_armor.config.base import ConfigError
+from megatron_armor.config.lora import LORA_TARGETS, LoRAConfig
 from megatron_armor.config.loading import coerce, config_hash, load_config, save_config, validate
 from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.moved_names import MOVED_FIELDS
@@ -37,14 +39,15 @@ from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.subspace import SubspaceConfig
 from megatron_armor.config.sections import (
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, ParallelConfig, RewardConfig, TaskConfig,
-    TrainConfig, check_expert_layout, expert_tp_size,
+    TrainConfig, WarmStartConfig, check_expert_layout, expert_tp_size,
 )
 
 __all__ = [
-    "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError", "DataConfig",
-    "EvalConfig",
-    "KLConfig", "LoggingConfig", "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
-    "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
-    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "check_expert_layout",
-    "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config", "validate",
+    "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError",
+    "DataConfig", "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LoggingConfig", "MOVED_FIELDS",
+    "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig", "ModelConfig", "OpdConfig",
+    "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
+    "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig", "WeightSyncConfig",
+    "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config",
+    "validate",
 ]

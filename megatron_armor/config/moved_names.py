@@ -64,4 +64,6 @@ MOVED_FIELDS: dict[str, str] = {
     "train.subspace_capture_step": "subspace.capture_step",
     "train.subspace_k": "subspace.k",
     "train.subspace_mode": "subspace.mode",
+    "task.warm_start_steps": "task.warm_start.steps",
+    "task.warm_start_target_accuracy": "task.warm_start.target_accuracy",
 }

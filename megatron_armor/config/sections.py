@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_armor.config.base import check_choices, doc, require, require_at_least
+from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
+from megatron_armor.config.lora import LoRAConfig
 from megatron_armor.config.recompute import RecomputeConfig
 
 
@@ -29,6 +30,7 @@ class ModelConfig:
         0.0, "MoE models: coefficient of the load-balancing auxiliary loss added to the policy loss (0: off, as RL "
         "recipes usually run it; the routing is the same either way)"
     )
+    lora: LoRAConfig = section(LoRAConfig)
 
     def __post_init__(self) -> None:
         check_choices("model", self)
@@ -219,11 +221,8 @@ class TrainConfig:
                 f"({self.train_batch_size})")
 
     def check_with(self, parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
-        """The rules this section shares with others: the data-parallel split of a mini-batch and packing under
-        context parallelism (`parallel`), and routing replay under `recompute`."""
-        require(parallel.context_parallel_size == 1 or not self.pack_sequences,
-                f"parallel.context_parallel_size ({parallel.context_parallel_size}) does not split packed "
-                f"micro-batches yet: set train.pack_sequences false")
+        """The rules this section shares with others: the data-parallel split of a mini-batch (`parallel`) and
+        routing replay under `recompute`."""
         dp = parallel.data_parallel_size
         require(self.mini_batch_size % dp == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must be divisible by parallel.data_parallel_size "
@@ -292,27 +291,44 @@ class CheckpointConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """The synthetic task's supervised warm start (trainer/run/warmstart.py): the tiny model is fine-tuned on the
+    task's worked solutions (AdamW, train.seed) until its sampled (T=1) accuracy on held-out rows reaches
+    target_accuracy, for at most `steps` optimizer steps; the result is cached in task.cache_dir."""
+
+    steps: int = doc(0, "supervised warm-start steps of the synthetic model at most (0: none)")
+    target_accuracy: float = doc(0.6, "stop the warm start at this sampled accuracy")
+    lr: float = doc(3e-3, "warm-start learning rate (AdamW, no weight decay)")
+    batch_size: int = doc(64, "rows per warm-start step")
+    eval_every: int = doc(50, "warm-start steps between accuracy measurements")
+    eval_rows: int = doc(64, "the first rows of the training rows, held out to measure the accuracy on")
+    tool_fraction: float = doc(
+        0.0, "fraction of the rows shown as a tool-using conversation of rollout.agentic.environment (its "
+        "`demonstration(row)`, rendered by rollout.agentic.chat_template, assistant turns trained); the rest as worked "
+        "solutions. The accuracy is measured without tools"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least("task.warm_start", self, ("steps",), 0)
+        require_at_least("task.warm_start", self, ("batch_size", "eval_every", "eval_rows"), 1)
+        require(0.0 <= self.tool_fraction <= 1.0,
+                f"task.warm_start.tool_fraction must be in [0, 1], got {self.tool_fraction}")
+
+
+@dataclass
 class TaskConfig:
     synthetic: Literal["arithmetic"] | None = doc(None, "generate a synthetic task (and tiny model) in cache_dir")
     num_train_rows: int = doc(2000, "synthetic training prompts")
     num_val_rows: int = doc(200, "synthetic validation prompts")
     min_terms: int = doc(2, "fewest operands of a synthetic arithmetic problem")
     max_terms: int = doc(3, "most operands of a synthetic arithmetic problem (longer chains: a harder task)")
-    warm_start_steps: int = doc(0, "supervised warm-start steps of the synthetic model (0: none)")
-    warm_start_target_accuracy: float = doc(0.6, "stop the warm start at this sampled accuracy")
-    warm_start_tool_fraction: float = doc(
-        0.0, "fraction of the warm start's rows shown as a tool-using conversation of rollout.agentic.environment "
-        "(its `demonstration(row)`, rendered by rollout.agentic.chat_template); the rest as worked solutions"
-    )
     cache_dir: str = doc(".cache/megatron-armor", "where synthetic assets and warm starts are cached")
+    warm_start: WarmStartConfig = section(WarmStartConfig)
 
     def __post_init__(self) -> None:
         check_choices("task", self)
-        require_at_least("task", self, ("warm_start_steps",), 0)
         require(2 <= self.min_terms <= self.max_terms,
                 f"task needs 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
-        require(0.0 <= self.warm_start_tool_fraction <= 1.0,
-                f"task.warm_start_tool_fraction must be in [0, 1], got {self.warm_start_tool_fraction}")
 
     def check_with(self, model: ModelConfig, data: DataConfig, environment: str | None) -> None:
         """Without a synthetic task the run's model and prompts come from the `model` and `data` sections; tool
@@ -321,8 +337,8 @@ class TaskConfig:
             require(model.path is not None,
                     "model.path is required (an HF checkpoint directory) unless task.synthetic is set")
             require(data.train_path is not None, "data.train_path is required unless task.synthetic is set")
-        require(self.warm_start_tool_fraction == 0.0 or environment is not None,
-                "task.warm_start_tool_fraction > 0 needs rollout.agentic.environment (the demonstrations' source)")
+        require(self.warm_start.tool_fraction == 0.0 or environment is not None,
+                "task.warm_start.tool_fraction > 0 needs rollout.agentic.environment (the demonstrations' source)")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from megatron_armor.convert.mapping import (
 )
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import ModelShape
+from megatron_armor.models.lora import MergedTensors
 from megatron_armor.models.tensors import checkpoint_tensors
 
 # HF buffers that are not parameters of either model.
@@ -183,9 +184,11 @@ def gather_hf_weights(
     Without TP (and EP), all but a split fused QKV are views of the live parameter (or gradient) storage: clone
     what you keep. MoE experts come from every expert-parallel rank (gathered over the EP group; an expert's
     TP shards over the expert-TP group), so every rank yields every expert.
+    A LoRA model's adapted weights come merged with their enabled adapters (`models.lora.MergedTensors`: what the
+    model computes with; the base's inside `adapters_disabled`), so they are new tensors, not views.
     A collective over the TP (and EP) group: all its ranks must iterate it together.
     """
-    params = checkpoint_tensors(model)
+    params = checkpoint_tensors(model) if use_grads else MergedTensors(model)
     expert_copies: tuple[str, list[list[torch.Tensor]]] | None = None  # one expert parameter, every EP rank's
     with torch.no_grad():
         for mapping in _exported(stage_mappings(model, shape, every_expert=True), use_grads):

@@ -22,9 +22,11 @@ def add_eval_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output directory (an earlier evaluation's outputs there are "
                                                      "replaced)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="sampling seed; a run's train.seed (and its number of ranks) reproduces its validation")
+                        help="sampling seed; a run's train.seed reproduces its validation (at any number of ranks)")
     parser.add_argument("--sglang-urls", help="comma-separated SGLang servers (or `armor serve-local`) to generate with, "
                         "shared by the ranks (none: an in-process engine on every rank)")
     parser.add_argument("--nproc", type=int, default=1, help="local data-parallel ranks (torchrun)")
-    parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="no progress bar")
+    parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false",
+                        help="do not show the progress bar (without this flag rank 0 shows one, a step per "
+                             "checkpoint and dataset)")
     return parser

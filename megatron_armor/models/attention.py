@@ -12,7 +12,8 @@ no token sees another sequence's.
 Under context parallelism (`config.context_parallel_size` > 1) each rank holds its zig-zag chunks of every
 sequence (`distributed.context_parallel`): the keys and values are all-gathered over the CP group (the simplest
 exact scheme: the gradient of the gathered keys and values is summed back over the group), and each local query
-attends to the keys at global positions up to its own. Packed sequences are not split over CP ranks yet.
+attends to the keys at global positions up to its own; packed sequences (THD) are split sequence by sequence, each
+rank's chunks of a sequence attending over that sequence's gathered keys and values.
 """
 
 from __future__ import annotations
@@ -96,14 +97,28 @@ class SDPAttention(MegatronModule):
     def _attend_context_parallel(self, query, key, value, attention_mask, packed_seq_params,
                                  mask_type: AttnMaskType) -> torch.Tensor:
         """Causal attention of this CP rank's zig-zag chunks: query [2c, b, heads, d] over the whole sequence's
-        keys/values (all-gathered from the local [2c, b, groups, d]) -> [2c, b, heads * d]."""
-        if packed_seq_params is not None or attention_mask is not None or mask_type != AttnMaskType.causal:
-            raise NotImplementedError("SDPAttention under context parallelism attends causally over unpacked "
-                                      "sequences only (no packing, no explicit attention mask)")
-        key = gather_sequence(key, 0, reduce_grad=True, group=self.cp_group)
-        value = gather_sequence(value, 0, reduce_grad=True, group=self.cp_group)
-        masked = ZigZag.current(self.cp_group).causal_mask(key.shape[0], device=query.device)  # [2c, S]
-        return self._attend(query, key, value, masked[None, None], causal=False)
+        keys/values (all-gathered from the local [2c, b, groups, d]) -> [2c, b, heads * dv]. Packed (THD,
+        `packed_seq_params.cu_seqlens_q` the global offsets): query [t, heads, d], key/value [t, groups, d], this
+        rank's chunks of every sequence, each attending over its own sequence -> [t, heads, dv]."""
+        if attention_mask is not None or mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPAttention under context parallelism attends causally only (no explicit "
+                                      "attention mask)")
+        layout = ZigZag.current(self.cp_group)
+        if packed_seq_params is None:
+            key = gather_sequence(key, 0, reduce_grad=True, group=self.cp_group)
+            value = gather_sequence(value, 0, reduce_grad=True, group=self.cp_group)
+            masked = layout.causal_mask(key.shape[0], device=query.device)  # [2c, S]
+            return self._attend(query, key, value, masked[None, None], causal=False)
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        key, value = (gather_sequence(t, 0, reduce_grad=True, group=self.cp_group, cu_seqlens=bounds)
+                      for t in (key, value))  # [T, groups, d], the packed row in global order
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            local = slice(start // layout.size, end // layout.size)  # this rank's chunks of the sequence
+            masked = layout.causal_mask(end - start, device=query.device)
+            pieces.append(self._attend(query[local, None], key[start:end, None], value[start:end, None],
+                                       masked[None, None], causal=False))
+        return torch.cat(pieces).reshape(query.shape[0], query.shape[1], value.shape[-1])
 
     def _attend(self, query, key, value, attention_mask, causal: bool) -> torch.Tensor:
         """SDPA of query [sq, b, heads, d] over key [sk, b, groups, d] and value [sk, b, groups, dv]

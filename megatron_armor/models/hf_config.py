@@ -63,11 +63,11 @@ def _refuse_unsupported_attention_and_activation(hf: dict, source: str) -> None:
 
 
 def check_parallel_layout(
-    shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None, cp_size: int = 1,
+    shape: ModelShape, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None,
 ) -> None:
     """Raise a clear error if the model cannot be split over `tp_size` x `pp_size` ranks, its experts over `ep_size`
-    ranks and each expert's matrices over `etp_size` (expert TP; None: `tp_size`), or its sequences over `cp_size`
-    context-parallel ranks (dense models only, so far: a MoE model's routes are not split over them)."""
+    ranks and each expert's matrices over `etp_size` (expert TP; None: `tp_size`). (Context parallelism splits the
+    sequences, which any model takes.)"""
     etp_size = expert_tp_size(tp_size, etp_size)
     for name, value, split, size in (
         ("num_attention_heads", shape.num_attention_heads, "tensor_parallel_size", tp_size),
@@ -84,9 +84,6 @@ def check_parallel_layout(
         raise ModelConfigError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline_parallel_size={pp_size}")
     if ep_size > 1 and shape.num_experts % ep_size:
         raise ModelConfigError(f"num_experts={shape.num_experts} is not divisible by expert_parallel_size={ep_size}")
-    if cp_size > 1 and shape.num_experts:
-        raise ModelConfigError(f"context_parallel_size={cp_size} does not support MoE models yet (their routing "
-                               f"replay and metrics are not split over the context-parallel ranks)")
 
 
 def _latent_widths(shape: ModelShape, tp_size: int) -> tuple[tuple[str, int, str, int], ...]:
@@ -146,7 +143,7 @@ def transformer_config(
     (`MoERouting`). Training under TP needs `sequence_parallel` (Megatron's MoE layer refuses otherwise).
     `cp_size`: each sequence over that many context-parallel ranks (`parallel_state`'s CP group must agree).
     """
-    check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size, cp_size)
+    check_parallel_layout(shape, tp_size, pp_size, ep_size, etp_size)
     return model_family(shape.arch).megatron_config_type(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

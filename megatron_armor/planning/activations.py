@@ -25,6 +25,13 @@ w = a d_v) in place of the QKV projection, QK norms and core attention:
                                           recomputation keeps 2 e + w
   attention output      w                 the output projection's input
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
+
+Under context parallelism (`Layout.cp` > 1) each rank holds 1 / cp of every (padded) sequence's tokens, and the
+counts above are per token it holds, with one change in the core attention: the local spec's SDPAttention
+all-gathers the whole sequence's keys and values and saves them repeated to every head, kv' = cp q per local token
+(its [S / cp, S] mask is left out); Transformer Engine's ring attention saves the local K/V only and, while one
+layer's attention runs, holds the K/V chunks in flight on the ring (`ActivationBytes.exchange`: the one it
+attends to and the one it receives, 2 x 2 k per local token).
 """
 
 from __future__ import annotations
@@ -36,14 +43,15 @@ from megatron_armor.planning.memory import FP32, Layout
 
 
 def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bool = False, layer: int = 0) -> int:
-    """Elements decoder layer `layer` saves for backward per token without full recomputation (module doc)."""
+    """Elements decoder layer `layer` saves for backward per token (of a CP rank's share) without full recomputation
+    (module doc)."""
     tp = layout.tp
     a, g, d = shape.num_attention_heads // tp, shape.num_kv_heads // tp, shape.head_dim
     q, k, f = a * d, g * d, shape.ffn_hidden_size // tp
     h = shape.hidden_size // tp if layout.sequence_parallel else shape.hidden_size
     norms = 2 * (3 * h + 1)
     qk_norms = 2 * q + a + k + g if shape.qk_norm else 0
-    core = q + 2 * k if selective else q + 2 * (q if layout.local_attention else k) + a
+    core = q + 2 * k if selective else q + 2 * (q * layout.cp if layout.local_attention else k) + a
     attention = (q + 2 * k) + qk_norms + core + q
     if shape.mla is not None:
         attention = _mla_elements_per_token(shape, layout.tp, selective)
@@ -67,32 +75,45 @@ def _mla_elements_per_token(shape: ModelShape, tp: int, selective: bool) -> int:
 @dataclass(frozen=True)
 class ActivationBytes:
     """Activation bytes on one GPU for its pipeline stage: `saved` (kept from the forward to the backward, for
-    every micro-batch in flight) and `recompute` (the working set full recomputation rebuilds during one chunk's
-    backward); the peak is their sum."""
+    every micro-batch in flight), `recompute` (the working set full recomputation rebuilds during one chunk's
+    backward) and `exchange` (under context parallelism with Transformer Engine's ring attention: the K/V chunks
+    in flight while one layer attends); the peak is their sum."""
 
     saved: int
     recompute: int
+    exchange: int = 0
 
     @property
     def peak(self) -> int:
-        return self.saved + self.recompute
+        return self.saved + self.recompute + self.exchange
+
+
+def cp_rank_tokens(layout: Layout, tokens: int) -> int:
+    """Tokens a CP rank holds of a micro-batch of `tokens` (each sequence padded to a multiple of 2 x cp:
+    `planner.padded_length`)."""
+    return -(-tokens // layout.cp)
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> ActivationBytes:
-    """Saved and recompute bytes of one pipeline stage's decoder layers for one micro-batch of `tokens` tokens."""
+    """Saved, recompute and K/V exchange bytes of one pipeline stage's decoder layers for one micro-batch of
+    `tokens` tokens (of a data-parallel rank; a CP rank holds `cp_rank_tokens` of them)."""
+    tokens = cp_rank_tokens(layout, tokens)
+    k = shape.num_kv_heads // layout.tp * shape.head_dim
+    exchange = 0 if layout.cp == 1 or layout.local_attention else tokens * 2 * 2 * k * layout.dtype_bytes
     recompute, layers = layout.recompute, shape.num_layers // layout.pp
     full = max(layer_elements_per_token(shape, layout, selective=recompute.granularity == "selective", layer=layer)
                for layer in range(shape.num_layers))  # the largest layer's (a MoE model's may differ)
     h = shape.hidden_size // layout.tp if layout.sequence_parallel else shape.hidden_size
     if recompute.granularity != "full":
-        return ActivationBytes(saved=tokens * full * layers * layout.dtype_bytes, recompute=0)
+        return ActivationBytes(saved=tokens * full * layers * layout.dtype_bytes, recompute=0, exchange=exchange)
     if recompute.method == "uniform":
         chunk = min(recompute.num_layers, layers)
         kept, working = -(-layers // chunk) * h, chunk * full
     else:  # block: the first num_layers layers of the stage keep their input only
         recomputed = min(recompute.num_layers, layers)
         kept, working = recomputed * h + (layers - recomputed) * full, full if recomputed else 0
-    return ActivationBytes(saved=tokens * kept * layout.dtype_bytes, recompute=tokens * working * layout.dtype_bytes)
+    return ActivationBytes(saved=tokens * kept * layout.dtype_bytes, recompute=tokens * working * layout.dtype_bytes,
+                           exchange=exchange)
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, micro_batches: int) -> ActivationBytes:
@@ -101,9 +122,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, micro_batch
     one = layer_activation_bytes(shape, layout, tokens)
     in_flight = min(layout.pp, max(micro_batches, 1))
     h = shape.hidden_size // layout.tp if layout.sequence_parallel else shape.hidden_size
-    final_norm = tokens * (3 * h + 1) * layout.dtype_bytes
-    first = ActivationBytes(saved=one.saved * in_flight, recompute=one.recompute)
-    last = ActivationBytes(saved=one.saved + final_norm, recompute=one.recompute)
+    final_norm = cp_rank_tokens(layout, tokens) * (3 * h + 1) * layout.dtype_bytes
+    first = ActivationBytes(saved=one.saved * in_flight, recompute=one.recompute, exchange=one.exchange)
+    last = ActivationBytes(saved=one.saved + final_norm, recompute=one.recompute, exchange=one.exchange)
     return first if layout.pp > 1 and first.peak > last.peak else last
 
 
@@ -119,7 +140,9 @@ class LogitsBytes:
 
 
 def logits_bytes(shape: ModelShape, layout: Layout, tokens: int) -> LogitsBytes:
-    """The head `layout.head` names, for one micro-batch of `tokens` tokens."""
+    """The head `layout.head` names, for one micro-batch of `tokens` tokens (a CP rank scores its
+    `cp_rank_tokens`)."""
+    tokens = cp_rank_tokens(layout, tokens)
     if layout.head == "fused":
         kept = tokens * 4 * FP32  # logprob, log-sum-exp, entropy, label logit
         kept += tokens * shape.hidden_size * layout.dtype_bytes if layout.sequence_parallel else 0

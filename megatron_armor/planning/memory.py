@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import RecomputeConfig, expert_tp_size
+from megatron_armor.config import LoRAConfig, RecomputeConfig, expert_tp_size
 from megatron_armor.models.families import model_family
 from megatron_armor.models.hf_config import ModelShape
 
@@ -23,15 +23,18 @@ BUCKET_ALIGN = 128  # ... and pads each bucket to a multiple of lcm(DP, 128) ele
 
 @dataclass(frozen=True)
 class Layout:
-    """How a model is split and trained: TP x PP x DP sizes (a MoE model's experts over `ep` ranks, each expert's
-    matrices over `etp` ranks, None: TP, Megatron's default expert TP), sequence parallelism, the distributed optimizer,
+    """How a model is split and trained: TP x PP x CP x DP sizes (a MoE model's experts over `ep` ranks, each expert's
+    matrices over `etp` ranks, None: TP, Megatron's default expert TP; each sequence over `cp` context-parallel
+    ranks, which hold the same weights and state), sequence parallelism, the distributed optimizer,
     the weights' bytes per element (2 for bf16, 4 for fp32), activation recomputation, the LM head ("torch":
     [tokens, V/tp] logits; "fused": no logits) and the attention kernel (`local_attention`: the local layer spec's
-    SDPAttention, which repeats K/V to every query head, as on CPU; else Transformer Engine's flash attention)."""
+    SDPAttention, which repeats K/V to every query head, as on CPU; else Transformer Engine's flash attention).
+    `lora`: model.lora; with adapters only they train (the base is frozen: no gradients, no optimizer state)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
@@ -40,6 +43,7 @@ class Layout:
     recompute: RecomputeConfig = RecomputeConfig()
     head: str = "fused"
     local_attention: bool = False
+    lora: LoRAConfig = LoRAConfig()
 
     def with_(self, **changes) -> Layout:
         return replace(self, **changes)
@@ -50,10 +54,16 @@ class Layout:
         return expert_tp_size(self.tp, self.etp)
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same (dense) weights: Megatron's data-parallel group with context parallelism, over
+        which DDP reduces gradients and the distributed optimizer shards its state."""
+        return self.dp * self.cp
+
+    @property
     def expert_dp(self) -> int:
-        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x dp ranks
-        regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp / ep at expert TP = TP."""
-        return self.tp * self.dp // (self.expert_tp * self.ep)
+        """Ranks holding the same experts (Megatron's expert data-parallel group): each pipeline stage's tp x cp x dp
+        ranks regrouped as expert TP x EP x expert DP (`config.check_expert_layout`); dp x cp / ep at expert TP = TP."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
 
 def layer_parameter_numels(shape: ModelShape, tp: int, layer: int = 0) -> list[int]:
@@ -133,6 +143,37 @@ def parameter_count(shape: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1, et
     return max(sum(stage_parameter_numels(shape, tp, pp, stage, ep, etp)) for stage in range(pp))
 
 
+def _adapter(rank: int, column: bool, in_size: int, out_size: int, tp: int) -> list[int]:
+    """[A, B] elements on one TP rank of a rank-`rank` adapter on a column-parallel (A [r, in], B [out/tp, r]) or
+    row-parallel (A [r, in/tp], B [out, r]) layer of `in_size` x `out_size` (`models.lora`)."""
+    return [rank * in_size, out_size // tp * rank] if column else [rank * in_size // tp, out_size * rank]
+
+
+def layer_adapter_numels(shape: ModelShape, lora: LoRAConfig, tp: int, layer: int) -> list[int]:
+    """Elements of each adapter parameter of decoder layer `layer` on one TP rank, in Megatron's order (attention's
+    output projection, then its QKV, then the MLP's fc1 and fc2: a MoE layer's shared expert's), the routed experts'
+    left out (`layer_expert_adapter_numels`)."""
+    q, kv, h, r = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.hidden_size, lora.rank
+    ffn = shape.shared_expert_ffn_hidden_size if shape.is_moe_layer(layer) else shape.ffn_hidden_size
+    layers = {"linear_proj": (False, q, h), "linear_qkv": (True, h, q + 2 * kv)}
+    if ffn:
+        layers |= {"linear_fc1": (True, h, 2 * ffn), "linear_fc2": (False, ffn, h)}
+    return [numel for name, (column, i, o) in layers.items() if name in lora.target_modules
+            for numel in _adapter(r, column, i, o, tp)]
+
+
+def layer_expert_adapter_numels(shape: ModelShape, lora: LoRAConfig, ep: int, layer: int) -> list[int]:
+    """Elements of the routed experts' adapter parameters of decoder layer `layer` on one rank (`lora.experts`: each of
+    its num_experts / ep experts' fc1 and fc2, whole: expert TP 1)."""
+    if not (lora.experts and shape.is_moe_layer(layer)):
+        return []
+    f, h = shape.moe_ffn_hidden_size, shape.hidden_size
+    layers = {"linear_fc1": (True, h, 2 * f), "linear_fc2": (False, f, h)}
+    per_expert = [numel for name, (column, i, o) in layers.items() if name in lora.target_modules
+                  for numel in _adapter(lora.rank, column, i, o, 1)]
+    return per_expert * (shape.num_experts // ep)
+
+
 def grad_buffer_numel(numels: list[int], dp: int, distributed_optimizer: bool) -> int:
     """Elements of Megatron DDP's (single-bucket) grad buffer for parameters of `numels`: their sum, with the
     distributed optimizer's alignment (each parameter's start to 64 elements, in backprop order, and the end to
@@ -151,9 +192,11 @@ class StateBytes:
     """Bytes per GPU of the model state: `weights` (dtype), `gradients` (fp32 DDP grad buffer), and Adam's state
     `optimizer` as the layout runs it, with `optimizer_replicated` / `optimizer_distributed` both variants
     (moments, plus fp32 master weights of a bf16 model; the distributed one sharded over DP). `master_weights`:
-    the fp32 master weights' part of `optimizer` (0 for an fp32 model, whose weights are their own masters)."""
+    the fp32 master weights' part of `optimizer` (0 for an fp32 model, whose weights are their own masters).
+    `params`: every parameter, `trainable`: those with gradients and optimizer state (all, or LoRA's adapters)."""
 
     params: int
+    trainable: int
     weights: int
     gradients: int
     optimizer: int
@@ -163,25 +206,35 @@ class StateBytes:
 
 
 def state_bytes(shape: ModelShape, layout: Layout) -> StateBytes:
-    """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out). A MoE
+    """The model state of the largest pipeline stage's rank (Adam's per-tensor step counters are left out; the
+    distributed optimizer shards the dense state over the DP x CP ranks, `Layout.dp_cp`). A MoE
     model's experts have their own grad buffer and their distributed optimizer state is sharded over the ranks
-    that hold the same experts (Megatron's expert data-parallel group, `Layout.expert_dp`)."""
+    that hold the same experts (Megatron's expert data-parallel group, `Layout.expert_dp`). With `layout.lora` the
+    weights are the base's and the adapters', the gradients and optimizer state the adapters' only (a routed
+    expert's adapters sharded like the expert)."""
     tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
     stage = max(range(pp), key=lambda s: sum(stage_parameter_numels(shape, tp, pp, s, ep, etp)))
     dense, experts = stage_dense_numels(shape, tp, pp, stage), stage_expert_numels(shape, etp, pp, stage, ep)
-    params, expert_dp = sum(dense) + sum(experts), layout.expert_dp
+    frozen = 0
+    if layout.lora.enabled:  # the base is frozen; only the adapters have gradients and optimizer state
+        frozen = sum(dense) + sum(experts)
+        layers = _stage_layers(shape, pp, stage)
+        dense = [n for layer in layers for n in layer_adapter_numels(shape, layout.lora, tp, layer)]
+        experts = [n for layer in layers for n in layer_expert_adapter_numels(shape, layout.lora, ep, layer)]
+    params, expert_dp = frozen + sum(dense) + sum(experts), layout.expert_dp
+    trainable = sum(dense) + sum(experts)
 
-    def sharded(bytes_per_param: int) -> int:  # 1/DP of the dense parameters' and 1/expert-DP of the experts'
-        return math.ceil(sum(dense) * bytes_per_param / layout.dp) + math.ceil(sum(experts) * bytes_per_param / expert_dp)
+    def sharded(bytes_per_param: int) -> int:  # 1/(DP x CP) of the dense parameters' and 1/expert-DP of the experts'
+        return math.ceil(sum(dense) * bytes_per_param / layout.dp_cp) + math.ceil(sum(experts) * bytes_per_param / expert_dp)
 
     moments, master = 2 * FP32, (FP32 if layout.dtype_bytes != FP32 else 0)  # exp_avg + exp_avg_sq; fp32 master
-    replicated, distributed = params * (moments + master), sharded(moments) + sharded(master)
-    gradients = grad_buffer_numel(dense, layout.dp, layout.distributed_optimizer) + (
+    replicated, distributed = trainable * (moments + master), sharded(moments) + sharded(master)
+    gradients = grad_buffer_numel(dense, layout.dp_cp, layout.distributed_optimizer) + (
         grad_buffer_numel(experts, expert_dp, layout.distributed_optimizer) if experts else 0)
     return StateBytes(
-        params=params, weights=params * layout.dtype_bytes,
+        params=params, trainable=trainable, weights=params * layout.dtype_bytes,
         gradients=gradients * FP32,
         optimizer=distributed if layout.distributed_optimizer else replicated,
         optimizer_replicated=replicated, optimizer_distributed=distributed,
-        master_weights=sharded(master) if layout.distributed_optimizer else params * master,
+        master_weights=sharded(master) if layout.distributed_optimizer else trainable * master,
     )

@@ -15,6 +15,8 @@ from megatron_armor.planning.shapes import resolve_model_shape
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+CP_KNOB = "set parallel.context_parallel_size"
+LAYOUT_KNOBS = ("raise tp", CP_KNOB)  # knobs that regroup the GPUs, advised one at a time
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,12 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
         raised = layout.with_(tp=tp, dp=dp, sequence_parallel=True)
         if tp <= 8 and _splits(inputs.shape, raised):
             changes.append((f"raise tp to {tp} (dp {dp}; sequence parallel)", replace(inputs, layout=raised)))
+    for cp in (2 * layout.cp, 4 * layout.cp):  # the padding to the larger multiple (< 2 x cp x tp tokens) left out
+        dp = max(layout.dp * layout.cp // cp, 1)
+        raised = layout.with_(cp=cp, dp=dp)
+        if _splits(inputs.shape, raised):
+            changes.append((f"{CP_KNOB} {cp} (dp {dp}; each sequence split over {cp} GPUs)",
+                            replace(inputs, layout=raised)))
     return changes
 
 
@@ -125,8 +133,8 @@ def _splits(shape: ModelShape, layout: Layout) -> bool:
 
 
 def _all_memory_knobs(inputs: PlanInputs, max_len: int) -> PlanInputs:
-    """`inputs` with every knob but a TP raise turned, one after another."""
-    while rest := [changed for knob, changed in knob_changes(inputs, max_len) if not knob.startswith("raise tp")]:
+    """`inputs` with every knob but a TP or CP raise (`LAYOUT_KNOBS`) turned, one after another."""
+    while rest := [changed for knob, changed in knob_changes(inputs, max_len) if not knob.startswith(LAYOUT_KNOBS)]:
         inputs = rest[0]
     return inputs
 
@@ -141,7 +149,7 @@ def advice(inputs: PlanInputs, max_len: int) -> list[str]:
                      + (" (fits)" if plan.fits else "")))
     combined = memory_plan(_all_memory_knobs(inputs, max_len))
     if not any(fits is False for fits, _, _ in rows):
-        rows.append((not combined.fits, combined.training_peak, "all of the above but a tp raise, together: peak "
+        rows.append((not combined.fits, combined.training_peak, "all of the above but a tp or cp raise, together: peak "
                      f"{combined.training_peak / GIB:.1f} GiB" + (" (fits)" if combined.fits else "")))
     return [text for _, _, text in sorted(rows)]
 
@@ -163,7 +171,10 @@ class Hardware:
 class RunPlan:
     """A config's plan: `memory` (per GPU), `advice` (empty when it fits), `flops` of one RL step with every
     sequence at `max_len` tokens (an upper bound: real responses are shorter), `sequences` per RL step,
-    `trainer_gpus` = tp x pp x dp of the `gpus` in all, and where the model's shape came from."""
+    `trainer_gpus` = tp x pp x cp x dp of the `gpus` in all, and where the model's shape came from;
+    `longest_without_cp` / `longest_with_cp`: the longest max_new_tokens (1024-token steps) that fits the config's
+    layout at the (cp, dp) of `without_cp` / `with_cp` (`context_layouts`; None: no CP layout for this model on
+    these GPUs)."""
 
     memory: MemoryPlan
     advice: list[str]
@@ -173,6 +184,10 @@ class RunPlan:
     gpus: int
     trainer_gpus: int
     shape_source: str
+    without_cp: tuple[int, int]
+    longest_without_cp: int
+    with_cp: tuple[int, int] | None
+    longest_with_cp: int | None
 
 
 def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
@@ -182,15 +197,17 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
     train, par = cfg.train, cfg.parallel
     check_parallel_layout(shape, par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size,
                           par.expert_tensor_parallel_size)
+    check_context_groups(par.tensor_parallel_size * par.pipeline_parallel_size, par.context_parallel_size,
+                         hardware.gpus)
     layout = Layout(
         tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
-        ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size,
+        cp=par.context_parallel_size, ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size,
         sequence_parallel=par.resolve_sequence_parallel(on_gpu=True, moe=bool(shape.num_experts)),
         distributed_optimizer=cfg.optimizer.distributed(par, cfg.subspace, cfg.rollout.memory), dtype_bytes=DTYPE_BYTES[cfg.model.params_dtype],
         recompute=cfg.recompute,
-        head="torch" if train.logprob_head == "torch" else "fused",
+        head="torch" if train.logprob_head == "torch" else "fused", lora=cfg.model.lora,
     )
-    max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    max_len = padded_length(cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens, layout)
     rank_sequences = train.mini_batch_size * cfg.rollout.sampling.n_samples // layout.dp
     if train.max_tokens_per_micro_batch:
         tokens = max(train.max_tokens_per_micro_batch, max_len)
@@ -199,11 +216,32 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
         tokens, micro_batches = train.micro_batch_size * max_len, -(-rank_sequences // train.micro_batch_size)
     return PlanInputs(
         shape=shape, layout=layout, micro_batch_tokens=tokens, micro_batches=micro_batches,
-        frozen=(("reference", shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
+        frozen=(*_reference(cfg, shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),
         reserve_bytes=int(hardware.reserve_gb * GIB), colocated=cfg.rollout.memory.release_servers,
         offload_trainer=cfg.rollout.memory.offload_trainer, server_tp=hardware.server_tp or layout.tp,
         server_mem_fraction=hardware.server_mem_fraction,
     )
+
+
+def padded_length(seq_len: int, layout: Layout) -> int:
+    """A sequence's length as the trainer feeds it: under context parallelism padded to a multiple of 2 x cp x tp
+    (2 x cp zig-zag chunks, each rank's pair split over the TP ranks: `scoring.context_split`); as is at cp 1."""
+    step = 2 * layout.cp * layout.tp if layout.cp > 1 else 1
+    return -(-seq_len // step) * step
+
+
+def check_context_groups(model_parallel: int, cp: int, gpus: int) -> None:
+    """Raise ValueError unless a model replica's tp x pp x `cp` ranks (`model_parallel` = tp x pp) tile the `gpus`
+    under context parallelism (a CP group is never split over what is left of the GPUs)."""
+    if cp > 1 and gpus % (model_parallel * cp):
+        raise ValueError(f"parallel.context_parallel_size {cp}: a model replica's tp x pp x cp = "
+                         f"{model_parallel * cp} GPUs do not divide the {gpus} GPUs (--gpus); choose a context-parallel "
+                         f"size that makes tp x pp x cp a divisor of {gpus}")
+
+
+def _reference(cfg: ArmorConfig, shape: ModelShape) -> tuple[tuple[str, ModelShape], ...]:
+    """(("reference", shape),): the frozen copy each rank holds; none under LoRA (the base with adapters off)."""
+    return () if cfg.model.lora.enabled else (("reference", shape),)
 
 
 def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tuple[tuple[str, ModelShape], ...]:
@@ -216,23 +254,64 @@ def _in_process_teacher(cfg: ArmorConfig, algorithm, student: ModelShape) -> tup
     return (("teacher", resolve_model_shape(opd.teacher_path)[0] if opd.teacher_path else student),)
 
 
+def context_layouts(cfg: ArmorConfig, shape: ModelShape,
+                    gpus: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """(cp, dp) of `cfg`'s GPUs without context parallelism, and with it: the configured CP size, or at CP 1 the CP
+    raise `knob_changes` advises (2, on as many GPUs where dp allows); None where the model's layout does not split
+    at that CP size or the `gpus` cannot hold it."""
+    par = cfg.parallel
+    replicas = par.data_parallel_size * par.context_parallel_size
+    model_parallel = par.tensor_parallel_size * par.pipeline_parallel_size
+    cp = par.context_parallel_size if par.context_parallel_size > 1 else 2
+    dp = max(replicas // cp, 1)
+    layout = Layout(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=dp, cp=cp,
+                    ep=par.expert_parallel_size, etp=par.expert_tensor_parallel_size)
+    held = model_parallel * cp * dp <= gpus and gpus % (model_parallel * cp) == 0
+    return (1, replicas), ((cp, dp) if held and _splits(shape, layout) else None)
+
+
+def longest_response(cfg: ArmorConfig, algorithm, hardware: Hardware, cp: tuple[int, int], *, step: int = 1024,
+                     limit: int = 2**22) -> int:
+    """The longest rollout.sampling.max_new_tokens, a multiple of `step` tokens, whose plan fits `hardware` with
+    the config's context-parallel and data-parallel sizes set to `cp` = (cp, dp); 0 when `step` tokens do not fit,
+    `limit` when that does (the plan's bytes grow with the response, so a bisection finds it)."""
+    parallel = replace(cfg.parallel, context_parallel_size=cp[0], data_parallel_size=cp[1])
+
+    def fits(tokens: int) -> bool:
+        sampling = replace(cfg.rollout.sampling, max_new_tokens=tokens)
+        changed = replace(cfg, parallel=parallel, rollout=replace(cfg.rollout, sampling=sampling))
+        return memory_plan(plan_inputs(changed, algorithm, hardware)).fits
+
+    low, high = 0, limit // step  # fits(low * step) (or low = 0); not fits(high * step) unless high is the limit
+    if fits(limit):
+        return limit
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle)
+    return low * step
+
+
 def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
-    """Plan `cfg` on `hardware` (the trainer takes tp x pp x dp of its GPUs)."""
+    """Plan `cfg` on `hardware` (the trainer takes tp x pp x cp x dp of its GPUs)."""
     from megatron_armor.algorithms import REFERENCE, TEACHER, build_algorithm  # imports torch
 
     algorithm = build_algorithm(cfg)
     inputs = plan_inputs(cfg, algorithm, hardware)
     memory = memory_plan(inputs)
     max_len = cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens
+    fed = padded_length(max_len, inputs.layout)
+    without_cp, with_cp = context_layouts(cfg, inputs.shape, hardware.gpus)
     sequences = cfg.train.train_batch_size * cfg.rollout.sampling.n_samples
     teacher = None
     if algorithm.sources.uses(TEACHER):  # in-process or a server: its forward counts alike
         teacher = resolve_model_shape(cfg.opd.teacher_path)[0] if cfg.opd.teacher_path else inputs.shape
     return RunPlan(
-        memory=memory, advice=[] if memory.fits else advice(inputs, max_len),
+        memory=memory, advice=[] if memory.fits else advice(inputs, fed),
         flops=rl_step_flops(inputs.shape, [max_len] * sequences, reference=REFERENCE in algorithm.sources.scores,
                             teacher=teacher, old_logprobs=not algorithm.old_logprobs_from_update(
                                 cfg.train.train_batch_size // cfg.train.mini_batch_size)),
         sequences=sequences, max_len=max_len, gpus=hardware.gpus, trainer_gpus=cfg.parallel.world_size,
         shape_source=resolve_model_shape(cfg.model.path)[1],
+        without_cp=without_cp, longest_without_cp=longest_response(cfg, algorithm, hardware, without_cp),
+        with_cp=with_cp, longest_with_cp=longest_response(cfg, algorithm, hardware, with_cp) if with_cp else None,
     )

@@ -17,8 +17,14 @@ class SamplingParams:
     """Sampling settings for one `generate` call (SGLang `sampling_params` semantics; named after that request
     field, as it is the request's payload rather than a config section).
 
+    Not a config section: `from_config` joins rollout.sampling with the tokenizer's stop tokens (not config), and a
+    call adds its seeds; config/ sits below rollout/, so the section cannot build it.
+
     `top_p` filtering happens after temperature scaling; reported logprobs are taken before it.
     `seed` makes a call reproducible for a given engine state; None draws from the engine's generator.
+    `seeds` (one per prompt of the call, instead of `seed`): prompt i's draws come from `seeds[i]` alone, so its
+    completion does not depend on the call's other prompts, how many there are or where it stands among them (how
+    evaluation samples the same responses at any number of data-parallel ranks).
     """
 
     temperature: float = 1.0
@@ -26,8 +32,11 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is not None and self.seeds is not None:
+            raise ValueError("give a call's seed or its per-prompt seeds, not both")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

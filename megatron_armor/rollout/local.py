@@ -36,7 +36,7 @@ from megatron_armor.rollout.route_capture import RouteCapture
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | Sequence[torch.Generator] | None,
     rows: torch.Tensor | None = None, batch_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: [A, V] -> (tokens [A] int64, logprobs [A] float32).
@@ -46,7 +46,9 @@ def sample_next_tokens(
     cumulative sum of the kept probabilities) at one uniform u ~ U[0, 1) per row: the first token whose cumulative
     probability exceeds u times the row's total. The uniforms are drawn for the whole batch, [batch_size], and
     logits' row i takes u[rows[i]] (default: one per logits row), so a decode batch that dropped its finished rows
-    draws what the full batch would have drawn for the rows it kept. One random number per row and a cumulative
+    draws what the full batch would have drawn for the rows it kept. `generator` a sequence (one per batch row,
+    `SamplingParams.seeds`): batch row b's uniform is the next draw of `generator[b]` (a CPU generator), so a row's
+    tokens depend on its own seed alone. One random number per row and a cumulative
     sum cost far less than `torch.multinomial`'s one exponential variate per vocabulary entry (the profile that showed
     it: docs/benchmarks.md, "Rollout engine").
     """
@@ -62,7 +64,11 @@ def sample_next_tokens(
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    uniform = torch.rand(batch_size or probs.shape[0], generator=generator, dtype=torch.float64, device=probs.device)
+    if isinstance(generator, Sequence):
+        uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(probs.device)
+    else:
+        uniform = torch.rand(batch_size or probs.shape[0], generator=generator, dtype=torch.float64,
+                             device=probs.device)
     if rows is not None:
         uniform = uniform.index_select(0, rows)
     cdf = probs.double().cumsum(dim=-1)  # [A, V]
@@ -238,14 +244,23 @@ class LocalEngine(RolloutEngine):
         `interrupt`."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        device = self.device
-        generator = torch.Generator(device).manual_seed(sampling.seed) if sampling.seed is not None else None
+        generators = self._generators(sampling, len(prompts))
         out: list[Generation] = []
         for start in range(0, len(prompts), self.max_batch_size):
             chunk = prompts[start : start + self.max_batch_size]
             stopped = self._stopped_rows(abort, start, len(chunk))
+            generator = generators[start : start + len(chunk)] if isinstance(generators, list) else generators
             out += self._generate_batch(chunk, sampling, generator, stopped)
         return out
+
+    def _generators(self, sampling: SamplingParams, prompts: int) -> torch.Generator | list[torch.Generator] | None:
+        """The call's generator on the engine's device (`sampling.seed`), one CPU generator per prompt
+        (`sampling.seeds`), or None (the device's default generator)."""
+        if sampling.seeds is not None:
+            if len(sampling.seeds) != prompts:
+                raise ValueError(f"{len(sampling.seeds)} per-prompt seeds for {prompts} prompts")
+            return [torch.Generator().manual_seed(seed) for seed in sampling.seeds]
+        return None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
 
     def _stopped_rows(
         self, abort: Callable[[], Collection[int]] | None, start: int, rows: int
@@ -266,8 +281,8 @@ class LocalEngine(RolloutEngine):
         self._interrupted.clear()
 
     def _generate_batch(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator | None,
-        stopped: Callable[[], Collection[int]],
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+        generator: torch.Generator | Sequence[torch.Generator] | None, stopped: Callable[[], Collection[int]],
     ) -> list[Generation]:
         """Prefill the left-padded batch, then decode one token per step for the rows still running; a
         row that draws a stop token leaves the batch (and its KV cache) at the next compaction. Rows `stopped()`

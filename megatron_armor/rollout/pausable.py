@@ -80,7 +80,8 @@ class PausableEngine(RolloutEngine):
             budget = sampling.max_new_tokens - min(len(out[i].response_ids) for i in pending)
             call = sampling if round_ == 0 else dataclasses.replace(
                 sampling, max_new_tokens=budget,
-                seed=None if sampling.seed is None else stable_seed(sampling.seed, round_))
+                seed=None if sampling.seed is None else stable_seed(sampling.seed, round_),
+                seeds=None if sampling.seeds is None else tuple(stable_seed(sampling.seeds[i], round_) for i in pending))
             with self._cond:
                 self._cond.wait_for(lambda: not self._paused)
                 self._calls += 1

@@ -41,7 +41,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SGLangEngineConfig:
-    """Client knobs; times in seconds, sizes in bytes."""
+    """Client knobs; times in seconds, sizes in bytes.
+
+    Not a copy of a section: the retries, timeouts and polling are the client's own (no config field sets them); a
+    training run's client (`from_config`) takes the rollout.weight_sync section's transport, directory and bucket
+    size, and turns its payload into SGLang's load_format.
+    """
 
     prompts_per_request: int = 16  # through a router: 1 per request, this many times more requests in flight
     max_in_flight_per_server: int = 4

@@ -43,6 +43,14 @@ def sampling_params_body(sampling: SamplingParams, seed: int | None) -> dict[str
     return body
 
 
+def prompt_seed(sampling: SamplingParams, index: int) -> int | None:
+    """The `sampling_seed` of prompt `index` of a `generate` call: `sampling.seeds[index]`, else `sampling.seed +
+    index`, else none (the server's own generator)."""
+    if sampling.seeds is not None:
+        return sampling.seeds[index]
+    return None if sampling.seed is None else sampling.seed + index
+
+
 def generate_request(
     prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, indices: Sequence[int] | None = None,
     rid: str | None = None, return_routed_experts: bool = False,
@@ -51,14 +59,14 @@ def generate_request(
     item's `meta_info.routed_experts`, `encode_routed_experts`).
 
     `indices` are the prompts' positions in the whole `generate` call (default 0..len-1). With
-    `sampling.seed` set, prompt i gets `sampling_seed = seed + i`: samples are reproducible however
-    prompts are split into requests or retried on other servers, and repeated prompts still draw
-    different samples. `rid` names the request for /abort_request; item j gets `f"{rid}-{j}"`.
+    `sampling.seed` set, prompt i gets `sampling_seed = seed + i` (with `sampling.seeds`, `seeds[i]`): samples are
+    reproducible however prompts are split into requests or retried on other servers, and repeated prompts still
+    draw different samples. `rid` names the request for /abort_request; item j gets `f"{rid}-{j}"`.
     """
     indices = range(len(prompts)) if indices is None else indices
     if len(indices) != len(prompts):
         raise ValueError(f"got {len(indices)} indices for {len(prompts)} prompts")
-    seeds = [None if sampling.seed is None else sampling.seed + i for i in indices]
+    seeds = [prompt_seed(sampling, i) for i in indices]
     body: dict[str, Any] = {
         "input_ids": [list(p) for p in prompts],
         "sampling_params": [sampling_params_body(sampling, s) for s in seeds],

@@ -24,7 +24,7 @@ from megatron_armor.config import SamplingConfig, TrainConfig
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
-from megatron_armor.scoring.context_split import ContextSplit
+from megatron_armor.scoring.context_split import ContextSplit, RankShare
 from megatron_armor.scoring.micro_batches import MicroBatch, MicroBatching
 from megatron_armor.scoring.routes import RoutingPass
 
@@ -52,7 +52,13 @@ LossFn = Callable[[TokenScores, SequenceBatch], tuple[torch.Tensor, torch.Tensor
 
 @dataclass(frozen=True)
 class ScoringConfig:
-    """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not."""
+    """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not.
+
+    Not a config section, and not a copy of one: it joins two sections' settings the scoring needs together, the
+    temperature of rollout.sampling (tokens are scored under the distribution the engines sampled from, or the
+    importance ratios would compare different distributions) and train.logprob_head resolved for this machine
+    ("auto"), with `with_entropy`, which each scoring pass chooses for itself.
+    """
 
     temperature: float = 1.0
     head: str = "torch"
@@ -117,22 +123,22 @@ def forward_backward(
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator).to(device, non_blocking=True)  # host-to-GPU (or no-op): safe to overlap
         input_ids, position_ids, labels, packing = mb.model_tokens
+        share = None
         if split is not None:
-            if packing is not None or routing is not None:
-                raise NotImplementedError("context parallelism does not yet split packed micro-batches or replay "
-                                          "a MoE model's routes")
-            input_ids, position_ids, labels = split.tokens(input_ids, labels)
+            share = split.share(input_ids, labels, packing)
+            input_ids, position_ids, labels, packing = share.input_ids, share.position_ids, share.labels, share.packing
         if routing is not None:
-            routing.before(mb)
+            routing.before(mb, share)
         if scoring.head == "fused":
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing,
                            output_processor=_fused_head(scoring), output_processor_context=labels)
-            head = lambda scores: _rows_loss(loss_fn, scores, mb, split)  # noqa: E731
+            head = lambda scores: _rows_loss(loss_fn, scores, mb, split, share)  # noqa: E731
         else:
             output = chunk(input_ids, position_ids, None, packed_seq_params=packing)
-            head = lambda logits: _rows_loss(loss_fn, _torch_head(logits, labels, scoring), mb, split)  # noqa: E731
+            head = lambda logits: _rows_loss(  # noqa: E731
+                loss_fn, _torch_head(logits, labels, scoring), mb, split, share)
         if routing is not None:
-            routing.after(mb)
+            routing.after(mb, share)
         return output, head
 
     with megatron_device_scope():
@@ -147,14 +153,14 @@ def forward_backward(
         )
 
 
-def _rows_loss(loss_fn: LossFn, scores: TokenScores, mb: MicroBatch, split: ContextSplit | None):
-    """`loss_fn` on the micro-batch's rows: its scores unpacked, or under CP gathered from the CP ranks (the units
-    counted once over the CP group)."""
+def _rows_loss(loss_fn: LossFn, scores: TokenScores, mb: MicroBatch, split: ContextSplit | None,
+               share: RankShare | None):
+    """`loss_fn` on the micro-batch's rows: its scores unpacked, under CP first gathered from the CP ranks' `share`s
+    (the units counted once over the CP group)."""
     if split is None:
         return loss_fn(_unpack(scores, mb), mb.rows)
-    width = mb.rows.labels.shape[1]
-    entropy = None if scores.entropy is None else split.gather(scores.entropy, width)
-    loss, units, stats = loss_fn(TokenScores(split.gather(scores.logprobs, width), entropy), mb.rows)
+    entropy = None if scores.entropy is None else share.tokens.gather(scores.entropy)
+    loss, units, stats = loss_fn(_unpack(TokenScores(share.tokens.gather(scores.logprobs), entropy), mb), mb.rows)
     return loss, split.count_once(units), stats
 
 

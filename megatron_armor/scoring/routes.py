@@ -21,32 +21,40 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.models.routing_replay import RoutingTaps
 from megatron_armor.scoring.batch import SequenceBatch
+from megatron_armor.scoring.context_split import RankShare
 from megatron_armor.scoring.micro_batches import MicroBatch
 
 NO_ROUTE = -1
 
 
-def router_order(routes: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+def router_order(routes: torch.Tensor, mb: MicroBatch, share: RankShare | None = None) -> torch.Tensor:
     """A micro-batch's row routes [n, s, L, k] as its routers see its tokens: [s * n, L, k] (Megatron's [s, n]
-    layout, flattened), or packed [T, L, k] (the tail past its real tokens: NO_ROUTE)."""
+    layout, flattened), or packed [T, L, k] (the tail past its real tokens: NO_ROUTE); under context parallelism
+    this CP rank's `share` of them (its padding: NO_ROUTE)."""
     if mb.packed is None:
-        return routes.transpose(0, 1).reshape(-1, *routes.shape[2:])
-    width = mb.packed.input_ids.shape[1]
-    flat = routes.new_full((width, *routes.shape[2:]), NO_ROUTE)
-    rows, columns = mb.packed.token_rows.to(routes.device), mb.packed.token_columns.to(routes.device)
-    flat[: rows.numel()] = routes[rows, columns]
-    return flat
+        tokens = routes
+    else:  # [1, T, L, k]
+        tokens = routes.new_full((1, mb.packed.input_ids.shape[1], *routes.shape[2:]), NO_ROUTE)
+        rows, columns = mb.packed.token_rows.to(routes.device), mb.packed.token_columns.to(routes.device)
+        tokens[0, : rows.numel()] = routes[rows, columns]
+    if share is not None:
+        tokens = share.tokens.split(tokens, NO_ROUTE)
+    return tokens.transpose(0, 1).reshape(-1, *routes.shape[2:])
 
 
-def row_order(flat: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """The inverse of `router_order`: routes [N, L, k] of the routers' tokens as rows [n, s, L, k] of the micro-batch
-    (NO_ROUTE at packed rows' padding)."""
+def row_order(flat: torch.Tensor, mb: MicroBatch, share: RankShare | None = None) -> torch.Tensor:
+    """The inverse of `router_order`: routes [N, L, k] of the routers' tokens (under context parallelism this CP
+    rank's `share`, gathered from every CP rank) as rows [n, s, L, k] of the micro-batch (NO_ROUTE at packed rows'
+    padding)."""
     n, s = mb.rows.input_ids.shape
+    tokens = flat.view(-1, 1 if mb.packed is not None else n, *flat.shape[1:]).transpose(0, 1)  # [b, s', L, k]
+    if share is not None:
+        tokens = share.tokens.gather(tokens)
     if mb.packed is None:
-        return flat.view(s, n, *flat.shape[1:]).transpose(0, 1)
+        return tokens
     rows = flat.new_full((n, s, *flat.shape[1:]), NO_ROUTE)
     real = mb.packed.token_rows.numel()
-    rows[mb.packed.token_rows.to(flat.device), mb.packed.token_columns.to(flat.device)] = flat[:real]
+    rows[mb.packed.token_rows.to(flat.device), mb.packed.token_columns.to(flat.device)] = tokens[0, :real]
     return rows
 
 
@@ -140,25 +148,27 @@ class RoutingPass:
         self.chosen = torch.full((*self.batch_shape, layers, top_k), NO_ROUTE, dtype=torch.int16)
         self.counts = RoutingCounts(torch.zeros(layers, self.config.num_moe_experts, dtype=torch.int64))
 
-    def before(self, mb: MicroBatch) -> None:
-        """Put the micro-batch's routes (on its device) on the routers, or none."""
+    def before(self, mb: MicroBatch, share: RankShare | None = None) -> None:
+        """Put the micro-batch's routes (on its device; under context parallelism this CP rank's `share` of them) on
+        the routers, or none."""
         routes = mb.rows.routed_experts
         if routes is not None:
             self.replayed = True
-            routes = router_order(routes, mb)
+            routes = router_order(routes, mb, share)
             if self.config.sequence_parallel:
                 group = parallel_state.get_tensor_model_parallel_group()
                 routes = routes.chunk(dist.get_world_size(group))[dist.get_rank(group)]
         self.taps.set_targets(routes)
 
-    def after(self, mb: MicroBatch) -> None:
-        """Read the routers' choices of the micro-batch's forward into `chosen` and `counts`."""
+    def after(self, mb: MicroBatch, share: RankShare | None = None) -> None:
+        """Read the routers' choices of the micro-batch's forward (under context parallelism of this CP rank's
+        `share`, gathered from every CP rank) into `chosen` and `counts`."""
         taken = self.taps.take(self.config.num_layers)
         if taken is None:
             return
         if self.config.sequence_parallel:
             taken = tuple(_gather_sequence(flat) for flat in taken)
-        chosen, applied = (row_order(flat, mb).cpu() for flat in taken)
+        chosen, applied = (row_order(flat, mb, share).cpu() for flat in taken)
         target = None if mb.rows.routed_experts is None else mb.rows.routed_experts.cpu()
         self.counts.add(chosen, applied, target, real_positions(mb).cpu())
         self.chosen[mb.row_index, : chosen.shape[1]] = chosen.to(torch.int16)

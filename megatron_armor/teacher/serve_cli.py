@@ -19,7 +19,12 @@ SERVER_MODULE = "megatron_armor.teacher.server"
 
 @dataclass(frozen=True)
 class TeacherServerConfig:
-    """What a teacher server runs: the checkpoint, its layout and where rank 0 listens."""
+    """What a teacher server runs: the checkpoint, its layout and where rank 0 listens.
+
+    The settings of `armor serve-teacher` (its options: `argv`), which runs without a training config; a training
+    run's teacher (`from_config`) joins three sections: opd's checkpoint and layout, train's micro-batch size and
+    model's parameter dtype (the teacher scores the student's micro-batches in the student's dtype).
+    """
 
     model_path: str
     tensor_parallel_size: int = 1

@@ -16,7 +16,7 @@ from megatron_armor.config import ConfigError, load_config
 
 from algorithm_factory import make_algorithm
 
-BASE = ["task.synthetic=arithmetic", "task.warm_start_steps=10"]  # the warm start: OPD's teacher
+BASE = ["task.synthetic=arithmetic", "task.warm_start.steps=10"]  # the warm start: OPD's teacher
 NON_ANCHOR = ["rollout.sampling.actor_n=16"]  # n_samples 16 by default
 
 
@@ -133,7 +133,7 @@ def test_opd_token_advantages_follow_its_section():
     (["algorithm.name=mipu", *NON_ANCHOR, "opd.teacher_url=http://t:1"],
      "opd.teacher_url / teacher_\\*_parallel_size configure the OPD teacher; mipu has none"),
     (["algorithm.name=mipu", *NON_ANCHOR, "algorithm.clip_low=0.0"], "algorithm.dual_clip must be > 1, got 1.0"),
-    (["algorithm.name=opd", *NON_ANCHOR, "task.warm_start_steps=0"], "opd.teacher_path is required for algorithm.name opd"),
+    (["algorithm.name=opd", *NON_ANCHOR, "task.warm_start.steps=0"], "opd.teacher_path is required for algorithm.name opd"),
     (["algorithm.name=opd", *NON_ANCHOR, "opd.rollouts=teacher", "opd.teacher_path=/t"],
      "opd.rollouts teacher trains on off-policy tokens with the PPO ratio clip off"),
     (["algorithm.name=opd", *NON_ANCHOR, "opd.rollouts=teacher", "opd.teacher_path=/t", "algorithm.clip_low=1.0",

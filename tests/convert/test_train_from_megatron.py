@@ -21,7 +21,7 @@ def test_train_from_converted_checkpoint(synthetic_cache, tmp_path):
     megatron = convert_hf_to_megatron(warm, tmp_path / "mcore", tp=2, pp=1)
     run_dir = tmp_path / "run"
     proc = armor("train", "--config", CONFIG, "--tp", "1", "--pp", "2", "--max-steps", "1", "--run-dir", str(run_dir),
-                 "--model.path", str(megatron), "--task.warm_start_steps", "0", "--task.cache_dir",
+                 "--model.path", str(megatron), "--task.warm_start.steps", "0", "--task.cache_dir",
                  str(synthetic_cache), "--eval.max_prompts", "8", "--logging.tensorboard", "false",
                  "--logging.progress_bar", "false", *(arg for k, v in TASK.items() for arg in (f"--{k}", v)),
                  nproc=2, log_dir=tmp_path / "logs")

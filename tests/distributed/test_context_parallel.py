@@ -1,5 +1,6 @@
-"""The zig-zag layout of context parallelism: the split and its inverse, and the per-chunk causal attention each CP
-rank computes (its queries over the whole sequence's keys) against plain causal attention of the whole sequence.
+"""The zig-zag layout of context parallelism: the split and its inverse (of one sequence, and of a packed row sequence
+by sequence), and the per-chunk causal attention each CP rank computes (its queries over the whole sequence's keys)
+against plain causal attention of the whole sequence.
 The multi-process steps (CP=2, CP=2 x TP=2) are in tests/trainer/test_parallel_layouts.py."""
 
 import pytest
@@ -59,3 +60,21 @@ def test_per_chunk_causal_mask_matches_whole_sequence_attention(size):
             p + 1 for p in layout.positions(seq_len).tolist()]  # each query sees the keys up to its own position
         local = attention._attend(layout.split(query, 0), key, value, masked[None, None], causal=False)
         torch.testing.assert_close(local, layout.split(whole, 0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_packed_rows_split_sequence_by_sequence(size):
+    """A packed row (THD) of sequences each a multiple of 2 x size long: every rank holds its zig-zag chunks of every
+    sequence, in sequence order, and the ranks' pieces restore the row."""
+    lengths = [4 * size, 2 * size, 6 * size]
+    cu_seqlens = [0, 4 * size, 6 * size, 12 * size]
+    row = torch.randn(2, cu_seqlens[-1])
+    pieces = [ZigZag(size, rank).split(row, 1, cu_seqlens) for rank in range(size)]
+    for rank, piece in enumerate(pieces):
+        layout, start = ZigZag(size, rank), 0
+        for begin, n in zip(cu_seqlens, lengths):  # each sequence's chunks as the unpacked split gives them
+            local = n // size
+            torch.testing.assert_close(piece[:, start:start + local], layout.split(row[:, begin:begin + n], 1),
+                                       rtol=0, atol=0)
+            start += local
+    torch.testing.assert_close(ZigZag(size, 0).restore(torch.cat(pieces, 1), 1, cu_seqlens), row, rtol=0, atol=0)

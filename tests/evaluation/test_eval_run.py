@@ -1,6 +1,7 @@
 """`armor eval` end to end on a tiny training run's checkpoints: its numbers equal what validation logged for the
-same checkpoint, seed and ranks (one dataset list in both); the same greedy numbers at DP=1 and DP=2; the
-table, the JSONL rows and the PNGs written."""
+same checkpoint and seed (one dataset list in both); the same sampled (n = 4, temperature 1) and greedy JSONL rows
+and numbers at DP=1 and DP=2, and validation's (run over 2 ranks) at DP=1; the table, the JSONL rows and the PNGs
+written."""
 
 import json
 import re
@@ -59,16 +60,19 @@ def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_pa
     assert table[0].startswith("| checkpoint | step | arith avg@4 |") and table[3].startswith("| step_000002 | 2 |")
     assert (out / "plots" / "avg@4.png").stat().st_size > 0 and (out / "plots" / "pass@2.png").is_file()
 
+    single = tmp_path / "eval-dp1"  # one rank: each request's seed is its own, not its rank's
+    assert main(["eval", "--checkpoints", str(run / "checkpoints" / "step_000002"), "--datasets", str(both),
+                 "--out", str(single), "--seed", str(SEED), "--no-progress-bar"]) == 0
+    dp1 = json.loads((single / "results.json").read_text())["checkpoints"][0]["datasets"]
+    assert dp1 == results["checkpoints"][1]["datasets"]
+    for dataset in ("arith", "greedy"):
+        assert ((single / "samples" / "step_000002" / f"{dataset}.jsonl").read_text()
+                == (out / "samples" / "step_000002" / f"{dataset}.jsonl").read_text()), dataset
+    assert len({r["response"] for r in rows}) > 12  # sampled: a prompt's 4 responses are not all one
+    assert not (single / "plots").exists()  # one checkpoint: no curves
+
     greedy_only = tmp_path / "greedy.yaml"
     greedy_only.write_text(yaml.safe_dump([GREEDY]))
-    single = tmp_path / "eval-dp1"
-    assert main(["eval", "--checkpoints", str(run / "checkpoints" / "step_000002"), "--datasets", str(greedy_only),
-                 "--out", str(single), "--seed", str(SEED), "--no-progress-bar"]) == 0
-    dp1 = json.loads((single / "results.json").read_text())["checkpoints"][0]["datasets"]["greedy"]
-    assert dp1 == results["checkpoints"][1]["datasets"]["greedy"]
-    assert ((single / "samples" / "step_000002" / "greedy.jsonl").read_text()
-            == (out / "samples" / "step_000002" / "greedy.jsonl").read_text())
-    assert not (single / "plots").exists()  # one checkpoint: no curves
 
     # evaluating part of the datasets again into the same directory keeps nothing of the first evaluation
     assert main(["eval", "--checkpoints", str(run / "checkpoints" / "step_000002"), "--datasets", str(greedy_only),

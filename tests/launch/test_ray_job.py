@@ -8,7 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from megatron_armor.config import load_config
-from megatron_armor.launch.ray_job import RayJobConfig, _pointed_at, _server_spec, run_ray_job
+from megatron_armor.launch.ray_job import (
+    ACTOR_SERVERS, REFERENCE_SERVERS, SERVER_ROLES, RayJobConfig, _pointed_at, _server_spec, run_ray_job,
+)
 from megatron_armor.launch.server_process import server_command
 
 CONFIG = Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml"
@@ -42,11 +44,12 @@ def test_armor_step_as_ray_job(ray_cluster, synthetic_cache, tmp_path):
 def test_colocated_jobs_hand_the_gpu_over_both_ways():
     """Colocated: the servers release their memory for training phases, the trainer parks its state for the rest."""
     cfg = load_config(CONFIG, [])
-    groups = [SimpleNamespace(urls=["http://10.0.0.1:30000"], router=None),
-              SimpleNamespace(urls=["http://10.0.0.1:30001"], router=None)]
+    groups = {ACTOR_SERVERS: SimpleNamespace(urls=["http://10.0.0.1:30000"], router=None),
+              REFERENCE_SERVERS: SimpleNamespace(urls=["http://10.0.0.1:30001"], router=SimpleNamespace(url="r"))}
     colocated = _pointed_at(cfg, groups, colocated=True).rollout
     assert (colocated.backend, colocated.sglang.urls, colocated.sglang.ref_urls) == (
         "sglang", "http://10.0.0.1:30000", "http://10.0.0.1:30001")
+    assert (colocated.sglang.router_url, colocated.sglang.ref_router_url) == (None, "r")
     assert colocated.memory.release_servers and colocated.memory.offload_trainer
     disaggregated = _pointed_at(cfg, groups, colocated=False).rollout
     assert not disaggregated.memory.release_servers and not disaggregated.memory.offload_trainer
@@ -54,11 +57,15 @@ def test_colocated_jobs_hand_the_gpu_over_both_ways():
 
 def test_actor_servers_return_routed_experts_under_r3():
     """train.routing_replay rollout: the actor's servers start with --enable-return-routed-experts (SGLang's flag,
-    which `armor serve-local` shares); the reference's, and every server under the other modes, without it."""
-    job = RayJobConfig(server_kind="local")
+    which `armor serve-local` shares); the reference's, and every server under the other modes, without it.
+    Colocated, only the reference's keep a CPU copy of their weights (pushed once, they must survive releases)."""
     for replay, actor_flag in (("rollout", True), ("recompute", False), ("none", False)):
         cfg = load_config(CONFIG, [f"train.routing_replay={replay}"])
-        specs = {role: _server_spec(cfg, job, role, "/ckpt", seed_offset=0) for role in ("actor", "reference")}
-        commands = {role: server_command(spec, host="h", port=1, seed=0) for role, spec in specs.items()}
-        assert ("--enable-return-routed-experts" in commands["actor"]) == actor_flag, replay
-        assert "--enable-return-routed-experts" not in commands["reference"], replay
+        for placement in ("disaggregated", "colocated"):
+            job = RayJobConfig(server_kind="local", placement=placement)
+            specs = {role.name: _server_spec(cfg, job, role, "/ckpt", seed_offset=0) for role in SERVER_ROLES}
+            commands = {name: server_command(spec, host="h", port=1, seed=0) for name, spec in specs.items()}
+            assert ("--enable-return-routed-experts" in commands["actor"]) == actor_flag, replay
+            assert "--enable-return-routed-experts" not in commands["reference"], replay
+            assert [specs[name].enable_weights_cpu_backup for name in ("actor", "reference")] == [
+                False, placement == "colocated"]

@@ -5,6 +5,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from megatron_armor.algorithms import build_algorithm
 from megatron_armor.config import load_config
 from megatron_armor.planning.memory import parameter_count
@@ -37,6 +39,18 @@ def test_frozen_models_follow_the_algorithm():
     remote = inputs_of("tiny/opd.yaml", "opd.teacher_url=http://teacher:1")
     assert [name for name, _ in remote.frozen] == ["reference"]
     assert plan_run(load_config(str(EXAMPLES / "tiny/opd.yaml"), []), H100).flops.teacher > 0
+
+
+def test_lora_keeps_no_reference_and_only_the_adapters_state():
+    """Qwen3-8B's ARMOR recipe with rank-64 adapters (reference resets off): no frozen reference copy, the same base
+    weights plus the adapters', and gradients / optimizer state of the adapters alone (a few % of the full run's)."""
+    full = memory_plan(inputs_of("qwen3-8b-base/armor.yaml"))
+    lora = memory_plan(inputs_of("qwen3-8b-base/armor.yaml", "model.lora.rank=64", "algorithm.ref_reset_period=0"))
+    assert full.frozen.keys() == {"reference"} and lora.frozen == {}
+    assert lora.state.params == full.state.params + lora.state.trainable
+    assert 0 < lora.state.trainable < 0.05 * full.state.params  # ~3% per GPU at TP 4 (the replicated factors)
+    assert lora.state.gradients < 0.05 * full.state.gradients and lora.state.optimizer < 0.05 * full.state.optimizer
+    assert lora.training_peak < full.training_peak - full.frozen["reference"]
 
 
 def test_colocated_servers_get_what_the_trainer_leaves():
@@ -83,3 +97,53 @@ def test_expert_tensor_parallelism_regroups_the_experts():
     assert tp_raises() == []  # expert TP follows TP: 2 x 32 expert ranks would not divide 2 x 16
     assert tp_raises("parallel.expert_tensor_parallel_size=1") == [
         "raise tp to 2 (dp 16; sequence parallel)", "raise tp to 4 (dp 8; sequence parallel)"]
+
+
+def test_context_parallelism_splits_each_sequence_over_its_ranks():
+    """At CP 2 a rank holds half of each (padded) sequence: half the activations and logits of CP 1 on as many
+    GPUs, with TE's ring K/V in flight on top, and the same state (the distributed optimizer shards over DP x CP).
+    Sequences are padded to a multiple of 2 x CP x TP."""
+    recipe = "qwen3-8b-base-long/armor.yaml"
+    cp2 = inputs_of(recipe)
+    cp1 = inputs_of(recipe, "parallel.context_parallel_size=1", "parallel.data_parallel_size=16")
+    assert (cp2.layout.cp, cp2.layout.dp, cp2.layout.dp_cp) == (2, 8, 16)
+    assert cp2.micro_batch_tokens == cp1.micro_batch_tokens == 32768  # a multiple of 2 x 2 x 4 already
+    split, whole = memory_plan(cp2), memory_plan(cp1)
+    assert split.state == whole.state
+    assert 2 * split.activations.saved == whole.activations.saved and 2 * split.logits.peak == whole.logits.peak
+    k = 8 // 4 * 128  # kv heads / tp x head_dim
+    assert split.activations.exchange == 16384 * 2 * 2 * k * 2 and whole.activations.exchange == 0
+    assert inputs_of(recipe, "data.max_prompt_length=2047").micro_batch_tokens == 32768  # 32767 padded to 16
+    assert inputs_of(recipe, "parallel.context_parallel_size=1", "parallel.data_parallel_size=16",
+                     "data.max_prompt_length=2047").micro_batch_tokens == 32767
+
+
+def test_plan_advises_context_parallelism_for_responses_that_do_not_fit():
+    inputs = inputs_of("qwen3-8b-base-long/armor.yaml", "parallel.context_parallel_size=1",
+                       "parallel.data_parallel_size=16")
+    assert not memory_plan(inputs).fits
+    rows = advice(inputs, max_len=32768)
+    assert "set parallel.context_parallel_size 2 (dp 8; each sequence split over 2 GPUs)" in [
+        row.split(":")[0] for row in rows]
+    changed = dict(knob_changes(inputs, 32768))["set parallel.context_parallel_size 2 (dp 8; each sequence split "
+                                                "over 2 GPUs)"]
+    assert changed.layout == inputs.layout.with_(cp=2, dp=8) and memory_plan(changed).fits
+    # a MoE model is advised CP too, where its expert layout still divides TP x DP (EP 8 of TP 4 x DP 8, not of DP 4)
+    assert [knob for knob, _ in knob_changes(inputs_of("qwen3-30b-a3b/armor.yaml"), 10240)
+            if knob.startswith("set parallel.context_parallel_size")] == [
+        "set parallel.context_parallel_size 2 (dp 8; each sequence split over 2 GPUs)"]
+
+
+def test_context_parallel_ranks_hold_the_same_experts():
+    """A MoE model's expert data-parallel group spans the CP ranks (Megatron regroups TP x CP x DP for the experts):
+    CP 2 at half the DP keeps the expert state per GPU and halves the activations."""
+    recipe = "qwen3-30b-a3b/armor.yaml"
+    cp1, cp2 = inputs_of(recipe), inputs_of(recipe, "parallel.context_parallel_size=2", "parallel.data_parallel_size=8")
+    assert (cp1.layout.expert_dp, cp2.layout.expert_dp) == (2, 2)
+    assert memory_plan(cp2).state == memory_plan(cp1).state
+    assert 2 * memory_plan(cp2).activations.saved == memory_plan(cp1).activations.saved
+
+
+def test_a_context_parallel_layout_the_gpus_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match=r"tp x pp x cp = 12 GPUs do not divide the 128 GPUs"):
+        inputs_of("qwen3-8b-base/armor.yaml", "parallel.context_parallel_size=3", "parallel.data_parallel_size=4")

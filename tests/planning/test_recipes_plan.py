@@ -13,6 +13,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 HARDWARE = {
     "qwen2.5-math-7b/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "qwen3-8b-base/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
+    "qwen3-8b-base-long/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "qwen3-30b-a3b/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "glm-4.5-air/armor.yaml": (128, 141),  # 16 nodes x 8 H200 (141 GB)
     "deepseek-v3/armor.yaml": (384, 141),  # 48 nodes x 8 H200 (141 GB)
@@ -52,3 +53,18 @@ def test_plan_help_and_bad_layout(capsys):
     assert done.value.code == 0 and "--gpu-memory-gb" in capsys.readouterr().out
     recipe = EXAMPLES / "qwen3-1.7b/mipu.yaml"
     assert main(["plan", "--config", str(recipe), "--gpus", "8", "--gpu-memory-gb", "80", "--tp", "3"]) == 2
+    assert main(["plan", "--config", str(recipe), "--gpus", "8", "--gpu-memory-gb", "80",
+                 "--parallel.context_parallel_size", "3", "--parallel.data_parallel_size", "1"]) == 2
+    assert "tp x pp x cp = 3 GPUs do not divide the 8 GPUs" in capsys.readouterr().err
+
+
+def test_plan_of_a_context_parallel_layout(capsys):
+    """The long-response recipe (CP 2): the layout names cp, the activations are a CP rank's share, and the plan
+    says how long a response fits without and with context parallelism."""
+    recipe = EXAMPLES / "qwen3-8b-base-long/armor.yaml"
+    assert main(["plan", "--config", str(recipe), "--gpus", "128", "--gpu-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: tp 4 x pp 1 x cp 2 x dp 8 = 64 trainer GPUs of 128" in out
+    assert "32768 tokens/micro-batch (16384 per CP rank)" in out and "Adam distributed over dp x cp" in out
+    assert ("longest responses that fit (rollout.sampling.max_new_tokens): 25600 tokens without context parallelism "
+            "(dp 16), 54272 with parallel.context_parallel_size 2 (dp 8)") in out

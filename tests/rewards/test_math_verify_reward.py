@@ -2,10 +2,11 @@
 
 import pytest
 
+from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.models.tiny import make_char_tokenizer
 from megatron_armor.rewards.math_verify_reward import verify
-from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.rollouts.samples import SampleScorer
 
 
 @pytest.mark.parametrize("response, answer, correct", [
@@ -36,7 +37,7 @@ def test_sample_scorer_strips_the_stop_token_and_adds_the_overlong_penalty():
     ids = tokenizer.encode(text, add_special_tokens=False)
     eos = tokenizer.eos_token_id
     prompt = PromptRow(index=3, prompt_ids=[1, 2], row={"answer": "12"})
-    scorer = SampleScorer(tokenizer, verify, OverlongPenalty(max_response_length=len(ids) + 2, buffer_length=4))
+    scorer = SampleScorer(tokenizer, verify, RewardConfig(overlong_buffer=4), max_response_length=len(ids) + 2)
 
     stopped = scorer(prompt, ids + [eos], [-0.5] * (len(ids) + 1), "stop", is_anchor=True)
     # L = len(ids) + 1 of Lmax = len(ids) + 2 with a 4-token buffer: -(L - (Lmax - 4)) / 4 = -3/4

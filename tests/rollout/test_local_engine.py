@@ -1,5 +1,9 @@
-"""The in-process engine decodes with its KV cache under the argument name the model's forward takes."""
+"""The in-process engine decodes with its KV cache under the argument name the model's forward takes, and draws a
+prompt with a seed of its own (`SamplingParams.seeds`) independently of the call's other prompts."""
 
+import dataclasses
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -34,3 +38,20 @@ def test_kv_cache_reaches_the_model_under_its_forward_argument_name(tiny_model_f
         assert len(generation.response_ids) > 4
         want = teacher_logprobs(path, prompt, generation.response_ids)
         torch.testing.assert_close(torch.tensor(generation.logprobs), want, atol=1e-5, rtol=0)
+
+
+def test_a_prompt_with_its_own_seed_samples_the_same_wherever_it_stands(tiny_model_factory):
+    """With per-prompt seeds, a prompt's completion is the one it draws alone with that seed as the call's seed
+    (one CPU generator either way), whatever other prompts share the call and in which order."""
+    engine = LocalEngine(tiny_model_factory("qwen2"))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    prompts, seeds = [[5, 9, 17, 3], [7, 7], [5, 9, 17, 3], [11, 2, 8]], (3, 41, 5, 8)
+    batched = engine.generate(prompts, dataclasses.replace(sampling, seeds=seeds))
+    alone = [engine.generate([p], dataclasses.replace(sampling, seed=s))[0] for p, s in zip(prompts, seeds)]
+    reordered = engine.generate(prompts[::-1], dataclasses.replace(sampling, seeds=seeds[::-1]))[::-1]
+    for got in (batched, reordered):
+        assert [g.response_ids for g in got] == [g.response_ids for g in alone]
+        torch.testing.assert_close([g.logprobs for g in got], [g.logprobs for g in alone], atol=1e-5, rtol=0)
+    assert batched[0].response_ids != batched[2].response_ids  # one prompt, two seeds: two samples
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(seed=1, seeds=(1,))

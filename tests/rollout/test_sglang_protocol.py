@@ -56,6 +56,14 @@ def test_generate_request_body_is_sglang_batch_schema():
     }
 
 
+def test_generate_request_with_per_prompt_seeds_sends_each_its_own():
+    sampling = SamplingParams(max_new_tokens=4, seeds=(70, 71, 72))
+    body = proto.generate_request([[4, 5], [6]], sampling, indices=[2, 0])
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [72, 70]
+    single = proto.single_generate_request([6], sampling, index=1, rid="r")
+    assert single["sampling_params"]["sampling_seed"] == 71
+
+
 def test_generate_request_without_seed_omits_sampling_seed():
     body = proto.generate_request([[1]], SamplingParams(temperature=0.0))
     assert "sampling_seed" not in body["sampling_params"][0] and "rid" not in body

@@ -21,7 +21,7 @@ def test_agentic_example_trains_trajectories_that_call_the_calculator(synthetic_
     run_dir = tmp_path / "run"
     overrides = [
         f"task.cache_dir={synthetic_cache}", f"logging.run_dir={run_dir}", "train.max_steps=2",
-        "task.num_train_rows=400", "task.num_val_rows=8", "task.warm_start_steps=100", "task.warm_start_tool_fraction=1.0",
+        "task.num_train_rows=400", "task.num_val_rows=8", "task.warm_start.steps=100", "task.warm_start.tool_fraction=1.0",
         "eval.every=2", "eval.before_train=false", "eval.max_prompts=8", "rollout.sampling.val_n=1", "checkpoint.every=100",
         "checkpoint.save_model=false", "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false",
         "algorithm.name=grpo", "algorithm.filter_groups=false", "rollout.sampling.n_samples=4",

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from megatron_armor.config import AnchorsConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import make_rows, verify
@@ -46,7 +47,7 @@ def _batch(prompts, order):
 def test_anchors_are_sampled_once_and_reused_with_the_batch_prompt_index(anchor_source):
     prompts, generate, calls = anchor_source
     calls.clear()
-    cache = AnchorCache(max_prompts=10)
+    cache = AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=10))
     first, hits = cache.fetch(_batch(prompts, [0, 1, 2, 1]), generate)  # prompt 1 twice: sampled once
     assert hits == 0 and [[p.prompt_ids for p in c] for c in calls] == [[prompts[p].prompt_ids for p in (0, 1, 2)]]
     assert [a.prompt_index for a in first] == [i for i in range(4) for _ in range(REF_N)]
@@ -68,18 +69,18 @@ def test_anchors_are_sampled_once_and_reused_with_the_batch_prompt_index(anchor_
 
 def test_least_recently_used_prompts_are_evicted_and_state_round_trips_through_json(anchor_source):
     prompts, generate, calls = anchor_source
-    cache = AnchorCache(max_prompts=2)
+    cache = AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=2))
     cache.fetch(_batch(prompts, [0, 1]), generate)
     cache.fetch(_batch(prompts, [0]), generate)  # 0 is now the most recently used
     cache.fetch(_batch(prompts, [2]), generate)  # evicts 1
     assert len(cache) == 2
-    restored = AnchorCache(max_prompts=2)
+    restored = AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=2))
     restored.load_state_dict(json.loads(json.dumps(cache.state_dict())))
     calls.clear()
     original, hits = cache.fetch(_batch(prompts, [2, 0]), generate)
     assert hits == 2 and restored.fetch(_batch(prompts, [2, 0]), generate) == (original, 2) and calls == []
     assert restored.fetch(_batch(prompts, [1]), generate)[1] == 0 and len(calls) == 1
     # A batch larger than the cache is still served whole; the cache keeps its last prompts.
-    anchors, _ = AnchorCache(max_prompts=1).fetch(_batch(prompts, [0, 1, 4]), generate)
+    anchors, _ = AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=1)).fetch(_batch(prompts, [0, 1, 4]), generate)
     assert [a.prompt_index for a in anchors] == [i for i in range(3) for _ in range(REF_N)]
 

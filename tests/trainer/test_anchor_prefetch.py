@@ -1,5 +1,5 @@
 """ARMOR's anchors sampled beside and ahead of the actor's samples (trainer/rollouts/anchor_prefetch.py) over a real
-`PromptSampler`, with a rollout phase whose `sample_anchors` records what it was asked for, on which thread."""
+`PromptSampler`, with a rollout phase whose anchor source records what it was asked for, on which thread."""
 
 import threading
 import time
@@ -16,23 +16,21 @@ ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 
 
 class AnchorPhase:
-    """`sample_anchors` returns one anchor per prompt whose response encodes the seed, after `seconds`; the calls are
-    recorded as (prompt ids, seed, thread name)."""
+    """A rollout phase that is its own anchor source: `sample` returns one anchor per prompt whose response encodes
+    the seed, after `seconds`; the calls are recorded as (prompt ids, seed, thread name)."""
 
     def __init__(self, seconds: float = 0.0) -> None:
         self.sampler, self.seconds = PromptSampler(ROWS, 3, seed=0), seconds
         self.calls: list[tuple[list[int], tuple, str]] = []
         self.fail = False
+        self.anchors = self
 
     draw_prompts = staticmethod(RolloutPhase.draw_prompts)
-
-    def on_group(self, group):
-        return self
 
     def seed(self, key: tuple, policy: str) -> tuple:
         return (7, *key, policy)
 
-    def sample_anchors(self, prompts, seed, counters: RolloutCounters) -> list[Sample]:
+    def sample(self, prompts, seed, counters: RolloutCounters, *, group) -> list[Sample]:
         if self.fail:
             raise ValueError("reference engine died")
         time.sleep(self.seconds)
@@ -82,14 +80,14 @@ def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
     reset drops what was sampled ahead; a failure of the thread reaches every later call."""
     phase, prefetch = AnchorPhase(), AnchorPrefetch(None, 2)
     actor_began, anchors_began = threading.Event(), threading.Event()
-    sample_anchors = phase.sample_anchors
+    sample = phase.sample
 
-    def concurrent_anchors(prompts, seed, counters):
+    def concurrent_anchors(prompts, seed, counters, *, group):
         anchors_began.set()
         assert actor_began.wait(10)
-        return sample_anchors(prompts, seed, counters)
+        return sample(prompts, seed, counters, group=group)
 
-    phase.sample_anchors = concurrent_anchors
+    phase.sample = concurrent_anchors
     key, prompts = ("step", 1, 0), RolloutPhase.draw_prompts(PromptSampler(ROWS, 3, seed=0))
     prefetch.submit(key, prompts, phase)
     actor_began.set()  # the actor's part of the batch
@@ -99,7 +97,7 @@ def test_a_batch_s_anchors_sample_while_its_actor_does_and_reset_and_failures():
         prefetch.submit(("step", 2, 0), prompts, phase)
         prefetch.submit(("step", 2, 0), prompts[1:], phase)
     prefetch.take(("step", 2, 0), RolloutCounters())
-    phase.sample_anchors = sample_anchors
+    phase.sample = sample
     positions = _positions(8)
     prefetch.submit_ahead(phase, positions[0])
     prefetch.reset()  # e.g. a reference reset: drops batches 0-2, sampled ahead

@@ -98,21 +98,19 @@ def test_async_never_trains_a_sample_older_than_max_staleness_when_the_generator
 class AnchoredPhase(BatchPhase):
     """BatchPhase for ARMOR: a batch submits its anchors to the anchor thread (`anchors_ahead`, which the schedule
     sets) when it draws its prompts and takes them after its on-policy part; the reference's engine takes
-    `anchor_seconds` a batch to sample them (`sample_anchors`)."""
+    `anchor_seconds` a batch to sample them (the phase is its own anchor source: `sample`)."""
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, anchor_seconds: float) -> None:
         super().__init__(sampler, engine, max_staleness=1, buffer_batches=2, seconds=0.05)
         self.samples_anchors_ahead, self.anchor_seconds = True, anchor_seconds
+        self.anchors = self
 
     draw_prompts = staticmethod(RolloutPhase.draw_prompts)
-
-    def on_group(self, group):
-        return self
 
     def seed(self, key: tuple, policy: str) -> tuple:
         return (*key, policy)
 
-    def sample_anchors(self, prompts, seed, counters) -> list[Sample]:
+    def sample(self, prompts, seed, counters, *, group) -> list[Sample]:
         time.sleep(self.anchor_seconds)
         return [Sample(p.index, p.prompt_ids, [2], [0.0], "stop", True) for p in prompts]
 

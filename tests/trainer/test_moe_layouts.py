@@ -24,7 +24,7 @@ def test_armor_train_moe_at_ep2(tiny_model_factory, tmp_path, arch):
     run = tmp_path / "run"
     proc = armor_train("--tp", "1", "--dp", "2", "--parallel.expert_parallel_size", "2",
                        "--reward.train_fn", f"{reward}:reward",
-                       "--model.path", str(model), "--task.warm_start_steps", "0", "--model.moe_aux_loss_coeff", "0.01",
+                       "--model.path", str(model), "--task.warm_start.steps", "0", "--model.moe_aux_loss_coeff", "0.01",
                        "--train.routing_replay", "rollout", "--optimizer.lr", "1e-3", "--optimizer.warmup_steps", "0",
                        *small_run(tmp_path / "cache", run), "--max-steps", "2")
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -6,7 +6,8 @@ process, PP=2 with micro-batches of different shapes, TP=2 with sequence paralle
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2; so does a Qwen2-MoE step (a gated shared expert) at TP=2 (sequence
 parallel) beside EP=2, and Mixtral's and GLM-4.5's (sigmoid router, expert bias) at PP=2; so do context-parallel
-steps, entropy included, at CP=2 (also with the fused head), CP=2 x TP=2 (sequence parallel) and CP=2 x PP=2; so do
+steps, entropy included, at CP=2 (also with the fused head and with packed micro-batches), CP=2 x TP=2 (sequence
+parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps (auxiliary loss, routing metrics, routing replay); so do
 steps on multi-turn trajectories' samples (tokens inside the response that are not trained) at TP=2 and DP=2."""
 
 import pytest
@@ -54,7 +55,8 @@ JOBS = {
         "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
         "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2"),
         "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch"),
-        "masked-base": ("dense", 1, 1, "torch", "masked")},
+        "masked-base": ("dense", 1, 1, "torch", "masked"),
+        "lora-base": ("dense", 1, 1, "torch", "lora"), "lora-moe-base": ("moe", 1, 1, "torch", "lora")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -76,7 +78,14 @@ JOBS = {
         "bf16-tp2": ("dense", 2, 1, "torch", "bf16", "clip=0.2"), "bf16-pp2": ("dense", 1, 2, "torch", "bf16", "clip=0.2"),
         "bf16-dp2-distopt": ("dense", 1, 1, "torch", "bf16", "distopt", "clip=0.2"),
         "cp2": ("dense", 1, 1, "torch", "cp=2"), "cp2-fused-head": ("dense", 1, 1, "fused", "cp=2"),
-        "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked")},
+        "cp2-budget-packed": ("dense", 1, 1, "torch", "cp=2", "budget=40", "packed"),
+        "moe-cp2": ("moe", 1, 1, "torch", "cp=2"), "moe-cp2-aux": ("moe", 1, 1, "torch", "cp=2", "aux=0.1"),
+        "moe-cp2-r3": ("moe", 1, 1, "torch", "cp=2", "replay=rollout"),
+        "moe-cp2-budget-packed-r3": ("moe", 1, 1, "torch", "cp=2", "budget=40", "packed", "replay=rollout"),
+        "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked"),
+        "lora-tp2": ("dense", 2, 1, "torch", "lora"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
+        "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora"),
+        "lora-moe-ep2": ("moe", 1, 1, "torch", "ep=2", "lora")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
@@ -173,11 +182,12 @@ def test_moe_routing_replay_under_ep2_pp2_and_tp2_matches_single_rank(runs):
     assert r2["routing_metrics"]["moe/expert_load_cv"] > 0
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp2-fused-head", "cp2xtp2-sp", "cp2xpp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp2-fused-head", "cp2xtp2-sp", "cp2xpp2", "cp2-budget-packed"])
 def test_context_parallel_matches_single_rank(runs, name):
     """Every CP rank holds its zig-zag chunks of each sequence (no data-parallel replica: DP 1) and logs the whole
     step: logprobs, entropy, gradients, metrics and updated weights equal the one-process step's, with the torch
-    head or the fused one (which scores each rank's chunks and adds its weight gradient into main_grad)."""
+    head or the fused one (which scores each rank's chunks and adds its weight gradient into main_grad), and with
+    token-budget packed micro-batches (THD: each packed sequence re-padded and split zig-zag on its own)."""
     ranks, baseline = runs[name], runs["base"][0]
     _, tp, pp, head, *_ = next(jobs[name] for jobs in JOBS.values() if name in jobs)
     assert [result["layout"] for result in ranks] == [(tp, pp, 1)] * len(ranks)
@@ -187,6 +197,22 @@ def test_context_parallel_matches_single_rank(runs, name):
         assert result["entropy"].keys() == baseline["entropy"].keys()
         for key, entropy in result["entropy"].items():
             torch.testing.assert_close(entropy, baseline["entropy"][key], atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name,reference", [("moe-cp2", "moe-base"), ("moe-cp2-aux", "moe-aux"),
+                                            ("moe-cp2-r3", "moe-r3"), ("moe-cp2-budget-packed-r3", "moe-r3")])
+def test_moe_under_context_parallelism_matches_single_rank(runs, name, reference):
+    """A MoE step at CP=2: each CP rank routes its chunks' tokens; the auxiliary loss (Megatron reduces its token
+    counts over TP x CP), the routing metrics (the routers' choices gathered over the CP ranks) and routing replay
+    (R3: each rank replays its chunks' routes, also of packed micro-batches) equal the one-process step's."""
+    baseline = runs[reference][0]
+    assert_same_step(runs[name], baseline)
+    for result in runs[name]:
+        assert result["routing_metrics"] == pytest.approx(baseline["routing_metrics"], rel=1e-9), name
+        if "aux" in name:
+            assert result["metrics"]["moe/aux_loss"] == pytest.approx(baseline["metrics"]["moe/aux_loss"], rel=1e-6)
+
+
 def test_bf16_pipeline_and_distributed_optimizer_steps_equal_one_process(runs):
     """bf16 parameters, fp32 main grads and master weights (Megatron's mixed-precision optimizer; at DP=2 its
     distributed optimizer, master weights sharded). PP=2 splits the layers without changing any operation, and DP=2
@@ -288,6 +314,31 @@ def assert_head_gradient_path(ranks, head):
     `grad_added_to_main_grad` flag is up after the backward); the torch head leaves that to DDP's hook."""
     flags = [result["head_in_main_grad"] for result in ranks if result["head_in_main_grad"] is not None]
     assert flags and all(flag == (head == "fused") for flag in flags), flags
+
+
+@pytest.mark.parametrize("name, baseline", [("lora-tp2", "lora-base"), ("lora-tp2-sp", "lora-base"),
+                                            ("lora-pp2", "lora-base"), ("lora-dp2-distopt", "lora-base"),
+                                            ("lora-moe-ep2", "lora-moe-base")])
+def test_lora_layout_matches_single_rank(runs, name, baseline):
+    """A LoRA ARMOR step (the reference: the actor's model with its adapters off) at TP=2 (with and without sequence
+    parallelism), PP=2, DP=2 with the distributed optimizer, and a MoE model's with experts adapted over EP=2, equals
+    the one-process step: logprobs, the adapters' gradients (whole, TP-gathered), the merged weights after two
+    optimizer steps and the adapters themselves; the base weights never move, and the adapters off still score the
+    base after the step."""
+    ranks, base = runs[name], runs[baseline][0]
+    assert_same_step(ranks, base)
+    assert base["grads"] and all(name.endswith((".lora_a", ".lora_b")) for name in base["grads"])
+    assert any(g.abs().max() > 0 for name, g in base["grads"].items() if name.endswith(".lora_b"))
+    if "moe" in name:
+        assert any(".local_experts.3." in key for key in base["adapters"])  # every expert, gathered over EP
+    for result in ranks:
+        assert result["adapters"].keys() == base["adapters"].keys()
+        for key, tensor in result["adapters"].items():
+            torch.testing.assert_close(tensor, base["adapters"][key], atol=WEIGHT_ATOL, rtol=0, msg=key)
+        before, after = result["ref_logprobs_before_and_after"]
+        assert torch.equal(before, after)
+    changed = [key for key, w in base["weights"].items() if not torch.equal(w, base["initial_weights"][key])]
+    assert changed and all(key.endswith("proj.weight") for key in changed), changed  # only the adapted (merged) ones
 
 
 def test_baseline_step_is_not_trivial(runs):

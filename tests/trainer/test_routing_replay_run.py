@@ -26,7 +26,7 @@ def steps(tiny_model_factory, synthetic_cache, tmp_path_factory):
     for replay in ("rollout", "none"):
         run_dir = tmp_path_factory.mktemp(f"replay-{replay}") / "run"
         run_workers("biased_engine_run.py", 1, run_dir.parent / "w", CONFIG, *run_overrides(synthetic_cache, run_dir, 1),
-                    f"model.path={model}", "task.warm_start_steps=0", "parallel.tensor_parallel_size=1", REWARD,
+                    f"model.path={model}", "task.warm_start.steps=0", "parallel.tensor_parallel_size=1", REWARD,
                     f"train.routing_replay={replay}")
         result[replay] = run_metrics(run_dir)[1]
     return result

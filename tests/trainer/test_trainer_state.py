@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_armor.algorithms import UpdateGateConfig
+from megatron_armor.config import AnchorsConfig
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -51,7 +52,7 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
     gate = InferenceGapGate(gate_config, PromptSampler(ROWS, 2, seed=1), scorer=None, sampling=None, seed=0,
                             adv_eps=1e-6)
-    parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(4))
+    parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=4)))
     return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan,
                      RolloutSources(PromptSampler(ROWS, 2, seed=0), sampling=None, scorer=None), scoring=None,
                      optim=None, parts=parts)

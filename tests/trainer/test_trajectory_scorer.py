@@ -28,7 +28,7 @@ def engine(tiny_model_factory):
 def scorer(**settings) -> TrajectoryScorer:
     Flaky.attempts.clear()
     config = AgenticConfig(environment=FLAKY, chat_template=str(TASK / "char_chat.jinja"), **settings)
-    return TrajectoryScorer.from_config(config, make_char_tokenizer(), in_process=True)
+    return TrajectoryScorer.load(config, make_char_tokenizer(), in_process=True)
 
 
 def prompts(*rows: dict) -> list[PromptRow]:

@@ -8,7 +8,8 @@ load-balancing auxiliary loss at coefficient C; "replay=MODE": train.routing_rep
 random routes given to the on-policy samples as an engine's; "bf16": bf16 parameters trained through Megatron's
 mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
 context parallelism, each sequence over N ranks; "masked": every response holds two tokens the policy did not sample
-(a multi-turn trajectory's tool result: loss_mask 0) after its first);
+(a multi-turn trajectory's tool result: loss_mask 0) after its first; "lora": the actor trains rank-4 LoRA adapters (a
+MoE model's experts too) and the reference is the actor's model with them off);
 the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs and old entropy
@@ -20,6 +21,7 @@ its optimizer's state tensors, the step's update geometry (diagnostics/step_geom
 after the step (as MIPU's snapshot and the checkpoints take it) puts the state back exactly once a third step changed it.
 """
 import copy
+import functools
 
 import os
 import sys
@@ -39,7 +41,8 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
-from megatron_armor.config import OptimizerConfig  # noqa: E402
+from megatron_armor.config import LoRAConfig, OptimizerConfig  # noqa: E402
+from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapters  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
@@ -107,6 +110,13 @@ def gather_sharded_grads(ddp) -> None:
                 bucket.grad_data, bucket.grad_data[rank * size: (rank + 1) * size].clone(), group=group)
 
 
+def every_stage_adapters(ddp, use_grads=False) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's and expert-parallel rank's adapters (or their reduced gradients) whole, on every rank."""
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, {k: v.clone() for k, v in full_adapters(ddp, use_grads=use_grads).items()})
+    return {name: tensor for part in parts for name, tensor in part.items()}
+
+
 def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
     ep = next((int(option.removeprefix("ep=")) for option in options if option.startswith("ep=")), 1)
     etp = next((int(option.removeprefix("etp=")) for option in options if option.startswith("etp=")), None)
@@ -127,9 +137,14 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
         return m
 
     optim = OptimizerConfig(lr=1e-3, warmup_steps=0)
-    ddp, optimizer = wrap_for_training(model(actor_dir, True), optim, distributed="distopt" in options)
-    handles = PolicyHandles(actor=Policy("actor", ddp), ref=Policy("ref", model(ref_dir, False)), optimizer=optimizer,
-                            shape=shape, pad_token_id=0)
+    actor = model(actor_dir, True)
+    lora = "lora" in options
+    if lora:
+        apply_lora(actor, LoRAConfig(rank=4, alpha=8.0, experts=bool(shape.num_experts)), seed=0)
+    ddp, optimizer = wrap_for_training(actor, optim, distributed="distopt" in options)
+    ref = (Policy("ref", ddp, view=functools.partial(adapters_disabled, ddp)) if lora
+           else Policy("ref", model(ref_dir, False)))
+    handles = PolicyHandles(actor=Policy("actor", ddp), ref=ref, optimizer=optimizer, shape=shape, pad_token_id=0)
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
     # layouts are compared on clipped and unclipped tokens alike; "clip=C" widens it (bf16's logprobs differ by more
     # than 0.003 between layouts: a clip that tight flips on noise).
@@ -159,19 +174,22 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                      scoring=scoring, forward_only=False, routing=routing_pass(ddp, prepared.mini_batches[0]))
     if "distopt" in options:
         gather_sharded_grads(ddp)
-    grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
+    grads = (every_stage_adapters(ddp, use_grads=True) if lora else
+             {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)})
     head_weight = ddp.module.output_layer.weight if ddp.module.post_process else None
     if head_weight is None and ddp.module.post_process:  # tied to the embedding on this stage
         head_weight = ddp.module.shared_embedding_or_output_weight()
-    head_in_main_grad = None if head_weight is None else head_weight.grad_added_to_main_grad
+    head_in_main_grad = None if head_weight is None or lora else head_weight.grad_added_to_main_grad  # LoRA: frozen
     zero_grads(ddp, optimizer)
 
     initial_weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
     geometry = StepGeometry.capture(ddp.module)
     update = update_policy(ddp, optimizer, prepared.mini_batches, micro_batching=plan.micro_batching,
                            algorithm=algorithm, scoring=scoring, optim=optim, rl_step=0)
-    step_geometry = geometry.metrics(ddp.module, handles.ref.model)
-    weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}
+    step_geometry = geometry.metrics(ddp.module, handles.ref.module)
+    weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}  # LoRA: merged
+    adapters = every_stage_adapters(ddp) if lora else None
+    ref_after = handles.ref.score(batch, micro_batching=plan.micro_batching, scoring=scoring) if lora else None
     state_bytes = optimizer_state_bytes(optimizer)
     round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(
         ddp, optimizer, prepared.mini_batches[:1], micro_batching=plan.micro_batching, algorithm=algorithm,
@@ -181,6 +199,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                 "head_in_main_grad": head_in_main_grad,
                 "metrics": update.metrics, "initial_weights": initial_weights, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
+                "adapters": adapters, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     parallel_state.destroy_model_parallel()  # the next job builds its own layout on the same process group
 

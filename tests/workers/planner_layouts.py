@@ -1,8 +1,8 @@
-"""Worker (2 ranks): the planner's bytes against a tiny Megatron model's tensors at TP=2 and at DP=2.
+"""Worker (2 ranks): the planner's bytes against a tiny Megatron model's tensors at TP=2, CP=2 and DP=2.
 
 argv: out_dir checkpoint_dir. Each rank writes {"activations": [[name, measured, estimated], ...] (bytes saved for
-backward by a forward + logprobs at TP=2, sequence parallelism off and on, recompute none / selective / full,
-torch and fused head), "tp2_state": [planned, actual] (parameter and grad-buffer bytes of its TP shard),
+backward by a forward + logprobs at TP=2, sequence parallelism off and on, and at CP=2, recompute none / selective /
+full, torch and fused head), "tp2_state": [planned, actual] (parameter and grad-buffer bytes of its TP shard),
 "dp2": {"planned": StateBytes fields, "gradients": grad-buffer bytes, "optimizer": Adam moment bytes} of the
 distributed optimizer at DP=2, "dp2_bf16": the same of a bf16 model, with its "weights" and fp32 "master_weights"
 (this rank's slices) apart from its "moments"}.
@@ -50,6 +50,20 @@ def tensor_parallel_activations(shape) -> list:
     return rows
 
 
+def context_parallel_activations(shape) -> list:
+    """[name, measured, estimated] at CP=2 (this rank's zig-zag chunks; the local spec's attention all-gathers keys
+    and values) for every recompute and head setting."""
+    rows = []
+    tokens = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(1))  # 40: a multiple of 2 x CP
+    for name, recompute in RECOMPUTE.items():
+        model = build_gpt_model(shape, transformer_config(shape, recompute=recompute, cp_size=2), trainable=True)
+        for head in ("torch", "fused"):
+            layout = Layout(cp=2, dtype_bytes=4, recompute=recompute, head=head, local_attention=True)
+            rows.append([f"cp=2,{name},{head}", measured_saved_bytes(model, tokens, head),
+                         estimated_saved_bytes(shape, layout, tokens.numel())])
+    return rows
+
+
 def trained(shape, tp: int, distributed: bool, dtype: torch.dtype = torch.float32):
     """A model of this layout wrapped for training after one optimizer step (Adam's state exists)."""
     model = build_gpt_model(shape, transformer_config(shape, tp_size=tp, params_dtype=dtype), trainable=True).to(dtype)
@@ -68,6 +82,9 @@ def main(out_dir: str, checkpoint: str) -> None:
     planned = state_bytes(shape, Layout(tp=2, dtype_bytes=4))
     tp2_state = [[planned.weights, sum(p.nbytes for p in ddp.module.parameters())],
                  [planned.gradients, sum(b.grad_data.nbytes for b in ddp.buffers)]]
+    parallel_state.destroy_model_parallel()
+    initialize_distributed(1, 1, seed=0, context_parallel_size=2)
+    activations += context_parallel_activations(shape)
     parallel_state.destroy_model_parallel()
     initialize_distributed(1, 1, seed=0)  # dp 2
     ddp, optimizer = trained(shape, 1, distributed=True)

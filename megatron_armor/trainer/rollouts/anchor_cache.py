@@ -25,19 +25,13 @@ PromptKey = tuple[int, ...]  # a prompt's token ids
 
 
 class AnchorCache:
-    """Anchors by prompt token ids, at most `max_prompts` prompts (least recently used evicted first)."""
+    """Anchors by prompt token ids, at most `settings.cache_max_prompts` prompts (least recently used evicted first);
+    a run has one when `settings.cache` (rollout.anchors) is on."""
 
-    def __init__(self, max_prompts: int) -> None:
-        if max_prompts < 1:
-            raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
-        self.max_prompts = max_prompts
+    def __init__(self, settings: AnchorsConfig) -> None:
+        self.settings = settings
         self._anchors: OrderedDict[PromptKey, list[Sample]] = OrderedDict()  # oldest use first
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_config(cls, anchors: AnchorsConfig) -> AnchorCache | None:
-        """The cache of rollout.anchors (cache, cache_max_prompts), or None when it is off."""
-        return cls(anchors.cache_max_prompts) if anchors.cache else None
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -73,7 +67,7 @@ class AnchorCache:
     def _store(self, key: PromptKey, anchors: list[Sample]) -> None:
         self._anchors[key] = anchors
         self._anchors.move_to_end(key)
-        while len(self._anchors) > self.max_prompts:
+        while len(self._anchors) > self.settings.cache_max_prompts:
             self._anchors.popitem(last=False)
 
     def state_dict(self) -> dict[str, Any]:

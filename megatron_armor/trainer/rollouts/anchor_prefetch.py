@@ -41,29 +41,35 @@ def anchor_key(position: dict[str, Any]) -> tuple:
     return ("anchors", *position.values())
 
 
+class AnchorSampler(Protocol):
+    """The anchor source the thread samples from (trainer/rollouts/anchors.py `AnchorSource`)."""
+
+    def sample(
+        self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters, *, group: dist.ProcessGroup | None,
+    ) -> list[Sample]: ...
+
+
 class AnchorSampling(Protocol):
-    """What the thread needs of a rollout phase (trainer/rollouts/rollout_phase.py `RolloutPhase`)."""
+    """What the thread needs of a rollout phase (trainer/rollouts/rollout_phase.py `RolloutPhase`): its prompt
+    sampler, how it draws a batch of prompts, its seeds and its anchor source."""
 
     sampler: PromptSampler
+    anchors: AnchorSampler
 
     def seed(self, key: tuple, policy: str) -> tuple: ...
 
-    def on_group(self, group: dist.ProcessGroup | None) -> AnchorSampling: ...
-
     def draw_prompts(self, sampler: PromptSampler) -> list[PromptRow]: ...
-
-    def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]: ...
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One generation batch's anchors to sample: its key, prompts and seed, and the phase (its plan, engines and
-    anchor cache at submission) whose `sample_anchors` samples them."""
+    """One generation batch's anchors to sample: its key, prompts and seed (the phase's at submission), and the
+    anchor source that samples them."""
 
     key: tuple
     prompts: list[PromptRow]
     seed: tuple
-    phase: AnchorSampling
+    source: AnchorSampler
 
     @property
     def prompt_ids(self) -> list[list[int]]:
@@ -89,7 +95,7 @@ class AnchorPrefetch:
         """Sample the anchors of the generation batch `key` (its `prompts`, seeded `phase.seed(key, ANCHOR_SEED_TAG)`) on the
         thread; nothing to do if it was submitted (ahead) already, for the same prompts (else RuntimeError: the
         batches drawn ahead are not the ones the generator draws)."""
-        job = _Job(key, prompts, phase.seed(key, ANCHOR_SEED_TAG), phase.on_group(self.group))
+        job = _Job(key, prompts, phase.seed(key, ANCHOR_SEED_TAG), phase.anchors)
         with self._cond:
             if key in self._submitted:
                 if self._submitted[key] != job.prompt_ids:
@@ -135,7 +141,7 @@ class AnchorPrefetch:
                     self._cond.wait_for(lambda: bool(self._jobs))
                     job, self._busy = self._jobs.popleft(), True
                 own = RolloutCounters()
-                anchors = job.phase.sample_anchors(job.prompts, job.seed, own)
+                anchors = job.source.sample(job.prompts, job.seed, own, group=self.group)
                 with self._cond:
                     self._ready[job.key], self._busy = (anchors, own), False
                     self._cond.notify_all()

@@ -6,7 +6,7 @@ reference's weights first into an engine it shares with the actor), or serves th
 (`rollout.anchors.cache`, trainer/rollouts/anchor_cache.py; cleared when the reference changes, carried in the
 trainer's state); `build_groups` keeps a group only with a correct one (`require_anchor`). Its `metrics` are what the
 anchors add to a rollout's. In the overlapped rollout modes the anchors are sampled ahead on a thread of their own
-(trainer/rollouts/anchor_prefetch.py), which calls the rollout phase's `sample_anchors`, i.e. this source.
+(trainer/rollouts/anchor_prefetch.py), which calls this source's `sample` over the thread's process group.
 """
 
 from __future__ import annotations
@@ -33,14 +33,20 @@ if TYPE_CHECKING:
 
 
 class AnchorSource:
-    """The anchors of a run: `ref_n` samples per prompt from `policy` (the reference), through `cache` when there is
-    one. Every rank holds the same source and makes the same calls (collective where it samples)."""
+    """The anchors of a run: `ref_n` samples per prompt from `policy` (the reference) with the rollouts' `sampling`,
+    scored by their `scorer`, through `cache` when there is one; `engine_weights` loads the reference's weights into
+    an engine it shares with the actor. Every rank holds the same source and makes the same calls (collective where
+    it samples)."""
 
     name = ANCHORS
     seed_tag = ANCHOR_SEED_TAG  # the tag of the anchors' sampling seeds (`RolloutPhase.seed`), with their `key`
 
-    def __init__(self, policy: Policy, ref_n: int, cache: AnchorCache | None = None) -> None:
+    def __init__(
+        self, policy: Policy, ref_n: int, cache: AnchorCache | None = None, *, engine_weights: EngineWeights,
+        sampling: SamplingParams, scorer: SampleScorer,
+    ) -> None:
         self.policy, self.ref_n, self.cache = policy, ref_n, cache
+        self.engine_weights, self.sampling, self.scorer = engine_weights, sampling, scorer
 
     @staticmethod
     def key(position: dict[str, Any]) -> tuple:
@@ -49,17 +55,16 @@ class AnchorSource:
         return anchor_key(position)
 
     def sample(
-        self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters, *, engine_weights: EngineWeights,
-        sampling: SamplingParams, scorer: SampleScorer, group: dist.ProcessGroup | None,
+        self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters, *, group: dist.ProcessGroup | None,
     ) -> list[Sample]:
-        """`ref_n` anchors of every prompt, sampled with `sampling` and `seed` over `group` or from the cache; the
-        time (reference pushes included), the pushes and the cache hits count in `counters`."""
+        """`ref_n` anchors of every prompt, sampled with `seed` over `group` (collective) or from the cache; the time
+        (reference pushes included), the pushes and the cache hits count in `counters`."""
         start = time.perf_counter()
 
         def generate(missing: list[PromptRow]) -> list[Sample]:
-            counters.add_push(engine_weights.load(self.policy), anchors=True)
-            return generate_samples(self.policy.engine, missing, self.ref_n, sampling, scorer, is_anchor=True,
-                                    seed=seed, group=group)
+            counters.add_push(self.engine_weights.load(self.policy), anchors=True)
+            return generate_samples(self.policy.engine, missing, self.ref_n, self.sampling, self.scorer,
+                                    is_anchor=True, seed=seed, group=group)
 
         if self.cache is None:
             anchors = generate(prompts)

@@ -9,7 +9,6 @@ batches into the step's `Rollout`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,6 +90,7 @@ class RolloutPhase:
         self.plan, self.models = plan, models
         self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
         self.engine_weights, self.dp_size = engine_weights, dp_size
+        self.anchors = anchors  # the source `anchors_ahead` samples from
         self.extra_sources = {anchors.name: anchors}  # the sources an algorithm may add samples from, by name
         self.group = group
         self.anchors_ahead: AnchorPrefetch | None = None  # set by the overlapped rollout modes
@@ -137,7 +137,8 @@ class RolloutPhase:
             if ahead is not None:
                 return ahead.take(anchor_key(position), counters)
             seeds = [self.seed(source.key(position), source.seed_tag) for source in extras]
-            return [s for source, seed in zip(extras, seeds) for s in self.sample_extra(source, prompts, seed, counters)]
+            return [s for source, seed in zip(extras, seeds)
+                    for s in source.sample(prompts, seed, counters, group=self.group)]
 
         sampler_first = self.models.policy(plan.algorithm.sources.sampler).holds_weights
         extra = [] if sampler_first else sample_extras()
@@ -155,12 +156,6 @@ class RolloutPhase:
         """Whether `generation_batch` takes its anchors from `anchors_ahead`: with a reference engine of its own (a
         shared one samples them after the actor's samples, with the reference's weights swapped in)."""
         return self.anchors_ahead is not None and not self.models.shared_engine
-
-    def on_group(self, group: dist.ProcessGroup | None) -> RolloutPhase:
-        """This phase (its plan as it is now) with its collectives over `group`."""
-        twin = copy.copy(self)
-        twin.group = group
-        return twin
 
     @staticmethod
     def draw_prompts(sampler: PromptSampler) -> list[PromptRow]:
@@ -197,18 +192,6 @@ class RolloutPhase:
             sampler.engine, prompts, self.plan.actor_n, self.sampling, self.scorer, is_anchor=False, seed=seed,
             audit=counters.audit, agent=counters.agent, group=self.group,
         )
-
-    def sample_extra(
-        self, source: AnchorSource, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters,
-    ) -> list[Sample]:
-        """`source`'s samples of every prompt, seeded `seed` (collective)."""
-        return source.sample(prompts, seed, counters, engine_weights=self.engine_weights, sampling=self.sampling,
-                             scorer=self.scorer, group=self.group)
-
-    def sample_anchors(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
-        """The anchors of every prompt, seeded `seed` (collective): what the anchor thread asks for
-        (trainer/rollouts/anchor_prefetch.py)."""
-        return self.sample_extra(self.extra_sources[ANCHORS], prompts, seed, counters)
 
     def metrics(
         self, groups: list[list[Sample]], on_policy: list[Sample], extra: list[Sample], collector: GroupCollector,

@@ -32,35 +32,28 @@ from megatron_armor.utils.seeding import stable_seed
 RewardFn = Callable[[str, dict], tuple[float, bool]]
 
 
-@dataclass(frozen=True)
-class OverlongPenalty:
-    """DAPO soft overlong penalty settings; buffer_length 0 disables it."""
-
-    max_response_length: int
-    buffer_length: int = 0
-    factor: float = 1.0
-
-    @classmethod
-    def from_config(cls, reward: RewardConfig, max_response_length: int) -> OverlongPenalty:
-        """The penalty of the reward section for responses of at most `max_response_length` tokens."""
-        return cls(max_response_length, reward.overlong_buffer_for(max_response_length), reward.overlong_factor)
-
-
 class SampleScorer:
     """Turns engine generations into scored `Sample`s (decode, verify, overlong penalty); with `audits`, also
     judges them by the audit verifiers (`audit`), which never change a sample's reward. `respond` samples one
     completion per prompt; a multi-turn run's scorer samples a trajectory instead (trainer/rollouts/trajectories.py).
+
+    With `reward` (the reward section) a response of L tokens also gets DAPO's soft overlong penalty
+    (rewards/overlong.py) for responses of at most `max_response_length` tokens (rollout.sampling.max_new_tokens):
+    the section's `overlong_buffer_for(max_response_length)` and `overlong_factor`; without it (validation, the
+    MIPU gate), none.
     """
 
     rolls_out_trajectories: ClassVar[bool] = False  # whether `respond` counts trajectories into its `agent` counts
 
     def __init__(
-        self, tokenizer, reward_fn: RewardFn, overlong: OverlongPenalty | None = None,
+        self, tokenizer, reward_fn: RewardFn, reward: RewardConfig | None = None, *, max_response_length: int = 0,
         audits: AuditVerifiers = AuditVerifiers(),
     ) -> None:
+        if reward is not None and max_response_length < 1:
+            raise ValueError(f"the overlong penalty needs max_response_length >= 1, got {max_response_length}")
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
-        self.overlong = overlong
+        self.reward, self.max_response_length = reward, max_response_length
         self.audits = audits
 
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
@@ -90,10 +83,11 @@ class SampleScorer:
     def __call__(self, prompt: PromptRow, response_ids, logprobs, finish_reason: str, *, is_anchor: bool,
                  routed_experts=None, token_versions=None) -> Sample:
         reward, correct = score(self.reward_fn, self.response_text(response_ids, finish_reason), prompt.row)
-        if self.overlong is not None and self.overlong.buffer_length > 0:
-            reward += overlong_penalty(
-                len(response_ids), self.overlong.max_response_length, self.overlong.buffer_length, self.overlong.factor
-            )
+        if self.reward is not None:
+            buffer = self.reward.overlong_buffer_for(self.max_response_length)
+            if buffer > 0:
+                reward += overlong_penalty(len(response_ids), self.max_response_length, buffer,
+                                           self.reward.overlong_factor)
         return Sample(
             prompt_index=prompt.index,
             prompt_ids=list(prompt.prompt_ids),
@@ -155,6 +149,7 @@ def generate_samples(
     *,
     is_anchor: bool,
     seed: int,
+    seed_per_request: bool = False,
     audit: AuditCounts | None = None,
     agent: AgentCounts | None = None,
     group: dist.ProcessGroup | None = None,
@@ -163,15 +158,21 @@ def generate_samples(
 
     A collective over `group` (default: the default process group) when torch.distributed is initialised (the
     background rollouts of rollout.mode one_step_off and async use a group of their own): each rank generates its
-    round-robin share of the requests with a rank-specific seed derived from `seed`, each as the scorer responds
-    (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the scorer's audit verdicts on
-    this rank's share are counted into it before the samples are gathered (sum the counts over ranks for the whole
-    batch's); with `agent`, the share's trajectories (multi-turn runs).
+    round-robin share of the requests with a rank-specific seed derived from `seed`, or with `seed_per_request`
+    each request (prompt p, sample k) with its own, stable_seed(seed, p's dataset index, k): the samples are then
+    the same at any number of ranks (evaluation's; training's rollouts keep the rank seeds). Each request is answered
+    as the scorer responds (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the
+    scorer's audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts
+    over ranks for the whole batch's); with `agent`, the share's trajectories (multi-turn runs).
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
     mine = requests[rank::world]
-    local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
+    if seed_per_request:
+        local_sampling = dataclasses.replace(
+            sampling, seeds=tuple(stable_seed(seed, prompts[p].index, k) for p, k in mine))
+    else:
+        local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
     samples = scorer.respond(engine, [prompts[p] for p, _ in mine], local_sampling, is_anchor=is_anchor, agent=agent)
     if audit is not None:
         for (p, _), sample in zip(mine, samples):

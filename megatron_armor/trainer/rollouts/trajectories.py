@@ -58,10 +58,11 @@ class TrajectoryScorer(SampleScorer):
                                   max_invalid_turns=settings.max_invalid_turns, on_drift="keep")
 
     @classmethod
-    def from_config(cls, settings: AgenticConfig, tokenizer: PreTrainedTokenizerBase, *, in_process: bool,
-                    audits: AuditVerifiers = AuditVerifiers()) -> TrajectoryScorer:
-        """The scorer of rollout.agentic (its environment set): the environment class loaded, the tokenizer copied
-        with the chat template file when one is named, the end-of-turn token (else EOS) as the stop token."""
+    def load(cls, settings: AgenticConfig, tokenizer: PreTrainedTokenizerBase, *, in_process: bool,
+             audits: AuditVerifiers = AuditVerifiers()) -> TrajectoryScorer:
+        """The scorer of rollout.agentic (its environment set), what the section names loaded: the environment class,
+        the tokenizer copied with the chat template file when one is named, the end-of-turn token (else EOS) as the
+        stop token (the section itself is kept whole, not copied)."""
         if settings.chat_template is not None:
             tokenizer = copy.deepcopy(tokenizer)
             tokenizer.chat_template = Path(settings.chat_template).read_text()

@@ -4,6 +4,7 @@ step's settings and the `RLTrainer` (collective: every rank builds its own in th
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import (
     ModelShape, MoERouting, check_parallel_layout, load_model_shape,
 )
+from megatron_armor.models.lora import adapters_disabled, apply_lora
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -39,7 +41,7 @@ from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.colocation.offload import TrainerOffload
 from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
-from megatron_armor.trainer.rollouts.samples import OverlongPenalty, SampleScorer
+from megatron_armor.trainer.rollouts.samples import SampleScorer
 from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
@@ -95,7 +97,7 @@ def build_training(
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
         actor=Policy(ACTOR, trainer_models.ddp, actor_engine),
-        ref=Policy(REFERENCE, trainer_models.ref, ref_engine, checkpoint_prefix="ref."),
+        ref=_reference(trainer_models, ref_engine),
         optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
@@ -105,7 +107,7 @@ def build_training(
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
     gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, gate_scorer, sampling)
-    anchor_cache = AnchorCache.from_config(cfg.rollout.anchors)
+    anchor_cache = AnchorCache(cfg.rollout.anchors) if cfg.rollout.anchors.cache else None
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
@@ -122,10 +124,19 @@ def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScor
     trajectory of that environment each (trainer/rollouts/trajectories.py)."""
     agentic = cfg.rollout.agentic
     if agentic.environment is not None:
-        return TrajectoryScorer.from_config(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
-                                            audits=rewards.audits)
-    overlong = OverlongPenalty.from_config(cfg.reward, cfg.rollout.sampling.max_new_tokens)
-    return SampleScorer(tokenizer, rewards.train, overlong, rewards.audits)
+        return TrajectoryScorer.load(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
+                                     audits=rewards.audits)
+    return SampleScorer(tokenizer, rewards.train, cfg.reward, max_response_length=cfg.rollout.sampling.max_new_tokens,
+                        audits=rewards.audits)
+
+
+def _reference(models: TrainerModels, engine: RolloutEngine) -> Policy:
+    """The reference policy: its own frozen model, or under LoRA (no `models.ref`) the actor's model with the adapters
+    off (`models.lora.adapters_disabled`): the base, which no second model holds."""
+    if models.ref is None:
+        return Policy(REFERENCE, models.ddp, engine, checkpoint_prefix="ref.",
+                      view=functools.partial(adapters_disabled, models.ddp))
+    return Policy(REFERENCE, models.ref, engine, checkpoint_prefix="ref.")
 
 
 def _memory_handoff(cfg: ArmorConfig, actor_engine: RolloutEngine, ref_engine: RolloutEngine) -> MemoryHandoff | None:
@@ -152,12 +163,13 @@ def _prompt_rows(cfg: ArmorConfig, paths: TaskPaths, tokenizer) -> tuple[list[Pr
 
 @dataclass
 class TrainerModels:
-    """A rank's models: the DDP-wrapped actor and its optimizer, the frozen reference, the OPD teacher, the
+    """A rank's models: the DDP-wrapped actor (with model.lora, its adapters only trainable) and its optimizer, the
+    frozen reference (none under LoRA), the OPD teacher, the
     subspace constraint over the actor's weights, and the offload of them all (rollout.memory.offload_trainer)."""
 
     ddp: torch.nn.Module
     optimizer: Any
-    ref: torch.nn.Module
+    ref: torch.nn.Module | None  # None under LoRA: the reference is the actor's model with its adapters off
     teacher: TeacherScorer | None
     constraint: SubspaceConstraint | None
     offload: TrainerOffload | None
@@ -177,9 +189,13 @@ def _build_models(
         moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
         actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=cfg.recompute,
                                sequence_parallel=sequence_parallel, moe=moe)
+        lora = cfg.model.lora
+        if lora.enabled:
+            apply_lora(actor, lora, seed=cfg.train.seed)
         ddp, optimizer = wrap_for_training(
             actor, cfg.optimizer, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.subspace, cfg.rollout.memory))
-        ref = load_gpt_model(paths.ref_path, shape, params_dtype=dtype, sequence_parallel=sequence_parallel)
+        ref = None if lora.enabled else load_gpt_model(paths.ref_path, shape, params_dtype=dtype,
+                                                        sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.sources.uses(TEACHER) else None
         constraint = subspace_constraint(ddp.module, cfg.subspace.k, cfg.subspace.mode) if cfg.subspace.enabled else None
         offload = None
@@ -188,7 +204,8 @@ def _build_models(
             offload = TrainerOffload(ddp, optimizer, frozen, constraint)
             offload.park()
         elif _pushes_cpu_weights_by_handle(cfg):  # the models this rank pushes to servers (engines: actor, ref)
-            pushed = [module for module, engine in zip((ddp.module, ref), engines) if engine.pushes_weights]
+            pushed = [module for module, engine in zip((ddp.module, ref), engines)
+                      if module is not None and engine.pushes_weights]
             moved = share_storages(itertools.chain.from_iterable(parameters_exported_as_views(m, shape) for m in pushed))
             if pushed:
                 log.info("weights in shared memory for per-tensor pushes: %.1f MiB", moved / 2**20)

@@ -3,7 +3,7 @@
 Every rank loads each checkpoint into an in-process engine (`LocalEngines`), or rank 0 into SGLang servers all
 ranks share (`SGLangEngines`), and generates its round-robin share of every dataset's requests; rank 0 writes the outputs (evaluation/writers.py).
 A checkpoint of step N is sampled with the seed validation after step N used, (seed, N, "val"): with the run's
-train.seed and as many ranks as the run had, its numbers are those the run logged.
+train.seed its numbers are those the run logged, at any number of ranks (either side's).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
     if not (model_path / "config.json").is_file():
         make_tiny_checkpoint(model_path, arch="qwen2", seed=cfg.train.seed)
     teacher_path = cfg.opd.teacher_path
-    if cfg.task.warm_start_steps > 0:
+    if cfg.task.warm_start.steps > 0:
         warm = _warm_start(model_path, train_rows, val_rows, cfg)
         if needs_teacher and teacher_path is None:
             teacher_path = str(warm)  # distil the warm start into the untrained model
@@ -73,8 +73,8 @@ def _prepare(cfg: ArmorConfig, needs_teacher: bool) -> TaskPaths:
 
 
 def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], cfg: ArmorConfig) -> Path:
-    from megatron_armor.trainer.run.warmstart import WarmStartConfig, cached_warm_start
+    from megatron_armor.trainer.run.warmstart import Demonstrations, cached_warm_start
 
-    warm_start = WarmStartConfig.from_config(cfg.task, cfg.rollout.agentic, seed=cfg.train.seed)
-    result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", warm_start)
+    result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", cfg.task.warm_start,
+                               seed=cfg.train.seed, demonstrations=Demonstrations.from_config(cfg.rollout.agentic))
     return Path(result.path)

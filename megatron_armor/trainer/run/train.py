@@ -21,6 +21,7 @@ from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.checkpointing.checkpoint import guard_run_dir, load_checkpoint, saved_modules
 from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.checkpointing.lora_base import LoRABase
 from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.guard.reference_reset import ReferenceReset
@@ -89,7 +90,9 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                             best=best)
     guard = _guard(ctx, cfg, setup, paths, best, saver)
-    start_step, ref_restored = (_resume(trainer, guard.trackers, resume_from, cfg, paths) if resume_from is not None
+    # a LoRA run's checkpoints name the base their adapters belong to; a resume on another base is refused
+    trackers = [*guard.trackers, *([LoRABase.of(paths.model_path)] if cfg.model.lora.enabled else [])]
+    start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
                                                  ref_restored=ref_restored))
@@ -119,7 +122,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
         metrics_log.log(done, metrics)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.2f}", clip=f"{metrics.get('loss/clip_fraction', 0):.3f}")
         if saving:
-            checkpoint = _save(saver, trainer, guard.trackers, setup.models, cfg, paths, done)
+            checkpoint = _save(saver, trainer, trackers, setup.models, cfg, paths, done)
         if stop or alarms:
             _finish(trainer, saver, metrics_log)
             raise (TooManySkipsError(done, trainer.consecutive_skips, limit, checkpoint) if stop

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_armor.agentic.environment import load_environment
 from megatron_armor.agentic.render import ChatRenderer, TemplateError
-from megatron_armor.config import AgenticConfig, TaskConfig
+from megatron_armor.config import AgenticConfig, WarmStartConfig
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.arithmetic import verify
 from megatron_armor.rollout.base import SamplingParams
@@ -34,29 +34,20 @@ COMPLETE_MARKER = "WARM_START_COMPLETE"
 
 
 @dataclass(frozen=True)
-class WarmStartConfig:
-    steps: int = 400  # maximum optimizer steps
-    lr: float = 3e-3
-    batch_size: int = 64
-    target_accuracy: float = 0.5  # stop once sampled (T=1) accuracy on held-out rows reaches this
-    eval_every: int = 50
-    eval_rows: int = 64
-    seed: int = 0
-    tool_fraction: float = 0.0  # rows shown as the environment's demonstration (`ToolDemonstrations`)
-    environment: str | None = None  # the environment class (module:Class or file.py:Class) of those
-    chat_template: str | None = None  # the Jinja template (its text) they are rendered with; None: the tokenizer's
+class Demonstrations:
+    """Where tool demonstrations come from: the environment class (module:Class or file.py:Class) whose
+    `demonstration(row)` they are, and the chat template's text they are rendered with (None: the tokenizer's)."""
+
+    environment: str
+    chat_template: str | None = None
 
     @classmethod
-    def from_config(cls, task: TaskConfig, agentic: AgenticConfig, *, seed: int) -> WarmStartConfig:
-        """The synthetic task's warm start: task.warm_start_steps at most, until task.warm_start_target_accuracy;
-        task.warm_start_tool_fraction of its rows demonstrated by rollout.agentic's environment and chat template."""
-        demonstrations = {}
-        if task.warm_start_tool_fraction > 0:
-            template = agentic.chat_template and Path(agentic.chat_template).read_text()
-            demonstrations = dict(tool_fraction=task.warm_start_tool_fraction, environment=agentic.environment,
-                                  chat_template=template)
-        return cls(steps=task.warm_start_steps, target_accuracy=task.warm_start_target_accuracy, seed=seed,
-                   **demonstrations)
+    def from_config(cls, agentic: AgenticConfig) -> Demonstrations | None:
+        """rollout.agentic's environment and chat template (its file read), or None without an environment."""
+        if agentic.environment is None:
+            return None
+        template = Path(agentic.chat_template).read_text() if agentic.chat_template else None
+        return cls(agentic.environment, template)
 
 
 @dataclass(frozen=True)
@@ -139,18 +130,21 @@ def _sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class _Examples:
-    """The warm start's example of each training row, made once: its demonstration (a `cfg.tool_fraction` of the rows,
+    """The warm start's example of each training row, made once: its demonstration (a `tool_fraction` of the rows,
     drawn with `rng`) or its worked solution."""
 
-    def __init__(self, tokenizer, rows: list[dict], cfg: WarmStartConfig, rng: random.Random) -> None:
+    def __init__(self, tokenizer, rows: list[dict], tool_fraction: float, demonstrations: Demonstrations | None,
+                 rng: random.Random) -> None:
         self.tokenizer, self.rows = tokenizer, rows
         self.demonstrations = None
-        if cfg.tool_fraction > 0:
-            if cfg.chat_template is not None:
+        if tool_fraction > 0:
+            if demonstrations is None:
+                raise ValueError("task.warm_start.tool_fraction > 0 needs demonstrations (rollout.agentic.environment)")
+            if demonstrations.chat_template is not None:
                 self.tokenizer = tokenizer = copy.deepcopy(tokenizer)
-                tokenizer.chat_template = cfg.chat_template
-            self.demonstrations = ToolDemonstrations(tokenizer, cfg.environment)
-        self.demonstrated = [rng.random() < cfg.tool_fraction for _ in rows]
+                tokenizer.chat_template = demonstrations.chat_template
+            self.demonstrations = ToolDemonstrations(tokenizer, demonstrations.environment)
+        self.demonstrated = [rng.random() < tool_fraction for _ in rows]
         self._made: dict[int, Example] = {}
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,16 +155,18 @@ class _Examples:
         return _padded([self._made[i] for i in indices], self.tokenizer.pad_token_id)
 
 
-def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg: WarmStartConfig, *,
+def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg: WarmStartConfig, *, seed: int,
+               demonstrations: Demonstrations | None = None,
                progress: bool = True) -> WarmStartResult:
-    """SFT `model_dir` on `rows` (dicts with prompt/solution/answer) and save to `out_dir` atomically."""
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
+    """SFT `model_dir` on `rows` (dicts with prompt/solution/answer) as `cfg` (task.warm_start) says, seeded by
+    `seed`, a `cfg.tool_fraction` of them shown as `demonstrations`, and save to `out_dir` atomically."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     held_out, train_rows = rows[: cfg.eval_rows], rows[cfg.eval_rows :] or rows
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    examples = _Examples(tokenizer, train_rows, cfg, random.Random(cfg.seed + 1))
+    examples = _Examples(tokenizer, train_rows, cfg.tool_fraction, demonstrations, random.Random(seed + 1))
     accuracy, step = 0.0, 0
     bar = tqdm(range(cfg.steps), desc="warm start", disable=not progress, dynamic_ncols=True)
     for step in bar:
@@ -182,7 +178,7 @@ def warm_start(model_dir: str | Path, rows: list[dict], out_dir: str | Path, cfg
         optimizer.step()
         if (step + 1) % cfg.eval_every == 0:
             model.eval()
-            accuracy = sampled_accuracy(model, tokenizer, held_out, seed=cfg.seed + step)
+            accuracy = sampled_accuracy(model, tokenizer, held_out, seed=seed + step)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
             if accuracy >= cfg.target_accuracy:
                 break
@@ -206,14 +202,18 @@ def _directory_hash(path: Path) -> str:
 
 
 def cached_warm_start(model_dir: str | Path, rows: list[dict], cache_root: str | Path, cfg: WarmStartConfig, *,
+                      seed: int, demonstrations: Demonstrations | None = None,
                       progress: bool = True) -> WarmStartResult:
-    """`warm_start`, reusing a complete earlier result for the same model, rows and settings."""
+    """`warm_start`, reusing a complete earlier result for the same model, rows, settings, seed and (when shown)
+    demonstrations."""
+    shown = asdict(demonstrations) if demonstrations is not None and cfg.tool_fraction > 0 else None
+    settings = {**asdict(cfg), "seed": seed, "demonstrations": shown}
     key = hashlib.sha256(
-        json.dumps([_directory_hash(Path(model_dir)), asdict(cfg), rows], sort_keys=True).encode()
+        json.dumps([_directory_hash(Path(model_dir)), settings, rows], sort_keys=True).encode()
     ).hexdigest()[:16]
     out = Path(cache_root) / key
     marker = out / COMPLETE_MARKER
     if marker.is_file():
         return WarmStartResult(**json.loads(marker.read_text()))
     out.parent.mkdir(parents=True, exist_ok=True)
-    return warm_start(model_dir, rows, out, cfg, progress=progress)
+    return warm_start(model_dir, rows, out, cfg, seed=seed, demonstrations=demonstrations, progress=progress)

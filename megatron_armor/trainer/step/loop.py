@@ -79,11 +79,12 @@ class RLTrainer:
         self.ctx, self.models, self.plan, self.sampler = ctx, models, plan, sources.sampler
         self.scoring, self.optim = scoring, optim
         self.gate = parts.gate
-        # ARMOR's anchors: the rollout source an algorithm may ask for (ARMOR, or a run the anchor action switched)
-        self.anchors = AnchorSource(models.ref, plan.ref_n, parts.anchor_cache)
         self.constraint, self.constraint_capture_step = parts.constraint, parts.constraint_capture_step
         self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
+        # ARMOR's anchors: the rollout source an algorithm may ask for (ARMOR, or a run the anchor action switched)
+        self.anchors = AnchorSource(models.ref, plan.ref_n, parts.anchor_cache, engine_weights=self.engine_weights,
+                                    sampling=sources.sampling, scorer=sources.scorer)
         # partial rollouts: the rollout phase samples through an engine a weight push pauses (the schedule's)
         phase_models = (dataclasses.replace(models, actor=dataclasses.replace(
             models.actor, engine=PausableEngine(models.actor.engine))) if plan.partial_rollouts else models)

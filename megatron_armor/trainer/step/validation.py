@@ -1,8 +1,9 @@
 """Evaluate datasets on a rollout engine: validation during training and `armor eval` both run this.
 
 Each dataset's prompts are sampled n times through `generate_samples` (the requests dealt round-robin over the
-ranks, each rank seeded from the call's seed and its rank, as training's rollouts are), scored by the dataset's
-reward function, and turned into `SampleRecord`s and the dataset's metrics (evaluation/scores.py).
+ranks, each request seeded from the call's seed, the dataset's name, its prompt's index and its sample index, so
+the samples and metrics are the same at any number of ranks), scored by the dataset's reward function, and turned
+into `SampleRecord`s and the dataset's metrics (evaluation/scores.py).
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ class DatasetResult:
 
 def evaluate_set(engine: RolloutEngine, eval_set: EvalSet, *, seed: tuple) -> DatasetResult:
     """Sample, score and measure `eval_set` on `engine` (collective when torch.distributed is initialised: every
-    rank returns the whole result). The same `seed` and number of ranks give the same samples."""
+    rank returns the whole result). The same `seed` gives the same samples at any number of ranks."""
     dataset, scorer = eval_set.dataset, eval_set.scorer
     samples = generate_samples(engine, eval_set.rows, dataset.n, eval_set.sampling, scorer, is_anchor=False,
-                               seed=seed)
+                               seed=stable_seed(*seed, dataset.name), seed_per_request=True)
     records = []
     for i, sample in enumerate(samples):
         text = scorer.response_text(sample.response_ids, sample.finish_reason)

@@ -12,7 +12,12 @@ from megatron_armor.scoring.routes import REPLAY_MODES, ReplayMode
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What every RL step does: the algorithm object (what it needs, its loss and hooks) and the batch geometry."""
+    """What every RL step does: the algorithm object (what it needs, its loss and hooks) and the batch geometry.
+
+    It joins the train, rollout and algorithm sections with the algorithm object, which fixes some of them (actor_n:
+    `Algorithm.on_policy_samples`): the step's phases read one plan, and the anchor action swaps the whole plan
+    when it switches the algorithm (trainer/guard/anchor_switch.py).
+    """
 
     algorithm: Algorithm
     train_batch_size: int  # prompts per step

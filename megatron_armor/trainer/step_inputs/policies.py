@@ -8,7 +8,8 @@ of its sampling seeds) and the key an algorithm names it by (`algorithms.ACTOR` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,9 @@ class Policy:
     under it when that is not `model`'s own forward: the OPD teacher's, in-process or a server),
     `checkpoint_prefix` (its tensors' key prefix in a checkpoint's sharded state, "" for the actor's) and
     `holds_weights` (its engine holds its current weights: engines start with them, and one engine shared by two
-    policies holds one's at a time; `colocation.EngineWeights` keeps it, the same on every rank)."""
+    policies holds one's at a time; `colocation.EngineWeights` keeps it, the same on every rank).
+    `view` is the context `model` computes this policy in (scores, exported weights): as it is by default; the
+    reference of a LoRA run is the actor's model with its adapters off (`models.lora.adapters_disabled`)."""
 
     name: str
     model: torch.nn.Module | None
@@ -38,6 +41,7 @@ class Policy:
     scorer: TeacherScorer | None = None
     checkpoint_prefix: str = ""
     holds_weights: bool = True
+    view: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @property
     def module(self) -> torch.nn.Module:
@@ -46,7 +50,8 @@ class Policy:
 
     def hf_weights(self, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
         """Its current weights, TP- and PP-gathered and HF-named: what a push sends its engine (collective)."""
-        return gather_all_stages_hf_weights(self.module, shape)
+        with self.view():
+            yield from gather_all_stages_hf_weights(self.module, shape)
 
     def state_dict(self) -> dict[str, Any]:
         """Its model's state dict (the actor's DDP-wrapped: Megatron's keys, no prefix)."""
@@ -67,7 +72,8 @@ class Policy:
         model-parallel group): its `scorer`'s, else its model's forward in `micro_batching` micro-batches."""
         if self.scorer is not None:
             return self.scorer.score(batch)
-        return compute_logprobs(self.model, batch, micro_batching=micro_batching, scoring=scoring).logprobs
+        with self.view():
+            return compute_logprobs(self.model, batch, micro_batching=micro_batching, scoring=scoring).logprobs
 
 
 @dataclass

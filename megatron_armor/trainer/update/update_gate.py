@@ -46,7 +46,9 @@ class InferenceGapGate:
         cls, config: UpdateGateConfig, held_out: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *,
         seed: int, adv_eps: float,
     ) -> InferenceGapGate:
-        """The gate over `held_out` prompts (the validation rows), with its own resumable sampler of them."""
+        """The gate over `held_out` prompts (the validation rows), with its own resumable sampler of them. The rule
+        that ties the algorithm's gate to the validation set (enough held-out prompts) lives here, with the component
+        that needs both."""
         if len(held_out) < config.prompts:
             raise ValueError(
                 f"the update gate needs mipu.gate_prompts ({config.prompts}) held-out prompts, the validation set has "

@@ -1,0 +1,79 @@
+"""`model.lora`: low-rank adapters (LoRA, Hu et al. 2021) on the actor's linear layers, the base weights frozen.
+
+The section is what `models.lora.apply_lora` builds the adapters from; no other class repeats its fields. Rank 0
+(the default) is full fine-tuning: no adapter is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_armor.config.base import doc, require
+
+if TYPE_CHECKING:
+    from megatron_armor.config.algorithm import AlgorithmConfig
+    from megatron_armor.config.monitor import MonitorConfig
+    from megatron_armor.config.rollout import MemoryHandoffConfig
+
+# Megatron's names of the linear layers an adapter can sit on: attention's fused QKV (column-parallel) and output
+# projection (row-parallel), the MLP's fused gate/up (column) and down (row) projections.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Which linear layers get an adapter `W x + (alpha / rank) B A x` and its shape; A `[rank, in]` drawn
+    kaiming-uniform, B `[out, rank]` zero, so the adapted model starts as the base."""
+
+    rank: int = doc(0, "adapter rank r; 0: no adapters, every weight is trained")
+    alpha: float = doc(16.0, "scale numerator: the adapter adds (alpha / rank) B A x")
+    dropout: float = doc(0.0, "dropout probability on the adapter's input (training only)")
+    target_modules: list[str] = doc(
+        list(LORA_TARGETS), f"Megatron names of the adapted linear layers, any of {list(LORA_TARGETS)} (the MLP's fc1 "
+        "is the fused gate/up projection)"
+    )
+    experts: bool = doc(
+        False, "MoE models: the routed experts' linear_fc1 / linear_fc2 (those in target_modules) get adapters too "
+        "(needs parallel.expert_tensor_parallel_size 1); shared experts are adapted as dense MLPs"
+    )
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 0, f"model.lora.rank must be >= 0 (0: no adapters), got {self.rank}")
+        require(self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
+        require(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        require(not unknown, f"model.lora.target_modules: {unknown} name no adaptable layer; choose from "
+                             f"{list(LORA_TARGETS)}")
+        require(not self.enabled or bool(self.target_modules),
+                "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
+
+    def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
+                   memory: MemoryHandoffConfig, subspace_enabled: bool) -> None:
+        """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
+        (model.ref_path, reference resets, the monitor's anchor actions: not yet adapter resets); trainer offload
+        and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
+        section imports this one's) read or move whole weights and do not know adapters yet."""
+        if not self.enabled:
+            return
+        refused = (  # (what, whether the run uses it, how to turn it off)
+            ("model.ref_path", ref_path is not None, "unset it"),
+            ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
+            ("monitor.actions anchor / anchor_keep", monitor.anchors, "choose warn or stop"),
+            ("monitor.reference_reset", monitor.reference_reset, "set it to false"),
+            ("rollout.memory.offload_trainer", memory.offload_trainer, "set it to false"),
+            ("subspace.capture_step", subspace_enabled, "unset it"),
+        )
+        for name, used, fix in refused:
+            require(not used, f"model.lora (rank {self.rank}) does not work with {name} yet: under LoRA the reference "
+                              f"is model.path with the adapters off, and only the adapters train; {fix}")
+
+    @property
+    def enabled(self) -> bool:
+        """Adapters are built (rank > 0)."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the factor on the adapter's output."""
+        return self.alpha / self.rank

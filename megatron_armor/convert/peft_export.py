@@ -1,0 +1,77 @@
+"""A LoRA actor's adapters in Hugging Face PEFT's format: `adapter_config.json` + `adapter_model.safetensors`, which
+`peft.PeftModel.from_pretrained` loads onto the HF base model (the package itself never imports peft).
+
+Each Megatron adapter becomes the adapters of the HF linear layers its layer fuses, through the parameter mapping of
+the layer's weight (`convert.mapping`): a fused QKV's B `[q + 2kv, r]` is split as the weight is into q_proj's,
+k_proj's and v_proj's B, each with the same A; a gated fc1's B `[2f, r]` into gate_proj's and up_proj's; proj and
+fc2 map one to one (o_proj, down_proj). PEFT's scale is lora_alpha / r, as here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from safetensors.torch import save_file
+
+from megatron_armor.config import LoRAConfig
+from megatron_armor.convert.mapping import megatron_shards_to_hf
+from megatron_armor.convert.weights import stage_mappings
+from megatron_armor.models.hf_config import ModelShape
+from megatron_armor.models.lora import ADAPTER_SUFFIX, LoRAAdapter
+
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
+
+
+def peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapters under PEFT's names (`base_model.model.<HF layer>.lora_A.weight` `[r, in]`,
+    `.lora_B.weight` `[out, r]`), whole (collective over the TP group). Routed experts' adapters are refused: PEFT
+    names experts per family and this export does not map them yet."""
+    mappings = {m.megatron_name: m for m in stage_mappings(model, shape)}
+    out = {}
+    for name, adapter in model.named_modules():
+        if not isinstance(adapter, LoRAAdapter):
+            continue
+        if ".experts." in name:
+            raise ValueError(f"{name}: the PEFT export does not map the routed experts' adapters yet")
+        mapping = mappings[f"{name.removesuffix(ADAPTER_SUFFIX)}.weight"]
+        a, b = adapter.full_factors()
+        for hf_name, hf_b in zip(mapping.hf_names, megatron_shards_to_hf(mapping, [b], shape), strict=True):
+            layer = PEFT_PREFIX + hf_name.removesuffix(".weight")
+            out[f"{layer}.lora_A.weight"] = a.clone()  # one copy per HF layer: safetensors stores no shared memory
+            out[f"{layer}.lora_B.weight"] = hf_b.contiguous()
+    return out
+
+
+def peft_config(lora: LoRAConfig, tensors: dict[str, torch.Tensor], base_model: str) -> dict:
+    """PEFT's `adapter_config.json` for `tensors` (from `peft_tensors`): the HF layer names they adapt, rank, alpha,
+    dropout, and the base model they belong to."""
+    targets = sorted({key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in tensors
+                      if key.endswith(".lora_A.weight")})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}
+
+
+def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_dir: str | Path,
+                      base_model: str) -> Path | None:
+    """Write the adapters of every pipeline stage in PEFT's format to `out_dir` (collective over TP and PP; the first
+    rank of the model-parallel group writes, and returns `out_dir`; the others None). `base_model` is recorded
+    as the base they belong to (`base_model_name_or_path`)."""
+    tensors = {key: value.cpu() for key, value in peft_tensors(model, shape).items()}
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, tensors, group=group)
+        tensors = {key: value for stage in stages for key, value in stage.items()}
+    if parallel_state.get_model_parallel_group().rank() != 0:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, tensors, base_model), indent=2))
+    return out
