@@ -76,5 +76,5 @@ def _warm_start(model_path: Path, train_rows: list[dict], val_rows: list[dict], 
     from megatron_armor.trainer.run.warmstart import Demonstrations, cached_warm_start
 
     result = cached_warm_start(model_path, train_rows, Path(cfg.task.cache_dir) / "warm-start", cfg.task.warm_start,
-                               seed=cfg.train.seed, demonstrations=Demonstrations.from_config(cfg.rollout.agentic))
+                               seed=cfg.train.seed, demonstrations=Demonstrations.load(cfg.rollout.agentic))
     return Path(result.path)

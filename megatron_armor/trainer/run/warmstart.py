@@ -42,8 +42,9 @@ class Demonstrations:
     chat_template: str | None = None
 
     @classmethod
-    def from_config(cls, agentic: AgenticConfig) -> Demonstrations | None:
-        """rollout.agentic's environment and chat template (its file read), or None without an environment."""
+    def load(cls, agentic: AgenticConfig) -> Demonstrations | None:
+        """What rollout.agentic names, loaded: its environment and its chat template's text (the file read), or None
+        without an environment."""
         if agentic.environment is None:
             return None
         template = Path(agentic.chat_template).read_text() if agentic.chat_template else None
