@@ -18,6 +18,7 @@ HARDWARE = {
     "glm-4.5-air/armor.yaml": (128, 141),  # 16 nodes x 8 H200 (141 GB)
     "deepseek-v3/armor.yaml": (384, 141),  # 48 nodes x 8 H200 (141 GB)
     "qwen3-1.7b/mipu.yaml": (8, 80),  # 1 node x 8 H100 (80 GB)
+    "tiny/agentic.yaml": (1, 16),  # one process
     "tiny/armor.yaml": (2, 16),
     "tiny/mipu.yaml": (2, 16),
     "tiny/opd.yaml": (2, 16),
