@@ -31,10 +31,7 @@ fi
 STAMP=".venv/.armor-install-$(sha256sum setup.py | cut -c1-16)"
 if [[ ! -f "$STAMP" ]]; then
     echo "[setup] installing megatron-armor and its dependencies into .venv (first run: a few minutes; log: .venv/install.log)"
-    # --no-compile: pip would byte-compile all ~15k .py files of the dependencies (~50 s of CPU here); Python compiles
-    # the few thousand a run imports on first import instead (and caches them in __pycache__ as usual).
-    if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install --no-compile -e .; } \
-            > .venv/install.log 2>&1; then
+    if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install -e .; } > .venv/install.log 2>&1; then
         tail -n 40 .venv/install.log >&2
         echo "error: installing into .venv failed (full log: .venv/install.log)" >&2
         exit 1
