@@ -133,6 +133,20 @@ def current_context() -> DistributedContext:
     )
 
 
+def destroy_model_parallel() -> None:
+    """Tear down Megatron's groups and keep the default process group, so that this process can build another layout.
+
+    Megatron's `parallel_state.destroy_model_parallel` destroys its gloo side groups but only forgets the others:
+    each keeps its backend (for gloo, about three threads and its sockets) for the life of the process, so a process
+    that builds dozens of layouts in turn (the parity checks) would end with thousands of threads polling their
+    sockets. Here every group left but the default one is destroyed as well (torch keeps no public list of groups:
+    `_world.pg_map` is c10d's own).
+    """
+    parallel_state.destroy_model_parallel()
+    for group in [group for group in dist.distributed_c10d._world.pg_map if group is not dist.GroupMember.WORLD]:
+        dist.destroy_process_group(group)
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group (safe to call twice)."""
     if parallel_state.model_parallel_is_initialized():

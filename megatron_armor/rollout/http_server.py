@@ -164,6 +164,11 @@ class LocalSGLangServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    # The listen backlog. socketserver's default of 5 drops the SYNs of a burst of connections (a router
+    # forwarding one request per prompt opens ~100 at once), and each dropped client waits out TCP's SYN
+    # retransmissions (1 + 2 + 4 + 8 + 16 s) before its request fails and is retried. SGLang's own server
+    # (uvicorn) listens with a backlog of 2048; so does this one (the kernel caps it at net.core.somaxconn).
+    request_queue_size = 2048
 
     def __init__(self, state: LocalServerState, routes: dict[str, Callable[[dict[str, Any]], Any]] | None = None) -> None:
         super().__init__((state.host, state.port), _Handler)

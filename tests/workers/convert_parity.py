@@ -18,7 +18,7 @@ from launcher import write_result  # noqa: E402
 
 from megatron_armor.convert.megatron_checkpoint import load_model_weights  # noqa: E402
 from megatron_armor.convert.weights import CheckpointError  # noqa: E402
-from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 
@@ -62,7 +62,7 @@ def main() -> None:
                 first, real = ctx.tp_rank * shard, max(0, min(shard, shape.vocab_size - ctx.tp_rank * shard))
                 diff = (logits[..., :real] - references[hf_dir][..., first : first + real]).abs().max().item()
             result[f"{megatron_dir}|tp{tp}pp{pp}"] = diff
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_distributed(1, 1, seed=0)
     megatron_dir = pairs[0][1]
     shape = load_model_shape(megatron_dir)

@@ -40,7 +40,7 @@ from megatron_armor.data.types import Sample  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
-from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
 from megatron_armor.config import LoRAConfig, OptimizerConfig  # noqa: E402
 from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapters  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
@@ -201,7 +201,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "adapters": adapters, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
-    parallel_state.destroy_model_parallel()  # the next job builds its own layout on the same process group
+    destroy_model_parallel()  # the next job builds its own layout on the same process group
 
 
 out_dir, *jobs = sys.argv[1:]

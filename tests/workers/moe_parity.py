@@ -41,7 +41,7 @@ from megatron_armor.convert.megatron_checkpoint import load_megatron_weights  # 
 from megatron_armor.convert.weights import (  # noqa: E402
     gather_hf_weights, load_hf_weights, parameters_exported_as_views,
 )
-from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.models.tensors import checkpoint_tensors  # noqa: E402
@@ -138,7 +138,7 @@ def run_layout(layout: str, megatron_dirs: dict[str, str], model_dirs: list[str]
                for model_dir in model_dirs}
     results["resharded_equal"] = {model_dir: resharded_equal(megatron_dir, model_dir, tp, ep, etp)
                                   for model_dir, megatron_dir in megatron_dirs.items()}
-    parallel_state.destroy_model_parallel()  # the next layout builds its own groups on the same process group
+    destroy_model_parallel()  # the next layout builds its own groups on the same process group
     return results
 
 

@@ -21,9 +21,8 @@ from launcher import write_result  # noqa: E402
 from saved_bytes import estimated_saved_bytes, measured_saved_bytes  # noqa: E402
 from test_memory import adam_state_bytes, master_weight_bytes  # noqa: E402
 
-from megatron.core import parallel_state  # noqa: E402
 
-from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
+from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.config import OptimizerConfig, RecomputeConfig  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
@@ -82,10 +81,10 @@ def main(out_dir: str, checkpoint: str) -> None:
     planned = state_bytes(shape, Layout(tp=2, dtype_bytes=4))
     tp2_state = [[planned.weights, sum(p.nbytes for p in ddp.module.parameters())],
                  [planned.gradients, sum(b.grad_data.nbytes for b in ddp.buffers)]]
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     initialize_distributed(1, 1, seed=0, context_parallel_size=2)
     activations += context_parallel_activations(shape)
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     initialize_distributed(1, 1, seed=0)  # dp 2
     ddp, optimizer = trained(shape, 1, distributed=True)
     planned = state_bytes(shape, Layout(dp=2, distributed_optimizer=True, dtype_bytes=4))
