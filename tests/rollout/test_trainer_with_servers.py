@@ -61,8 +61,8 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
 
 def test_armor_lora_run_samples_the_actor_and_its_anchors_from_one_server(serving, tiny_model_factory, synthetic_cache,
                                                                         tmp_path, monkeypatch):
-    """ARMOR with LoRA (model.lora.weight_sync adapter) in process against one serve-local server and no reference
-    server: the server loaded an untrained checkpoint, so the trainer pushes the base once (the reference's weights),
+    """ARMOR with LoRA (model.lora.weight_sync adapter) in process against one serve-local server (its HTTP server on
+    loopback, in a thread of this process) and no reference server: the server loaded an untrained checkpoint, so the trainer pushes the base once (the reference's weights),
     then the adapter alone (/load_lora_adapter_from_tensors) after every update; the actor samples with it
     (`lora_path`), ARMOR's anchors come from the same server without it."""
     calls: list[str | None] = []  # the adapter of every sampling call of the server's engine (not health checks)
