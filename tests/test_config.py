@@ -407,3 +407,28 @@ def test_lora_refuses_what_would_make_the_reference_another_model():
             load_config(None, [*base, override])
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['q_proj'\] name no adaptable layer"):
         load_config(None, [*base, "model.lora.target_modules=[q_proj]"])
+
+
+def test_lora_adapter_sync_needs_no_reference_servers_and_merged_sync_does():
+    """model.lora.weight_sync adapter (the default): ARMOR's anchors come from the actor's servers with the adapter
+    off, so reference servers are not needed and are refused if named, as is what the adapter push cannot carry;
+    merged: the actor's servers hold the merged actor, so ARMOR needs reference servers (or the shared engine)."""
+    servers = ["task.synthetic=arithmetic", "model.lora.rank=8", "rollout.backend=sglang",
+               "rollout.sglang.urls=http://h:1"]
+    cfg = load_config(None, servers)
+    assert cfg.model.lora.weight_sync == "adapter" and cfg.model.lora.adapter_sync
+    check_algorithm_config(cfg)  # ARMOR without rollout.sglang.ref_urls
+    refused = {"rollout.sglang.ref_urls=http://h:2": r"rollout.sglang.ref_urls \(http://h:2\): the reference samples",
+               "model.lora.experts=true": "model.lora.experts: the routed experts' adapters",
+               "rollout.memory.release_servers=true": "rollout.memory.release_servers: a release loses the base",
+               "rollout.partial_rollouts=true": "rollout.partial_rollouts: a weight push interrupts"}
+    for override, message in refused.items():
+        extra = ["rollout.mode=async"] if "partial" in override else []
+        with pytest.raises(ConfigError, match=f"weight_sync adapter does not work with {message}.*weight_sync merged"):
+            load_config(None, [*servers, *extra, override])
+    merged = [*servers, "model.lora.weight_sync=merged"]
+    with pytest.raises(ConfigError, match=r"rollout.sglang.ref_urls is required for armor.*weight_sync adapter"):
+        check_algorithm_config(load_config(None, merged))
+    check_algorithm_config(load_config(None, [*merged, "rollout.sglang.ref_urls=http://h:2"]))
+    with pytest.raises(ConfigError, match=r"model.lora.weight_sync: 'both' is not allowed"):
+        load_config(None, [*servers, "model.lora.weight_sync=both"])

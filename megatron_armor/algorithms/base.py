@@ -218,9 +218,10 @@ class Algorithm:
         if ANCHORS in sources.extra_samples:
             require(anchors.ref_n >= 1, f"rollout.anchors.ref_n must be >= 1 for {cls.name}, got {anchors.ref_n}")
             require(cfg.rollout.backend_settings.in_process or anchors.engine == "shared"
-                    or bool(cfg.rollout.sglang.ref_urls),
+                    or cfg.model.lora.adapter_sync or bool(cfg.rollout.sglang.ref_urls),
                     f"rollout.sglang.ref_urls is required for {cls.name} with rollout.backend sglang (servers of the "
-                    f"reference policy), or set rollout.anchors.engine shared to sample anchors from the actor's servers")
+                    f"reference policy), or set rollout.anchors.engine shared to sample anchors from the actor's servers"
+                    f"{' (or model.lora.weight_sync adapter: from their base)' if cfg.model.lora.enabled else ''}")
         else:
             require(anchors.engine == "separate" and not anchors.cache,
                     f"rollout.anchors.engine ({anchors.engine}) and rollout.anchors.cache ({anchors.cache}) apply to "

@@ -7,14 +7,14 @@ The section is what `models.lora.apply_lora` builds the adapters from; no other 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from megatron_armor.config.base import doc, require
+from megatron_armor.config.base import check_choices, doc, require
 
 if TYPE_CHECKING:
     from megatron_armor.config.algorithm import AlgorithmConfig
     from megatron_armor.config.monitor import MonitorConfig
-    from megatron_armor.config.rollout import MemoryHandoffConfig
+    from megatron_armor.config.rollout import RolloutConfig
 
 # Megatron's names of the linear layers an adapter can sit on: attention's fused QKV (column-parallel) and output
 # projection (row-parallel), the MLP's fused gate/up (column) and down (row) projections.
@@ -37,8 +37,15 @@ class LoRAConfig:
         False, "MoE models: the routed experts' linear_fc1 / linear_fc2 (those in target_modules) get adapters too "
         "(needs parallel.expert_tensor_parallel_size 1); shared experts are adapted as dense MLPs"
     )
+    weight_sync: Literal["adapter", "merged"] = doc(
+        "adapter", "what the rollout engines get after each update: adapter (the base is loaded once, then only the "
+        "adapters' tensors are pushed, and the reference samples from the actor's engine with the adapter off: no "
+        "reference engine or servers) | merged (the merged weights W + (alpha / rank) B A, for engines without LoRA; "
+        "the reference then needs an engine of its own or rollout.anchors.engine shared)"
+    )
 
     def __post_init__(self) -> None:
+        check_choices("model.lora", self)
         require(self.rank >= 0, f"model.lora.rank must be >= 0 (0: no adapters), got {self.rank}")
         require(self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
         require(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
@@ -49,11 +56,12 @@ class LoRAConfig:
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
 
     def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
-                   memory: MemoryHandoffConfig, subspace_enabled: bool) -> None:
+                   rollout: RolloutConfig, subspace_enabled: bool) -> None:
         """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
         (model.ref_path, reference resets, the monitor's anchor actions: not yet adapter resets); trainer offload
         and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
-        section imports this one's) read or move whole weights and do not know adapters yet."""
+        section imports this one's) read or move whole weights and do not know adapters yet. Under adapter sync
+        the engines hold the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
         if not self.enabled:
             return
         refused = (  # (what, whether the run uses it, how to turn it off)
@@ -61,12 +69,34 @@ class LoRAConfig:
             ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
             ("monitor.actions anchor / anchor_keep", monitor.anchors, "choose warn or stop"),
             ("monitor.reference_reset", monitor.reference_reset, "set it to false"),
-            ("rollout.memory.offload_trainer", memory.offload_trainer, "set it to false"),
+            ("rollout.memory.offload_trainer", rollout.memory.offload_trainer, "set it to false"),
             ("subspace.capture_step", subspace_enabled, "unset it"),
         )
         for name, used, fix in refused:
             require(not used, f"model.lora (rank {self.rank}) does not work with {name} yet: under LoRA the reference "
                               f"is model.path with the adapters off, and only the adapters train; {fix}")
+        if self.adapter_sync:
+            self.check_adapter_sync_with(rollout)
+
+    def check_adapter_sync_with(self, rollout: RolloutConfig) -> None:
+        """model.lora.weight_sync adapter: the engines keep the base they loaded and the actor's adapter beside it,
+        and the reference (ARMOR's anchors) samples from them with the adapter off, so reference servers would go
+        unused; what the adapter push cannot carry yet (routed experts' adapters, a base lost to a memory release)
+        needs the merged push."""
+        refused = (  # (what, whether the run uses it, why)
+            (f"rollout.sglang.ref_urls ({rollout.sglang.ref_urls})", bool(rollout.sglang.ref_urls),
+             "the reference samples from the actor's servers with the adapter off, so reference servers go unused: "
+             "drop it"),
+            ("model.lora.experts", self.experts, "the routed experts' adapters are not mapped to the engines' LoRA "
+             "layers yet"),
+            ("rollout.memory.release_servers", rollout.memory.release_servers, "a release loses the base the servers "
+             "loaded, which only the first push sends"),
+            ("rollout.partial_rollouts", rollout.partial_rollouts, "a weight push interrupts the engine's generations, "
+             "the base's anchors among them"),
+        )
+        for name, used, why in refused:
+            require(not used, f"model.lora.weight_sync adapter does not work with {name}: {why}; or set "
+                              f"model.lora.weight_sync merged (engines get the merged weights)")
 
     @property
     def enabled(self) -> bool:
@@ -74,6 +104,21 @@ class LoRAConfig:
         return self.rank > 0
 
     @property
+    def adapter_sync(self) -> bool:
+        """Adapters are built and the engines get them alone (weight_sync adapter): the base stays in the engines,
+        and the reference samples from the actor's engine with the adapter off."""
+        return self.enabled and self.weight_sync == "adapter"
+
+    @property
     def scale(self) -> float:
         """alpha / rank, the factor on the adapter's output."""
         return self.alpha / self.rank
+
+    def peft_config(self, target_modules: list[str], base_model: str) -> dict:
+        """Hugging Face PEFT's `adapter_config.json` of these adapters on the HF linear layers `target_modules` (last
+        name components, e.g. q_proj), belonging to `base_model`: what `peft` and SGLang's LoRA loading read (PEFT's
+        scale is lora_alpha / r, as here)."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+                "target_modules": sorted(target_modules), "bias": "none", "fan_in_fan_out": False,
+                "use_rslora": False, "inference_mode": True}

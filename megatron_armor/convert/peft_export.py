@@ -47,14 +47,28 @@ def peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
     return out
 
 
+def peft_target_modules(tensors: dict[str, torch.Tensor] | list[str]) -> list[str]:
+    """The HF layer kinds (last name components, e.g. q_proj) that the PEFT-named `tensors` (or their names) adapt."""
+    return sorted({key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in tensors
+                   if key.endswith(".lora_A.weight")})
+
+
 def peft_config(lora: LoRAConfig, tensors: dict[str, torch.Tensor], base_model: str) -> dict:
     """PEFT's `adapter_config.json` for `tensors` (from `peft_tensors`): the HF layer names they adapt, rank, alpha,
-    dropout, and the base model they belong to."""
-    targets = sorted({key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for key in tensors
-                      if key.endswith(".lora_A.weight")})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}
+    dropout, and the base model they belong to (`LoRAConfig.peft_config`)."""
+    return lora.peft_config(peft_target_modules(tensors), base_model)
+
+
+def all_stages_peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """`peft_tensors` of every pipeline stage, on the CPU, on every rank (collective over TP and PP): the adapters
+    whole, what the PEFT export writes and an adapter-only weight push sends."""
+    tensors = {key: value.cpu() for key, value in peft_tensors(model, shape).items()}
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, tensors, group=group)
+        tensors = {key: value for stage in stages for key, value in stage.items()}
+    return tensors
 
 
 def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_dir: str | Path,
@@ -62,12 +76,7 @@ def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_
     """Write the adapters of every pipeline stage in PEFT's format to `out_dir` (collective over TP and PP; the first
     rank of the model-parallel group writes, and returns `out_dir`; the others None). `base_model` is recorded
     as the base they belong to (`base_model_name_or_path`)."""
-    tensors = {key: value.cpu() for key, value in peft_tensors(model, shape).items()}
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        group = parallel_state.get_pipeline_model_parallel_group()
-        stages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(stages, tensors, group=group)
-        tensors = {key: value for stage in stages for key, value in stage.items()}
+    tensors = all_stages_peft_tensors(model, shape)
     if parallel_state.get_model_parallel_group().rank() != 0:
         return None
     out = Path(out_dir)

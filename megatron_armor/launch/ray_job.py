@@ -77,8 +77,10 @@ class ServerRole:
 
 
 def _separate_anchor_engine(cfg: ArmorConfig, algorithm: Algorithm) -> bool:
-    """ARMOR's anchors sampled by an engine of their own (rollout.anchors.engine separate)."""
-    return ANCHORS in algorithm.step_sources(cfg).extra_samples and cfg.rollout.anchors.engine == "separate"
+    """ARMOR's anchors sampled by an engine of their own (rollout.anchors.engine separate; not under model.lora
+    weight_sync adapter, where they come from the actor's servers with the adapter off)."""
+    return (ANCHORS in algorithm.step_sources(cfg).extra_samples and cfg.rollout.anchors.engine == "separate"
+            and not cfg.model.lora.adapter_sync)
 
 
 ACTOR_SERVERS = ServerRole(
@@ -175,7 +177,7 @@ def _server_spec(
 ) -> ServerConfig:
     """What each server of `role` runs: `job`'s server settings, colocated ones saving GPU memory across hand-offs
     (and their weights, where the role's must survive releases), recording routed experts where the role's are
-    replayed under train.routing_replay."""
+    replayed under train.routing_replay, serving LoRA adapters under model.lora.weight_sync adapter."""
     colocated = job.placement == "colocated"
     return ServerConfig(
         model_path=model_path, kind=job.server_kind, tp_size=job.server_tp_size,
@@ -183,6 +185,7 @@ def _server_spec(
         enable_memory_saver=colocated, extra_args=job.server_args,
         enable_weights_cpu_backup=colocated and role.weights_survive_release,
         return_routed_experts=role.records_routes and REPLAY_MODES[cfg.train.routing_replay].engines_record,
+        max_lora_rank=cfg.model.lora.rank if cfg.model.lora.adapter_sync else 0,
     )
 
 

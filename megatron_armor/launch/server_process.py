@@ -40,6 +40,9 @@ class ServerConfig:
     enable_weights_cpu_backup: bool = False
     # Each generation returns the experts its tokens were routed to (train.routing_replay rollout, MoE models)
     return_routed_experts: bool = False
+    # > 0: LoRA adapters of up to this rank are loaded at run time (model.lora.weight_sync adapter); SGLang needs
+    # --enable-lora with the rank and the adapted layers declared at launch, serve-local takes them without a flag
+    max_lora_rank: int = 0
     extra_args: tuple[str, ...] = ()  # passed through verbatim, e.g. ("--dtype", "bfloat16")
     startup_timeout_s: float = 900.0
     poll_interval_s: float = 2.0  # slime polls /health_generate every 2 s
@@ -72,6 +75,8 @@ def server_command(spec: ServerConfig, *, host: str, port: int, seed: int) -> li
         cmd.append("--enable-memory-saver")
     if spec.enable_weights_cpu_backup:
         cmd.append("--enable-weights-cpu-backup")
+    if spec.max_lora_rank:
+        cmd += ["--enable-lora", "--max-lora-rank", str(spec.max_lora_rank), "--lora-target-modules", "all"]
     return cmd + _routes_flag(spec) + list(spec.extra_args)
 
 

@@ -30,7 +30,9 @@ class EngineSite:
     pad_token_id: the tokenizer's; rank: this process's global rank (an SGLang client's dispatcher starts its
     round-robin there, so ranks spread their requests); placement: where in-process engines run,
     {"device": ..., "dtype": ...} or {} (on the CPU in float32); record_routes: the actor's engine records the
-    experts it routes to (train.routing_replay rollout); log_dir: where routers started here log.
+    experts it routes to (train.routing_replay rollout); log_dir: where routers started here log;
+    reference_engine: False when the reference samples from the actor's engine, which holds the base (model.lora
+    weight_sync adapter): no engine of its own is built.
     """
 
     model_path: str
@@ -40,13 +42,15 @@ class EngineSite:
     placement: dict = field(default_factory=dict)
     record_routes: bool = False
     log_dir: str | None = None
+    reference_engine: bool = True
 
 
 class RolloutBackend:
     """Builds the engines of one backend."""
 
     def engines(self, rollout: RolloutConfig, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
-        """(on-policy engine, anchor engine), one object when rollout.anchors.engine is shared (collective)."""
+        """(on-policy engine, anchor engine), one object when rollout.anchors.engine is shared or the site builds no
+        reference engine (collective)."""
         raise NotImplementedError
 
     def pushes_weights_by_handle(self, rollout: RolloutConfig) -> bool:
@@ -60,7 +64,7 @@ class LocalBackend(RolloutBackend):
 
     def engines(self, rollout: RolloutConfig, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
         actor = local_engine(site.model_path, rollout, site, record_routes=site.record_routes)
-        if rollout.anchors.engine == "shared":
+        if rollout.anchors.engine == "shared" or not site.reference_engine:
             return actor, actor
         return actor, local_engine(site.ref_path, rollout, site)
 
@@ -85,7 +89,7 @@ class SGLangBackend(RolloutBackend):
             shape = load_model_shape(site.model_path)
             actor_client = replace(client, routed_experts_shape=(shape.num_layers, shape.moe_top_k))
         actor = engine(sglang.urls, sglang.router_url, actor_client)
-        ref = engine(sglang.ref_urls, sglang.ref_router_url) if sglang.ref_urls else actor
+        ref = engine(sglang.ref_urls, sglang.ref_router_url) if sglang.ref_urls and site.reference_engine else actor
         return actor, ref
 
     def pushes_weights_by_handle(self, rollout: RolloutConfig) -> bool:

@@ -144,3 +144,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop cached KV/prefix state (`update_weights` does so itself)."""
+
+    def load_lora_adapter(self, name: str, config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (or replace) LoRA adapter `name` beside the weights the engine holds, from Hugging Face PEFT-named
+        tensors (`base_model.model.<layer>.lora_A.weight`, `.lora_B.weight`) and PEFT's config dict (r, lora_alpha,
+        target_modules); an engine with LoRA generates with it when a call names it (`generate(..., lora=name)`),
+        and without any when none is named. By default an engine has no LoRA."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold LoRA adapters: set model.lora.weight_sync "
+                                  f"merged to push merged weights")

@@ -10,10 +10,13 @@ laid out once for oneDNN (`rollout/prepacked_linear.py`).
 engine loads and receives, so its logprobs differ from the trainer's the way production engines do.
 `record_routes` (MoE models) makes every `Generation` carry the experts its tokens were routed to
 (`Generation.routed_experts`, SGLang's layout; `rollout/route_capture.py`).
+LoRA adapters load beside the base weights by name (`load_lora_adapter`, from PEFT-named tensors:
+`rollout/engine_lora.py`); a `generate` call names the adapter it samples with (`lora`), or none: the base.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -30,6 +33,7 @@ from megatron_armor.models.families import model_family
 from megatron_armor.models.tensors import checkpoint_tensors
 from megatron_armor.rollout.kv_cache import PreallocatedCache
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.rollout.engine_lora import EngineAdapters
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 from megatron_armor.rollout.prepacked_linear import drop_layouts, prepack_linears
 from megatron_armor.rollout.route_capture import RouteCapture
@@ -213,6 +217,7 @@ class LocalEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.weight_precision = weight_precision
         self.routes = RouteCapture(model) if record_routes else None
+        self.adapters = EngineAdapters(model)  # after prepacking: their hooks sit on the layers that run
         self._interrupted = threading.Event()  # `interrupt`: every generation in flight or begun stops
         if weight_precision != "fp32":  # round the loaded weights too
             self.update_weights(list(self.named_parameters_hf().items()))
@@ -237,20 +242,21 @@ class LocalEngine(RolloutEngine):
     @torch.no_grad()
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-        abort: Callable[[], Collection[int]] | None = None,
+        abort: Callable[[], Collection[int]] | None = None, lora: str | None = None,
     ) -> list[Generation]:
         """`RolloutEngine.generate`; `abort()` (polled before every decode step) names the prompts (indices into
         `prompts`) to stop now: they come back partial (finish_reason "abort"), as every unfinished one does after
-        `interrupt`."""
+        `interrupt`. `lora` names the loaded adapter to sample with (`load_lora_adapter`); None: the base."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         generators = self._generators(sampling, len(prompts))
         out: list[Generation] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            chunk = prompts[start : start + self.max_batch_size]
-            stopped = self._stopped_rows(abort, start, len(chunk))
-            generator = generators[start : start + len(chunk)] if isinstance(generators, list) else generators
-            out += self._generate_batch(chunk, sampling, generator, stopped)
+        with self.adapters.selected(lora):
+            for start in range(0, len(prompts), self.max_batch_size):
+                chunk = prompts[start : start + self.max_batch_size]
+                stopped = self._stopped_rows(abort, start, len(chunk))
+                generator = generators[start : start + len(chunk)] if isinstance(generators, list) else generators
+                out += self._generate_batch(chunk, sampling, generator, stopped)
         return out
 
     def _generators(self, sampling: SamplingParams, prompts: int) -> torch.Generator | list[torch.Generator] | None:
@@ -363,6 +369,16 @@ class LocalEngine(RolloutEngine):
                 )
         for name, tensor in updates:
             params[name].copy_(quantize_weight(tensor.detach(), self.weight_precision))
+
+    def load_lora_adapter(self, name: str, config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (or replace) LoRA adapter `name` beside the base weights: PEFT-named tensors and PEFT's config dict
+        (`engine_lora.EngineAdapters.load`; rounded to `weight_precision`). Nothing cached outlives a call."""
+        self.adapters.load(name, config, named_tensors,
+                           functools.partial(quantize_weight, precision=self.weight_precision))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Drop LoRA adapter `name`."""
+        self.adapters.unload(name)
 
     def release_weight_layouts(self) -> None:
         """Free the prepacked layers' oneDNN copies of the weights (made again from the weights at the next

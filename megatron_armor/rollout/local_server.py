@@ -1,8 +1,8 @@
 """The state behind the SGLang stand-in: a `LocalEngine` plus request bookkeeping.
 
-Implements what each SGLang endpoint does (generation with `n`, aborts by rid as SGLang matches them,
-pause/continue, weight updates from tensors, disk or a weight-update group, busy refusals, loads,
-memory release); `http_server` only maps paths and JSON onto it. Generation and weight updates share
+Implements what each SGLang endpoint does (generation with `n` and a LoRA adapter per item, aborts by rid as
+SGLang matches them, pause/continue, weight updates from tensors, disk or a weight-update group, LoRA adapters
+loaded from tensors and unloaded, busy refusals, loads, memory release); `http_server` only maps paths and JSON onto it. Generation and weight updates share
 one engine lock; requests queued behind it, or held by a pause, count as waiting (held ones not as in
 flight).
 
@@ -28,8 +28,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from megatron_armor.rollout import sglang_protocol as proto
-from megatron_armor.rollout import weight_group
+from megatron_armor.rollout import tensor_serialization, weight_group
 from megatron_armor.rollout.base import Generation, SamplingParams
+from megatron_armor.rollout.engine_lora import AdapterError
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.utils.storage_park import StoragePark
 
@@ -70,6 +71,7 @@ class _Item:
     rid: str
     no_stop_trim: bool
     return_routed_experts: bool = False
+    lora: str | None = None  # the loaded LoRA adapter it samples with (its lora_path); None: the base
 
 
 class LocalServerState:
@@ -169,8 +171,9 @@ class LocalServerState:
         if routes and not self.return_routed_experts:
             raise RequestError("/generate: return_routed_experts needs a server started with "
                                "--enable-return-routed-experts")
+        adapters = self._lora_paths(body.get("lora_path"), len(prompts))
         items = []
-        for prompt, p, rid in zip(prompts, params, rids):
+        for prompt, p, rid, lora in zip(prompts, params, rids, adapters):
             self._check_prompt(prompt)
             try:
                 options = proto.sampling_from_body(p)
@@ -181,10 +184,23 @@ class LocalServerState:
                 sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, self.eos_token_id))
             base = rid or uuid.uuid4().hex
             items += [
-                _Item(list(prompt), sampling, base if options.n == 1 else f"{base}-{j}", options.no_stop_trim, routes)
+                _Item(list(prompt), sampling, base if options.n == 1 else f"{base}-{j}", options.no_stop_trim, routes,
+                      lora)
                 for j in range(options.n)
             ]
         return items
+
+    def _lora_paths(self, lora_path: Any, prompts: int) -> list[str | None]:
+        """Each prompt's adapter from a request's `lora_path` (one name, or a list with one per prompt; null: the
+        base); RequestError (400) for a name no loaded adapter has."""
+        paths = lora_path if isinstance(lora_path, list) else [lora_path] * prompts
+        if len(paths) != prompts:
+            raise RequestError(f"/generate: lora_path lists need one entry per prompt ({prompts})")
+        unknown = sorted({str(p) for p in paths if p is not None and p not in self.engine.adapters.loaded})
+        if unknown:
+            raise RequestError(f"/generate: lora_path {unknown} names no loaded adapter (loaded: "
+                               f"{sorted(self.engine.adapters.loaded)}); POST /load_lora_adapter_from_tensors first")
+        return paths
 
     def _check_prompt(self, prompt: Any) -> None:
         """RequestError (400) unless `prompt` is a non-empty list of ids in [0, vocab_size)."""
@@ -195,21 +211,21 @@ class LocalServerState:
             raise RequestError(f"/generate: input_ids {outside[:8]} are outside the vocabulary [0, {self.vocab_size})")
 
     def _run(self, items: list[_Item], aborted: Callable[[], set[str]]) -> list[Generation | None]:
-        """Generate every item, one engine call per distinct SamplingParams; an item whose rid `aborted()` names
-        stops where it is (SGLang's abort: its tokens so far come back), one named before it began is None."""
+        """Generate every item, one engine call per distinct (SamplingParams, adapter); an item whose rid `aborted()`
+        names stops where it is (SGLang's abort: its tokens so far come back), one named before it began is None."""
         results: list[Generation | None] = [None] * len(items)
-        groups: dict[SamplingParams, list[int]] = {}
+        groups: dict[tuple[SamplingParams, str | None], list[int]] = {}
         skip = aborted()
         for i, item in enumerate(items):
             if item.rid not in skip:
-                groups.setdefault(item.sampling, []).append(i)
-        for sampling, rows in groups.items():
+                groups.setdefault((item.sampling, item.lora), []).append(i)
+        for (sampling, lora), rows in groups.items():
 
             def stopped(rows=rows) -> list[int]:
                 names = aborted()
                 return [k for k, row in enumerate(rows) if items[row].rid in names] if names else []
 
-            generations = self.engine.generate([items[r].prompt for r in rows], sampling, abort=stopped)
+            generations = self.engine.generate([items[r].prompt for r in rows], sampling, abort=stopped, lora=lora)
             for row, generation in zip(rows, generations):
                 results[row] = generation
         return results
@@ -353,6 +369,35 @@ class LocalServerState:
             self.abort({"abort_all": True})
         self.weight_version = str(body["new_version"])
         return {"success": True, "message": f"Weight version updated to {self.weight_version}."}
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format}: the adapter
+        beside the base (`LocalEngine.load_lora_adapter`). As SGLang, a name already loaded is refused: unload it
+        first."""
+        try:
+            name, config, named = proto.lora_adapter_from_request(body, allow_cuda=self.device.type == "cuda")
+        except tensor_serialization.PayloadError as error:
+            raise RequestError(f"/load_lora_adapter_from_tensors: bad request: {error}") from error
+        with self.engine_lock:
+            if name in self.engine.adapters.loaded:
+                raise RequestError(f"/load_lora_adapter_from_tensors: adapter {name!r} is already loaded; POST "
+                                   f"/unload_lora_adapter first")
+            try:
+                self.engine.load_lora_adapter(name, config, named)
+            except AdapterError as error:
+                raise RequestError(f"/load_lora_adapter_from_tensors: {error}") from error
+            return proto.lora_update_reply(self.engine.adapters.loaded)
+
+    def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /unload_lora_adapter {lora_name}."""
+        with self.engine_lock:
+            try:
+                self.engine.unload_lora_adapter(str(body.get("lora_name")))
+            except AdapterError as error:
+                raise RequestError(f"/unload_lora_adapter: {error}") from error
+            return proto.lora_update_reply(self.engine.adapters.loaded)
 
     # ---------------------------------------------------------------- weight-update groups
 

@@ -10,7 +10,9 @@ request fails for good, `generate` aborts the others in flight, sends no more an
 With `router_url` (SGLang's router in front of the same servers, rollout/router.py) every /generate
 request goes to the router instead, one prompt per request, and the router picks the worker; the
 retries above still apply. Flushes, memory hand-off and health always go to every server directly (the
-router does not fan them out); weight updates to the engine's push servers (`push_urls`, default all). Stdlib HTTP only (`http.client`).
+router does not fan them out); weight updates to the engine's push servers (`push_urls`, default all). A LoRA
+adapter loads from tensors on the push servers (`load_lora_adapter`), and a `generate` call that names it samples
+with it (SGLang's `lora_path`; none named: the base). Stdlib HTTP only (`http.client`).
 """
 
 from __future__ import annotations
@@ -320,7 +322,11 @@ class SGLangEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, lora: str | None = None,
+    ) -> list[Generation]:
+        """`RolloutEngine.generate`; `lora` names the loaded LoRA adapter to sample with (`load_lora_adapter`), None
+        the base."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if not prompts:
@@ -335,7 +341,8 @@ class SGLangEngine(RolloutEngine):
         with self._calls_lock:
             self._calls.add(calls)
         try:
-            futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results, calls) for chunk in chunks]
+            futures = [pool.submit(self._generate_chunk, prompts, chunk, sampling, results, calls, lora)
+                       for chunk in chunks]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         finally:  # after a failure (or an interrupt) nothing else is worth waiting for
             with self._calls_lock:
@@ -352,7 +359,7 @@ class SGLangEngine(RolloutEngine):
 
     def _generate_chunk(
         self, prompts: Sequence[Sequence[int]], pending: list[int], sampling: SamplingParams,
-        results: list[Generation | None], calls: _InFlight,
+        results: list[Generation | None], calls: _InFlight, lora: str | None,
     ) -> None:
         """Fill `results[i]` for every i in `pending`, re-sending failed requests and aborted prompts (once
         interrupted: partial generations instead, finish_reason "abort"); _Stopped once `calls` halted."""
@@ -369,7 +376,7 @@ class SGLangEngine(RolloutEngine):
                 self.stats.add(retries=1)
             server = self._dispatcher.acquire(avoid)
             try:
-                outputs = self._send_generate(server, [prompts[i] for i in pending], pending, sampling, calls)
+                outputs = self._send_generate(server, [prompts[i] for i in pending], pending, sampling, calls, lora)
             except _ServerFailed as failure:
                 failures.append(str(failure))
                 avoid = server.url
@@ -393,16 +400,16 @@ class SGLangEngine(RolloutEngine):
 
     def _send_generate(
         self, server: _Server, prompts: list[Sequence[int]], indices: list[int], sampling: SamplingParams,
-        calls: _InFlight,
+        calls: _InFlight, lora: str | None,
     ) -> list[Generation | proto.Aborted]:
         """One /generate request (released to the dispatcher after). _ServerFailed when a retry may help."""
         rid = uuid.uuid4().hex
         routed = server is self._router  # one prompt, unbatched (see generate)
         routes = self.config.routed_experts_shape
         body = (proto.single_generate_request(prompts[0], sampling, index=indices[0], rid=rid,
-                                              return_routed_experts=routes is not None) if routed
+                                              return_routed_experts=routes is not None, lora=lora) if routed
                 else proto.generate_request(prompts, sampling, indices=indices, rid=rid,
-                                            return_routed_experts=routes is not None))
+                                            return_routed_experts=routes is not None, lora=lora))
         item_rids = [body["rid"]] if routed else body["rid"]
         abort_urls = self.urls if routed else [server.url]  # the router has no /abort_request
         self.stats.add(requests=1)
@@ -474,6 +481,42 @@ class SGLangEngine(RolloutEngine):
         `missed_push` (the trainer retires it from generation on every rank, `retire_servers`); one that answers
         again (restarted) joins the next push, after the transport's state is reset, and serves again once that
         push reached it."""
+
+        def push(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+            self._on_push_servers("/flush_cache", lambda s: None, call=self._flush_one)
+            self._transport.push(named, str(self._weight_version + 1))
+            self._weight_version += 1
+
+        self._while_paused(named_tensors, push)
+
+    def load_lora_adapter(self, name: str, config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (or replace) LoRA adapter `name` on the push servers as SGLang takes one from tensors: generation
+        paused as for `update_weights` (the servers it cannot reach are missed the same way), /unload_lora_adapter
+        of any adapter of that name (SGLang refuses to load a name it holds; a fresh or restarted server holds none,
+        and its refusal is ignored), then /load_lora_adapter_from_tensors. The tensors travel as shared-memory /
+        CUDA-IPC handles (`proto.tensor_payload`, staged in one fresh buffer), so the servers must run on this host.
+        `named_tensors` is drawn whole first, on every rank (the gather beside it is collective)."""
+        tensors = list(named_tensors)
+        elsewhere = [server.url for server in self._push_servers if not on_this_host(server.url)]
+        if elsewhere:
+            raise RolloutError(f"LoRA adapters load from tensors as shared-memory handles, which only a server on this "
+                               f"host can open, but {', '.join(elsewhere)} is not on this host: set "
+                               f"model.lora.weight_sync merged")
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            payload = proto.tensor_payload(named, None)
+            self._try_servers(self._live_push_servers, "/unload_lora_adapter",
+                              lambda s: proto.unload_lora_adapter_request(name))
+            self._on_push_servers("/load_lora_adapter_from_tensors",
+                                  lambda s: proto.load_lora_adapter_from_tensors_request(name, config, payload))
+
+        self._while_paused(tensors, load)
+
+    def _while_paused(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                      send: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> None:
+        """`send(named_tensors)` to the push servers that answer /pause_generation, then /continue_generation on
+        them whatever happens; with none reachable, `named_tensors` is drawn all the same (a collective gather may
+        run beside it). A changed set of live push servers (or a restarted one) resets the transport's state."""
         try:
             live = self._pause_reachable_push_servers()
             if [s.url for s in live] != [s.url for s in self._live_push_servers] or self._servers_restarted(live):
@@ -483,9 +526,7 @@ class SGLangEngine(RolloutEngine):
                 for _ in named_tensors:  # the gather beside the push is collective: draw it all the same
                     pass
                 return
-            self._on_push_servers("/flush_cache", lambda s: None, call=self._flush_one)
-            self._transport.push(named_tensors, str(self._weight_version + 1))
-            self._weight_version += 1
+            send(named_tensors)
         except BaseException as error:
             self._continue_generation(noting=error)
             raise

@@ -53,10 +53,11 @@ def prompt_seed(sampling: SamplingParams, index: int) -> int | None:
 
 def generate_request(
     prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, indices: Sequence[int] | None = None,
-    rid: str | None = None, return_routed_experts: bool = False,
+    rid: str | None = None, return_routed_experts: bool = False, lora: str | None = None,
 ) -> dict[str, Any]:
     """A batched /generate body: one item per prompt, output logprobs only (and with `return_routed_experts` each
-    item's `meta_info.routed_experts`, `encode_routed_experts`).
+    item's `meta_info.routed_experts`, `encode_routed_experts`); with `lora` every item samples with that loaded
+    LoRA adapter (SGLang's `lora_path`, one per item: the adapter's name), else with the base.
 
     `indices` are the prompts' positions in the whole `generate` call (default 0..len-1). With
     `sampling.seed` set, prompt i gets `sampling_seed = seed + i` (with `sampling.seeds`, `seeds[i]`): samples are
@@ -76,18 +77,25 @@ def generate_request(
         body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = [f"{rid}-{j}" for j in range(len(prompts))]
+    if lora is not None:
+        body["lora_path"] = [lora] * len(prompts)
     return body
 
 
 def single_generate_request(
     prompt: Sequence[int], sampling: SamplingParams, *, index: int, rid: str, return_routed_experts: bool = False,
+    lora: str | None = None,
 ) -> dict[str, Any]:
     """`generate_request` for one prompt in SGLang's unbatched form: `input_ids` a flat list, one
-    `sampling_params` dict, `rid` a string; the reply is one item, not a list. SGLang's router
-    (sglang-router 0.3.2) accepts only this form: it rejects per-item sampling_params and rid lists.
+    `sampling_params` dict, `rid` a string (and `lora_path` one name); the reply is one item, not a list. SGLang's
+    router (sglang-router 0.3.2) accepts only this form: it rejects per-item sampling_params and rid lists.
     """
-    body = generate_request([prompt], sampling, indices=[index], return_routed_experts=return_routed_experts)
-    return {**body, "input_ids": body["input_ids"][0], "sampling_params": body["sampling_params"][0], "rid": rid}
+    body = generate_request([prompt], sampling, indices=[index], return_routed_experts=return_routed_experts,
+                            lora=lora)
+    single = {**body, "input_ids": body["input_ids"][0], "sampling_params": body["sampling_params"][0], "rid": rid}
+    if lora is not None:
+        single["lora_path"] = lora
+    return single
 
 
 @dataclass(frozen=True)
@@ -311,6 +319,44 @@ def bucket_named_tensors(
         end = start + tensor.nbytes
     if bucket:
         yield bucket, True
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+def load_lora_adapter_from_tensors_request(name: str, config: dict[str, Any], payload: Any) -> dict[str, Any]:
+    """A /load_lora_adapter_from_tensors body (SGLang's LoadLoRAAdapterFromTensorsReqInput): adapter `name` from
+    `payload` (`tensor_payload(<PEFT-named tensors>, None)`) as one ForkingPickler text (`serialized_tensors`, as
+    SGLang's MultiprocessingSerializer makes it: shared-memory or CUDA-IPC handles, so the server must run on this
+    host) and PEFT's config dict. Build one body per receiving server (each unpickling takes a reference), and keep
+    the payload alive until it has answered."""
+    return {"lora_name": name, "config_dict": config, "load_format": None,
+            "serialized_tensors": tensor_serialization.serialize(payload)}
+
+
+def lora_adapter_from_request(
+    body: dict[str, Any], *, allow_cuda: bool = False
+) -> tuple[str, dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """(name, config dict, PEFT-named tensors) of a /load_lora_adapter_from_tensors body; PayloadError if it is
+    bad (CUDA-IPC handles only if `allow_cuda`). The tensors are views into shared memory: copy them before dropping
+    the body."""
+    name, config, text = body.get("lora_name"), body.get("config_dict"), body.get("serialized_tensors")
+    if not isinstance(name, str) or not name or not isinstance(config, dict) or not isinstance(text, str):
+        raise tensor_serialization.PayloadError(
+            "lora_name (a non-empty string), config_dict (an object) and serialized_tensors (base64 text) are required")
+    payload = tensor_serialization.deserialize(text, allow_cuda=allow_cuda)
+    return name, config, tensor_serialization.named_tensors_from_payload(payload, body.get("load_format"))
+
+
+def unload_lora_adapter_request(name: str) -> dict[str, Any]:
+    """An /unload_lora_adapter body (SGLang's UnloadLoRAAdapterReqInput)."""
+    return {"lora_name": name}
+
+
+def lora_update_reply(loaded: Iterable[str]) -> dict[str, Any]:
+    """SGLang's LoRAUpdateOutput after a successful load or unload: the adapters now loaded (name -> its path;
+    adapters loaded from tensors have the path "__tensor__")."""
+    return {"success": True, "error_message": None, "loaded_adapters": {name: "__tensor__" for name in loaded}}
 
 
 # ---------------------------------------------------------------- control endpoints

@@ -28,6 +28,11 @@ def test_sglang_command_carries_the_launch_settings():
         flags = [server_command(ServerConfig(model_path="/ckpt", kind=kind, return_routed_experts=routes), host="h",
                                 port=1, seed=0) for routes in (True, False)]
         assert "--enable-return-routed-experts" in flags[0] and "--enable-return-routed-experts" not in flags[1], kind
+    lora = server_command(ServerConfig(model_path="/ckpt", max_lora_rank=8), host="h", port=1, seed=0)
+    assert lora[lora.index("--enable-lora"):][:5] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                                                      "all"]
+    assert "--enable-lora" not in server_command(ServerConfig(model_path="/ckpt", max_lora_rank=8, kind="local"),
+                                                 host="h", port=1, seed=0)
 
 
 def test_local_stand_in_has_no_tensor_parallelism():

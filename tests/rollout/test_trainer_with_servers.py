@@ -1,14 +1,19 @@
 """`armor train` (TP=2) with rollouts from three SGLang-schema servers: two for the actor (each gets the
 weights from its own trainer rank, as colocated servers do) and one for the reference policy, handing
 their memory to the trainer for its phases, and the trainer parking its own for rollouts, as in colocated
-placement (`armor ray-train --placement colocated` sets both)."""
+placement (`armor ray-train --placement colocated` sets both); and a LoRA run in process whose actor and anchors
+come from one server, with the adapter and without."""
 
 import json
 from pathlib import Path
 
 from launcher import armor
+from state_trees import saved_modules
+from training_runs import LORA, adapter_push_bytes, run_metrics, run_overrides
 
+from megatron_armor.config import load_config
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, http_call
+from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
@@ -52,3 +57,36 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
     assert loads[0] > 0 and loads[1] > 0 and loads[2] == 0  # every bucket of the update's push; the reference: at start
     versions = {http_call(a.url, "/model_info", method="GET")["weight_version"] for a in actors}
     assert len(versions) == 1  # both actor servers got every push
+
+
+def test_armor_lora_run_samples_the_actor_and_its_anchors_from_one_server(serving, tiny_model_factory, synthetic_cache,
+                                                                        tmp_path, monkeypatch):
+    """ARMOR with LoRA (model.lora.weight_sync adapter) in process against one serve-local server (its HTTP server on
+    loopback, in a thread of this process) and no reference server: the server loaded an untrained checkpoint, so the trainer pushes the base once (the reference's weights),
+    then the adapter alone (/load_lora_adapter_from_tensors) after every update; the actor samples with it
+    (`lora_path`), ARMOR's anchors come from the same server without it."""
+    calls: list[str | None] = []  # the adapter of every sampling call of the server's engine (not health checks)
+    with serving(tiny_model_factory("qwen2")) as server:
+        generate = server.state.engine.generate
+
+        def recording(prompts, sampling, **options):
+            if sampling.max_new_tokens > 1:
+                calls.append(options.get("lora"))
+            return generate(prompts, sampling, **options)
+
+        monkeypatch.setattr(server.state.engine, "generate", recording)
+        url = f"http://127.0.0.1:{server.state.port}"
+        run_dir = tmp_path / "run"
+        overrides = [*run_overrides(synthetic_cache, run_dir, 2), *LORA, "rollout.backend=sglang",
+                     f"rollout.sglang.urls={url}"]
+        assert run_training(load_config(CONFIG, overrides)) == 0
+        assert http_call(url, "/model_info", method="GET")["weight_version"] == "1"  # one full push: the base
+        assert list(server.state.engine.adapters.loaded) == ["actor"]
+    rows = run_metrics(run_dir)
+    adapters = adapter_push_bytes(saved_modules(run_dir / "checkpoints" / "step_000002")["actor"])
+    for step in (1, 2):
+        assert rows[step]["perf/weight_sync_bytes"] == adapters
+        assert rows[step]["mismatch/logprob_abs_diff"] < 1e-4  # the server sampled with the trainer's adapter
+        assert rows[step]["armor/anchors_used"] > 0
+    assert rows[1]["mix_kl/kl_on_ref"] == 0  # B = 0 at first: the anchors' base is the actor
+    assert {None, "actor"} <= set(calls)  # the anchors without the adapter, the actor's samples with it

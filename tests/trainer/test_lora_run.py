@@ -1,6 +1,8 @@
 """`armor train` with LoRA (model.lora) on the tiny synthetic task, in process: the reference is the actor's model with
-its adapters off (no second model), the engine gets the merged weights and samples what the trainer scores, only the
-adapters move and have optimizer state, and a resume from the checkpoint repeats the uninterrupted step exactly."""
+its adapters off (no second model), the engine keeps the base and gets the adapters alone after every update
+(model.lora.weight_sync adapter) and samples what the trainer scores, the anchors come from the same engine with the
+adapter off, only the adapters move and have optimizer state, and a resume from the checkpoint repeats the
+uninterrupted step exactly. (Against a serve-local server: tests/rollout/test_trainer_with_servers.py.)"""
 
 import json
 from pathlib import Path
@@ -8,14 +10,11 @@ from pathlib import Path
 import torch
 
 from state_trees import saved_modules
-from training_runs import resume_from, run_metrics, run_overrides
+from training_runs import LORA, adapter_push_bytes, resume_from, run_metrics, run_overrides
 from megatron_armor.config import load_config
 from megatron_armor.trainer.run.train import run_training
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
-# the guide's command (docs/guides/lora.md) on a smaller batch: 4 prompts per RL step, one optimizer step each
-LORA = ["parallel.tensor_parallel_size=1", "model.lora.rank=8", "optimizer.lr=1e-4",
-        "train.train_batch_size=4", "train.gen_batch_size=8", "train.mini_batch_size=4"]
 
 
 def test_armor_lora_run_trains_adapters_against_the_base_and_resumes_exactly(synthetic_cache, tmp_path):
@@ -29,6 +28,8 @@ def test_armor_lora_run_trains_adapters_against_the_base_and_resumes_exactly(syn
     assert rows[2]["mix_kl/kl_on_ref"] != 0  # one update later the actor left the base; the reference stayed
 
     first, second = (saved_modules(full / "checkpoints" / f"step_{step:06d}") for step in (1, 2))
+    for step in (1, 2):  # each push moves the adapters alone, as PEFT names them
+        assert rows[step]["perf/weight_sync_bytes"] == adapter_push_bytes(second["actor"])
     assert "ref" not in second  # the reference is the base with the adapters off: nothing of its own to save
     adapters = [key for key in second["actor"] if "_adapter." in key]
     assert adapters and all(not torch.equal(first["actor"][key], second["actor"][key])

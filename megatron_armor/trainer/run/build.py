@@ -8,6 +8,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, Upda
 from megatron_armor.config import ArmorConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
+from megatron_armor.convert.peft_export import all_stages_peft_tensors, peft_config
 from megatron_armor.convert.weights import parameters_exported_as_views
 from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -27,6 +29,7 @@ from megatron_armor.models.hf_config import (
 from megatron_armor.models.lora import adapters_disabled, apply_lora
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
+from megatron_armor.rollout.adapter_engine import AdapterEngine
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.backends import ROLLOUT_BACKENDS, EngineSite
 from megatron_armor.rollout.local import LocalEngine
@@ -52,6 +55,7 @@ from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_fo
 from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
+ACTOR_ADAPTER = "actor"  # the name the actor's LoRA adapter has in its engine (model.lora.weight_sync adapter)
 
 
 @dataclass
@@ -96,7 +100,7 @@ def build_training(
     teacher = trainer_models.teacher
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
-        actor=Policy(ACTOR, trainer_models.ddp, actor_engine),
+        actor=_actor(cfg, paths, trainer_models, actor_engine),
         ref=_reference(trainer_models, ref_engine),
         optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
@@ -128,6 +132,21 @@ def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScor
                                      audits=rewards.audits)
     return SampleScorer(tokenizer, rewards.train, cfg.reward, max_response_length=cfg.rollout.sampling.max_new_tokens,
                         audits=rewards.audits)
+
+
+def _actor(cfg: ArmorConfig, paths: TaskPaths, models: TrainerModels, engine: RolloutEngine) -> Policy:
+    """The actor policy. Under model.lora.weight_sync adapter its engine holds the base, and the actor samples
+    through its adapter there (`AdapterEngine`), to which each push sends the adapters alone (PEFT-named,
+    `convert.peft_export.all_stages_peft_tensors`)."""
+    if not cfg.model.lora.adapter_sync:
+        return Policy(ACTOR, models.ddp, engine)
+    config = functools.partial(peft_config, cfg.model.lora, base_model=paths.model_path)
+    return Policy(ACTOR, models.ddp, AdapterEngine(engine, ACTOR_ADAPTER, config), weights=_adapter_tensors)
+
+
+def _adapter_tensors(model: torch.nn.Module, shape: ModelShape) -> Iterable[tuple[str, torch.Tensor]]:
+    """The LoRA adapters of every stage, whole and PEFT-named (collective): an adapter-only push."""
+    return all_stages_peft_tensors(model, shape).items()
 
 
 def _reference(models: TrainerModels, engine: RolloutEngine) -> Policy:
@@ -272,12 +291,14 @@ def _update_gate(
 
 def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int, rank: int) -> tuple[RolloutEngine, RolloutEngine]:
     """(on-policy engine, anchor engine) of rollout.backend (`rollout.backends.ROLLOUT_BACKENDS`), one object with
-    rollout.anchors.engine shared (collective). In-process engines run where `_engine_placement` says; under
+    rollout.anchors.engine shared or model.lora.weight_sync adapter (collective; the actor samples it through its
+    adapter, `_actor`). In-process engines run where `_engine_placement` says; under
     train.routing_replay rollout the actor's engine records the experts it routes to; SGLang clients' routers log
     to the run directory."""
     site = EngineSite(model_path=paths.model_path, ref_path=paths.ref_path, pad_token_id=pad_token_id, rank=rank,
                       placement=_engine_placement(cfg),
-                      record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record, log_dir=cfg.logging.run_dir)
+                      record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record, log_dir=cfg.logging.run_dir,
+                      reference_engine=not cfg.model.lora.adapter_sync)
     return ROLLOUT_BACKENDS[cfg.rollout.backend].engines(cfg.rollout, site)
 
 

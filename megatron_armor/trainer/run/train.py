@@ -95,7 +95,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     start_step, ref_restored = (_resume(trainer, trackers, resume_from, cfg, paths) if resume_from is not None
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
-                                                 ref_restored=ref_restored))
+                                                 ref_restored=ref_restored, adapter_sync=cfg.model.lora.adapter_sync))
     metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
                                             resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
@@ -192,15 +192,17 @@ def _resume(
     return step, ref_restored
 
 
-def _stale_policies(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, ref_restored: bool) -> list[Policy]:
+def _stale_policies(models: PolicyHandles, paths: TaskPaths, *, resumed: bool, ref_restored: bool,
+                    adapter_sync: bool = False) -> list[Policy]:
     """The policies whose engines may not hold their weights at the start (actor, reference), to push them.
 
     Engines start from the HF checkpoint on disk, or without weights (remote servers may hold anything; a
     local engine for a Megatron checkpoint is built from its config). A shared engine gets the reference's
-    weights before its first anchor phase.
+    weights before its first anchor phase. Under model.lora.weight_sync adapter (`adapter_sync`) the reference is
+    the base the engine holds, and the actor's adapter is in no engine before its first push.
     """
     remote_engines = models.actor.engine.shared_across_ranks
-    actor = resumed or remote_engines or is_megatron_checkpoint(paths.model_path)
+    actor = resumed or remote_engines or is_megatron_checkpoint(paths.model_path) or adapter_sync
     ref_stale = remote_engines or is_megatron_checkpoint(paths.ref_path) or ref_restored
     stale = {models.actor: actor, models.ref: not models.shared_engine and ref_stale}
     return [policy for policy, is_stale in stale.items() if is_stale]

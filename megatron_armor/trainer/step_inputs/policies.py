@@ -9,7 +9,7 @@ of its sampling seeds) and the key an algorithm names it by (`algorithms.ACTOR` 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,9 @@ class Policy:
     `holds_weights` (its engine holds its current weights: engines start with them, and one engine shared by two
     policies holds one's at a time; `colocation.EngineWeights` keeps it, the same on every rank).
     `view` is the context `model` computes this policy in (scores, exported weights): as it is by default; the
-    reference of a LoRA run is the actor's model with its adapters off (`models.lora.adapters_disabled`)."""
+    reference of a LoRA run is the actor's model with its adapters off (`models.lora.adapters_disabled`).
+    `weights` gives what a push sends its engine from `module` (collective): every stage's weights, HF-named, by
+    default; a LoRA actor's adapters alone, PEFT-named, under model.lora.weight_sync adapter."""
 
     name: str
     model: torch.nn.Module | None
@@ -42,6 +44,7 @@ class Policy:
     checkpoint_prefix: str = ""
     holds_weights: bool = True
     view: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    weights: Callable[[torch.nn.Module, ModelShape], Iterable[tuple[str, torch.Tensor]]] = gather_all_stages_hf_weights
 
     @property
     def module(self) -> torch.nn.Module:
@@ -49,9 +52,10 @@ class Policy:
         return getattr(self.model, "module", self.model)
 
     def hf_weights(self, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
-        """Its current weights, TP- and PP-gathered and HF-named: what a push sends its engine (collective)."""
+        """Its current weights, TP- and PP-gathered and HF-named (`weights`): what a push sends its engine
+        (collective)."""
         with self.view():
-            yield from gather_all_stages_hf_weights(self.module, shape)
+            yield from self.weights(self.module, shape)
 
     def state_dict(self) -> dict[str, Any]:
         """Its model's state dict (the actor's DDP-wrapped: Megatron's keys, no prefix)."""
