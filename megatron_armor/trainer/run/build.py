@@ -24,7 +24,7 @@ from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import (
     ModelShape, MoERouting, check_parallel_layout, load_model_shape,
 )
-from megatron_armor.models.lora import adapters_disabled, apply_lora
+from megatron_armor.models.lora import adapter_entries, adapters_disabled, apply_lora
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -96,7 +96,7 @@ def build_training(
     teacher = trainer_models.teacher
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
-        actor=Policy(ACTOR, trainer_models.ddp, actor_engine),
+        actor=Policy(ACTOR, trainer_models.ddp, actor_engine, adapters_only=cfg.model.lora.enabled),
         ref=_reference(trainer_models, ref_engine),
         optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
@@ -219,10 +219,14 @@ def _sequence_parallel(cfg: ArmorConfig, shape: ModelShape) -> bool:
 
 def start_weights(cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape) -> dict[str, Any]:
     """The weights the run's actor started from (model.path), at this rank's layout and under the actor's state-dict
-    keys (collective): what the anchor actions restore when the best checkpoint is the start."""
+    keys (collective): what the anchor actions restore when the best checkpoint is the start. Under LoRA its adapters
+    alone, as `apply_lora` built them (the same seed: A as drawn, B zero)."""
     model = load_gpt_model(paths.model_path, shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype],
                            sequence_parallel=_sequence_parallel(cfg, shape))
-    return model.state_dict()
+    if not cfg.model.lora.enabled:
+        return model.state_dict()
+    apply_lora(model, cfg.model.lora, seed=cfg.train.seed)
+    return adapter_entries(model.state_dict())
 
 
 def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:
