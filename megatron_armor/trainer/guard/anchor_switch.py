@@ -20,8 +20,8 @@ is refused (config validation: it would make the reference another model than th
 
 The best checkpoint may be the start (step 0: the model the run started from, with its step-0 validation); its
 weights are then read from model.path again (`StartWeights`; under LoRA the adapters as they were built), not from a
-copy. `AnchorState` is the one record of
-the actions, carried in every checkpoint, so a resumed run trains ARMOR again with the reference its checkpoint holds.
+copy. `AnchorState` is the one record of the actions, carried in every checkpoint, so a resumed run trains ARMOR
+again with the reference its checkpoint holds.
 """
 
 from __future__ import annotations
