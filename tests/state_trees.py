@@ -55,3 +55,13 @@ def full_weight(actor: dict, name: str) -> torch.Tensor:
 
     layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
     return actor[f"decoder.layers.{layer[2]}"][int(layer[1])] if layer else actor[name]
+
+
+def adam_moments(model, optimizer) -> dict:
+    """{parameter name: (exp_avg, exp_avg_sq)} of every trained parameter of a one-process `model` (its bare module)
+    under its plain Megatron optimizer (whose torch optimizers step the parameters themselves: fp32), copied."""
+    from megatron_armor.trainer.update.optimizer import torch_optimizers
+
+    states = {param: state for inner in torch_optimizers(optimizer) for param, state in inner.state.items()}
+    return {name: (states[param]["exp_avg"].clone(), states[param]["exp_avg_sq"].clone())
+            for name, param in model.named_parameters() if param.requires_grad}

@@ -395,16 +395,23 @@ def test_task_options_of_the_agentic_demo_are_validated(overrides, message):
 
 def test_lora_refuses_what_would_make_the_reference_another_model():
     """Under model.lora the reference is model.path with the adapters off: a reference of its own, resets of it, the
-    monitor's anchor actions, trainer offload and subspace training are refused at start-up, each with its fix."""
+    monitor's anchor_keep action, trainer offload and subspace training are refused at start-up, each with its fix
+    (the anchor action resets the adapters: tests/trainer/test_anchor_run.py), and so is the checkpoints' PEFT export
+    of routed experts' adapters."""
     base = ["task.synthetic=arithmetic", "model.lora.rank=8"]
     assert load_config(None, base).model.lora.rank == 8
+    monitor = ["monitor.enabled=true", "checkpoint.keep_best=val/accuracy", "eval.every=1", "checkpoint.every=1"]
+    assert load_config(None, [*base, *monitor, "monitor.actions=[val_drop=anchor]"]).monitor.anchors
     refused = {"model.ref_path=/ckpt": "model.ref_path yet.*unset it",
                "algorithm.ref_reset_period=2": "algorithm.ref_reset_period yet.*set it to 0",
                "monitor.reference_reset=true": "monitor.reference_reset yet.*set it to false",
-               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer yet.*set it to false"}
+               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer yet.*set it to false",
+               "model.lora.experts=true": "PEFT export does not map the routed experts.*checkpoint.save_peft false"}
     for override, message in refused.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, override])
+    with pytest.raises(ConfigError, match="monitor.actions anchor_keep yet.*choose anchor, warn or stop"):
+        load_config(None, [*base, *monitor, "monitor.actions=[val_drop=anchor_keep]"])
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['q_proj'\] name no adaptable layer"):
         load_config(None, [*base, "model.lora.target_modules=[q_proj]"])
 

@@ -102,6 +102,25 @@ def test_recipe_pushes_weights_to_servers_on_other_nodes(recipe):
     assert load_config(EXAMPLES / recipe / "armor.yaml").rollout.weight_sync.method == "distributed"
 
 
+def test_lora_recipe_is_the_8b_recipe_with_adapters():
+    """examples/qwen3-8b-base-lora: the 8B recipe's hyperparameters, layout and hardware with rank-64 adapters on every
+    projection, the reference reset off (the reference is the base) and 10x the learning rate; its launcher names its
+    config and parses."""
+    cfg, full = (load_config(EXAMPLES / recipe / "armor.yaml") for recipe in ("qwen3-8b-base-lora", "qwen3-8b-base"))
+    lora = {"optimizer.lr": 1e-5, "algorithm.ref_reset_period": 0}
+    for dotted, expected in {**COMMON, **RECIPES["qwen3-8b-base"], **lora}.items():
+        assert value_at(cfg, dotted) == expected, dotted
+    assert (cfg.model.lora.rank, cfg.model.lora.scale, sorted(cfg.model.lora.target_modules)) == (
+        64, 2.0, ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"])
+    assert (cfg.model.path, cfg.parallel, cfg.train) == (full.model.path, full.parallel, full.train)
+    assert cfg.checkpoint.save_peft and on_policy_samples(cfg) == 15
+    script = EXAMPLES / "qwen3-8b-base-lora" / "run_torchrun.sh"
+    text = script.read_text()
+    assert "Hardware: 16 nodes x 8 H100" in text and "examples/qwen3-8b-base-lora/armor.yaml" in text
+    assert "Nodes 0-7 (64 GPUs) train" in text and cfg.rollout.weight_sync.method == "distributed"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
 def test_qwen3_follow_up_command_resumes_with_steps_left():
     """The header's follow-up run (run_8b_until_180.sh) resumes the step-180 checkpoint with resets off; train.max_steps
     counts from step 0, so the command must raise it past 180 or the resumed loop (steps 180..max_steps) is empty."""

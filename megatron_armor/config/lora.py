@@ -56,18 +56,22 @@ class LoRAConfig:
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
 
     def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
-                   rollout: RolloutConfig, subspace_enabled: bool) -> None:
+                   rollout: RolloutConfig, subspace_enabled: bool, *, save_peft: bool) -> None:
         """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
-        (model.ref_path, reference resets, the monitor's anchor actions: not yet adapter resets); trainer offload
+        (model.ref_path, reference resets, the monitor's anchor_keep action; its anchor action restores the best
+        checkpoint's adapters and their optimizer state, trainer/guard/anchor_switch.py); trainer offload
         and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
-        section imports this one's) read or move whole weights and do not know adapters yet. Under adapter sync
-        the engines hold the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
+        section imports this one's) read or move whole weights and do not know adapters yet. The checkpoints' PEFT
+        export (checkpoint.`save_peft`) does not map the routed experts' adapters. Under adapter sync the engines hold
+        the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
         if not self.enabled:
             return
+        require(not (self.experts and save_peft), "model.lora.experts: the checkpoints' PEFT export does not map the "
+                                                  "routed experts' adapters yet; set checkpoint.save_peft false")
         refused = (  # (what, whether the run uses it, how to turn it off)
             ("model.ref_path", ref_path is not None, "unset it"),
             ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
-            ("monitor.actions anchor / anchor_keep", monitor.anchors, "choose warn or stop"),
+            ("monitor.actions anchor_keep", monitor.keeps_weights_on_anchor, "choose anchor, warn or stop"),
             ("monitor.reference_reset", monitor.reference_reset, "set it to false"),
             ("rollout.memory.offload_trainer", rollout.memory.offload_trainer, "set it to false"),
             ("subspace.capture_step", subspace_enabled, "unset it"),

@@ -127,3 +127,9 @@ class MonitorConfig:
         """Whether an alarm's action is anchor or anchor_keep (and the monitor is not off): the run may switch to
         ARMOR."""
         return self.enabled is not False and any(action in ANCHOR_ACTIONS for action in self.action_of().values())
+
+    @property
+    def keeps_weights_on_anchor(self) -> bool:
+        """Whether an alarm's action is anchor_keep (and the monitor is not off): the reference may become another
+        model than the start's."""
+        return self.enabled is not False and "anchor_keep" in self.action_of().values()

@@ -264,6 +264,11 @@ class CheckpointConfig:
     save_model: bool = doc(
         True, "also write the actor as a Megatron distributed checkpoint (step_N/model/) for `armor convert` / `diagnose`"
     )
+    save_peft: bool = doc(
+        True, "under model.lora: also write the adapters in Hugging Face PEFT's format (step_N/peft/: "
+        "adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained on the HF base "
+        "model.path); the final adapter is the last checkpoint's, the best the one checkpoints/BEST names"
+    )
     async_save: bool = doc(
         False, "write each rank's checkpoint shards in the background while training goes on; the checkpoint is "
         "marked COMPLETE at the next save or the end of the run, once every rank has written"

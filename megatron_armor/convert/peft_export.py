@@ -25,6 +25,7 @@ from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.models.lora import ADAPTER_SUFFIX, LoRAAdapter
 
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
+PEFT_DIR = "peft"  # a LoRA run's checkpoint's export: step_N/peft/ (checkpoint.save_peft)
 
 
 def peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
@@ -73,11 +74,11 @@ def all_stages_peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, tor
 
 def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_dir: str | Path,
                       base_model: str) -> Path | None:
-    """Write the adapters of every pipeline stage in PEFT's format to `out_dir` (collective over TP and PP; the first
-    rank of the model-parallel group writes, and returns `out_dir`; the others None). `base_model` is recorded
+    """Write the adapters of every pipeline stage in PEFT's format to `out_dir` (collective over TP and PP; global rank
+    0 writes, once for all data-parallel replicas, and returns `out_dir`; the others None). `base_model` is recorded
     as the base they belong to (`base_model_name_or_path`)."""
     tensors = all_stages_peft_tensors(model, shape)
-    if parallel_state.get_model_parallel_group().rank() != 0:
+    if dist.is_initialized() and dist.get_rank() != 0:
         return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -289,6 +290,13 @@ class MergedTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+
+def adapter_entries(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a model's state dict or Megatron sharded state dict (keys: module names,
+    `...<layer>_adapter.lora_a` / `.lora_b`) that belong to its adapters: a LoRA run's trainable state, all that its
+    checkpoints hold of the actor (the frozen base is `model.path`'s)."""
+    return {key: value for key, value in state.items() if f"{ADAPTER_SUFFIX}." in key}
 
 
 def lora_adapters(model: torch.nn.Module) -> list[LoRAAdapter]:

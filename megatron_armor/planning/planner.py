@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_armor.config import ArmorConfig, RecomputeConfig, check_expert_layout
+from megatron_armor.config import ArmorConfig, LoRAConfig, RecomputeConfig, check_expert_layout
 from megatron_armor.models.hf_config import ModelShape, check_parallel_layout
 from megatron_armor.planning.activations import ActivationBytes, LogitsBytes, activation_bytes, logits_bytes
 from megatron_armor.planning.flops import RLStepFlops, rl_step_flops
@@ -174,7 +174,8 @@ class RunPlan:
     `trainer_gpus` = tp x pp x cp x dp of the `gpus` in all, and where the model's shape came from;
     `longest_without_cp` / `longest_with_cp`: the longest max_new_tokens (1024-token steps) that fits the config's
     layout at the (cp, dp) of `without_cp` / `with_cp` (`context_layouts`; None: no CP layout for this model on
-    these GPUs)."""
+    these GPUs); `full_finetune`: under LoRA, the memory of the same run training every weight (gradients and
+    optimizer state of all of them, the frozen reference copy), what the adapters save; None without LoRA."""
 
     memory: MemoryPlan
     advice: list[str]
@@ -188,6 +189,7 @@ class RunPlan:
     longest_without_cp: int
     with_cp: tuple[int, int] | None
     longest_with_cp: int | None
+    full_finetune: MemoryPlan | None = None
 
 
 def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
@@ -314,4 +316,12 @@ def plan_run(cfg: ArmorConfig, hardware: Hardware) -> RunPlan:
         shape_source=resolve_model_shape(cfg.model.path)[1],
         without_cp=without_cp, longest_without_cp=longest_response(cfg, algorithm, hardware, without_cp),
         with_cp=with_cp, longest_with_cp=longest_response(cfg, algorithm, hardware, with_cp) if with_cp else None,
+        full_finetune=full_finetune_plan(inputs) if cfg.model.lora.enabled else None,
     )
+
+
+def full_finetune_plan(inputs: PlanInputs) -> MemoryPlan:
+    """The memory of LoRA `inputs` trained without adapters: every weight with gradients and optimizer state, and the
+    reference as a frozen copy of its own."""
+    return memory_plan(replace(inputs, layout=inputs.layout.with_(lora=LoRAConfig()),
+                               frozen=(("reference", inputs.shape), *inputs.frozen)))

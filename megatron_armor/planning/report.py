@@ -42,6 +42,11 @@ def memory_lines(plan: RunPlan) -> list[str]:
     ]
     lines = [f"  {name:<18}{_gib(size)}   {note}" for name, size, note in rows]
     lines.append(f"  {'training peak':<18}{_gib(memory.training_peak)}   of {inputs.gpu_bytes / GIB:.2f} GiB per GPU")
+    if (full := plan.full_finetune) is not None:
+        saved = full.training_peak - memory.training_peak
+        lines.append(f"  {'LoRA saves':<18}{_gib(saved)}   full fine-tuning's peak {full.training_peak / GIB:.2f} GiB "
+                     f"(gradients {full.state.gradients / GIB:.2f}, optimizer state {full.state.optimizer / GIB:.2f}, "
+                     f"reference {full.frozen['reference'] / GIB:.2f} GiB)")
     where = "colocated, beside the trainer's resident state" if inputs.colocated else "on a GPU of its own"
     lines.append(f"  {'KV cache left':<18}{_gib(memory.kv_cache)}   for a TP-{inputs.server_tp} SGLang server {where} "
                  f"(mem fraction {inputs.server_mem_fraction}, less its bf16 weights)")

@@ -53,6 +53,34 @@ def test_lora_keeps_no_reference_and_only_the_adapters_state():
     assert lora.training_peak < full.training_peak - full.frozen["reference"]
 
 
+@pytest.mark.parametrize("full_recipe, lora_overrides", [
+    ("qwen3-8b-base/armor.yaml", ()),  # the LoRA recipe, examples/qwen3-8b-base-lora
+    ("qwen2.5-math-7b/armor.yaml", ("model.lora.rank=64",)),
+])
+def test_lora_plans_less_memory_per_rank_than_full_fine_tuning(full_recipe, lora_overrides, capsys):
+    """The 8B LoRA recipe (and the 7B recipe with rank-64 adapters) plan less memory per GPU than their full
+    fine-tuning recipes at the same layout: the weights grow by the adapters', gradients and optimizer state shrink to
+    theirs and the reference copy goes; `armor plan` prints the saving (full_finetune: the LoRA run's own full
+    fine-tuning plan, which is the full recipe's when nothing else differs)."""
+    from megatron_armor.cli import main
+    from megatron_armor.planning.planner import plan_run
+
+    lora_recipe = "qwen3-8b-base-lora/armor.yaml" if not lora_overrides else full_recipe
+    full = memory_plan(inputs_of(full_recipe))
+    lora_cfg = load_config(str(EXAMPLES / lora_recipe), list(lora_overrides))
+    lora = plan_run(lora_cfg, H100)
+    assert lora.memory.state.trainable < 0.05 * full.state.params and lora.memory.frozen == {}
+    assert lora.memory.state.weights == full.state.weights + lora.memory.state.trainable * 2  # bf16 adapters
+    saved = (full.state.gradients - lora.memory.state.gradients + full.state.optimizer - lora.memory.state.optimizer
+             + full.frozen["reference"] - lora.memory.state.trainable * 2)
+    assert full.training_peak - lora.memory.training_peak == saved > full.frozen["reference"]
+    assert lora.full_finetune.training_peak == full.training_peak
+    assert main(["plan", "--config", str(EXAMPLES / lora_recipe), "--gpus", "128", "--gpu-memory-gb", "80",
+                 *(part for override in lora_overrides for part in f"--{override}".split("="))]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "LoRA saves" in line)
+    assert f"{saved / GIB:.2f} GiB" in line and f"full fine-tuning's peak {full.training_peak / GIB:.2f} GiB" in line
+
+
 def test_colocated_servers_get_what_the_trainer_leaves():
     inputs = inputs_of("qwen3-1.7b/mipu.yaml", "rollout.memory.release_servers=true", "rollout.backend=sglang",
                        "rollout.sglang.urls=http://s:1")

@@ -14,6 +14,7 @@ HARDWARE = {
     "qwen2.5-math-7b/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "qwen3-8b-base/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "qwen3-8b-base-long/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
+    "qwen3-8b-base-lora/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "qwen3-30b-a3b/armor.yaml": (128, 80),  # 16 nodes x 8 H100/H200 (80+ GB)
     "glm-4.5-air/armor.yaml": (128, 141),  # 16 nodes x 8 H200 (141 GB)
     "deepseek-v3/armor.yaml": (384, 141),  # 48 nodes x 8 H200 (141 GB)

@@ -2,7 +2,8 @@
 validation accuracies (0.5, 0.0, 1.0, 0.25, 1.0) make val_drop fire after steps 2 and 4 switches to ARMOR after
 step 2 from the best checkpoint (step 1) and resets to the best again (step 3) after step 4; the checkpoints hold the
 best's weights as actor and reference with a fresh optimizer, the lr warmup restarts, and a resume trains ARMOR
-with the same reference."""
+with the same reference. Under LoRA the action puts the best checkpoint's adapters and their optimizer state back.
+"""
 
 import json
 import logging
@@ -151,6 +152,30 @@ def test_anchor_keep_keeps_the_actor_and_makes_the_best_checkpoint_the_reference
     assert kept[3]["armor/anchors_used"] > 0 and warned[3]["armor/anchors_used"] == 0  # ARMOR from step 3
     record = json.loads((tmp_path / "anchor_keep" / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     assert record["extra"]["anchor"] == {"mode": "armor", "anchors": 1, "step": None, "reference_step": 1}
+
+
+def test_anchor_under_lora_restores_the_best_adapters_and_their_optimizer_state(synthetic_cache, tmp_path, caplog):
+    """Under LoRA the reference is the base and never moves: the drop after step 2 puts step 1's adapters and their
+    Adam state back (bit for bit, not a fresh optimizer), the reference stays the base (nothing of it is saved) and
+    step 3 trains ARMOR against it, the lr warmup counted again from step 2."""
+    run_dir = tmp_path / "run"
+    overrides = [*_overrides(synthetic_cache, run_dir, _planted(tmp_path / "planted.py", [0.5, 0.0, 1.0])),
+                 "model.lora.rank=8", "train.max_steps=3"]
+    with caplog.at_level(logging.WARNING, logger="megatron_armor"):
+        assert run_training(load_config(CONFIG, overrides)) == 0
+    rows = _rows(run_dir)
+    assert [rows[step]["monitor/anchored"] for step in (1, 2, 3)] == [0, 1, 0]
+    assert [rows[step]["optim/lr"] for step in (1, 2, 3)] == [LR / 2, LR, LR / 2]
+    assert rows[3]["armor/anchors_used"] == 8 and rows[3]["mix_kl/kl_on_ref"] > 0  # ARMOR against the base
+    assert ("step 2: anchor on alarm val_drop: switched to armor; the LoRA adapters and their optimizer state from "
+            "the best checkpoint step_000001 (step 1, val/accuracy 0.5)") in caplog.text
+    saved = {step: saved_modules(run_dir / "checkpoints" / f"step_{step:06d}") for step in (1, 2, 3)}
+    assert all("ref" not in modules for modules in saved.values())
+    assert all("_adapter." in key for key in saved[1]["actor"])
+    assert bit_identical(saved[2]["actor"], saved[1]["actor"]) and not bit_identical(saved[3]["actor"], saved[1]["actor"])
+    assert bit_identical(saved[2]["optimizer"], saved[1]["optimizer"]) and not _fresh(saved[2]["optimizer"])
+    assert saved[3]["optimizer"]["adam_step"] == 4
+    assert json.loads((run_dir / "checkpoints" / "BEST").read_text())["step"] == 3  # keep_best as without LoRA
 
 
 def test_anchor_needs_a_best_checkpoint_and_an_algorithm_that_can_switch(tmp_path):

@@ -10,10 +10,13 @@ steps, entropy included, at CP=2 (also with the fused head and with packed micro
 parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps (auxiliary loss, routing metrics, routing replay); so do
 steps on multi-turn trajectories' samples (tokens inside the response that are not trained) at TP=2 and DP=2."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from launcher import concurrently, run_workers
+from state_trees import adam_moments, saved_modules
 
 LOGPROB_ATOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32; reductions run in a different order per layout
@@ -23,6 +26,7 @@ WEIGHT_ATOL = 1e-5
 # bf16 (8 significant bits): one rounding's relative error is at most U = 2^-8; its spacing at w is at most 2^-7 |w|.
 U = 2.0 ** -8
 LR = 1e-3  # the worker's learning rate
+MOMENT_RTOL, MOMENT_ATOL = 1e-3, 1e-7  # Adam moments after two mini-batches (the second's grads at weights WEIGHT_ATOL apart)
 
 
 def _actor_and_ref(root, **options):
@@ -56,7 +60,7 @@ JOBS = {
         "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2"),
         "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch"),
         "masked-base": ("dense", 1, 1, "torch", "masked"),
-        "lora-base": ("dense", 1, 1, "torch", "lora"), "lora-moe-base": ("moe", 1, 1, "torch", "lora")},
+        "lora-base": ("dense", 1, 1, "torch", "lora", "checkpoint"), "lora-moe-base": ("moe", 1, 1, "torch", "lora")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
         "tp2-fused-head": ("dense", 2, 1, "fused"),
@@ -83,8 +87,8 @@ JOBS = {
         "moe-cp2-r3": ("moe", 1, 1, "torch", "cp=2", "replay=rollout"),
         "moe-cp2-budget-packed-r3": ("moe", 1, 1, "torch", "cp=2", "budget=40", "packed", "replay=rollout"),
         "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked"),
-        "lora-tp2": ("dense", 2, 1, "torch", "lora"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
-        "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora"),
+        "lora-tp2": ("dense", 2, 1, "torch", "lora", "checkpoint"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
+        "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora", "checkpoint"),
         "lora-moe-ep2": ("moe", 1, 1, "torch", "ep=2", "lora")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
@@ -339,6 +343,56 @@ def test_lora_layout_matches_single_rank(runs, name, baseline):
         assert torch.equal(before, after)
     changed = [key for key, w in base["weights"].items() if not torch.equal(w, base["initial_weights"][key])]
     assert changed and all(key.endswith("proj.weight") for key in changed), changed  # only the adapted (merged) ones
+
+
+@pytest.mark.parametrize("name, layout", [("lora-tp2", {"tp": 2, "pp": 1, "dp": 1}),
+                                          ("lora-dp2-distopt", {"tp": 1, "pp": 1, "dp": 2})])
+def test_lora_checkpoint_reshards_to_one_process(runs, name, layout):
+    """A LoRA checkpoint saved after the step at TP=2 (plain optimizer) or DP=2 (distributed optimizer) holds the
+    adapters and their Adam state, not the base, and loads at one process (plain optimizer): the adapters are the
+    saved ones exactly, their Adam moments and step the one-process run's (whose step equals the TP=2 / DP=2 one:
+    test_lora_layout_matches_single_rank)."""
+    from megatron_armor.config import LoRAConfig, OptimizerConfig
+    from megatron_armor.convert.weights import load_hf_weights
+    from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+    from megatron_armor.models.gpt import build_gpt_model
+    from megatron_armor.models.hf_config import load_model_shape, transformer_config
+    from megatron_armor.models.lora import apply_lora, full_adapters
+    from megatron_armor.trainer.checkpointing.checkpoint import load_modules, read_record
+    from megatron_armor.trainer.checkpointing.sharded_state import (
+        adam_step, restore_module, restore_order, sharded_modules,
+    )
+    from megatron_armor.trainer.step_inputs.policies import Policy
+    from megatron_armor.trainer.update.optimizer import wrap_for_training
+
+    saved, base_dir = (Path(runs[name][0]["checkpoint"][key]) for key in ("path", "base"))
+    one_process = runs["lora-base"][0]
+    record = read_record(saved)
+    assert {key: record["layout"][key] for key in layout} == layout and record["modules"] == ["actor", "optimizer"]
+    stored = saved_modules(saved)
+    assert stored["actor"] and all("_adapter." in key for key in stored["actor"])  # no base weight
+    initialize_distributed(1, 1, 1)
+    try:
+        shape = load_model_shape(base_dir)
+        model = build_gpt_model(shape, transformer_config(shape), trainable=True)
+        load_hf_weights(model, base_dir, shape)
+        apply_lora(model, LoRAConfig(rank=4, alpha=8.0), seed=1)  # other draws of A: every adapter tensor is loaded
+        ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=LR, warmup_steps=0), distributed=False)
+        modules = {"actor": Policy("actor", ddp, adapters_only=True), "optimizer": optimizer}
+        loaded = load_modules(saved, sharded_modules(modules, is_loading=True))
+        for module in restore_order(list(loaded)):
+            restore_module(module, modules[module], loaded[module])
+        adapters, moments, steps = full_adapters(ddp), adam_moments(model, optimizer), adam_step(optimizer)
+    finally:
+        destroy_distributed()
+    assert adapters.keys() == runs[name][0]["adapters"].keys()
+    assert all(torch.equal(tensor, runs[name][0]["adapters"][key]) for key, tensor in adapters.items())
+    assert steps == 2 and moments.keys() == one_process["adam_moments"].keys()
+    for key, (exp_avg, exp_avg_sq) in moments.items():
+        expected_avg, expected_sq = one_process["adam_moments"][key]
+        assert expected_avg.abs().max() > 0, key
+        torch.testing.assert_close(exp_avg, expected_avg, rtol=MOMENT_RTOL, atol=MOMENT_ATOL, msg=key)
+        torch.testing.assert_close(exp_avg_sq, expected_sq, rtol=MOMENT_RTOL, atol=MOMENT_ATOL ** 2, msg=key)
 
 
 def test_baseline_step_is_not_trivial(runs):

@@ -9,7 +9,10 @@ random routes given to the on-policy samples as an engine's; "bf16": bf16 parame
 mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
 context parallelism, each sequence over N ranks; "masked": every response holds two tokens the policy did not sample
 (a multi-turn trajectory's tool result: loss_mask 0) after its first; "lora": the actor trains rank-4 LoRA adapters (a
-MoE model's experts too) and the reference is the actor's model with them off);
+MoE model's experts too) and the reference is the actor's model with them off; "checkpoint": after the step, the
+actor (adapters only under "lora") and its optimizer saved as a trainer checkpoint in `<name>/checkpoints/step_000001`
+(recorded: its path and the actor's base directory), and (one process, plain optimizer) each trained parameter's Adam
+moments recorded);
 the process
 group is started once and Megatron's parallel state rebuilt for each job (process start-up is most of
 a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard's old/ref logprobs and old entropy
@@ -34,6 +37,7 @@ import torch  # noqa: E402
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from algorithm_factory import make_algorithm  # noqa: E402
 from launcher import write_result  # noqa: E402
+from state_trees import adam_moments  # noqa: E402
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
@@ -46,6 +50,8 @@ from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapt
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
+from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
+from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
 from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
 from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles  # noqa: E402
 from megatron_armor.trainer.update.optimizer import wrap_for_training, zero_grads  # noqa: E402
@@ -144,7 +150,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     ddp, optimizer = wrap_for_training(actor, optim, distributed="distopt" in options)
     ref = (Policy("ref", ddp, view=functools.partial(adapters_disabled, ddp)) if lora
            else Policy("ref", model(ref_dir, False)))
-    handles = PolicyHandles(actor=Policy("actor", ddp), ref=ref, optimizer=optimizer, shape=shape, pad_token_id=0)
+    handles = PolicyHandles(actor=Policy("actor", ddp, adapters_only=lora), ref=ref, optimizer=optimizer, shape=shape, pad_token_id=0)
     # A clip this tight binds on part of the second mini-batch (scored after the first optimizer step), so the
     # layouts are compared on clipped and unclipped tokens alike; "clip=C" widens it (bf16's logprobs differ by more
     # than 0.003 between layouts: a clip that tight flips on noise).
@@ -190,6 +196,11 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}  # LoRA: merged
     adapters = every_stage_adapters(ddp) if lora else None
     ref_after = handles.ref.score(batch, micro_batching=plan.micro_batching, scoring=scoring) if lora else None
+    moments, saved = None, None
+    if "checkpoint" in options:  # before the round trip below steps once more
+        modules = sharded_modules({"actor": handles.actor, "optimizer": optimizer}, is_loading=False)
+        saved = {"path": str(save_checkpoint(Path(out_dir) / name, 1, {"modules": modules})), "base": actor_dir}
+        moments = adam_moments(ddp.module, optimizer) if ctx.world_size == 1 else None
     state_bytes = optimizer_state_bytes(optimizer)
     round_trip = "distopt" in options and state_round_trip_is_exact(optimizer, lambda: update_policy(
         ddp, optimizer, prepared.mini_batches[:1], micro_batching=plan.micro_batching, algorithm=algorithm,
@@ -200,6 +211,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                 "metrics": update.metrics, "initial_weights": initial_weights, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "adapters": adapters, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
+                "adam_moments": moments, "checkpoint": saved,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     destroy_model_parallel()  # the next job builds its own layout on the same process group
 

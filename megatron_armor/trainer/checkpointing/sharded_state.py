@@ -3,7 +3,9 @@
 `sharded_modules` maps `RLTrainer.checkpointed_modules()` to what Megatron's distributed checkpointing
 saves and loads (trainer/checkpointing/checkpoint.py); a policy's entry is its `Policy.sharded_state_dict()`:
     "actor"      the actor's model's: tensors under their global keys, TP/PP shards as
-                 offsets of the full tensor, so they load at any TP x PP layout
+                 offsets of the full tensor, so they load at any TP x PP layout. A LoRA run's holds its adapters
+                 alone (`Policy.adapters_only`): the frozen base is model.path's, which the checkpoint names
+                 (trainer/checkpointing/lora_base.py), and the optimizer's entry holds the adapters' state only
     "optimizer"  {"megatron": Megatron's optimizer `sharded_state_dict(actor's)`, "adam_step": ShardedObject}:
                  the Adam moments (and a bf16 model's fp32 master weights) per parameter, sharded as the
                  parameter, as "optimizer.state.<exp_avg|exp_avg_sq>.<parameter key>"; the distributed optimizer

@@ -14,9 +14,14 @@ on, only the reference becomes the best checkpoint's weights, and the run trains
 mixed ratio pull the policy back toward the best checkpoint's behaviour). When a step's alarms ask for both, anchor
 wins.
 
+Under LoRA (model.lora) the reference is the base and never moves: anchor restores the best checkpoint's adapters and
+their optimizer state into the actor (the base is untouched) and trains ARMOR against the base from then on; anchor_keep
+is refused (config validation: it would make the reference another model than the base).
+
 The best checkpoint may be the start (step 0: the model the run started from, with its step-0 validation); its
-weights are then read from model.path again (`StartWeights`), not from a copy. `AnchorState` is the one record of
-the actions, carried in every checkpoint, so a resumed run trains ARMOR again with the reference its checkpoint holds.
+weights are then read from model.path again (`StartWeights`; under LoRA the adapters as they were built), not from a
+copy. `AnchorState` is the one record of the actions, carried in every checkpoint, so a resumed run trains ARMOR
+again with the reference its checkpoint holds.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from megatron_armor.monitor import Alarm
 from megatron_armor.trainer.checkpointing.best_checkpoint import START_STEP, BestCheckpoint
 from megatron_armor.trainer.checkpointing.checkpoint import load_modules, step_dirs
 from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
+from megatron_armor.trainer.checkpointing.sharded_state import OPTIMIZER
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.step.loop import RLTrainer
-from megatron_armor.trainer.step_inputs.policies import Policy
 
 log = logging.getLogger("megatron_armor")
 
@@ -87,13 +92,12 @@ class AnchorSwitch:
                 log.warning("step %d: anchor: no best checkpoint yet (checkpoint.keep_best %s); training goes on as %s",
                             step, self.best.metric, self.record.mode)
             return False
-        into = self.trainer.models.actor if restart else self.trainer.models.ref
-        best_weights, source = self._best_weights(into)
+        best_state, source = self._best_state(restart=restart)
         self.trainer.use_algorithm(build_anchored_algorithm(self.cfg))
         if restart:
-            metrics.update(self.trainer.restart_from(best_weights, step))
+            metrics.update(self.trainer.restart_from(best_state, step))
         else:
-            metrics.update(self.trainer.set_reference(best_weights))
+            metrics.update(self.trainer.set_reference(best_state[self.trainer.models.actor.name]))
         self.watch.rearm()  # a collapse that goes on fires (and acts) again, on evidence gathered from here
         switched = self.record.mode != ANCHORED_ALGORITHM
         self.record = AnchorState(ANCHORED_ALGORITHM, self.record.anchors + 1, step if restart else self.record.step,
@@ -102,7 +106,11 @@ class AnchorSwitch:
         if self.is_main:
             mode = f"switched to {ANCHORED_ALGORITHM}" if switched else f"{ANCHORED_ALGORITHM}'s reference reset"
             best = f"{source} (step {self.best.step}, {self.best.metric} {self.best.value:.4g})"
-            if restart:
+            if restart and self.trainer.models.actor.adapters_only:
+                log.warning("step %d: anchor on alarm %s: %s; the LoRA adapters and their optimizer state from %s, "
+                            "the reference stays the base, lr warmup (anchor %d)", step,
+                            ", ".join(a.kind for a in alarms), mode, best, self.record.anchors)
+            elif restart:
                 log.warning("step %d: anchor on alarm %s: %s; actor and reference from %s, a fresh optimizer and lr "
                             "warmup (anchor %d)", step, ", ".join(a.kind for a in alarms), mode, best,
                             self.record.anchors)
@@ -112,17 +120,23 @@ class AnchorSwitch:
                             best, self.record.anchors)
         return True
 
-    def _best_weights(self, into: Policy) -> tuple[dict[str, Any], str]:
-        """The best checkpoint's actor weights (collective), read into `into`'s own tensors (a checkpoint's load
-        fills the tensors it is given: the actor's for a restart, the reference's for anchor_keep, so the actor's
-        stay untouched), and where they came from, for the log."""
+    def _best_state(self, *, restart: bool) -> tuple[dict[str, Any], str]:
+        """The best checkpoint's modules the action restores (collective), and where they came from, for the log:
+        {"actor": its weights} read into the actor's own tensors for a restart, into the reference's for anchor_keep
+        (a checkpoint's load fills the tensors it is given, so the actor's stay untouched). A LoRA restart
+        (`Policy.adapters_only`) reads the adapters and their optimizer state ("optimizer"): they go on from where
+        the best checkpoint was. The start (step 0) has weights only, the optimizer starts afresh."""
+        actor = self.trainer.models.actor
         if self.best.step == START_STEP:
-            return self.start_weights(), "the run's start (model.path), the best so far"
+            return {actor.name: self.start_weights()}, "the run's start (model.path), the best so far"
         self.saver.finalize()  # the best checkpoint may be the save still in flight
         checkpoint = step_dirs(self.saver.root, self.best.step)[0]
-        actor = self.trainer.models.actor
-        request = {actor.name: into.sharded_state_dict(prefix=actor.checkpoint_prefix)}
-        return load_modules(checkpoint, request)[actor.name], f"the best checkpoint {checkpoint.name}"
+        if restart and actor.adapters_only:
+            request = self.trainer.sharded_state_dict(is_loading=True, names=[actor.name, OPTIMIZER])["modules"]
+        else:
+            into = actor if restart else self.trainer.models.ref
+            request = {actor.name: into.sharded_state_dict(prefix=actor.checkpoint_prefix)}
+        return load_modules(checkpoint, request), f"the best checkpoint {checkpoint.name}"
 
     def state(self) -> dict[str, Any]:
         return {STATE_KEY: dataclasses.asdict(self.record)}

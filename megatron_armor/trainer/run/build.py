@@ -26,7 +26,7 @@ from megatron_armor.distributed.init import DistributedContext
 from megatron_armor.models.hf_config import (
     ModelShape, MoERouting, check_parallel_layout, load_model_shape,
 )
-from megatron_armor.models.lora import adapters_disabled, apply_lora
+from megatron_armor.models.lora import adapter_entries, adapters_disabled, apply_lora
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.rollout.adapter_engine import AdapterEngine
@@ -139,9 +139,10 @@ def _actor(cfg: ArmorConfig, paths: TaskPaths, models: TrainerModels, engine: Ro
     through its adapter there (`AdapterEngine`), to which each push sends the adapters alone (PEFT-named,
     `convert.peft_export.all_stages_peft_tensors`)."""
     if not cfg.model.lora.adapter_sync:
-        return Policy(ACTOR, models.ddp, engine)
+        return Policy(ACTOR, models.ddp, engine, adapters_only=cfg.model.lora.enabled)
     config = functools.partial(peft_config, cfg.model.lora, base_model=paths.model_path)
-    return Policy(ACTOR, models.ddp, AdapterEngine(engine, ACTOR_ADAPTER, config), weights=_adapter_tensors)
+    return Policy(ACTOR, models.ddp, AdapterEngine(engine, ACTOR_ADAPTER, config), weights=_adapter_tensors,
+                  adapters_only=True)
 
 
 def _adapter_tensors(model: torch.nn.Module, shape: ModelShape) -> Iterable[tuple[str, torch.Tensor]]:
@@ -238,10 +239,14 @@ def _sequence_parallel(cfg: ArmorConfig, shape: ModelShape) -> bool:
 
 def start_weights(cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape) -> dict[str, Any]:
     """The weights the run's actor started from (model.path), at this rank's layout and under the actor's state-dict
-    keys (collective): what the anchor actions restore when the best checkpoint is the start."""
+    keys (collective): what the anchor actions restore when the best checkpoint is the start. Under LoRA its adapters
+    alone, as `apply_lora` built them (the same seed: A as drawn, B zero)."""
     model = load_gpt_model(paths.model_path, shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype],
                            sequence_parallel=_sequence_parallel(cfg, shape))
-    return model.state_dict()
+    if not cfg.model.lora.enabled:
+        return model.state_dict()
+    apply_lora(model, cfg.model.lora, seed=cfg.train.seed)
+    return adapter_entries(model.state_dict())
 
 
 def _pushes_cpu_weights_by_handle(cfg: ArmorConfig) -> bool:

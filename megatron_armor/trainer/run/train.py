@@ -15,6 +15,7 @@ from tqdm import tqdm
 from megatron_armor.algorithms import TEACHER, Algorithm, build_algorithm
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
+from megatron_armor.convert.peft_export import PEFT_DIR, save_peft_adapter
 from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
 from megatron_armor.monitor import CollapseAlarmError
 from megatron_armor.rewards.reward_fns import RewardFns
@@ -225,16 +226,22 @@ def _save(
 ) -> Path:
     """Checkpoint the trainer (and the run's trackers' state beside its entries) after `step` steps
     (collective; with checkpoint.async_save its shards are still being written on return), with the actor as a
-    Megatron distributed checkpoint beside it when checkpoint.save_model; returns its directory."""
+    Megatron distributed checkpoint beside it when checkpoint.save_model (`model/`) and a LoRA run's adapters in
+    PEFT's format when checkpoint.save_peft (`peft/`); returns its directory."""
+    save_peft = cfg.model.lora.enabled and cfg.checkpoint.save_peft
 
-    def export_model(checkpoint_dir: Path) -> None:
-        save_model_checkpoint(models.actor.module, models.shape, checkpoint_dir / "model",
-                              side_files_from=paths.model_path)
+    def export(checkpoint_dir: Path) -> None:
+        if cfg.checkpoint.save_model:
+            save_model_checkpoint(models.actor.module, models.shape, checkpoint_dir / "model",
+                                  side_files_from=paths.model_path)
+        if save_peft:
+            save_peft_adapter(models.actor.module, models.shape, cfg.model.lora, checkpoint_dir / PEFT_DIR,
+                              base_model=str(paths.model_path))
 
     with trainer.state_resident():
         tracked = {key: value for tracker in trackers for key, value in tracker.state().items()}
         return saver.save(step, {**trainer.sharded_state_dict(), **tracked},
-                          write_extra=export_model if cfg.checkpoint.save_model else None)
+                          write_extra=export if cfg.checkpoint.save_model or save_peft else None)
 
 
 def _teardown(ctx: DistributedContext, cfg: ArmorConfig, models: PolicyHandles, run_dir: Path) -> None:

@@ -293,21 +293,29 @@ class RLTrainer:
         self.plan = dataclasses.replace(self.plan, algorithm=algorithm)
         self.rollouts.phase.plan = self.plan
 
-    def restart_from(self, actor_state: dict[str, Any], step: int) -> dict[str, float]:
+    def restart_from(self, state: dict[str, Any], step: int) -> dict[str, float]:
         """ARMOR's restart (armor.md §4) after RL step `step` (1-based count of steps done; collective): the actor
-        gets the weights `actor_state` (a loaded "actor" entry of `sharded_state_dict`, e.g. the best checkpoint's),
-        a fresh optimizer and an lr warmup counted from here; the reference becomes that actor (and is
-        checkpointed from now on); both engines get the new weights, and a rollout generated ahead is dropped.
-        Its metrics."""
+        gets the weights of `state`'s "actor" (a loaded entry of `sharded_state_dict`, e.g. the best checkpoint's),
+        its optimizer `state`'s "optimizer" when there is one, else a fresh one, and an lr warmup counted from here;
+        the reference becomes that actor (and is checkpointed from now on); the engines get the new weights, and a
+        rollout generated ahead is dropped. Its metrics.
+
+        Under LoRA (`Policy.adapters_only`) `state` holds the adapters (with the best checkpoint's Adam state), the
+        base never moves and the reference stays the base: the restart resets the adapters."""
         self.rollouts.discard_queued()
+        actor = self.models.actor
+        modules = self.checkpointed_modules()
         with self.colocation.state_writable():
-            restore_module(self.models.actor.name, self.models.actor.model, actor_state)
-            reset_optimizer(self.models.optimizer)
+            for name in restore_order(list(state)):
+                restore_module(name, modules[name], state[name])
+            if OPTIMIZER not in state:
+                reset_optimizer(self.models.optimizer)
         self.warmup_from = step
-        self.checkpoints_reference = True
+        if not actor.adapters_only:
+            self.checkpoints_reference = True
         self.colocation.park_for_rollouts()
         self.engine_weights.push_actor()
-        return self.reset_reference()
+        return {} if actor.adapters_only else self.reset_reference()
 
     # ----- run start-up, end and checkpoints -------------------------------------------------
     def push_initial_weights(self, stale: list[Policy]) -> None:

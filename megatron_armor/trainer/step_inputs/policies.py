@@ -17,6 +17,7 @@ import torch
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights
 from megatron_armor.models.hf_config import ModelShape
+from megatron_armor.models.lora import adapter_entries
 from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.scoring.batch import SequenceBatch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
@@ -35,7 +36,9 @@ class Policy:
     `view` is the context `model` computes this policy in (scores, exported weights): as it is by default; the
     reference of a LoRA run is the actor's model with its adapters off (`models.lora.adapters_disabled`).
     `weights` gives what a push sends its engine from `module` (collective): every stage's weights, HF-named, by
-    default; a LoRA actor's adapters alone, PEFT-named, under model.lora.weight_sync adapter."""
+    default; a LoRA actor's adapters alone, PEFT-named, under model.lora.weight_sync adapter.
+    `adapters_only`: its checkpointed state is its LoRA adapters alone (the actor of a LoRA run: the frozen base is
+    model.path's, named by the checkpoint's `LoRABase`)."""
 
     name: str
     model: torch.nn.Module | None
@@ -45,6 +48,7 @@ class Policy:
     holds_weights: bool = True
     view: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     weights: Callable[[torch.nn.Module, ModelShape], Iterable[tuple[str, torch.Tensor]]] = gather_all_stages_hf_weights
+    adapters_only: bool = False
 
     @property
     def module(self) -> torch.nn.Module:
@@ -62,14 +66,26 @@ class Policy:
         return self.model.state_dict()
 
     def sharded_state_dict(self, prefix: str | None = None) -> dict[str, Any]:
-        """Its model's Megatron sharded state dict, tensors under their global keys behind `prefix` (default its
-        `checkpoint_prefix`; another policy's, to load that policy's saved weights into this one's tensors)."""
-        return self.module.sharded_state_dict(prefix=self.checkpoint_prefix if prefix is None else prefix)
+        """Its model's Megatron sharded state dict (`adapters_only`: its adapters' entries alone), tensors under their
+        global keys behind `prefix` (default its `checkpoint_prefix`; another policy's, to load that policy's saved
+        weights into this one's tensors)."""
+        state = self.module.sharded_state_dict(prefix=self.checkpoint_prefix if prefix is None else prefix)
+        return adapter_entries(state) if self.adapters_only else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load `state` (a `state_dict()`, or a loaded `sharded_state_dict()`: its keys lose `checkpoint_prefix`)."""
+        """Load `state` (a `state_dict()`, or a loaded `sharded_state_dict()`: its keys lose `checkpoint_prefix`).
+        `adapters_only`: `state` must hold every adapter tensor and nothing unknown, and the base keeps its weights
+        where `state` has none of them; ValueError otherwise."""
         prefix = self.checkpoint_prefix
-        self.model.load_state_dict({key.removeprefix(prefix): value for key, value in state.items()})
+        state = {key.removeprefix(prefix): value for key, value in state.items()}
+        if not self.adapters_only:
+            self.model.load_state_dict(state)
+            return
+        result = self.module.load_state_dict(state, strict=False)
+        missing = sorted(adapter_entries(dict.fromkeys(result.missing_keys)))
+        if missing or result.unexpected_keys:
+            raise ValueError(f"the {self.name}'s adapter state lacks {missing[:3]} and has unknown entries "
+                             f"{sorted(result.unexpected_keys)[:3]}: it was saved with another model.lora")
 
     def score(self, batch: SequenceBatch, *, micro_batching: MicroBatching, scoring: ScoringConfig) -> torch.Tensor:
         """[B, S] float32 label-aligned logprobs of `batch` under this policy, 0 off the response (collective over the
