@@ -67,7 +67,8 @@ def test_demo_config_loads_with_typed_overrides():
          "parallel.expert_tensor_parallel_size \\(1\\) x parallel.expert_parallel_size \\(4\\) = 4 must divide "
          "parallel.tensor_parallel_size \\(2\\) x parallel.context_parallel_size \\(1\\) x "
          "parallel.data_parallel_size \\(1\\) = 2"),
-        (["parallel.context_parallel_size=2", "parallel.expert_parallel_size=8", "parallel.expert_tensor_parallel_size=1"],
+        (["parallel.context_parallel_size=2", "parallel.expert_parallel_size=8",
+          "parallel.expert_tensor_parallel_size=1"],
          "parallel.expert_tensor_parallel_size \\(1\\) x parallel.expert_parallel_size \\(8\\) = 8 must divide "
          "parallel.tensor_parallel_size \\(2\\) x parallel.context_parallel_size \\(2\\) x "
          "parallel.data_parallel_size \\(1\\) = 4"),
@@ -107,7 +108,8 @@ def test_expert_layout_regroups_the_tp_x_cp_x_dp_ranks():
         load_config(DEMO, ["parallel.expert_parallel_size=2"])
     for ep, etp in ((2, None), (4, 1)):
         overrides = ["parallel.context_parallel_size=2", f"parallel.expert_parallel_size={ep}"]
-        parallel = load_config(DEMO, overrides + ([f"parallel.expert_tensor_parallel_size={etp}"] if etp else [])).parallel
+        overrides += [f"parallel.expert_tensor_parallel_size={etp}"] if etp else []
+        parallel = load_config(DEMO, overrides).parallel
         assert (parallel.expert_parallel_size, parallel.world_size) == (ep, 4)
 
 

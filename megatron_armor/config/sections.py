@@ -77,8 +77,8 @@ class ParallelConfig:
     )
     expert_tensor_parallel_size: int | None = doc(
         None, "MoE models: each expert's matrices split over this many ranks (Megatron's expert TP; unset: "
-        "tensor_parallel_size). The experts regroup each pipeline stage's TP x CP x DP ranks as expert TP x EP x expert "
-        "DP; e.g. 1 with a large expert_parallel_size keeps every expert whole on its rank"
+        "tensor_parallel_size). The experts regroup each pipeline stage's TP x CP x DP ranks as expert TP x EP x "
+        "expert DP; e.g. 1 with a large expert_parallel_size keeps every expert whole on its rank"
     )
     sequence_parallel: bool | None = doc(
         None, "Megatron sequence parallelism: the activations outside attention and MLP (norms, residuals, dropout) "

@@ -199,7 +199,8 @@ def test_context_parallel_matches_single_rank(runs, name):
     ranks, baseline = runs[name], runs["base"][0]
     _, tp, pp, head, *_ = next(jobs[name] for jobs in JOBS.values() if name in jobs)
     assert [result["layout"] for result in ranks] == [(tp, pp, 1)] * len(ranks)
-    assert baseline["checkpointed"] == 0 and all((result["checkpointed"] > 0) == ("recompute" in name) for result in ranks)
+    assert baseline["checkpointed"] == 0  # Megatron's activation checkpoint: only where the job recomputes
+    assert all((result["checkpointed"] > 0) == ("recompute" in name) for result in ranks)
     assert_same_step(ranks, baseline)
     assert_head_gradient_path(ranks, head)
     for result in ranks:
