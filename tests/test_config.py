@@ -61,10 +61,17 @@ def test_demo_config_loads_with_typed_overrides():
          "algorithm.dual_clip must be > 1, got 1.0"),
         (["parallel.data_parallel_size=2", "parallel.expert_parallel_size=4"],
          "parallel.expert_tensor_parallel_size \\(unset: 2, the TP size\\) x parallel.expert_parallel_size \\(4\\) = 8 "
-         "must divide parallel.tensor_parallel_size \\(2\\) x parallel.data_parallel_size \\(2\\) = 4"),
+         "must divide parallel.tensor_parallel_size \\(2\\) x parallel.context_parallel_size \\(1\\) x "
+         "parallel.data_parallel_size \\(2\\) = 4"),
         (["parallel.expert_parallel_size=4", "parallel.expert_tensor_parallel_size=1"],
          "parallel.expert_tensor_parallel_size \\(1\\) x parallel.expert_parallel_size \\(4\\) = 4 must divide "
-         "parallel.tensor_parallel_size \\(2\\) x parallel.data_parallel_size \\(1\\) = 2"),
+         "parallel.tensor_parallel_size \\(2\\) x parallel.context_parallel_size \\(1\\) x "
+         "parallel.data_parallel_size \\(1\\) = 2"),
+        (["parallel.context_parallel_size=2", "parallel.expert_parallel_size=8",
+          "parallel.expert_tensor_parallel_size=1"],
+         "parallel.expert_tensor_parallel_size \\(1\\) x parallel.expert_parallel_size \\(8\\) = 8 must divide "
+         "parallel.tensor_parallel_size \\(2\\) x parallel.context_parallel_size \\(2\\) x "
+         "parallel.data_parallel_size \\(1\\) = 4"),
         (["parallel.expert_parallel_size=0"], "parallel.expert_parallel_size must be >= 1"),
         (["parallel.expert_tensor_parallel_size=0"], "parallel.expert_tensor_parallel_size must be >= 1, got 0"),
         (["model.moe_aux_loss_coeff=-0.1"], "model.moe_aux_loss_coeff must be >= 0, got -0.1"),
@@ -91,13 +98,19 @@ def test_context_parallel_ranks_count_in_the_world_size():
     assert (cfg.parallel.tensor_parallel_size, cfg.parallel.world_size, cfg.train.pack_sequences) == (2, 8, True)
 
 
-def test_expert_layout_regroups_the_tp_x_dp_ranks():
-    """Expert TP x EP divides TP x DP: at TP=2 x DP=1, EP=2 needs expert TP 1 (EP would have to divide DP at the
-    default expert TP = TP)."""
+def test_expert_layout_regroups_the_tp_x_cp_x_dp_ranks():
+    """Expert TP x EP divides TP x CP x DP (Megatron's expert grid): at TP=2 x DP=1, EP=2 needs expert TP 1 (EP would
+    have to divide CP x DP at the default expert TP = TP); at TP=2 x CP=2 x DP=1 it does at the default expert TP,
+    and EP=4 at expert TP 1 spans all four ranks."""
     parallel = load_config(DEMO, ["parallel.expert_parallel_size=2", "parallel.expert_tensor_parallel_size=1"]).parallel
     assert (parallel.expert_parallel_size, parallel.expert_tensor_parallel_size, parallel.world_size) == (2, 1, 2)
     with pytest.raises(ConfigError, match="parallel.expert_tensor_parallel_size \\(unset: 2, the TP size\\)"):
         load_config(DEMO, ["parallel.expert_parallel_size=2"])
+    for ep, etp in ((2, None), (4, 1)):
+        overrides = ["parallel.context_parallel_size=2", f"parallel.expert_parallel_size={ep}"]
+        overrides += [f"parallel.expert_tensor_parallel_size={etp}"] if etp else []
+        parallel = load_config(DEMO, overrides).parallel
+        assert (parallel.expert_parallel_size, parallel.world_size) == (ep, 4)
 
 
 @pytest.mark.parametrize(

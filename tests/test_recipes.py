@@ -194,7 +194,7 @@ def header(path: Path) -> str:
 def test_header_states_the_response_lengths_that_fit_without_and_with_context_parallelism(recipe):
     """Each GPU recipe's header names the longest responses `armor plan` fits on its hardware without context
     parallelism and with it (rounded down to 4096 tokens: the planner's longest is within the next 4096), or that
-    no CP layout of its GPUs splits its model (GLM-4.5-Air: EP 4 x expert TP 8 do not divide TP 8 x DP 2)."""
+    no CP layout of its GPUs splits its model and its experts."""
     from megatron_armor.planning.planner import Hardware, plan_run
     from megatron_armor.planning.report import NO_CP_LAYOUT, format_plan
 

@@ -31,8 +31,9 @@ class OptimizerConfig:
     grad_clip: float = doc(1.0, "global gradient-norm clip")
     use_distributed_optimizer: bool | None = doc(
         None, "Megatron's distributed optimizer: Adam state (and a bf16 model's fp32 master weights) sharded over "
-        "data-parallel ranks, so each keeps 1/DP of it; unset: on when parallel.data_parallel_size > 1 unless "
-        "subspace-constrained training or rollout.memory.offload_trainer is on (they do not support it yet)"
+        "the data-parallel x context-parallel ranks (which hold the same weights), so each keeps 1/(DP x CP) of it; "
+        "unset: on when parallel.data_parallel_size > 1 unless subspace-constrained training or "
+        "rollout.memory.offload_trainer is on (they do not support it yet)"
     )
 
     def __post_init__(self) -> None:

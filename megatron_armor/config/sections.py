@@ -45,17 +45,19 @@ def expert_tp_size(tp: int, etp: int | None) -> int:
     return tp if etp is None else etp
 
 
-def check_expert_layout(tp: int, dp: int, ep: int, etp: int | None, *, where: str = "") -> None:
-    """Megatron's expert layout (`parallel_state.initialize_model_parallel`): the tp x dp ranks of each pipeline
-    stage are regrouped for the experts as expert TP (`etp`, None: `tp`) x EP (`ep`) x expert DP, so etp x ep must
-    divide tp x dp (at etp = tp: ep divides dp). Raises `ConfigError` naming the fields, each prefixed by `where`."""
+def check_expert_layout(tp: int, cp: int, dp: int, ep: int, etp: int | None, *, where: str = "") -> None:
+    """Megatron's expert layout (`parallel_state.initialize_model_parallel`): the tp x cp x dp ranks of each pipeline
+    stage are regrouped for the experts as expert TP (`etp`, None: `tp`) x EP (`ep`) x expert DP (the experts see
+    no context parallelism: each CP rank routes its own chunks' tokens), so etp x ep must divide tp x cp x dp (at
+    etp = tp: ep divides cp x dp). Raises `ConfigError` naming the fields, each prefixed by `where`."""
     size, shown = expert_tp_size(tp, etp), (f"unset: {tp}, the TP size" if etp is None else etp)
     for name, value in (("expert_parallel_size", ep), ("expert_tensor_parallel_size", size)):
         require(value >= 1, f"{where}{name} must be >= 1, got {value}")
-    require((tp * dp) % (size * ep) == 0,
+    require((tp * cp * dp) % (size * ep) == 0,
             f"{where}expert_tensor_parallel_size ({shown}) x {where}expert_parallel_size ({ep}) = {size * ep} must "
-            f"divide {where}tensor_parallel_size ({tp}) x {where}data_parallel_size ({dp}) = {tp * dp}: Megatron "
-            f"regroups each pipeline stage's TP x DP ranks as expert TP x EP x expert DP")
+            f"divide {where}tensor_parallel_size ({tp}) x {where}context_parallel_size ({cp}) x "
+            f"{where}data_parallel_size ({dp}) = {tp * cp * dp}: Megatron regroups each pipeline stage's TP x CP x DP "
+            f"ranks as expert TP x EP x expert DP")
 
 
 @dataclass
@@ -71,12 +73,12 @@ class ParallelConfig:
     expert_parallel_size: int = doc(
         1, "MoE models: the routed experts split over this many ranks (each holds num_experts / expert_parallel_size); "
         "divides the expert count, and times expert_tensor_parallel_size divides tensor_parallel_size x "
-        "data_parallel_size"
+        "context_parallel_size x data_parallel_size"
     )
     expert_tensor_parallel_size: int | None = doc(
         None, "MoE models: each expert's matrices split over this many ranks (Megatron's expert TP; unset: "
-        "tensor_parallel_size). The experts regroup each pipeline stage's TP x DP ranks as expert TP x EP x expert DP; "
-        "e.g. 1 with a large expert_parallel_size keeps every expert whole on its rank"
+        "tensor_parallel_size). The experts regroup each pipeline stage's TP x CP x DP ranks as expert TP x EP x "
+        "expert DP; e.g. 1 with a large expert_parallel_size keeps every expert whole on its rank"
     )
     sequence_parallel: bool | None = doc(
         None, "Megatron sequence parallelism: the activations outside attention and MLP (norms, residuals, dropout) "
@@ -87,8 +89,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         require_at_least("parallel", self, ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
                                             "data_parallel_size"), 1)
-        check_expert_layout(self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size,
-                            self.expert_tensor_parallel_size, where="parallel.")
+        check_expert_layout(self.tensor_parallel_size, self.context_parallel_size, self.data_parallel_size,
+                            self.expert_parallel_size, self.expert_tensor_parallel_size, where="parallel.")
         require(not (self.sequence_parallel and self.tensor_parallel_size == 1),
                 "parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits activations over the "
                 "tensor-parallel ranks)")

@@ -63,7 +63,7 @@ def convert_hf_to_megatron(
 
 def _writer_data_parallel_size(tp: int, ep: int, etp: int) -> int:
     """The fewest data-parallel ranks that hold experts over `ep` x `etp` (expert TP) ranks at TP `tp`: expert TP x EP
-    must divide TP x DP (`config.check_expert_layout`), so DP = lcm(tp, etp x ep) / tp (ep when etp = tp, 1 when
+    must divide TP x DP at CP 1 (`config.check_expert_layout`), so DP = lcm(tp, etp x ep) / tp (ep when etp = tp, 1 when
     etp x ep divides tp)."""
     return math.lcm(tp, etp * ep) // tp
 

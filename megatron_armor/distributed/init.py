@@ -61,9 +61,9 @@ def initialize_distributed(
 
     `data_parallel_size` None takes whatever the world size leaves; an explicit value must match it.
     `expert_parallel_size`, `expert_tensor_parallel_size` (MoE models): Megatron's expert groups, which regroup each
-    pipeline stage's TP x DP ranks as expert TP x EP x expert DP: the routed experts are split over
+    pipeline stage's TP x CP x DP ranks as expert TP x EP x expert DP: the routed experts are split over
     `expert_parallel_size` ranks and each expert's matrices over `expert_tensor_parallel_size` (None: the TP size,
-    Megatron's default), so their product must divide TP x DP (`config.check_expert_layout`).
+    Megatron's default), so their product must divide TP x CP x DP (`config.check_expert_layout`).
     `context_parallel_size`: each sequence split over that many ranks (`distributed.context_parallel`); the
     data-parallel size is what the world leaves after TP x PP x CP.
     """
@@ -84,7 +84,8 @@ def initialize_distributed(
     world_size = dist.get_world_size()
     _check_world_size(world_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
                       data_parallel_size)
-    check_expert_layout(tensor_parallel_size, world_size // (tensor_parallel_size * pipeline_parallel_size),
+    check_expert_layout(tensor_parallel_size, context_parallel_size,
+                        world_size // (tensor_parallel_size * pipeline_parallel_size * context_parallel_size),
                         expert_parallel_size, expert_tensor_parallel_size)
     enable_cpu_compat()
     if not parallel_state.model_parallel_is_initialized():

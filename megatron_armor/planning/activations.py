@@ -21,17 +21,20 @@ Multi-latent attention (DeepSeek-V3; r_q, r_kv the latent ranks, a = heads / tp,
 w = a d_v) in place of the QKV projection, QK norms and core attention:
   latents               2 r_q + 2 r_kv + 2   each latent's norm input and output (the up projection's input) and
                                           its rstd (the up projections' outputs are only split, roped and joined)
-  core attention        2 e + w + a       query and key (with RoPE), value and the log-sum-exp; selective
-                                          recomputation keeps 2 e + w
+  core attention        2 e + w + a       query and key (with RoPE), value and the log-sum-exp (every head has
+                                          its own key and value: nothing is repeated); selective recomputation
+                                          keeps 2 e + w
   attention output      w                 the output projection's input
 Full recomputation keeps only each chunk's input (h) and rebuilds one chunk's activations during its backward.
 
 Under context parallelism (`Layout.cp` > 1) each rank holds 1 / cp of every (padded) sequence's tokens, and the
 counts above are per token it holds, with one change in the core attention: the local spec's SDPAttention
 all-gathers the whole sequence's keys and values and saves them repeated to every head, kv' = cp q per local token
-(its [S / cp, S] mask is left out); Transformer Engine's ring attention saves the local K/V only and, while one
-layer's attention runs, holds the K/V chunks in flight on the ring (`ActivationBytes.exchange`: the one it
-attends to and the one it receives, 2 x 2 k per local token).
+(multi-latent attention: cp e + cp w in place of e + w; its [S / cp, S] mask is left out); Transformer Engine's
+ring attention saves the local K/V only and, while one layer's attention runs, holds the K/V chunks in flight on the
+ring (`ActivationBytes.exchange`: the one it attends to and the one it receives, 2 x (2 k) per local token, multi-latent
+attention 2 x (e + w)). Selective recomputation keeps the core attention's local inputs only (the gather runs again
+in the backward).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     core = q + 2 * k if selective else q + 2 * (q * layout.cp if layout.local_attention else k) + a
     attention = (q + 2 * k) + qk_norms + core + q
     if shape.mla is not None:
-        attention = _mla_elements_per_token(shape, layout.tp, selective)
+        attention = _mla_elements_per_token(shape, layout, selective)
     mlp = 5 * f
     if shape.is_moe_layer(layer):
         permuted = shape.hidden_size * layout.expert_tp // tp
@@ -64,12 +67,24 @@ def layer_elements_per_token(shape: ModelShape, layout: Layout, *, selective: bo
     return norms + attention + mlp
 
 
-def _mla_elements_per_token(shape: ModelShape, tp: int, selective: bool) -> int:
-    """Multi-latent attention's elements per token (module doc), its output projection's input `w` included."""
-    mla, a = shape.mla, shape.num_attention_heads // tp
+def _mla_elements_per_token(shape: ModelShape, layout: Layout, selective: bool) -> int:
+    """Multi-latent attention's elements per token (module doc), its output projection's input `w` included; the
+    core attention's keys and values those of the whole sequence under the local spec's context parallelism."""
+    mla, a = shape.mla, shape.num_attention_heads // layout.tp
     e, w = a * mla.q_head_dim, a * mla.v_head_dim
     latents = 2 * mla.q_lora_rank + 2 * mla.kv_lora_rank + 2
-    return latents + 2 * e + w + (0 if selective else a) + w
+    gathered = layout.cp if layout.local_attention else 1  # the sequence's K/V per local token the core keeps
+    core = 2 * e + w if selective else e + gathered * (e + w) + a
+    return latents + core + w
+
+
+def _kv_elements_per_token(shape: ModelShape, tp: int) -> int:
+    """Elements of the keys and values one token has on a TP rank: 2 k (k = kv heads / tp x head_dim), multi-latent
+    attention e + w (every head's own key and value)."""
+    if shape.mla is not None:
+        a = shape.num_attention_heads // tp
+        return a * (shape.mla.q_head_dim + shape.mla.v_head_dim)
+    return 2 * (shape.num_kv_heads // tp) * shape.head_dim
 
 
 @dataclass(frozen=True)
@@ -98,8 +113,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, tokens: int) -> Ac
     """Saved, recompute and K/V exchange bytes of one pipeline stage's decoder layers for one micro-batch of
     `tokens` tokens (of a data-parallel rank; a CP rank holds `cp_rank_tokens` of them)."""
     tokens = cp_rank_tokens(layout, tokens)
-    k = shape.num_kv_heads // layout.tp * shape.head_dim
-    exchange = 0 if layout.cp == 1 or layout.local_attention else tokens * 2 * 2 * k * layout.dtype_bytes
+    in_flight = 0 if layout.cp == 1 or layout.local_attention else 2 * _kv_elements_per_token(shape, layout.tp)
+    exchange = tokens * in_flight * layout.dtype_bytes
     recompute, layers = layout.recompute, shape.num_layers // layout.pp
     full = max(layer_elements_per_token(shape, layout, selective=recompute.granularity == "selective", layer=layer)
                for layer in range(shape.num_layers))  # the largest layer's (a MoE model's may differ)

@@ -99,7 +99,7 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
             recompute=RecomputeConfig("full", "uniform", 1)))))
     if layout.head != "fused":
         changes.append(("set train.logprob_head fused", replace(inputs, layout=layout.with_(head="fused"))))
-    if layout.dp > 1 and not layout.distributed_optimizer:
+    if layout.dp_cp > 1 and not layout.distributed_optimizer:  # the state is replicated over DP x CP
         changes.append(("set optimizer.use_distributed_optimizer true", replace(
             inputs, layout=layout.with_(distributed_optimizer=True))))
     if layout.tp > 1 and not layout.sequence_parallel:
@@ -126,7 +126,7 @@ def _splits(shape: ModelShape, layout: Layout) -> bool:
     """Whether `layout` splits `shape` (`check_parallel_layout`) and its experts (`check_expert_layout`)."""
     try:
         check_parallel_layout(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        check_expert_layout(layout.tp, layout.dp, layout.ep, layout.etp)
+        check_expert_layout(layout.tp, layout.cp, layout.dp, layout.ep, layout.etp)
     except ValueError:
         return False
     return True

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_armor.distributed.context_parallel import ZigZag
+from megatron_armor.distributed.init import _check_world_size
 
 
 def test_chunks_are_zig_zag():
@@ -35,6 +36,16 @@ def test_unsplittable_length_is_refused():
         ZigZag(2, 0).split(torch.zeros(6), 0)
     with pytest.raises(ValueError, match="CP rank 2 is outside a group of 2"):
         ZigZag(2, 2)
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_processes_is_refused():
+    """Start-up (`initialize_distributed`): 4 processes hold no TP 1 x PP 1 x CP 3 replica; 4 processes are not
+    TP 1 x PP 1 x CP 2 x DP 1. (`armor plan` refuses CP groups that do not tile --gpus: tests/planning/test_planner.py.)"""
+    with pytest.raises(ValueError, match=r"world size 4 is not divisible by tensor_parallel_size \(1\) x "
+                                         r"pipeline_parallel_size \(1\) x context_parallel_size \(3\)"):
+        _check_world_size(4, 1, 1, 3, None)
+    with pytest.raises(ValueError, match=r"context_parallel_size \(2\) x data_parallel_size \(1\) = 2"):
+        _check_world_size(4, 1, 1, 2, 1)
 
 
 @pytest.mark.parametrize("size", [2, 3])

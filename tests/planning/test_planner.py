@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.algorithms import build_algorithm
-from megatron_armor.config import load_config
+from megatron_armor.config import RecomputeConfig, load_config
 from megatron_armor.planning.memory import parameter_count
 from megatron_armor.planning.planner import GIB, Hardware, advice, knob_changes, memory_plan, plan_inputs, plan_run
 
@@ -156,10 +156,12 @@ def test_plan_advises_context_parallelism_for_responses_that_do_not_fit():
     changed = dict(knob_changes(inputs, 32768))["set parallel.context_parallel_size 2 (dp 8; each sequence split "
                                                 "over 2 GPUs)"]
     assert changed.layout == inputs.layout.with_(cp=2, dp=8) and memory_plan(changed).fits
-    # a MoE model is advised CP too, where its expert layout still divides TP x DP (EP 8 of TP 4 x DP 8, not of DP 4)
+    # a MoE model is advised CP too: its experts regroup TP x CP x DP, which CP leaves as it was (EP 8 x expert TP 4
+    # divides TP 4 x CP 2 x DP 8 and TP 4 x CP 4 x DP 4; of TP x DP alone, only the first)
     assert [knob for knob, _ in knob_changes(inputs_of("qwen3-30b-a3b/armor.yaml"), 10240)
             if knob.startswith("set parallel.context_parallel_size")] == [
-        "set parallel.context_parallel_size 2 (dp 8; each sequence split over 2 GPUs)"]
+        "set parallel.context_parallel_size 2 (dp 8; each sequence split over 2 GPUs)",
+        "set parallel.context_parallel_size 4 (dp 4; each sequence split over 4 GPUs)"]
 
 
 def test_context_parallel_ranks_hold_the_same_experts():
@@ -170,6 +172,53 @@ def test_context_parallel_ranks_hold_the_same_experts():
     assert (cp1.layout.expert_dp, cp2.layout.expert_dp) == (2, 2)
     assert memory_plan(cp2).state == memory_plan(cp1).state
     assert 2 * memory_plan(cp2).activations.saved == memory_plan(cp1).activations.saved
+
+
+def test_expert_layouts_over_tp_cp_dp_plan_context_parallelism():
+    """GLM-4.5-Air (TP 8 x PP 2 x DP 4, EP 4 at expert TP 8) and DeepSeek-V3 (TP 16 x DP 16, EP 256 at expert TP 1):
+    expert TP x EP = 32 and 256 divide TP x CP x DP at CP 2 x DP 2 and CP 2 x DP 8 (Megatron's expert grid), so both
+    plan a CP layout on their GPUs with the same expert state per GPU (expert DP 1 either way); an EP that the grid
+    cannot hold is refused naming the fields."""
+    from megatron_armor.config import ConfigError
+    from megatron_armor.planning.planner import context_layouts
+    from megatron_armor.planning.shapes import resolve_model_shape
+
+    for recipe, gpus, dp, with_cp in (("glm-4.5-air/armor.yaml", 128, 4, (2, 2)),
+                                      ("deepseek-v3/armor.yaml", 384, 16, (2, 8))):
+        cfg = load_config(str(EXAMPLES / recipe))
+        assert context_layouts(cfg, resolve_model_shape(cfg.model.path)[0], gpus) == ((1, dp), with_cp), recipe
+        hardware = Hardware(gpus=gpus, gpu_memory_gb=141)
+        cp1 = inputs_of(recipe, hardware=hardware)
+        cp2 = inputs_of(recipe, "parallel.context_parallel_size=2", f"parallel.data_parallel_size={with_cp[1]}",
+                        hardware=hardware)
+        assert (cp1.layout.expert_dp, cp2.layout.expert_dp) == (1, 1)
+        assert memory_plan(cp2).state == memory_plan(cp1).state
+    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel_size \(8\) x parallel.context_parallel_size "
+                                          r"\(2\) x parallel.data_parallel_size \(1\) = 16"):
+        load_config(str(EXAMPLES / "glm-4.5-air/armor.yaml"),
+                    ["parallel.context_parallel_size=2", "parallel.data_parallel_size=1"])
+
+
+def test_multi_latent_attention_keys_and_values_per_context_parallel_rank():
+    """DeepSeek-V3 at TP 16: a = 128 / 16 = 8 heads a rank, each with its own key (e = 8 x (128 + 64) = 1536 elements a
+    token) and value (w = 8 x 128 = 1024). The local spec's attention at CP 2 keeps the whole sequence's keys and
+    values, e + w = 2560 more elements per local token and layer than at CP 1; selective recomputation keeps only the
+    local ones (no change); Transformer Engine's ring holds two K/V chunks in flight: 2 x 2560 elements per local
+    token, bf16 (a token of the 2048 + 8192 = 10240 padded to 2 x CP x TP = 64: 10240 already, half of it a rank)."""
+    from megatron_armor.planning.activations import layer_elements_per_token
+
+    inputs = inputs_of("deepseek-v3/armor.yaml", "parallel.context_parallel_size=2", "parallel.data_parallel_size=8",
+                       hardware=Hardware(gpus=384, gpu_memory_gb=141))
+    shape, layout = inputs.shape, inputs.layout.with_(recompute=RecomputeConfig())
+    local = layout.with_(local_attention=True)
+    for layer in (0, 3):  # dense, MoE
+        gathered = layer_elements_per_token(shape, local, layer=layer)
+        assert gathered - layer_elements_per_token(shape, local.with_(cp=1), layer=layer) == 2560
+        assert gathered - layer_elements_per_token(shape, layout, layer=layer) == 2560  # TE keeps its own K/V only
+        assert layer_elements_per_token(shape, local, selective=True, layer=layer) == layer_elements_per_token(
+            shape, layout, selective=True, layer=layer)
+    assert inputs.micro_batch_tokens == 10240  # micro_batch_size 1
+    assert memory_plan(inputs).activations.exchange == 10240 // 2 * 2 * 2560 * 2
 
 
 def test_a_context_parallel_layout_the_gpus_cannot_hold_is_refused():

@@ -6,8 +6,9 @@ process, PP=2 with micro-batches of different shapes, TP=2 with sequence paralle
 so does the fused Triton LM head (interpreter) at TP=2, also with sequence parallelism and on a padded vocabulary,
 and a tied-embedding Qwen3 model at PP=2; so does a Qwen2-MoE step (a gated shared expert) at TP=2 (sequence
 parallel) beside EP=2, and Mixtral's and GLM-4.5's (sigmoid router, expert bias) at PP=2; so do context-parallel
-steps, entropy included, at CP=2 (also with the fused head and with packed micro-batches), CP=2 x TP=2 (sequence
-parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps (auxiliary loss, routing metrics, routing replay); so do
+steps, entropy included, at CP=2 (also with the fused head, with packed micro-batches, and with the distributed
+optimizer and full recomputation), CP=2 x TP=2 (sequence parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps
+(auxiliary loss, routing metrics, routing replay; CP=2 x EP=2 with selective recomputation); so do
 steps on multi-turn trajectories' samples (tokens inside the response that are not trained) at TP=2 and DP=2."""
 
 from pathlib import Path
@@ -86,6 +87,8 @@ JOBS = {
         "moe-cp2": ("moe", 1, 1, "torch", "cp=2"), "moe-cp2-aux": ("moe", 1, 1, "torch", "cp=2", "aux=0.1"),
         "moe-cp2-r3": ("moe", 1, 1, "torch", "cp=2", "replay=rollout"),
         "moe-cp2-budget-packed-r3": ("moe", 1, 1, "torch", "cp=2", "budget=40", "packed", "replay=rollout"),
+        "cp2-distopt-recompute": ("dense", 1, 1, "torch", "cp=2", "distopt", "recompute=full"),
+        "moe-cp2-ep2-selective": ("moe", 1, 1, "torch", "cp=2", "ep=2", "recompute=selective"),
         "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked"),
         "lora-tp2": ("dense", 2, 1, "torch", "lora", "checkpoint"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
         "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora", "checkpoint"),
@@ -139,14 +142,16 @@ def test_trajectory_loss_masks_at_tp2_and_dp2_match_single_rank(runs):
     assert masked["metrics"]["loss/policy_loss"] != pytest.approx(whole["metrics"]["loss/policy_loss"], rel=1e-3)
 
 
-def test_distributed_optimizer_halves_the_state_per_rank(runs):
-    """At DP=2 each rank keeps the Adam state of half the parameters (Megatron pads the flat buffer to a
-    multiple of the DP size, so a slice may be a little over half); its state_dict() round-trips exactly."""
+@pytest.mark.parametrize("name", ["dp2-distopt", "cp2-distopt-recompute"])
+def test_distributed_optimizer_halves_the_state_per_rank(runs, name):
+    """At DP=2, or at CP=2 (Megatron shards the state over the DP x CP ranks, which all hold the same weights), each
+    rank keeps the Adam state of half the parameters (Megatron pads the flat buffer to a multiple of the DP x CP
+    size, so a slice may be a little over half); its state_dict() round-trips exactly."""
     whole = runs["base"][0]["optimizer_state_bytes"]
-    shards = [result["optimizer_state_bytes"] for result in runs["dp2-distopt"]]
+    shards = [result["optimizer_state_bytes"] for result in runs[name]]
     assert [result["optimizer_state_bytes"] for result in runs["dp2"]] == [whole, whole]  # replicated without it
     assert all(0.45 * whole <= shard <= 0.51 * whole for shard in shards), (whole, shards)
-    assert all(result["state_round_trip_exact"] for result in runs["dp2-distopt"])
+    assert all(result["state_round_trip_exact"] for result in runs[name])
 
 
 def test_tied_embeddings_under_pipeline_parallelism(runs):
@@ -186,15 +191,20 @@ def test_moe_routing_replay_under_ep2_pp2_and_tp2_matches_single_rank(runs):
     assert r2["routing_metrics"]["moe/expert_load_cv"] > 0
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp2-fused-head", "cp2xtp2-sp", "cp2xpp2", "cp2-budget-packed"])
+@pytest.mark.parametrize("name", ["cp2", "cp2-fused-head", "cp2xtp2-sp", "cp2xpp2", "cp2-budget-packed",
+                                  "cp2-distopt-recompute"])
 def test_context_parallel_matches_single_rank(runs, name):
     """Every CP rank holds its zig-zag chunks of each sequence (no data-parallel replica: DP 1) and logs the whole
     step: logprobs, entropy, gradients, metrics and updated weights equal the one-process step's, with the torch
-    head or the fused one (which scores each rank's chunks and adds its weight gradient into main_grad), and with
-    token-budget packed micro-batches (THD: each packed sequence re-padded and split zig-zag on its own)."""
+    head or the fused one (which scores each rank's chunks and adds its weight gradient into main_grad), with
+    token-budget packed micro-batches (THD: each packed sequence re-padded and split zig-zag on its own), and with the
+    distributed optimizer (its state sharded over the CP ranks) and full recomputation (every layer's forward, its
+    all-gather of keys and values over the CP group included, run again in the backward)."""
     ranks, baseline = runs[name], runs["base"][0]
     _, tp, pp, head, *_ = next(jobs[name] for jobs in JOBS.values() if name in jobs)
     assert [result["layout"] for result in ranks] == [(tp, pp, 1)] * len(ranks)
+    assert baseline["checkpointed"] == 0  # Megatron's activation checkpoint: only where the job recomputes
+    assert all((result["checkpointed"] > 0) == ("recompute" in name) for result in ranks)
     assert_same_step(ranks, baseline)
     assert_head_gradient_path(ranks, head)
     for result in ranks:
@@ -204,13 +214,18 @@ def test_context_parallel_matches_single_rank(runs, name):
 
 
 @pytest.mark.parametrize("name,reference", [("moe-cp2", "moe-base"), ("moe-cp2-aux", "moe-aux"),
-                                            ("moe-cp2-r3", "moe-r3"), ("moe-cp2-budget-packed-r3", "moe-r3")])
+                                            ("moe-cp2-r3", "moe-r3"), ("moe-cp2-budget-packed-r3", "moe-r3"),
+                                            ("moe-cp2-ep2-selective", "moe-base")])
 def test_moe_under_context_parallelism_matches_single_rank(runs, name, reference):
     """A MoE step at CP=2: each CP rank routes its chunks' tokens; the auxiliary loss (Megatron reduces its token
     counts over TP x CP), the routing metrics (the routers' choices gathered over the CP ranks) and routing replay
-    (R3: each rank replays its chunks' routes, also of packed micro-batches) equal the one-process step's."""
+    (R3: each rank replays its chunks' routes, also of packed micro-batches) equal the one-process step's; so does
+    a step with the experts over EP=2 across the two CP ranks (Megatron's expert layout regroups TP x CP x DP: each
+    rank holds half the experts and dispatches its chunks' tokens to both) with the core attention recomputed in the
+    backward (selective recomputation)."""
     baseline = runs[reference][0]
     assert_same_step(runs[name], baseline)
+    assert all((result["checkpointed"] > 0) == ("selective" in name) for result in runs[name])
     for result in runs[name]:
         assert result["routing_metrics"] == pytest.approx(baseline["routing_metrics"], rel=1e-9), name
         if "aux" in name:

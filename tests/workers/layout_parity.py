@@ -7,7 +7,8 @@ experts over N expert-parallel ranks; "etp=N": each expert over N expert-TP rank
 load-balancing auxiliary loss at coefficient C; "replay=MODE": train.routing_replay MODE, with "rollout" replaying
 random routes given to the on-policy samples as an engine's; "bf16": bf16 parameters trained through Megatron's
 mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
-context parallelism, each sequence over N ranks; "masked": every response holds two tokens the policy did not sample
+context parallelism, each sequence over N ranks; "recompute=G": recompute.granularity G (full: every layer, uniform
+chunks of one; selective: the core attention); "masked": every response holds two tokens the policy did not sample
 (a multi-turn trajectory's tool result: loss_mask 0) after its first; "lora": the actor trains rank-4 LoRA adapters (a
 MoE model's experts too) and the reference is the actor's model with them off; "checkpoint": after the step, the
 actor (adapters only under "lora") and its optimizer saved as a trainer checkpoint in `<name>/checkpoints/step_000001`
@@ -19,7 +20,7 @@ a job's cost). For each job every rank saves `<name>/rank<r>.pt` with its shard'
 (keyed by sequence), the routing metrics of the old-logprob pass (MoE), the full HF-named gradients of the first
 mini-batch, whether the output weight's
 gradient went straight into Megatron's main_grad (`grad_added_to_main_grad`; None off the last stage),
-the step's loss metrics, the full weights before and after the step (two optimizer steps, one per mini-batch), the bytes of
+the step's loss metrics, how many times Megatron's activation checkpoint ran (recomputation), the full weights before and after the step (two optimizer steps, one per mini-batch), the bytes of
 its optimizer's state tensors, the step's update geometry (diagnostics/step_geometry.py), and (option distopt) whether a deep copy of the optimizer's `state_dict()` taken
 after the step (as MIPU's snapshot and the checkpoints take it) puts the state back exactly once a third step changed it.
 """
@@ -41,11 +42,11 @@ from state_trees import adam_moments  # noqa: E402
 
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
-from megatron_armor.config import LoRAConfig, OptimizerConfig  # noqa: E402
+from megatron_armor.config import LoRAConfig, OptimizerConfig, RecomputeConfig  # noqa: E402
 from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapters  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
@@ -59,6 +60,18 @@ from megatron_armor.trainer.update.policy_update import PolicyLossCallback, upda
 from megatron_armor.trainer.update.training_batch import advantage_batch, score_logprobs  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
 from megatron_armor.scoring.routes import REPLAY_MODES, routing_pass  # noqa: E402
+
+RECOMPUTE = {"full": RecomputeConfig("full", "uniform", 1), "selective": RecomputeConfig("selective")}
+CHECKPOINTS = []  # one entry per call of Megatron's activation checkpoint (what recomputation runs through)
+
+
+def counted_checkpoint(*args, _checkpoint=tensor_parallel.checkpoint):
+    CHECKPOINTS.append(1)
+    return _checkpoint(*args)
+
+
+tensor_parallel.checkpoint = counted_checkpoint
+
 
 def fixed_groups(num_groups=4, group_size=4, masked=False):
     """Random sequences of varying length; one correct anchor closes each group. `masked`: response tokens 1 and 2 of
@@ -105,9 +118,9 @@ def state_round_trip_is_exact(optimizer, step) -> bool:
 
 
 def gather_sharded_grads(ddp) -> None:
-    """Distributed optimizer: the reduce-scatter leaves each DP rank the reduced grads of its slice of every
+    """Distributed optimizer: the reduce-scatter leaves each DP (x CP) rank the reduced grads of its slice of every
     bucket only; all-gather the slices so main_grad holds the whole reduced gradient, as plain DDP leaves it."""
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     for buffer in ddp.buffers:
         for bucket in buffer.buckets:
@@ -124,6 +137,7 @@ def every_stage_adapters(ddp, use_grads=False) -> dict[str, torch.Tensor]:
 
 
 def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str, *options: str) -> None:
+    CHECKPOINTS.clear()
     ep = next((int(option.removeprefix("ep=")) for option in options if option.startswith("ep=")), 1)
     etp = next((int(option.removeprefix("etp=")) for option in options if option.startswith("etp=")), None)
     cp = next((int(option.removeprefix("cp=")) for option in options if option.startswith("cp=")), 1)
@@ -134,10 +148,13 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     aux = next((float(option.removeprefix("aux=")) for option in options if option.startswith("aux=")), 0.0)
 
     dtype = torch.bfloat16 if "bf16" in options else torch.float32
+    recompute = next((RECOMPUTE[option.removeprefix("recompute=")] for option in options
+                      if option.startswith("recompute=")), RecomputeConfig())
 
     def model(path, trainable):
         config = transformer_config(shape, tp_size=tp, pp_size=pp, sequence_parallel="sp" in options, ep_size=ep,
-                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux), params_dtype=dtype, cp_size=cp)
+                                    etp_size=etp, moe=MoERouting(aux_loss_coeff=aux), params_dtype=dtype, cp_size=cp,
+                                    recompute=recompute)
         m = build_gpt_model(shape, config, trainable=trainable).to(dtype=dtype)  # as convert.loading.load_gpt_model
         load_hf_weights(m, path, shape)
         return m
@@ -211,7 +228,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                 "metrics": update.metrics, "initial_weights": initial_weights, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "adapters": adapters, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
-                "adam_moments": moments, "checkpoint": saved,
+                "adam_moments": moments, "checkpoint": saved, "checkpointed": len(CHECKPOINTS),
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     destroy_model_parallel()  # the next job builds its own layout on the same process group
 

@@ -1,8 +1,9 @@
 """Worker (2 ranks): the planner's bytes against a tiny Megatron model's tensors at TP=2, CP=2 and DP=2.
 
-argv: out_dir checkpoint_dir. Each rank writes {"activations": [[name, measured, estimated], ...] (bytes saved for
-backward by a forward + logprobs at TP=2, sequence parallelism off and on, and at CP=2, recompute none / selective /
-full, torch and fused head), "tp2_state": [planned, actual] (parameter and grad-buffer bytes of its TP shard),
+argv: out_dir checkpoint_dir mla_checkpoint_dir. Each rank writes {"activations": [[name, measured, estimated], ...]
+(bytes saved for backward by a forward + logprobs at TP=2, sequence parallelism off and on, and at CP=2, recompute
+none / selective / full, torch and fused head; the CP=2 rows also the estimate that counts only the rank's own keys and
+values), "mla_cp2_activations": the CP=2 rows of the multi-latent attention model (torch head), "tp2_state": [planned, actual] (parameter and grad-buffer bytes of its TP shard),
 "dp2": {"planned": StateBytes fields, "gradients": grad-buffer bytes, "optimizer": Adam moment bytes} of the
 distributed optimizer at DP=2, "dp2_bf16": the same of a bf16 model, with its "weights" and fp32 "master_weights"
 (this rank's slices) apart from its "moments"}.
@@ -49,17 +50,19 @@ def tensor_parallel_activations(shape) -> list:
     return rows
 
 
-def context_parallel_activations(shape) -> list:
-    """[name, measured, estimated] at CP=2 (this rank's zig-zag chunks; the local spec's attention all-gathers keys
-    and values) for every recompute and head setting."""
+def context_parallel_activations(shape, heads=("torch", "fused")) -> list:
+    """[name, measured, estimated, estimated with the local keys and values only] at CP=2 (this rank's zig-zag chunks;
+    the local spec's attention all-gathers keys and values) for every recompute setting and each of `heads`."""
     rows = []
     tokens = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(1))  # 40: a multiple of 2 x CP
     for name, recompute in RECOMPUTE.items():
         model = build_gpt_model(shape, transformer_config(shape, recompute=recompute, cp_size=2), trainable=True)
-        for head in ("torch", "fused"):
+        for head in heads:
             layout = Layout(cp=2, dtype_bytes=4, recompute=recompute, head=head, local_attention=True)
+            local_kv = layout.with_(local_attention=False)  # saves as ring attention does (its K/V in flight apart)
             rows.append([f"cp=2,{name},{head}", measured_saved_bytes(model, tokens, head),
-                         estimated_saved_bytes(shape, layout, tokens.numel())])
+                         estimated_saved_bytes(shape, layout, tokens.numel()),
+                         estimated_saved_bytes(shape, local_kv, tokens.numel())])
     return rows
 
 
@@ -73,7 +76,7 @@ def trained(shape, tp: int, distributed: bool, dtype: torch.dtype = torch.float3
     return ddp, optimizer
 
 
-def main(out_dir: str, checkpoint: str) -> None:
+def main(out_dir: str, checkpoint: str, mla_checkpoint: str) -> None:
     shape = load_model_shape(checkpoint)
     initialize_distributed(2, 1, seed=0)
     activations = tensor_parallel_activations(shape)
@@ -84,6 +87,7 @@ def main(out_dir: str, checkpoint: str) -> None:
     destroy_model_parallel()
     initialize_distributed(1, 1, seed=0, context_parallel_size=2)
     activations += context_parallel_activations(shape)
+    mla_activations = context_parallel_activations(load_model_shape(mla_checkpoint), heads=("torch",))
     destroy_model_parallel()
     initialize_distributed(1, 1, seed=0)  # dp 2
     ddp, optimizer = trained(shape, 1, distributed=True)
@@ -95,7 +99,7 @@ def main(out_dir: str, checkpoint: str) -> None:
     dp2_bf16 = {"planned": asdict(planned), "weights": sum(p.nbytes for p in ddp.module.parameters()),
                 "gradients": sum(b.grad_data.nbytes for b in ddp.buffers), "moments": adam_state_bytes(optimizer),
                 "master_weights": master_weight_bytes(optimizer)}
-    write_result(out_dir, {"activations": activations, "tp2_state": tp2_state, "dp2": dp2, "dp2_bf16": dp2_bf16})
+    write_result(out_dir, {"activations": activations, "mla_cp2_activations": mla_activations, "tp2_state": tp2_state, "dp2": dp2, "dp2_bf16": dp2_bf16})
     destroy_distributed()
 
 
