@@ -133,7 +133,7 @@ async def _play(ctx: RolloutContext, env: Environment, renderer: ChatRenderer,
         sampled = await ctx.generate(builder.prompt, replace(ctx.sampling, max_new_tokens=min(
             ctx.sampling.max_new_tokens, budget)))
         stats.generation_s += time.perf_counter() - start
-        builder.add_sampled(sampled.token_ids, sampled.logprobs)
+        builder.add_sampled(sampled.token_ids, sampled.logprobs, sampled.versions)
         stats.turns += 1
         messages.append(renderer.assistant_message(sampled.token_ids))
         if sampled.finish_reason != "stop":  # "length": a turn or the token budget ran out; "abort": interrupted

@@ -21,11 +21,14 @@ from megatron_armor.rollout.base import GenerationFinish, RolloutEngine, Samplin
 @dataclass(frozen=True)
 class GenerateResult:
     """One turn's sample. token_ids: [R] int, the stop token included when one ended it; logprobs: [R] float, the
-    engine's (`Generation.logprobs`); finish_reason: "stop", "length" or "abort"."""
+    engine's (`Generation.logprobs`); finish_reason: "stop", "length" or "abort"; versions: [R] int, the weight
+    version that drew each token (`Generation.versions`: a `PausableEngine`'s, whose turns a weight push interrupts
+    and continues under the new weights), or None when the engine tracks none."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: GenerationFinish
+    versions: list[int] | None = None
 
 
 class Generator(Protocol):
@@ -82,7 +85,8 @@ class EngineGenerator:
             return
         for call, g in zip(batch, generations):
             if not call.future.done():
-                call.future.set_result(GenerateResult(list(g.response_ids), list(g.logprobs), g.finish_reason))
+                call.future.set_result(GenerateResult(list(g.response_ids), list(g.logprobs), g.finish_reason,
+                                                      None if g.versions is None else list(g.versions)))
 
     def _take_batch(self) -> list[_Call]:
         """Up to `max_batch` queued calls sharing the first one's sampling settings (in queue order)."""

@@ -1,13 +1,16 @@
 """Multi-turn rollouts on real engines, token ids in and out: the in-process LocalEngine and the SGLang client
 against an `armor serve-local` server process. A low-level rollout function (the API for users who write their own
 loop) plays three turns; the logprob of every trained token equals a fresh forward pass of the same checkpoint over
-the trajectory's tokens (what the trainer will compute)."""
+the trajectory's tokens (what the trainer will compute), and under partial rollouts a forward pass of the weights that
+drew it."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from megatron_armor.agentic.render import ChatRenderer
 from megatron_armor.agentic.trajectory import Status, Trajectory, TrajectoryBuilder, TrajectoryStats
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
+from megatron_armor.rollout.pausable import PausableEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from megatron_armor.utils.net import free_port
 
@@ -64,18 +68,24 @@ def play(generator, tokenizer) -> list[Trajectory]:
     return asyncio.run(run_rollouts(ctx, three_turns, ROWS, max_in_flight=len(ROWS)))
 
 
-def assert_trained_logprobs_match_a_forward_pass(model_dir: Path, trajectories: list[Trajectory]) -> None:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def assert_trained_logprobs_match_a_forward_pass(model_dir: Path, trajectories: list[Trajectory],
+                                                 models_by_version: dict | None = None) -> None:
+    """Every sampled token's logprob is a forward pass over the trajectory's tokens: of the checkpoint, or (partial
+    rollouts) of `models_by_version[v]`, the weights of the token's version v."""
+    models = models_by_version or {None: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()}
     for trajectory in trajectories:
         (segment,) = trajectory.segments  # turns cut at the token limit are closed by the footer: no drift
         # each turn samples 1-5 tokens (5 unless the random model sampled the stop token first)
         assert trajectory.stats.turns == TURNS and TURNS <= segment.sampled_tokens <= 5 * TURNS
         ids = torch.tensor(segment.token_ids)
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), dim=-1)  # [T-1, V]
         mask = torch.tensor(segment.loss_mask[1:], dtype=torch.bool)
-        reference = logprobs.gather(1, ids[1:, None])[:, 0][mask]
-        torch.testing.assert_close(torch.tensor(segment.logprobs[1:])[mask], reference, atol=2e-5, rtol=0)
+        versions = torch.tensor(segment.sampled_versions or [-1] * segment.sampled_tokens)
+        for version, model in models.items():
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), dim=-1)  # [T-1, V]
+            drawn = versions == version if version is not None else torch.ones_like(versions, dtype=torch.bool)
+            reference = logprobs.gather(1, ids[1:, None])[:, 0][mask][drawn]
+            torch.testing.assert_close(torch.tensor(segment.logprobs[1:])[mask][drawn], reference, atol=2e-5, rtol=0)
 
 
 class BatchRecordingEngine(LocalEngine):
@@ -97,6 +107,54 @@ def test_local_engine_batches_concurrent_turns_and_its_logprobs_are_the_trainers
         generator.close()
     assert sum(engine.batches) == len(ROWS) * TURNS and max(engine.batches) == len(ROWS)
     assert_trained_logprobs_match_a_forward_pass(model_dir, trajectories)
+
+
+def turn_versions(segment) -> list[list[int]]:
+    """The weight versions of each turn's sampled tokens (the runs of loss mask 1), in order."""
+    turns, versions = [], iter(segment.sampled_versions)
+    for before, sampled in zip([0, *segment.loss_mask], segment.loss_mask):
+        if sampled and not before:
+            turns.append([])
+        if sampled:
+            turns[-1].append(next(versions))
+    return turns
+
+
+def test_a_weight_push_mid_turn_continues_the_turn_under_the_new_weights(model_dir, tokenizer):
+    """Partial rollouts: the engine a `PausableEngine`, the trajectories' second turns interrupted by a weight push
+    (pause, new weights, resume as version 1) after their first decode step. The turns go on under the new weights:
+    every sampled token carries the version that drew it, in order, the interrupted turn both, and its logprob is a
+    forward pass of that version's weights over the trajectory's tokens."""
+    engine = LocalEngine(model_dir)
+    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in new.parameters():
+            parameter.mul_(1.05)
+    pausable = PausableEngine(engine)
+    forwards = itertools.count()
+
+    def push() -> None:
+        pausable.pause()
+        engine.update_weights(list(new.state_dict().items()))
+        pausable.resume(1)
+
+    def push_in_the_second_turn(module, args) -> None:
+        if next(forwards) == 6:  # turn 1: the prefill and 4 decode steps; then turn 2's prefill and a decode step
+            engine.interrupt()  # this call stops after the step; the push's pause keeps it from going on until resumed
+            threading.Thread(target=push).start()
+
+    engine.model.register_forward_pre_hook(push_in_the_second_turn)
+    generator = EngineGenerator(pausable)
+    try:
+        trajectories = play(generator, tokenizer)
+    finally:
+        generator.close()
+    assert pausable.version == 1
+    for trajectory in trajectories:
+        first, second, third = turn_versions(trajectory.segments[0])
+        assert set(first) == {0} and second == sorted(second) and set(second) == {0, 1} and set(third) == {1}
+    assert_trained_logprobs_match_a_forward_pass(model_dir, trajectories, {0: old, 1: new})
 
 
 def test_sglang_client_on_a_serve_local_process(model_dir, tokenizer, tmp_path):

@@ -7,8 +7,9 @@ so does the fused Triton LM head (interpreter) at TP=2, also with sequence paral
 and a tied-embedding Qwen3 model at PP=2; so does a Qwen2-MoE step (a gated shared expert) at TP=2 (sequence
 parallel) beside EP=2, and Mixtral's and GLM-4.5's (sigmoid router, expert bias) at PP=2; so do context-parallel
 steps, entropy included, at CP=2 (also with the fused head and with packed micro-batches), CP=2 x TP=2 (sequence
-parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps (auxiliary loss, routing metrics, routing replay); so do
-steps on multi-turn trajectories' samples (tokens inside the response that are not trained) at TP=2 and DP=2."""
+parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps (auxiliary loss, routing metrics, routing replay); so does
+a whole ARMOR step on multi-turn trajectories (rolled out, then trained; tokens inside the response that are not
+trained) at TP=2 and DP=2."""
 
 import pytest
 import torch
@@ -25,10 +26,25 @@ U = 2.0 ** -8
 LR = 1e-3  # the worker's learning rate
 
 
-def _actor_and_ref(root, **options):
+def _actor_and_ref(root, eos_logit_scale=None, **options):
     from megatron_armor.models.tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(root / "actor", seed=0, **options), make_tiny_checkpoint(root / "ref", seed=1, **options)
+    paths = [make_tiny_checkpoint(root / role, seed=seed, **options) for role, seed in (("actor", 0), ("ref", 1))]
+    for path in paths if eos_logit_scale else ():
+        _scale_eos_logit(path, eos_logit_scale)
+    return paths
+
+
+def _scale_eos_logit(path, factor):
+    """Multiply the LM head's EOS row by `factor`: an untrained model's EOS logit then swings far above and below the
+    others, so it ends a turn within a few tokens (multi-turn trajectories of a random model)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_armor.models.tiny import make_char_tokenizer
+
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"][make_char_tokenizer().eos_token_id] *= factor
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
 # checkpoint kind -> make_tiny_checkpoint options of its actor and reference
@@ -44,6 +60,7 @@ MODELS = {
     "glm4-moe": {"arch": "glm4_moe"},
     # DeepSeek-V3: multi-latent attention with YaRN RoPE, layer 0 dense, grouped sigmoid top-2 with an expert bias
     "deepseek-v3": {"arch": "deepseek_v3"},
+    "eos-prone": {"eos_logit_scale": 60.0},  # the dense model ending its turns early: multi-turn rollouts
 }
 
 # job name -> (checkpoint kind, tp, pp, head, worker options...); the jobs of one process count share one launch.
@@ -55,7 +72,7 @@ JOBS = {
         "qwen2-moe-base": ("qwen2-moe", 1, 1, "torch"), "mixtral-base": ("mixtral", 1, 1, "torch"),
         "wide-clip-base": ("dense", 1, 1, "torch", "clip=0.2"), "bf16-base": ("dense", 1, 1, "torch", "bf16", "clip=0.2"),
         "glm4-moe-base": ("glm4-moe", 1, 1, "torch"), "deepseek-v3-base": ("deepseek-v3", 1, 1, "torch"),
-        "masked-base": ("dense", 1, 1, "torch", "masked"),
+        "masked-base": ("dense", 1, 1, "torch", "masked"), "agentic-base": ("eos-prone", 1, 1, "torch", "agentic"),
         "lora-base": ("dense", 1, 1, "torch", "lora"), "lora-moe-base": ("moe", 1, 1, "torch", "lora")},
     2: {"tp2": ("dense", 2, 1, "torch"), "pp2": ("dense", 1, 2, "torch"), "dp2": ("dense", 1, 1, "torch"),
         "dp2-distopt": ("dense", 1, 1, "torch", "distopt"),
@@ -82,7 +99,7 @@ JOBS = {
         "moe-cp2": ("moe", 1, 1, "torch", "cp=2"), "moe-cp2-aux": ("moe", 1, 1, "torch", "cp=2", "aux=0.1"),
         "moe-cp2-r3": ("moe", 1, 1, "torch", "cp=2", "replay=rollout"),
         "moe-cp2-budget-packed-r3": ("moe", 1, 1, "torch", "cp=2", "budget=40", "packed", "replay=rollout"),
-        "masked-tp2": ("dense", 2, 1, "torch", "masked"), "masked-dp2": ("dense", 1, 1, "torch", "masked"),
+        "agentic-tp2": ("eos-prone", 2, 1, "torch", "agentic"), "agentic-dp2": ("eos-prone", 1, 1, "torch", "agentic"),
         "lora-tp2": ("dense", 2, 1, "torch", "lora"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
         "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora"),
         "lora-moe-ep2": ("moe", 1, 1, "torch", "ep=2", "lora")},
@@ -120,19 +137,30 @@ def test_layout_matches_single_rank(runs, name):
     assert_head_gradient_path(ranks, head)
 
 
-def test_trajectory_loss_masks_at_tp2_and_dp2_match_single_rank(runs):
-    """Multi-turn trajectories' samples: responses holding tokens the policy did not sample (loss_mask 0: a tool
-    result between two turns). Their ARMOR step at TP=2 and at DP=2 equals the one-process step; only the sampled
-    tokens are scored and trained (the step differs from the same batch trained on every response token)."""
+def test_only_the_sampled_tokens_of_a_trajectory_are_scored_and_trained(runs):
+    """Responses holding tokens the policy did not sample (loss_mask 0: a tool result between two turns): only the
+    sampled tokens are scored, and the step differs from the same batch trained on every response token."""
     masked, whole = runs["masked-base"][0], runs["base"][0]
-    for name in ("masked-tp2", "masked-dp2"):
-        assert_same_step(runs[name], masked)
     assert masked["logprobs"].keys() == whole["logprobs"].keys()  # each sequence, up to its last (sampled) token
     for key, (old, ref) in masked["logprobs"].items():
         kept = [0] + list(range(3, len(whole["logprobs"][key][0])))  # the response's tokens 1 and 2 are not scored
         torch.testing.assert_close(old, whole["logprobs"][key][0][kept], atol=LOGPROB_ATOL, rtol=0)
         torch.testing.assert_close(ref, whole["logprobs"][key][1][kept], atol=LOGPROB_ATOL, rtol=0)
     assert masked["metrics"]["loss/policy_loss"] != pytest.approx(whole["metrics"]["loss/policy_loss"], rel=1e-3)
+
+
+def test_multi_turn_armor_step_at_tp2_and_dp2_equals_one_process(runs):
+    """The whole step on multi-turn trajectories: the rollout (two-turn trajectories of the actor and the
+    reference's anchors, the requests dealt over the ranks, each seeded on its own) gives every rank the one-process
+    run's samples, tokens and engine logprobs to the bit, and the ARMOR update on them equals the one-process one."""
+    base = runs["agentic-base"][0]
+    samples = [s for group in base["samples"] for s in group]
+    assert len(base["samples"]) == 4 and all(group[-1][5] and group[-1][4] > 0 for group in base["samples"])
+    assert all(0 in mask and mask[0] == mask[-1] == 1 for _, _, mask, *_ in samples)  # the tool message: context
+    assert {reward for *_, reward, anchor in samples if not anchor} == {-1.0, 1.0}
+    for name in ("agentic-tp2", "agentic-dp2"):
+        assert [rank["samples"] for rank in runs[name]] == [base["samples"]] * 2
+        assert_same_step(runs[name], base)
 
 
 def test_distributed_optimizer_halves_the_state_per_rank(runs):
