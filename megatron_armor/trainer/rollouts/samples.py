@@ -163,8 +163,8 @@ def generate_samples(
     round-robin share of the requests with a rank-specific seed derived from `seed`, or with `seed_per_request`
     each request (prompt p, sample k) with its own, stable_seed(seed, p's index, k): the samples are then the same at
     any number of ranks (evaluation's, and every trajectory scorer's: `SampleScorer.seeds_each_request`; training's
-    single completions keep the rank seeds). Each request is answered
-    as the scorer responds (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the
+    single completions keep the rank seeds). Each request is answered as the scorer responds
+    (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the
     scorer's audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts
     over ranks for the whole batch's); with `agent`, the share's trajectories (multi-turn runs).
     """

@@ -7,11 +7,11 @@ sampled one are the prompt, the rest the response, with `loss_mask` 1 exactly on
 stop tokens included) and the engine's logprobs there (0.0 elsewhere); with partial rollouts (the actor's engine a
 `PausableEngine`: a weight push interrupts a turn, which goes on under the new weights) also the weight version of
 each response token (`Sample.token_versions`: a context token has that of the sampled token before it). The
-trajectory's drift is kept token-exact (`AgentLimits.on_drift` "keep"), so it is one segment. Its reward is the environment's score; it is correct (ARMOR's
-anchors, group filtering) when that is > 0. Its status decides what it becomes (rollout.agentic.on_<status>): trained
-as it is, trained with reward 0, or rolled out again (as is a trajectory that sampled nothing) at most
-`max_resamples` times, after which the last one is trained with reward 0 (one without sampled tokens: a sample with
-the dataset prompt and an empty response, which trains nothing).
+trajectory's drift is kept token-exact (`AgentLimits.on_drift` "keep"), so it is one segment. Its reward is the
+environment's score; it is correct (ARMOR's anchors, group filtering) when that is > 0. Its status decides what it
+becomes (rollout.agentic.on_<status>): trained as it is, trained with reward 0, or rolled out again (as is a
+trajectory that sampled nothing) at most `max_resamples` times, after which the last one is trained with reward 0
+(one without sampled tokens: a sample with the dataset prompt and an empty response, which trains nothing).
 """
 
 from __future__ import annotations
