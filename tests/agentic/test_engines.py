@@ -40,7 +40,7 @@ async def three_turns(ctx: RolloutContext, row: dict) -> Trajectory:
     builder, stats = TrajectoryBuilder(renderer.ids(messages, generation_prompt=True)), TrajectoryStats()
     for turn in range(TURNS):
         sampled = await ctx.generate(builder.prompt)
-        builder.add_sampled(sampled.token_ids, sampled.logprobs)
+        builder.add_sampled(sampled.token_ids, sampled.logprobs, sampled.versions)
         messages.append(renderer.assistant_message(sampled.token_ids))
         stats.turns += 1
         if turn < TURNS - 1:

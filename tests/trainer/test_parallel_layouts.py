@@ -156,11 +156,16 @@ def test_multi_turn_armor_step_at_tp2_and_dp2_equals_one_process(runs):
     base = runs["agentic-base"][0]
     samples = [s for group in base["samples"] for s in group]
     assert len(base["samples"]) == 4 and all(group[-1][5] and group[-1][4] > 0 for group in base["samples"])
-    assert all(0 in mask and mask[0] == mask[-1] == 1 for _, _, mask, *_ in samples)  # the tool message: context
+    assert all(mask[0] == mask[-1] == 1 for _, _, mask, *_ in samples)  # from the first to the last sampled token
+    assert sum(0 in mask for _, _, mask, *_ in samples) > len(samples) / 2  # mostly two turns: the tool message between
     assert {reward for *_, reward, anchor in samples if not anchor} == {-1.0, 1.0}
+    # The EOS-prone head's logits swing by +-10: gradients ~15x the fixed batch's (max ~1.6), and the layouts'
+    # summation-order differences with them (~2e-6 at TP=2): gradients are held to 1e-5 of the largest one, the
+    # weights after two Adam steps to 2% of a step.
+    grad_atol = 1e-5 * max(g.abs().max().item() for g in base["grads"].values())
     for name in ("agentic-tp2", "agentic-dp2"):
         assert [rank["samples"] for rank in runs[name]] == [base["samples"]] * 2
-        assert_same_step(runs[name], base)
+        assert_same_step(runs[name], base, grad_atol=grad_atol, weight_atol=2 * WEIGHT_ATOL)
 
 
 def test_distributed_optimizer_halves_the_state_per_rank(runs):
@@ -312,7 +317,7 @@ def assert_bf16_tracks(result, baseline):
     assert torch.nn.functional.cosine_similarity(torch.cat(got), torch.cat(expected), dim=0) > 0.99
 
 
-def assert_same_step(ranks, baseline):
+def assert_same_step(ranks, baseline, *, grad_atol=GRAD_ATOL, weight_atol=WEIGHT_ATOL):
     """Every rank's logprobs (merged over DP shards), gradients, loss metrics and updated weights equal
     the single-process run's."""
     seen = {}
@@ -325,11 +330,11 @@ def assert_same_step(ranks, baseline):
     for result in ranks:
         assert result["grads"].keys() == baseline["grads"].keys()
         for name, grad in result["grads"].items():
-            torch.testing.assert_close(grad, baseline["grads"][name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+            torch.testing.assert_close(grad, baseline["grads"][name], rtol=GRAD_RTOL, atol=grad_atol, msg=name)
         for name in ("loss/policy_loss", "loss/clip_fraction", "loss/mixed_ratio_mean", "optim/grad_norm"):
             assert result["metrics"][name] == pytest.approx(baseline["metrics"][name], rel=1e-5, abs=1e-7), name
         for name, weight in result["weights"].items():
-            torch.testing.assert_close(weight, baseline["weights"][name], atol=WEIGHT_ATOL, rtol=0, msg=name)
+            torch.testing.assert_close(weight, baseline["weights"][name], atol=weight_atol, rtol=0, msg=name)
         assert result["geometry"].keys() == baseline["geometry"].keys() and baseline["geometry"]
         for name, value in result["geometry"].items():  # whole-matrix norms and counts, reduced over the shards
             close = (pytest.approx(baseline["geometry"][name], abs=2e-3) if name.endswith("changed_fraction")

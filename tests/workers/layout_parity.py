@@ -93,7 +93,7 @@ def trajectory_groups(actor_dir: str, ref_dir: str, num_groups: int = 4) -> list
                             chat_template=str(AGENTIC_TASK / "char_chat.jinja"), max_turns=2)
     tokenizer = make_char_tokenizer()
     scorer = TrajectoryScorer.load(agentic, tokenizer, in_process=True)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
     prompts = [PromptRow(i, tokenizer.encode(f"{i}+{i + 1}="), {"prompt": f"{i}+{i + 1}="}) for i in range(10)]
     on_policy = generate_samples(LocalEngine(actor_dir), prompts, 3, sampling, scorer, is_anchor=False,
                                  seed=(0, 0, 0, "actor"))
