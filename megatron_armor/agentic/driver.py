@@ -185,7 +185,7 @@ async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequ
                        max_in_flight: int = 64, seeds: Sequence[int] | None = None) -> list[Trajectory]:
     """One task per row running `rollout`, at most `max_in_flight` at once; trajectories in the order of `rows`.
     With `seeds` (one per row) row i's trajectory samples its turns seeded from `seeds[i]` (`TurnSeeds`), so it is
-    reproducible whatever runs beside it (an engine samples a batch of differently seeded calls one call at a time).
+    reproducible whatever runs beside it (turns batched together keep their own seeds: `EngineGenerator`).
     A rollout function that raises gives a `failed` trajectory without segments. Synchronous environment methods and
     plain-function tools run meanwhile on a pool of `max_in_flight` threads (`tools.WORKER_THREADS`), so every
     trajectory in flight may wait on one; the pool is shut down on return without waiting for a call past its

@@ -61,11 +61,11 @@ def tokenizer():
     return make_chat_tokenizer("chatml")
 
 
-def play(generator, tokenizer) -> list[Trajectory]:
+def play(generator, tokenizer, seeds=None) -> list[Trajectory]:
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=(stop,))
     ctx = RolloutContext(generator, tokenizer, sampling)
-    return asyncio.run(run_rollouts(ctx, three_turns, ROWS, max_in_flight=len(ROWS)))
+    return asyncio.run(run_rollouts(ctx, three_turns, ROWS, max_in_flight=len(ROWS), seeds=seeds))
 
 
 def assert_trained_logprobs_match_a_forward_pass(model_dir: Path, trajectories: list[Trajectory],
@@ -107,6 +107,28 @@ def test_local_engine_batches_concurrent_turns_and_its_logprobs_are_the_trainers
         generator.close()
     assert sum(engine.batches) == len(ROWS) * TURNS and max(engine.batches) == len(ROWS)
     assert_trained_logprobs_match_a_forward_pass(model_dir, trajectories)
+
+
+def test_seeded_turns_go_as_one_batch_and_sample_what_one_call_per_turn_does(model_dir, tokenizer):
+    """Turns seeded each (a seed per trajectory, as the trainer rolls out) go to the in-process engine as one batch
+    with a seed per prompt, and give the tokens and (to the fp32 floor) the logprobs of one engine call per turn."""
+    runs = {}
+    for max_batch in (256, 1):
+        engine = BatchRecordingEngine(model_dir)
+        engine.batches = []
+        generator = EngineGenerator(engine, max_batch=max_batch)
+        try:
+            runs[max_batch] = engine.batches, play(generator, tokenizer, seeds=[7, 8, 9, 10])
+        finally:
+            generator.close()
+    (batches, batched), (calls, alone) = runs[256], runs[1]
+    assert max(batches) == len(ROWS) and sum(batches) == len(ROWS) * TURNS and calls == [1] * (len(ROWS) * TURNS)
+    for one, other in zip(batched, alone, strict=True):
+        (segment,), (reference,) = one.segments, other.segments
+        assert (segment.token_ids, segment.loss_mask) == (reference.token_ids, reference.loss_mask)
+        torch.testing.assert_close(segment.logprobs, reference.logprobs, atol=1e-6, rtol=0)
+    assert len({tuple(t.segments[0].token_ids[-5:]) for t in batched}) == len(ROWS)  # each its own draws
+    assert_trained_logprobs_match_a_forward_pass(model_dir, batched)
 
 
 def turn_versions(segment) -> list[list[int]]:

@@ -64,11 +64,14 @@ def test_resample_rolls_a_row_out_again_until_it_samples_and_gives_up_with_rewar
 
 def test_trajectories_depend_on_their_seed_only(engine):
     """A row's trajectory is the same rolled out alone or beside others (each turn its own seed, derived from the
-    row's), not with another seed; a scorer without a seed per row refuses to roll out."""
+    row's; batched with the others' turns, its logprobs to the fp32 floor), not with another seed; a scorer without a
+    seed per row refuses to roll out."""
     rows = prompts(*({"prompt": f"{d}+{d}="} for d in range(3)))
     together = scorer(max_in_flight=3).respond(engine, rows, seeded(rows), is_anchor=False)
     [alone] = scorer(max_in_flight=1).respond(engine, rows[:1], seeded(rows[:1]), is_anchor=False)
-    assert alone == together[0] and alone.response_ids != together[1].response_ids
+    assert alone.engine_logprobs == pytest.approx(together[0].engine_logprobs, abs=1e-6, rel=0)
+    assert dataclasses.replace(alone, engine_logprobs=[]) == dataclasses.replace(together[0], engine_logprobs=[])
+    assert alone.response_ids != together[1].response_ids
     [other_seed] = scorer().respond(engine, rows[:1], seeded(rows[:1], first=12), is_anchor=False)
     assert other_seed.response_ids != alone.response_ids
     with pytest.raises(ValueError, match="trajectories are seeded per request: 1 prompts need as many sampling.seeds"):
