@@ -48,8 +48,8 @@ class TrajectoryScorer(SampleScorer):
     it is a client of servers (a request per turn, `max_in_flight` at once)."""
 
     rolls_out_trajectories: ClassVar[bool] = True
-    # A seed per request: a trajectory's turns are sampled one call at a time anyway (`TurnSeeds`), and the step's
-    # samples are then the same at any number of ranks and in any layout.
+    # A seed per request, and per turn from it (`TurnSeeds`; batched turns keep theirs): the step's samples are then
+    # the same at any number of ranks and in any layout.
     seeds_each_request: ClassVar[bool] = True
 
     def __init__(
