@@ -18,6 +18,12 @@ Two runs per latency, over the same rows:
 Printed per run: trajectories/s, the mean seconds per trajectory spent awaiting the engine and the environment
 (agent/generation_s_mean, agent/tool_s_mean), mean turns, and per latency the ratio of the two throughputs.
 
+Then two per-trajectory runs over the rows of the first latency with every turn seeded on its own (a seed per
+trajectory, `driver.TurnSeeds`, as the trainer rolls out):
+  seeded, batched  the turns waiting together go as one engine call with a seed per prompt (EngineGenerator);
+  seeded, 1 a call one engine call per turn (max_batch 1: what the seeded turns cost before they batched);
+and the ratio of their throughputs.
+
     python benchmarks/bench_agentic.py --trajectories 32 --latency-ms 50 500
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import tempfile
 import time
@@ -93,16 +100,23 @@ def rows(n: int, max_turns: int, latency_s: float, seed: int) -> list[dict]:
             for i in range(n)]
 
 
-def run(ctx: RolloutContext, batch: list[dict], synchronous: bool) -> tuple[float, dict[str, float]]:
-    """(seconds, agent metrics) of rolling out `batch`, turn-synchronous or not."""
+def run(ctx: RolloutContext, batch: list[dict], synchronous: bool,
+        seeds: list[int] | None = None) -> tuple[float, dict[str, float]]:
+    """(seconds, agent metrics) of rolling out `batch`, turn-synchronous or not, with `seeds` each turn seeded."""
 
     async def go():
         LookupEnv.lockstep = Lockstep(len(batch)) if synchronous else None
-        return await run_rollouts(ctx, environment_rollout(LookupEnv), batch, max_in_flight=len(batch))
+        return await run_rollouts(ctx, environment_rollout(LookupEnv), batch, max_in_flight=len(batch), seeds=seeds)
 
     start = time.perf_counter()
     trajectories = asyncio.run(go())
     return time.perf_counter() - start, agent_metrics(trajectories)
+
+
+def report(latency_ms: float, mode: str, throughput: float, metrics: dict[str, float]) -> None:
+    """One run's row of the table."""
+    print(f"{latency_ms:>6.0f}ms {mode:>17} {throughput:>7.2f} {metrics['agent/generation_s_mean']:>6.2f} "
+          f"{metrics['agent/tool_s_mean']:>6.2f} {metrics['agent/turns_mean']:>5.2f}")
 
 
 def main() -> None:
@@ -130,12 +144,21 @@ def main() -> None:
         for mode, synchronous in (("per-trajectory", False), ("turn-synchronous", True)):
             seconds, metrics = run(ctx, batch, synchronous)
             throughput[mode] = len(batch) / seconds
-            print(f"{latency_ms:>6.0f}ms {mode:>17} {throughput[mode]:>7.2f} "
-                  f"{metrics['agent/generation_s_mean']:>6.2f} {metrics['agent/tool_s_mean']:>6.2f} "
-                  f"{metrics['agent/turns_mean']:>5.2f}")
+            report(latency_ms, mode, throughput[mode], metrics)
         print(f"{latency_ms:>6.0f}ms per-trajectory / turn-synchronous: "
               f"{throughput['per-trajectory'] / throughput['turn-synchronous']:.2f}x")
     generator.close()
+    latency_ms = args.latency_ms[0]
+    batch = rows(args.trajectories, args.max_turns, latency_ms / 1000, args.seed)
+    throughput = {}
+    for mode, max_batch in (("seeded, batched", 256), ("seeded, 1 a call", 1)):
+        generator = EngineGenerator(engine, workers=1, max_batch=max_batch)
+        seconds, metrics = run(dataclasses.replace(ctx, generator=generator), batch, False, list(range(len(batch))))
+        generator.close()
+        throughput[mode] = len(batch) / seconds
+        report(latency_ms, mode, throughput[mode], metrics)
+    print(f"{latency_ms:>6.0f}ms seeded turns batched / one call per turn: "
+          f"{throughput['seeded, batched'] / throughput['seeded, 1 a call']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -78,8 +78,6 @@ def test_demo_config_loads_with_typed_overrides():
         (["model.moe_aux_loss_coeff=0.01", "model.moe_load_balancing=none"],
          "model.moe_aux_loss_coeff > 0 needs model.moe_load_balancing aux_loss or seq_aux_loss"),
         (["model.moe_load_balancing=sinkhorn"], "model.moe_load_balancing: 'sinkhorn' is not allowed"),
-        (["rollout.agentic.environment=env.py:Env", "rollout.mode=async", "rollout.anchors.engine=separate",
-          "rollout.partial_rollouts=true"], "a trajectory's turns are not continued yet"),
         (["rollout.agentic.on_failed=drop"], "rollout.agentic.on_failed: 'drop' is not allowed"),
         (["rollout.agentic.max_resamples=-1"], "rollout.agentic.max_resamples must be >= 0, got -1"),
     ],

@@ -133,7 +133,7 @@ async def _play(ctx: RolloutContext, env: Environment, renderer: ChatRenderer,
         sampled = await ctx.generate(builder.prompt, replace(ctx.sampling, max_new_tokens=min(
             ctx.sampling.max_new_tokens, budget)))
         stats.generation_s += time.perf_counter() - start
-        builder.add_sampled(sampled.token_ids, sampled.logprobs)
+        builder.add_sampled(sampled.token_ids, sampled.logprobs, sampled.versions)
         stats.turns += 1
         messages.append(renderer.assistant_message(sampled.token_ids))
         if sampled.finish_reason != "stop":  # "length": a turn or the token budget ran out; "abort": interrupted
@@ -185,7 +185,7 @@ async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequ
                        max_in_flight: int = 64, seeds: Sequence[int] | None = None) -> list[Trajectory]:
     """One task per row running `rollout`, at most `max_in_flight` at once; trajectories in the order of `rows`.
     With `seeds` (one per row) row i's trajectory samples its turns seeded from `seeds[i]` (`TurnSeeds`), so it is
-    reproducible whatever runs beside it (an engine samples a batch of differently seeded calls one call at a time).
+    reproducible whatever runs beside it (turns batched together keep their own seeds: `EngineGenerator`).
     A rollout function that raises gives a `failed` trajectory without segments. Synchronous environment methods and
     plain-function tools run meanwhile on a pool of `max_in_flight` threads (`tools.WORKER_THREADS`), so every
     trajectory in flight may wait on one; the pool is shut down on return without waiting for a call past its

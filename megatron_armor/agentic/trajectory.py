@@ -54,22 +54,34 @@ class Segment:
     """One sample of a trajectory.
 
     token_ids: [T] int; loss_mask: [T] int, 1 iff the policy sampled that token from this segment's prefix;
-    logprobs: [T] float, the engine's logprob of each sampled token (its `Generation.logprobs`), 0.0 where masked.
+    logprobs: [T] float, the engine's logprob of each sampled token (its `Generation.logprobs`), 0.0 where masked;
+    sampled_versions: [sum(loss_mask)] int, the weight version that drew each sampled token, in order (an engine
+    that tracks versions: `Generation.versions`, partial rollouts), or None.
     """
 
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
+    sampled_versions: list[int] | None = None
 
     @classmethod
     def context(cls, token_ids: Sequence[int]) -> Segment:
         return cls(list(token_ids), [0] * len(token_ids), [0.0] * len(token_ids))
 
-    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
-        """Append context tokens (`logprobs` None) or sampled ones with their logprobs."""
+    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None,
+               versions: Sequence[int] | None = None) -> None:
+        """Append context tokens (`logprobs` None) or sampled ones with their logprobs (and, from an engine that
+        tracks them, their weight versions: every sampled token of a segment has one, or none has)."""
         sampled = logprobs is not None
         if sampled and len(logprobs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} logprobs")
+        versioned = self.sampled_versions is not None
+        if sampled and (self.sampled_tokens or versioned) and versioned != (versions is not None):
+            raise ValueError("every sampled token of a segment has a weight version, or none has")
+        if versions is not None and (not sampled or len(versions) != len(token_ids)):
+            raise ValueError(f"{len(versions)} weight versions for {len(token_ids) if sampled else 0} sampled tokens")
+        if versions is not None:
+            self.sampled_versions = [*(self.sampled_versions or []), *versions]
         self.token_ids += token_ids
         self.loss_mask += [int(sampled)] * len(token_ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(token_ids)
@@ -84,10 +96,21 @@ class Segment:
         the context between them)."""
         return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.token_ids)
 
+    def response_versions(self) -> list[int] | None:
+        """[T - prompt_length] int: the weight version of each token after the prompt, a sampled token's its own and a
+        context token's that of the sampled token before it (the weights whose turn it answers); None without
+        versions."""
+        if self.sampled_versions is None:
+            return None
+        versions, drawn = [], iter(self.sampled_versions)
+        for sampled in self.loss_mask[self.prompt_length:]:
+            versions.append(next(drawn) if sampled else versions[-1])
+        return versions
+
     def through_last_sampled(self) -> Segment:
         """This segment cut after its last sampled token (context the policy never answered is not trained on)."""
         end = len(self.loss_mask) - self.loss_mask[::-1].index(1) if 1 in self.loss_mask else 0
-        return Segment(self.token_ids[:end], self.loss_mask[:end], self.logprobs[:end])
+        return Segment(self.token_ids[:end], self.loss_mask[:end], self.logprobs[:end], self.sampled_versions)
 
 
 @dataclass
@@ -116,8 +139,10 @@ class TrajectoryBuilder:
         """Tokens of the growing (last) segment: what the next generation's context holds."""
         return len(self.segments[-1].token_ids)
 
-    def add_sampled(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        self.segments[-1].extend(token_ids, logprobs)
+    def add_sampled(self, token_ids: Sequence[int], logprobs: Sequence[float],
+                    versions: Sequence[int] | None = None) -> None:
+        """Append a turn's sampled tokens, their logprobs and (partial rollouts) the weight version of each."""
+        self.segments[-1].extend(token_ids, logprobs, versions)
 
     def add_context(self, continuation: Sequence[int], canonical: Sequence[int]) -> TurnCheck:
         """Append a turn's `continuation` (ids after the sampled tokens), checked against `canonical`, the ids of the

@@ -268,7 +268,8 @@ class RolloutConfig:
         False, "rollout.mode async: a weight push interrupts the generations in flight (SGLang's abort; the local "
         "engine stops decoding) instead of waiting for them, and they continue afterwards from their partial "
         "responses under the new weights; every token keeps the weight version and engine logprob it was sampled "
-        "with (async/partial_fraction: the share of trained samples that mix versions)"
+        "with (async/partial_fraction: the share of trained samples that mix versions); a multi-turn trajectory's "
+        "interrupted turn continues likewise, its later turns sampled by the weights the engine then holds"
     )
     sampling: SamplingConfig = section(SamplingConfig)
     anchors: AnchorsConfig = section(AnchorsConfig)
@@ -295,9 +296,6 @@ class RolloutConfig:
         require(not self.partial_rollouts or self.mode == "async",
                 f"rollout.partial_rollouts continues generations a weight push interrupted, which only rollout.mode "
                 f"async does (sync and one_step_off push weights while nothing generates): got mode {self.mode}")
-        require(not self.partial_rollouts or self.agentic.environment is None,
-                "rollout.partial_rollouts continues interrupted single completions; a trajectory's turns are not "
-                "continued yet (rollout.agentic.environment): turn partial rollouts off for multi-turn runs")
         require_at_least("rollout", self, ("max_staleness",), 0)
         require_at_least("rollout", self, ("async_buffer_batches",), 1)
         self.backend_settings.check_with(self)

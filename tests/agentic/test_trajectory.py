@@ -157,3 +157,20 @@ def test_trained_segments_end_at_their_last_sampled_token_and_untrained_ones_go(
     builder.add_sampled([2], [-0.2])
     builder.add_context([3, 4], canonical=[1, 2, 3, 4])
     assert builder.trained_segments() == [Segment([1, 2], [0, 1], [0.0, -0.2])]
+
+
+def test_weight_versions_follow_the_sampled_tokens_and_context_takes_the_turn_before_it():
+    """Partial rollouts: a turn's tokens carry the versions that drew them (a push mid-turn: two); a context token
+    after a turn has the version of the turn's last token; a segment's sampled tokens all have versions or none."""
+    builder = TrajectoryBuilder([1, 2])
+    builder.add_sampled([3, 4], [-0.1, -0.2], versions=[0, 1])
+    builder.add_context([5, 6], canonical=[1, 2, 3, 4, 5, 6])
+    builder.add_sampled([7], [-0.3], versions=[2])
+    builder.add_context([8], canonical=[1, 2, 3, 4, 5, 6, 7, 8])
+    (segment,) = builder.trained_segments()
+    assert segment.sampled_versions == [0, 1, 2] and segment.response_versions() == [0, 1, 1, 1, 2]
+    assert Segment([1, 2], [0, 1], [0.0, -0.1]).response_versions() is None  # an engine without versions
+    with pytest.raises(ValueError, match="every sampled token of a segment has a weight version, or none has"):
+        builder.add_sampled([9], [-0.4])
+    with pytest.raises(ValueError, match="2 weight versions for 1 sampled tokens"):
+        builder.add_sampled([9], [-0.4], versions=[3, 3])

@@ -98,10 +98,13 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_grpo_kl_trains_on_trajectories_in_overlapped_rollouts(synthetic_cache, tmp_path, monkeypatch, mode):
     """The overlapped rollout modes roll trajectories out on their background thread (an event loop of its own per
-    generation batch); GRPO + KL scores them with the reference on the sampled tokens."""
+    generation batch), async with partial rollouts (the actor's engine paused by each push; an interrupted turn goes
+    on under the new weights, every token with its version); GRPO + KL scores them with the reference on the sampled
+    tokens."""
     run_dir = tmp_path / "run"
     overrides = [*agentic_overrides(synthetic_cache, run_dir, 2), "algorithm.name=grpo_kl", "kl.coef=0.01",
-                 "rollout.sampling.actor_n=4", f"rollout.mode={mode}", "rollout.max_staleness=1"]
+                 "rollout.sampling.actor_n=4", f"rollout.mode={mode}", "rollout.max_staleness=1",
+                 f"rollout.partial_rollouts={mode == 'async'}"]
     assert run_training(load_config(CONFIG, overrides)) == 0
     rows = run_metrics(run_dir)
     for step in (1, 2):
@@ -109,6 +112,7 @@ def test_grpo_kl_trains_on_trajectories_in_overlapped_rollouts(synthetic_cache, 
         assert row["agent/turns_mean"] == 2.0 and row["agent/status_completed"] == 1.0
         assert row["train/update_skipped"] == 0.0 and "armor/anchor_accuracy" not in row
         assert row["async/staleness_max"] <= 1
+        assert ("async/partial_fraction" in row) == (mode == "async")  # logged with partial rollouts only
     assert rows[1]["mismatch/logprob_abs_diff"] < 1e-5  # the first batch was sampled by the weights it trains
     assert rows[1]["loss/kl_to_ref"] == 0.0 < rows[2]["loss/kl_to_ref"]  # the actor leaves the reference
 

@@ -2,6 +2,7 @@
 resample, and what is left once resamples run out) and rollouts reproducible from their seed whatever runs beside
 them. (tests/trainer/test_agentic_run.py checks multi-turn samples and their loss masks in a training run.)"""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,12 @@ from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 TASK = Path(__file__).parent / "agentic_task"
 FLAKY = f"{TASK / 'flaky.py'}:Flaky"
 Flaky = load_environment(FLAKY)  # the class the scorer loads (a file is loaded once per process)
-SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6)
+
+
+def seeded(rows: list[PromptRow], first: int = 11) -> SamplingParams:
+    """SAMPLING with a seed per row (first, first + 1, ...), as `generate_samples` gives a trajectory scorer."""
+    return dataclasses.replace(SAMPLING, seeds=tuple(range(first, first + len(rows))))
 
 
 @pytest.fixture
@@ -39,15 +45,16 @@ def prompts(*rows: dict) -> list[PromptRow]:
 def test_zero_reward_action_keeps_the_tokens_and_drops_the_reward(engine):
     """A turn cut at its token limit ends the trajectory truncated, one that samples the stop token completed."""
     actions = dict(on_completed="zero_reward", on_truncated="zero_reward")
-    [sample] = scorer(**actions).respond(engine, prompts({"prompt": "3="}), SAMPLING, is_anchor=False)
+    rows = prompts({"prompt": "3="})
+    [sample] = scorer(**actions).respond(engine, rows, seeded(rows), is_anchor=False)
     assert sample.reward == 0.0 and not sample.correct and sample.loss_mask == [1] * len(sample.response_ids)
-    [kept] = scorer().respond(engine, prompts({"prompt": "3="}), SAMPLING, is_anchor=False)
+    [kept] = scorer().respond(engine, rows, seeded(rows), is_anchor=False)
     assert kept.reward == 1.0 and kept.correct and kept.response_ids == sample.response_ids
 
 
 def test_resample_rolls_a_row_out_again_until_it_samples_and_gives_up_with_reward_zero(engine):
     rows = prompts({"prompt": "4=", "fail": 2}, {"prompt": "5=", "fail": 9}, {"prompt": "6="})
-    samples = scorer(max_resamples=2).respond(engine, rows, SAMPLING, is_anchor=False)
+    samples = scorer(max_resamples=2).respond(engine, rows, seeded(rows), is_anchor=False)
     assert Flaky.attempts == {"4=": 3, "5=": 3, "6=": 1}  # a failed reset samples nothing: rolled out again
     assert samples[0].reward == 1.0 and sum(samples[0].loss_mask) > 0  # the third attempt succeeded
     assert (samples[1].prompt_ids, samples[1].response_ids, samples[1].loss_mask, samples[1].reward) == (
@@ -56,12 +63,16 @@ def test_resample_rolls_a_row_out_again_until_it_samples_and_gives_up_with_rewar
 
 
 def test_trajectories_depend_on_their_seed_only(engine):
-    """A row's trajectory is the same rolled out alone or beside others (each turn its own seed), not with another
-    seed."""
+    """A row's trajectory is the same rolled out alone or beside others (each turn its own seed, derived from the
+    row's; batched with the others' turns, its logprobs to the fp32 floor), not with another seed; a scorer without a
+    seed per row refuses to roll out."""
     rows = prompts(*({"prompt": f"{d}+{d}="} for d in range(3)))
-    together = scorer(max_in_flight=3).respond(engine, rows, SAMPLING, is_anchor=False)
-    [alone] = scorer(max_in_flight=1).respond(engine, rows[:1], SAMPLING, is_anchor=False)
-    assert alone == together[0] and alone.response_ids != together[1].response_ids
-    [other_seed] = scorer().respond(engine, rows[:1], SamplingParams(temperature=1.0, max_new_tokens=6, seed=12),
-                                    is_anchor=False)
+    together = scorer(max_in_flight=3).respond(engine, rows, seeded(rows), is_anchor=False)
+    [alone] = scorer(max_in_flight=1).respond(engine, rows[:1], seeded(rows[:1]), is_anchor=False)
+    assert alone.engine_logprobs == pytest.approx(together[0].engine_logprobs, abs=1e-6, rel=0)
+    assert dataclasses.replace(alone, engine_logprobs=[]) == dataclasses.replace(together[0], engine_logprobs=[])
+    assert alone.response_ids != together[1].response_ids
+    [other_seed] = scorer().respond(engine, rows[:1], seeded(rows[:1], first=12), is_anchor=False)
     assert other_seed.response_ids != alone.response_ids
+    with pytest.raises(ValueError, match="trajectories are seeded per request: 1 prompts need as many sampling.seeds"):
+        scorer().respond(engine, rows[:1], dataclasses.replace(SAMPLING, seed=11), is_anchor=False)

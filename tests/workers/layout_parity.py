@@ -9,7 +9,9 @@ random routes given to the on-policy samples as an engine's; "bf16": bf16 parame
 mixed-precision optimizer, fp32 master weights and grads; "clip=C": ARMOR's clip at C instead of 0.003; "cp=N":
 context parallelism, each sequence over N ranks; "recompute=G": recompute.granularity G (full: every layer, uniform
 chunks of one; selective: the core attention); "masked": every response holds two tokens the policy did not sample
-(a multi-turn trajectory's tool result: loss_mask 0) after its first; "lora": the actor trains rank-4 LoRA adapters (a
+(a multi-turn trajectory's tool result: loss_mask 0) after its first; "agentic": the batch is rolled out first, the
+whole step's rollout on multi-turn trajectories (`trajectory_groups`: the requests dealt over every rank, each seeded
+on its own), and each rank also saves the groups' samples; "lora": the actor trains rank-4 LoRA adapters (a
 MoE model's experts too) and the reference is the actor's model with them off; "checkpoint": after the step, the
 actor (adapters only under "lora") and its optimizer saved as a trainer checkpoint in `<name>/checkpoints/step_000001`
 (recorded: its path and the actor's base directory), and (one process, plain optimizer) each trained parameter's Adam
@@ -40,19 +42,27 @@ from algorithm_factory import make_algorithm  # noqa: E402
 from launcher import write_result  # noqa: E402
 from state_trees import adam_moments  # noqa: E402
 
+from megatron_armor.algorithms import build_groups  # noqa: E402
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
+from megatron_armor.data.datasets import PromptRow  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
-from megatron_armor.config import LoRAConfig, OptimizerConfig, RecomputeConfig  # noqa: E402
+from megatron_armor.config import AgenticConfig, LoRAConfig, OptimizerConfig, RecomputeConfig  # noqa: E402
 from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapters  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
+from megatron_armor.models.tiny import make_char_tokenizer  # noqa: E402
+from megatron_armor.rollout.base import SamplingParams  # noqa: E402
+from megatron_armor.rollout.local import LocalEngine  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
+
+from megatron_armor.trainer.rollouts.samples import generate_samples  # noqa: E402
+from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer  # noqa: E402
 from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
 from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles  # noqa: E402
 from megatron_armor.trainer.update.optimizer import wrap_for_training, zero_grads  # noqa: E402
@@ -90,6 +100,36 @@ def fixed_groups(num_groups=4, group_size=4, masked=False):
         groups.append(group)
     return groups
 
+
+AGENTIC_TASK = Path(__file__).parents[1] / "trainer" / "agentic_task"
+
+
+def trajectory_groups(actor_dir: str, ref_dir: str, num_groups: int = 4) -> list[list[Sample]]:
+    """A step's rollout as the rollout phase makes it, on multi-turn trajectories: 10 prompts, each rolled out as a
+    two-turn trajectory of `TwoTurnParity` (tests/trainer/agentic_task/) three times by the actor's in-process engine
+    and twice by the reference's (ARMOR's anchors), the requests dealt over every rank (`generate_samples`, the
+    trajectory scorer's seed per request), grouped and filtered (`build_groups`); the first `num_groups` groups."""
+    agentic = AgenticConfig(environment=f"{AGENTIC_TASK / 'two_turns.py'}:TwoTurnParity",
+                            chat_template=str(AGENTIC_TASK / "char_chat.jinja"), max_turns=2)
+    tokenizer = make_char_tokenizer()
+    scorer = TrajectoryScorer.load(agentic, tokenizer, in_process=True)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
+    prompts = [PromptRow(i, tokenizer.encode(f"{i}+{i + 1}="), {"prompt": f"{i}+{i + 1}="}) for i in range(10)]
+    on_policy = generate_samples(LocalEngine(actor_dir), prompts, 3, sampling, scorer, is_anchor=False,
+                                 seed=(0, 0, 0, "actor"))
+    anchors = generate_samples(LocalEngine(ref_dir), prompts, 2, sampling, scorer, is_anchor=True,
+                               seed=(0, 0, 0, "anchors"))
+    groups, _ = build_groups(on_policy + anchors, require_anchor=True, filter_groups=True)
+    if len(groups) < num_groups:
+        raise RuntimeError(f"the rollout kept {len(groups)} groups, the step needs {num_groups}")
+    return groups[:num_groups]
+
+
+def sample_records(groups: list[list[Sample]]) -> list[list[tuple]]:
+    """Each sample's tokens, loss mask, engine logprobs, reward and anchor flag, by group (plain lists: loadable
+    with torch.load's weights_only)."""
+    return [[(s.prompt_ids, s.response_ids, s.loss_mask, s.engine_logprobs, s.reward, s.is_anchor) for s in group]
+            for group in groups]
 
 
 def give_random_routes(groups, layers, experts, top_k) -> None:
@@ -180,7 +220,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                     ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
                     seed=0, routing_replay=REPLAY_MODES[replay])
     scoring = ScoringConfig(temperature=1.0, head=head)
-    groups = fixed_groups(masked="masked" in options)
+    groups = trajectory_groups(actor_dir, ref_dir) if "agentic" in options else fixed_groups(masked="masked" in options)
     if replay == "rollout":
         give_random_routes(groups, shape.num_layers, shape.num_experts, shape.moe_top_k)
     advantaged = advantage_batch(groups, plan, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, pad_token_id=0)
@@ -229,6 +269,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
                 "adapters": adapters, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
                 "adam_moments": moments, "checkpoint": saved, "checkpointed": len(CHECKPOINTS),
+                "samples": sample_records(groups) if "agentic" in options else None,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")
     destroy_model_parallel()  # the next job builds its own layout on the same process group
 

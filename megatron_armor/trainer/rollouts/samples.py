@@ -44,6 +44,8 @@ class SampleScorer:
     """
 
     rolls_out_trajectories: ClassVar[bool] = False  # whether `respond` counts trajectories into its `agent` counts
+    # whether `generate_samples` seeds its requests one by one (`SamplingParams.seeds`) whatever its seed_per_request
+    seeds_each_request: ClassVar[bool] = False
 
     def __init__(
         self, tokenizer, reward_fn: RewardFn, reward: RewardConfig | None = None, *, max_response_length: int = 0,
@@ -159,16 +161,17 @@ def generate_samples(
     A collective over `group` (default: the default process group) when torch.distributed is initialised (the
     background rollouts of rollout.mode one_step_off and async use a group of their own): each rank generates its
     round-robin share of the requests with a rank-specific seed derived from `seed`, or with `seed_per_request`
-    each request (prompt p, sample k) with its own, stable_seed(seed, p's dataset index, k): the samples are then
-    the same at any number of ranks (evaluation's; training's rollouts keep the rank seeds). Each request is answered
-    as the scorer responds (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the
+    each request (prompt p, sample k) with its own, stable_seed(seed, p's index, k): the samples are then the same at
+    any number of ranks (evaluation's, and every trajectory scorer's: `SampleScorer.seeds_each_request`; training's
+    single completions keep the rank seeds). Each request is answered as the scorer responds
+    (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the
     scorer's audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts
     over ranks for the whole batch's); with `agent`, the share's trajectories (multi-turn runs).
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
     mine = requests[rank::world]
-    if seed_per_request:
+    if seed_per_request or scorer.seeds_each_request:
         local_sampling = dataclasses.replace(
             sampling, seeds=tuple(stable_seed(seed, prompts[p].index, k) for p, k in mine))
     else:

@@ -4,12 +4,14 @@ run's environment (rollout.agentic, docs/guides/agentic.md), sampled by the agen
 Every sample the rollout phase asks for goes through it: the policy's training responses and ARMOR's anchors (the
 reference's engine, the same environment). A trajectory becomes one `Sample`: its segment's tokens before the first
 sampled one are the prompt, the rest the response, with `loss_mask` 1 exactly on the tokens the policy sampled (its
-stop tokens included) and the engine's logprobs there (0.0 elsewhere). The trajectory's drift is kept token-exact
-(`AgentLimits.on_drift` "keep"), so it is one segment. Its reward is the environment's score; it is correct (ARMOR's
-anchors, group filtering) when that is > 0. Its status decides what it becomes (rollout.agentic.on_<status>): trained
-as it is, trained with reward 0, or rolled out again (as is a trajectory that sampled nothing) at most
-`max_resamples` times, after which the last one is trained with reward 0 (one without sampled tokens: a sample with
-the dataset prompt and an empty response, which trains nothing).
+stop tokens included) and the engine's logprobs there (0.0 elsewhere); with partial rollouts (the actor's engine a
+`PausableEngine`: a weight push interrupts a turn, which goes on under the new weights) also the weight version of
+each response token (`Sample.token_versions`: a context token has that of the sampled token before it). The
+trajectory's drift is kept token-exact (`AgentLimits.on_drift` "keep"), so it is one segment. Its reward is the
+environment's score; it is correct (ARMOR's anchors, group filtering) when that is > 0. Its status decides what it
+becomes (rollout.agentic.on_<status>): trained as it is, trained with reward 0, or rolled out again (as is a
+trajectory that sampled nothing) at most `max_resamples` times, after which the last one is trained with reward 0
+(one without sampled tokens: a sample with the dataset prompt and an empty response, which trains nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class TrajectoryScorer(SampleScorer):
     it is a client of servers (a request per turn, `max_in_flight` at once)."""
 
     rolls_out_trajectories: ClassVar[bool] = True
+    # A seed per request, and per turn from it (`TurnSeeds`; batched turns keep theirs): the step's samples are then
+    # the same at any number of ranks and in any layout.
+    seeds_each_request: ClassVar[bool] = True
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, environment: type[Environment], settings: AgenticConfig, *,
@@ -76,14 +81,19 @@ class TrajectoryScorer(SampleScorer):
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
                 is_anchor: bool, agent: AgentCounts | None = None) -> list[Sample]:
         """A trajectory of each of `prompts` (their rows go to the environment's `reset`) sampled by `engine`, as a
-        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`. Request i's
-        k-th rollout is seeded from (sampling.seed, i, k), so it does not depend on what runs beside it."""
+        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`. `sampling`
+        has a seed per prompt (`sampling.seeds`, `generate_samples` gives them: `seeds_each_request`); prompt i's
+        k-th rollout is seeded from (sampling.seeds[i], k) and its turns from that (`TurnSeeds`), so it depends on
+        neither what runs beside it nor on which rank."""
+        if sampling.seeds is None or len(sampling.seeds) != len(prompts):
+            raise ValueError(f"trajectories are seeded per request: {len(prompts)} prompts need as many "
+                             f"sampling.seeds, got {sampling.seeds}")
         trajectories: list[Trajectory | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
         for attempt in range(self.settings.max_resamples + 1):
             if not pending:
                 break
-            seeds = [stable_seed(sampling.seed, i, attempt) for i in pending]
+            seeds = [stable_seed(sampling.seeds[i], attempt) for i in pending]
             for i, trajectory in zip(pending, self._roll_out(engine, [prompts[i].row for i in pending], sampling,
                                                              seeds)):
                 trajectories[i] = trajectory
@@ -97,8 +107,8 @@ class TrajectoryScorer(SampleScorer):
                   seeds: list[int]) -> list[Trajectory]:
         workers = dict(workers=1) if self.in_process else dict(workers=self.settings.max_in_flight, max_batch=1)
         generator = EngineGenerator(engine, **workers)
-        ctx = RolloutContext(generator, self.tokenizer,
-                             dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids), self.limits)
+        turn = dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids, seeds=None)  # `seeds`: per turn
+        ctx = RolloutContext(generator, self.tokenizer, turn, self.limits)
         try:
             return asyncio.run(run_rollouts(ctx, environment_rollout(self.environment), rows,
                                             self.settings.max_in_flight, seeds))
@@ -126,4 +136,5 @@ class TrajectoryScorer(SampleScorer):
             engine_logprobs=segment.logprobs[start:],
             finish_reason="stop" if response[-1] in self.stop_token_ids else "length", is_anchor=is_anchor,
             reward=float(reward), correct=reward > 0, loss_mask=segment.loss_mask[start:],
+            token_versions=segment.response_versions(),
         )

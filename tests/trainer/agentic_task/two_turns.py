@@ -1,6 +1,7 @@
 """A two-turn environment on the synthetic arithmetic task, for the tests that train on trajectories: after the
 policy's first answer a tool message repeats the question (on a new line), the policy answers again, and the
-episode ends. The reward is the arithmetic verifier's best over both answers (+1 or -1)."""
+episode ends. The reward is the arithmetic verifier's best over both answers (+1 or -1); `TwoTurnParity`'s is the
+parity of the answers' length (an untrained model's groups then mix rewards: the layout tests' rolled-out steps)."""
 
 from megatron_armor.agentic.environment import Environment, EnvReply
 from megatron_armor.rewards.arithmetic import verify
@@ -18,3 +19,9 @@ class TwoTurnArithmetic(Environment):
 
     def score(self, messages):
         return max(verify(m["content"], self.row)[0] for m in messages if m["role"] == "assistant")
+
+
+class TwoTurnParity(TwoTurnArithmetic):
+    def score(self, messages):
+        """+1 when the policy's answers together hold an even number of characters, else -1."""
+        return 1.0 if sum(len(m["content"]) for m in messages if m["role"] == "assistant") % 2 == 0 else -1.0
