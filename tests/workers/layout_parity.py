@@ -60,7 +60,6 @@ from megatron_armor.rollout.local import LocalEngine  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
 from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
-
 from megatron_armor.trainer.rollouts.samples import generate_samples  # noqa: E402
 from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer  # noqa: E402
 from megatron_armor.trainer.step_inputs.plan import StepPlan  # noqa: E402
