@@ -80,7 +80,7 @@ DELETED_COPY_CLASSES = {
 FROM_CONFIG_CLASSES = {
     "StepPlan", "InferenceGapGate", "AnchorSwitch", "ReferenceReset", "BestCheckpoint",
     "Validation", "SamplingParams", "SGLangEngineConfig", "LocalEngine", "RewardFns", "PromptSampler",
-    "TeacherServerConfig", "MicroBatching", "ScoringConfig", "MetricsLogger",
+    "TeacherServerConfig", "MicroBatching", "ScoringConfig",
 }
 
 
