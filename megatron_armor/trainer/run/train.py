@@ -86,7 +86,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
     trainer = setup.trainer
-    best = BestCheckpoint.from_config(cfg.checkpoint)
+    best = BestCheckpoint(cfg.checkpoint) if cfg.checkpoint.keep_best is not None else None
     saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                             best=best)
     guard = _guard(ctx, cfg, setup, paths, best, saver)
