@@ -78,8 +78,8 @@ def build_training(
     ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, rewards: RewardFns | None = None,
 ) -> TrainingSetup:
     """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` and `algorithm` (built from it)
-    say (collective); `rewards` loaded beforehand (`RewardFns.from_config`), else here, before any model."""
-    rewards = rewards or RewardFns.from_config(cfg.reward)
+    say (collective); `rewards` loaded beforehand (`RewardFns.load`), else here, before any model."""
+    rewards = rewards or RewardFns.load(cfg.reward)
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)

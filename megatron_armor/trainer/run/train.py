@@ -80,7 +80,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint, on anchor_keep
     it goes on as ARMOR with the best checkpoint as the reference (trainer/guard/anchor_switch.py)."""
     algorithm = build_algorithm(cfg)
-    rewards = RewardFns.from_config(cfg.reward)  # a missing module, file or function fails before any model loads
+    rewards = RewardFns.load(cfg.reward)  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
