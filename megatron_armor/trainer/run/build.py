@@ -102,7 +102,7 @@ def build_training(
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
-    sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
+    sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     train_scorer = _train_scorer(cfg, tokenizer, rewards)
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
