@@ -32,8 +32,8 @@ from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.optimizer import OptimizerConfig
 from megatron_armor.config.recompute import RecomputeConfig
 from megatron_armor.config.rollout import (
-    AgenticConfig, AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig,
-    WeightSyncConfig,
+    AgenticConfig, AnchorsConfig, LocalEngineConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig,
+    SGLangClientConfig, WeightSyncConfig,
 )
 from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.subspace import SubspaceConfig
@@ -44,10 +44,10 @@ from megatron_armor.config.sections import (
 
 __all__ = [
     "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError",
-    "DataConfig", "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LoggingConfig", "MOVED_FIELDS",
-    "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig", "ModelConfig", "OpdConfig",
-    "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
-    "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig", "WeightSyncConfig",
-    "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config",
-    "validate",
+    "DataConfig", "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LocalEngineConfig", "LoggingConfig",
+    "MOVED_FIELDS", "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig", "ModelConfig",
+    "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig",
+    "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig",
+    "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size",
+    "load_config", "save_config", "validate",
 ]

@@ -291,7 +291,7 @@ def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> Lo
             f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
             f"megatron-to-hf`"
         )
-    return LocalEngine.from_config(paths.teacher_path, cfg.rollout, pad_token_id=pad_token_id, **_engine_placement(cfg))
+    return LocalEngine.load(paths.teacher_path, cfg.rollout.local, pad_token_id=pad_token_id, **_engine_placement(cfg))
 
 
 def _engine_placement(cfg: ArmorConfig) -> dict:
