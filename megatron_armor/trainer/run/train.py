@@ -136,12 +136,15 @@ def _guard(
     saver: CheckpointSaver,
 ) -> RunGuard:
     """The run's collapse guard: the watch (on by default when the run validates), the anchor actions restoring
-    `best` (the start's weights read again from model.path when it is the best) and the reference reset."""
+    `best` (the start's weights read again from model.path when it is the best) when an alarm's action is anchor or
+    anchor_keep, and the reference reset with monitor.reference_reset while the monitor runs."""
     watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
     start = functools.partial(start_weights, cfg, paths, setup.models.shape)
-    return RunGuard(watch, best,
-                    AnchorSwitch.from_config(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main),
-                    ReferenceReset.from_config(cfg.monitor, setup.trainer, watch, is_main=ctx.is_main))
+    anchor = (AnchorSwitch(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main)
+              if cfg.monitor.anchors and best is not None else None)
+    reset = (ReferenceReset(setup.trainer, watch, is_main=ctx.is_main)
+             if cfg.monitor.reference_reset and watch.monitor is not None else None)  # the monitor judges health
+    return RunGuard(watch, best, anchor, reset)
 
 
 def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:
