@@ -80,7 +80,7 @@ DELETED_COPY_CLASSES = {
 FROM_CONFIG_CLASSES = {
     "StepPlan", "InferenceGapGate",
     "Validation", "SamplingParams", "SGLangEngineConfig",
-    "TeacherServerConfig", "MicroBatching", "ScoringConfig",
+    "TeacherServerConfig", "ScoringConfig",
 }
 
 

@@ -35,7 +35,7 @@ from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
 from megatron_armor.scoring.logprobs import ScoringConfig
-from megatron_armor.scoring.micro_batches import MicroBatching
+from megatron_armor.scoring.micro_batches import MicroBatching, sequence_multiple
 from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.colocation.offload import TrainerOffload
@@ -247,11 +247,12 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
-        return InProcessTeacher(model, micro_batching=MicroBatching.from_config(cfg.train, cfg.parallel), scoring=scoring)
+        batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))  # as the student
+        return InProcessTeacher(model, micro_batching=batching, scoring=scoring)
     launch = None
     if opd.teacher_layout is not None:
         check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts
-        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.train, cfg.model)
+        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.micro_batching, cfg.model)
     urls = opd.teacher_url.split(",") if opd.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
