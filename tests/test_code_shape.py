@@ -79,7 +79,7 @@ DELETED_COPY_CLASSES = {
 # may gain one. A component takes its section instead; one that combines several sections says why in its docstring.
 FROM_CONFIG_CLASSES = {
     "StepPlan", "InferenceGapGate",
-    "Validation", "SamplingParams", "SGLangEngineConfig",
+    "SamplingParams", "SGLangEngineConfig",
     "TeacherServerConfig", "ScoringConfig",
 }
 

@@ -114,8 +114,8 @@ def build_training(
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
                         ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
-    validation = Validation.from_config(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
-                                        tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
+    validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
+                                 tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
 
 
