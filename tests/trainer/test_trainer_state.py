@@ -50,8 +50,7 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     weight = actor.module.weight
     constraint = SubspaceConstraint({"w": weight}, {"w": weight.detach().clone()}, k=1)
     gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
-    gate = InferenceGapGate(gate_config, PromptSampler(ROWS, 2, seed=1), scorer=None, sampling=None, seed=0,
-                            adv_eps=1e-6)
+    gate = InferenceGapGate(gate_config, ROWS, scorer=None, sampling=None, seed=0, adv_eps=1e-6)  # held-out sampler seed 1
     parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=4)))
     return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan,
                      RolloutSources(PromptSampler(ROWS, 2, seed=0), sampling=None, scorer=None), scoring=None,

@@ -267,8 +267,7 @@ def _update_gate(
     trajectory scorer: the gate measures the engine on trajectories, as it samples them)."""
     if config is None:
         return None
-    return InferenceGapGate.from_config(config, val_rows, val_scorer, sampling, seed=cfg.train.seed,
-                                        adv_eps=cfg.algorithm.adv_eps)
+    return InferenceGapGate(config, val_rows, val_scorer, sampling, seed=cfg.train.seed, adv_eps=cfg.algorithm.adv_eps)
 
 
 def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int, rank: int) -> tuple[RolloutEngine, RolloutEngine]:
