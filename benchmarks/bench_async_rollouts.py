@@ -91,7 +91,7 @@ def overrides(args: argparse.Namespace, run_dir: Path | None = None) -> list[str
         f"algorithm.name={args.algorithm}", *group,
         f"rollout.sampling.temperature={args.temperature}", f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
         f"train.max_steps={args.steps}", f"train.seed={args.seed}", f"train.gen_batch_size={args.gen_batch}",
-        f"train.micro_batch_size={args.micro_batch}", f"train.mini_batch_size={args.mini_batch}",
+        f"micro_batching.micro_batch_size={args.micro_batch}", f"train.mini_batch_size={args.mini_batch}",
         "eval.every=0", "eval.before_train=false", f"checkpoint.every={args.steps + 1}", "checkpoint.save_model=false",
         "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false",
         *([f"logging.run_dir={run_dir}"] if run_dir else []),
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.6, help="sampling temperature (the long tail)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="where the long responses are cut")
     parser.add_argument("--gen-batch", type=int, default=8, help="prompts per generation batch (train.gen_batch_size)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size (sequences)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="micro_batching.micro_batch_size (sequences)")
     parser.add_argument("--mini-batch", type=int, default=1, help="train.mini_batch_size (prompts per optimizer step)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--algorithm", choices=("grpo", "armor"), default="grpo",

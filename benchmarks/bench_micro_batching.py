@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from megatron_armor.config import MicroBatchingConfig
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.device import training_device
@@ -49,10 +50,10 @@ def rlvr_batch(count: int, max_len: int, vocab: int, seed: int):
 
 def layouts(args, longest: int) -> dict[str, MicroBatching]:
     return {
-        "padded": MicroBatching(args.micro_batch_size, pad_to_multiple_of=round_up(longest, 8)),
-        "fixed": MicroBatching(args.micro_batch_size),
-        "budget": MicroBatching(max_tokens=args.max_tokens),
-        "packed": MicroBatching(max_tokens=args.max_tokens, pack=True),
+        "padded": MicroBatching(MicroBatchingConfig(args.micro_batch_size), pad_to_multiple_of=round_up(longest, 8)),
+        "fixed": MicroBatching(MicroBatchingConfig(args.micro_batch_size)),
+        "budget": MicroBatching(MicroBatchingConfig(max_tokens=args.max_tokens)),
+        "packed": MicroBatching(MicroBatchingConfig(max_tokens=args.max_tokens, pack=True)),
     }
 
 

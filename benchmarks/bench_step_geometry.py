@@ -18,7 +18,7 @@ import time
 import torch
 
 from megatron_armor.algorithms import build_algorithm
-from megatron_armor.config import OptimizerConfig, load_config
+from megatron_armor.config import MicroBatchingConfig, OptimizerConfig, load_config
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.step_geometry import StepGeometry
@@ -73,8 +73,8 @@ def main() -> None:
     mini_batches = [batch.select(slice(0, 32)), batch.select(slice(32, 64))]
 
     def update():
-        update_policy(ddp, optimizer, mini_batches, micro_batching=MicroBatching(16), algorithm=algorithm,
-                      scoring=ScoringConfig(), optim=optim, rl_step=0)
+        update_policy(ddp, optimizer, mini_batches, micro_batching=MicroBatching(MicroBatchingConfig(16)),
+                      algorithm=algorithm, scoring=ScoringConfig(), optim=optim, rl_step=0)
 
     def geometry():
         StepGeometry.capture(ddp.module).metrics(ddp.module, ref)

@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         check_algorithm_config(cfg)  # its own rules, before any process starts
-        RewardFns.from_config(cfg.reward)  # every reward function loads (module or file, function)
+        RewardFns.load(cfg.reward)  # every reward function loads (module or file, function)
         if cfg.eval.datasets is not None:
             validation_datasets(cfg.eval.datasets, cfg.eval.primary)  # the list, its files and functions
     except (ConfigError, RewardError, EvalSettingsError) as error:

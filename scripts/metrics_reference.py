@@ -80,8 +80,8 @@ CASES: dict[str, list[str]] = {
 # the separate old-policy pass (issue 18) and before token-budget micro-batches and packing existed (issue 17). It
 # now runs with both: skipping that pass and computing no padding token must not change a metric.
 CASES["grpo_kl_on_policy"] = [*CASES["grpo_kl"], "--train.mini_batch_size", "8"]
-CASES["grpo_kl_on_policy_packed"] = [*CASES["grpo_kl_on_policy"], "--train.max_tokens_per_micro_batch", "96",
-                                     "--train.pack_sequences", "true"]
+CASES["grpo_kl_on_policy_packed"] = [*CASES["grpo_kl_on_policy"], "--micro_batching.max_tokens", "96",
+                                     "--micro_batching.pack", "true"]
 REFERENCE_OF = {"grpo_kl_on_policy_packed": "grpo_kl_on_policy"}  # case -> the case whose reference it is held to
 RECORD_ONLY = ("grpo_kl_on_policy",)  # recorded, not run by `check` (nor the test suite): another case is held to it
 

@@ -92,8 +92,8 @@ def test_context_parallel_ranks_count_in_the_world_size():
     """TP x PP x CP x DP processes: CP ranks hold chunks of the same sequences, not more data; packed micro-batches
     split under CP too."""
     cfg = load_config(DEMO, ["parallel.context_parallel_size=2", "parallel.data_parallel_size=2",
-                             "train.pack_sequences=true"])
-    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.world_size, cfg.train.pack_sequences) == (2, 8, True)
+                             "micro_batching.pack=true"])
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.world_size, cfg.micro_batching.pack) == (2, 8, True)
 
 
 def test_expert_layout_regroups_the_tp_x_cp_x_dp_ranks():
@@ -215,6 +215,11 @@ def test_moved_fields_name_their_new_place(tmp_path):
     old.write_text("task:\n  synthetic: arithmetic\n  warm_start_steps: 400\n")  # into a sub-section of its own
     with pytest.raises(ConfigError, match="old.yaml: task.warm_start_steps moved to task.warm_start.steps"):
         load_config(old)
+    old.write_text("task:\n  synthetic: arithmetic\ntrain:\n  micro_batch_size: 4\n")  # into a section of its own
+    with pytest.raises(ConfigError, match="old.yaml: train.micro_batch_size moved to micro_batching.micro_batch_size"):
+        load_config(old)
+    with pytest.raises(ConfigError, match="^train.pack_sequences moved to micro_batching.pack$"):
+        load_config(DEMO, ["train.pack_sequences=true"])
     assert not set(MOVED_FIELDS) & {dotted for dotted, _ in config_fields()}
 
 

@@ -76,7 +76,7 @@ def test_mipu_recipe_has_the_paper_hyperparameters():
     assert on_policy_samples(cfg) == 8  # the whole group
     optimizer_steps = cfg.train.train_batch_size // cfg.train.mini_batch_size
     micro_batches = (cfg.train.mini_batch_size * cfg.rollout.sampling.n_samples
-                     // (cfg.parallel.data_parallel_size * cfg.train.micro_batch_size))
+                     // (cfg.parallel.data_parallel_size * cfg.micro_batching.micro_batch_size))
     assert (optimizer_steps, micro_batches) == (1, 32)  # the paper's gradient accumulation 32
     script = EXAMPLES / "qwen3-1.7b" / "run_torchrun.sh"
     assert "Hardware:" in script.read_text() and "--quantization fp8" in script.read_text()

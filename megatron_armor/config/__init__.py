@@ -5,6 +5,7 @@
     sections.py         model, parallel, data, reward, train, eval, checkpoint, task, logging
     optimizer.py        optimizer (Adam, grad clip, warmup, the distributed optimizer)
     recompute.py        recompute (activation recomputation)
+    micro_batching.py   micro_batching (how a mini-batch is cut into forward/backward micro-batches)
     lora.py             model.lora (low-rank adapters on the actor)
     subspace.py         subspace (subspace-constrained training)
     rollout.py          rollout and its sub-sections: sampling, anchors, agentic, sglang, weight_sync, memory
@@ -27,13 +28,14 @@ from megatron_armor.config.algorithm import AlgorithmConfig, KLConfig, MipuConfi
 from megatron_armor.config.base import ConfigError
 from megatron_armor.config.lora import LORA_TARGETS, LoRAConfig
 from megatron_armor.config.loading import coerce, config_hash, load_config, save_config, validate
+from megatron_armor.config.micro_batching import MicroBatchingConfig
 from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.optimizer import OptimizerConfig
 from megatron_armor.config.recompute import RecomputeConfig
 from megatron_armor.config.rollout import (
-    AgenticConfig, AnchorsConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig, SGLangClientConfig,
-    WeightSyncConfig,
+    AgenticConfig, AnchorsConfig, LocalEngineConfig, MemoryHandoffConfig, RolloutConfig, SamplingConfig,
+    SGLangClientConfig, WeightSyncConfig,
 )
 from megatron_armor.config.root import ArmorConfig, config_fields
 from megatron_armor.config.subspace import SubspaceConfig
@@ -44,10 +46,10 @@ from megatron_armor.config.sections import (
 
 __all__ = [
     "AgenticConfig", "AlgorithmConfig", "AnchorsConfig", "ArmorConfig", "CheckpointConfig", "ConfigError",
-    "DataConfig", "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LoggingConfig", "MOVED_FIELDS",
-    "MemoryHandoffConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig", "ModelConfig", "OpdConfig",
-    "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig", "RolloutConfig", "SGLangClientConfig",
-    "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig", "WarmStartConfig", "WeightSyncConfig",
-    "check_expert_layout", "coerce", "config_fields", "config_hash", "expert_tp_size", "load_config", "save_config",
-    "validate",
+    "DataConfig", "EvalConfig", "KLConfig", "LORA_TARGETS", "LoRAConfig", "LocalEngineConfig", "LoggingConfig",
+    "MOVED_FIELDS", "MemoryHandoffConfig", "MicroBatchingConfig", "MipuConfig", "MixedRatioConfig", "MonitorConfig",
+    "ModelConfig", "OpdConfig", "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "RewardConfig",
+    "RolloutConfig", "SGLangClientConfig", "SamplingConfig", "SubspaceConfig", "TaskConfig", "TrainConfig",
+    "WarmStartConfig", "WeightSyncConfig", "check_expert_layout", "coerce", "config_fields", "config_hash",
+    "expert_tp_size", "load_config", "save_config", "validate",
 ]

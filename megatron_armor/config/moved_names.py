@@ -64,6 +64,9 @@ MOVED_FIELDS: dict[str, str] = {
     "train.subspace_capture_step": "subspace.capture_step",
     "train.subspace_k": "subspace.k",
     "train.subspace_mode": "subspace.mode",
+    "train.micro_batch_size": "micro_batching.micro_batch_size",
+    "train.max_tokens_per_micro_batch": "micro_batching.max_tokens",
+    "train.pack_sequences": "micro_batching.pack",
     "task.warm_start_steps": "task.warm_start.steps",
     "task.warm_start_target_accuracy": "task.warm_start.target_accuracy",
 }

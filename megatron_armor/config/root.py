@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from megatron_armor.config.algorithm import AlgorithmConfig
 from megatron_armor.config.base import section
+from megatron_armor.config.micro_batching import MicroBatchingConfig
 from megatron_armor.config.monitor import MonitorConfig
 from megatron_armor.config.optimizer import OptimizerConfig
 from megatron_armor.config.recompute import RecomputeConfig
@@ -39,6 +40,7 @@ class ArmorConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     algorithm_sections: dict[str, Any] = field(default_factory=default_sections)
     train: TrainConfig = section(TrainConfig)
+    micro_batching: MicroBatchingConfig = section(MicroBatchingConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
     recompute: RecomputeConfig = section(RecomputeConfig)
     subspace: SubspaceConfig = section(SubspaceConfig)

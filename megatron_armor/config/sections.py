@@ -175,20 +175,9 @@ class TrainConfig:
     train_batch_size: int = doc(512, "prompts per RL step")
     gen_batch_size: int = doc(2048, "prompts per generation batch")
     mini_batch_size: int = doc(32, "prompts per optimizer step")
-    micro_batch_size: int = doc(8, "sequences per forward/backward")
     logprob_head: Literal["auto", "torch", "fused"] = doc(
         "auto", "LM head scoring: torch (vocab-sharded logits), fused (Triton kernel; GPU, or interpreter on CPU), "
         "auto (fused on GPU, torch on CPU)"
-    )
-    max_tokens_per_micro_batch: int | None = doc(
-        None, "token-budget micro-batches (verl's dynamic batch size): each rank bins its samples of a mini-batch into "
-        "micro-batches of at most this many tokens (prompt + response; a longer sample gets a micro-batch of its own), "
-        "each padded only to its own longest sample, or not at all with pack_sequences; unset: micro_batch_size "
-        "sequences per micro-batch"
-    )
-    pack_sequences: bool = doc(
-        False, "pack each micro-batch's sequences into one row with cu_seqlens (Megatron's PackedSeqParams, THD), so "
-        "no padding token is computed; attention stays within each sequence"
     )
     max_steps: int = doc(200, "RL steps to run")
     max_consecutive_skips: int = doc(
@@ -213,11 +202,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choices("train", self)
         require_at_least(
-            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "micro_batch_size", "max_steps"), 1
+            "train", self, ("train_batch_size", "gen_batch_size", "mini_batch_size", "max_steps"), 1
         )
         require_at_least("train", self, ("max_consecutive_skips",), 0)
-        require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
-                f"train.max_tokens_per_micro_batch must be >= 1 (or unset), got {self.max_tokens_per_micro_batch}")
         require(self.train_batch_size % self.mini_batch_size == 0,
                 f"train.mini_batch_size ({self.mini_batch_size}) must divide train.train_batch_size "
                 f"({self.train_batch_size})")

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_armor.config import DataConfig, TrainConfig
-
 
 class DatasetError(ValueError):
     """A dataset file or row that cannot be used; the message names the file and row."""
@@ -163,12 +161,6 @@ class PromptSampler:
             raise DatasetError(f"generation batch size {batch_size} exceeds the dataset size {len(rows)}")
         self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
         self.epoch, self.cursor = 0, 0
-
-    @classmethod
-    def from_config(cls, rows: list[PromptRow], train: TrainConfig, data: DataConfig) -> PromptSampler:
-        """The training prompts' sampler: train.gen_batch_size rows per batch, seeded by train.seed, shuffled
-        each epoch when data.shuffle."""
-        return cls(rows, train.gen_batch_size, seed=train.seed, shuffle=data.shuffle)
 
     def _order(self) -> list[int]:
         order = list(range(len(self.rows)))

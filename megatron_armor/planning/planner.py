@@ -106,7 +106,7 @@ def knob_changes(inputs: PlanInputs, max_len: int) -> list[tuple[str, PlanInputs
         changes.append(("set parallel.sequence_parallel true", replace(
             inputs, layout=layout.with_(sequence_parallel=True))))
     if inputs.micro_batch_tokens > max_len:
-        changes.append((f"set train.max_tokens_per_micro_batch {max_len} (one longest sequence per micro-batch)",
+        changes.append((f"set micro_batching.max_tokens {max_len} (one longest sequence per micro-batch)",
                         replace(inputs, micro_batch_tokens=max_len)))
     for tp in (2 * layout.tp, 4 * layout.tp):
         dp = max(layout.dp * layout.tp // tp, 1)  # on as many GPUs, where dp allows
@@ -211,11 +211,12 @@ def plan_inputs(cfg: ArmorConfig, algorithm, hardware: Hardware) -> PlanInputs:
     )
     max_len = padded_length(cfg.data.max_prompt_length + cfg.rollout.sampling.max_new_tokens, layout)
     rank_sequences = train.mini_batch_size * cfg.rollout.sampling.n_samples // layout.dp
-    if train.max_tokens_per_micro_batch:
-        tokens = max(train.max_tokens_per_micro_batch, max_len)
-        micro_batches = -(-rank_sequences * max_len // train.max_tokens_per_micro_batch)
+    batching = cfg.micro_batching
+    if batching.max_tokens:
+        tokens = max(batching.max_tokens, max_len)
+        micro_batches = -(-rank_sequences * max_len // batching.max_tokens)
     else:
-        tokens, micro_batches = train.micro_batch_size * max_len, -(-rank_sequences // train.micro_batch_size)
+        tokens, micro_batches = batching.micro_batch_size * max_len, -(-rank_sequences // batching.micro_batch_size)
     return PlanInputs(
         shape=shape, layout=layout, micro_batch_tokens=tokens, micro_batches=micro_batches,
         frozen=(*_reference(cfg, shape), *_in_process_teacher(cfg, algorithm, shape)), gpu_bytes=int(hardware.gpu_memory_gb * 1e9),

@@ -19,7 +19,7 @@ class RewardFns:
     audits: AuditVerifiers
 
     @classmethod
-    def from_config(cls, reward: RewardConfig) -> RewardFns:
+    def load(cls, reward: RewardConfig) -> RewardFns:
         """Load every function the section names; a RewardError names the setting that failed, or two audits
         whose metrics would share a name."""
         names = [audit_name(path) for path in reward.audit_fns]

@@ -106,5 +106,5 @@ def local_engine(path: str, rollout: RolloutConfig, site: EngineSite, *, record_
     model = path
     if is_megatron_checkpoint(path):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    return LocalEngine.from_config(model, rollout, pad_token_id=site.pad_token_id, record_routes=record_routes,
+    return LocalEngine.load(model, rollout.local, pad_token_id=site.pad_token_id, record_routes=record_routes,
                                    **site.placement)

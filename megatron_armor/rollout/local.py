@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from megatron_armor.config import RolloutConfig
+from megatron_armor.config import LocalEngineConfig
 from megatron_armor.models.families import model_family
 from megatron_armor.models.tensors import checkpoint_tensors
 from megatron_armor.rollout.kv_cache import PreallocatedCache
@@ -223,17 +223,17 @@ class LocalEngine(RolloutEngine):
             self.update_weights(list(self.named_parameters_hf().items()))
 
     @classmethod
-    def from_config(
-        cls, model: str | Path | PreTrainedModel, rollout: RolloutConfig, *, pad_token_id: int,
+    def load(
+        cls, model: str | Path | PreTrainedModel, settings: LocalEngineConfig, *, pad_token_id: int,
         device: torch.device | None = None, dtype: torch.dtype = torch.float32, record_routes: bool = False,
     ) -> LocalEngine:
-        """An in-process engine of a training run: `model` (a checkpoint directory or a model) with the rollout
-        section's weight precision (rollout.local.engine_precision), padding with the tokenizer's `pad_token_id`,
-        its weights in `dtype` on `device` (default: where they are; the trainer passes its GPU and dtype),
-        recording routes when `record_routes`."""
+        """An in-process engine of a training run: `model` (a checkpoint directory, loaded, or a model) with the
+        rollout.local section's `settings` (its weight precision), padding with the tokenizer's `pad_token_id`, its
+        weights in `dtype` on `device` (default: where they are; the trainer passes its GPU and dtype), recording
+        routes when `record_routes`."""
         if isinstance(model, torch.nn.Module):
             model = model.to(dtype=dtype)
-        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=rollout.local.engine_precision,
+        engine = cls(model, dtype=dtype, pad_token_id=pad_token_id, weight_precision=settings.engine_precision,
                      record_routes=record_routes)
         if device is not None:
             engine.model.to(device)

@@ -1,6 +1,7 @@
 """Cut a rank's batch into forward/backward micro-batches: fixed sizes or token budgets, padded or packed.
 
-A `SequenceBatch` holds right-padded rows [B, S]. `MicroBatching.split` cuts it into `MicroBatch`es:
+A `SequenceBatch` holds right-padded rows [B, S]. `MicroBatching.split` cuts it into `MicroBatch`es as the
+micro_batching section says:
 - fixed size: `micro_batch_size` consecutive rows each;
 - token budget (`max_tokens`, verl's dynamic batch size): rows binned first-fit decreasing so that each
   micro-batch computes at most `max_tokens` tokens (its rows times its longest row, or packed, the sum of
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_armor.config import ParallelConfig, TrainConfig
+from megatron_armor.config import MicroBatchingConfig
 from megatron_armor.scoring.batch import SequenceBatch
 
 
@@ -31,49 +32,44 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def sequence_multiple(tensor_parallel_size: int) -> int:
+    """What a micro-batch's sequence length is padded to a multiple of: 8, and the tensor-parallel size (sequence
+    parallelism splits the sequence over its ranks)."""
+    return math.lcm(8, tensor_parallel_size)
+
+
 @dataclass(frozen=True)
 class MicroBatching:
     """How a batch is cut into micro-batches (see the module docstring).
 
-    micro_batch_size: rows per micro-batch without a token budget;
-    max_tokens: token budget of a micro-batch (prompt + response tokens, padding included), or None;
-    pack: concatenate each micro-batch's rows into one packed row;
+    settings: the micro_batching section: micro_batch_size (rows per micro-batch without a token budget), max_tokens
+      (token budget of a micro-batch, prompt + response tokens, padding included, or None) and pack (concatenate each
+      micro-batch's rows into one packed row);
     pad_to_multiple_of: a micro-batch's sequence length (packed: its total length) is a multiple of this
-      (tensor-parallel sequence parallelism splits it over the TP ranks).
+      (`sequence_multiple` of the run's tensor-parallel size).
     """
 
-    micro_batch_size: int = 8
-    max_tokens: int | None = None
-    pack: bool = False
+    settings: MicroBatchingConfig = MicroBatchingConfig()
     pad_to_multiple_of: int = 8
 
     def __post_init__(self) -> None:
-        if self.micro_batch_size < 1 or self.pad_to_multiple_of < 1:
-            raise ValueError(f"micro_batch_size and pad_to_multiple_of must be >= 1, got {self}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-
-    @classmethod
-    def from_config(cls, train: TrainConfig, parallel: ParallelConfig) -> MicroBatching:
-        """train.micro_batch_size, train.max_tokens_per_micro_batch and train.pack_sequences; lengths padded to a
-        multiple of 8 and of the tensor-parallel size (sequence parallelism splits them over its ranks)."""
-        return cls(micro_batch_size=train.micro_batch_size, max_tokens=train.max_tokens_per_micro_batch,
-                   pack=train.pack_sequences, pad_to_multiple_of=math.lcm(8, parallel.tensor_parallel_size))
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
 
     def computed_tokens(self, lengths: Sequence[int]) -> int:
         """Tokens the model computes for one micro-batch of rows of these real `lengths`, padding included."""
-        if self.pack:
+        if self.settings.pack:
             return round_up(sum(lengths), self.pad_to_multiple_of)
         return len(lengths) * round_up(max(lengths), self.pad_to_multiple_of)
 
     def bins(self, lengths: Sequence[int]) -> list[list[int]]:
         """Row indices of each micro-batch for rows of real token `lengths` (each bin ascending)."""
-        if self.max_tokens is None:
-            return [list(range(start, min(start + self.micro_batch_size, len(lengths))))
-                    for start in range(0, len(lengths), self.micro_batch_size)]
+        size, max_tokens = self.settings.micro_batch_size, self.settings.max_tokens
+        if max_tokens is None:
+            return [list(range(start, min(start + size, len(lengths)))) for start in range(0, len(lengths), size)]
         bins: list[list[int]] = []
         for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):  # first fit, longest first
-            fitting = (b for b in bins if self.computed_tokens([lengths[r] for r in (*b, row)]) <= self.max_tokens)
+            fitting = (b for b in bins if self.computed_tokens([lengths[r] for r in (*b, row)]) <= max_tokens)
             target = next(fitting, None)
             if target is None:
                 bins.append([row])
@@ -89,7 +85,7 @@ class MicroBatching:
             index = torch.tensor(rows, dtype=torch.long)
             width = round_up(max(lengths[r] for r in rows), self.pad_to_multiple_of)
             selected = batch.select(index).trim(width)
-            packed = pack_rows(selected, self.pad_to_multiple_of) if self.pack else None
+            packed = pack_rows(selected, self.pad_to_multiple_of) if self.settings.pack else None
             micro_batches.append(MicroBatch(selected, index, packed))
         return micro_batches
 

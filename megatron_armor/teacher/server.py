@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_armor.config import MicroBatchingConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
@@ -56,8 +57,9 @@ def score_sequences(model: torch.nn.Module, request: ScoreRequest, micro_batch_s
     micro-batches of `micro_batch_size` sequences."""
     sequences = request.sequences
     batch = build_sequence_batch([_scored_sample(seq) for seq in sequences], [0.0] * len(sequences), pad_token_id=0)
+    batching = MicroBatching(MicroBatchingConfig(micro_batch_size))
     logprobs = compute_logprobs(
-        model, batch, micro_batching=MicroBatching(micro_batch_size), scoring=ScoringConfig(temperature=request.temperature)
+        model, batch, micro_batching=batching, scoring=ScoringConfig(temperature=request.temperature)
     ).logprobs  # [B, S] label aligned: column t scores token t + 1
     return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
 

@@ -14,10 +14,12 @@ class MetricsLogger:
     """Appends one JSON object per step; non-finite values are written as null and listed under
     `nonfinite`. On resume, lines after `resume_from_step` are dropped so steps never repeat."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 enabled: bool = True, resume_from_step: int | None = None) -> None:
+    def __init__(self, logging: LoggingConfig, *, enabled: bool = True, resume_from_step: int | None = None) -> None:
+        """The run's logger as the logging section says (run_dir, tensorboard, wandb_project); `enabled`: this rank
+        writes (the main rank); `resume_from_step`: the step a resumed run continues from."""
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        run_dir = Path(logging.run_dir)
+        self.path = run_dir / "metrics.jsonl"
         self._tb = self._wandb = None
         if not enabled:
             return
@@ -27,26 +29,19 @@ class MetricsLogger:
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
-        if tensorboard:
+        if logging.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 warnings.warn("tensorboard is not installed; TensorBoard logging is off", stacklevel=2)
-        if wandb_project:
+        if logging.wandb_project:
             try:
                 import wandb
             except ImportError as error:
                 raise RuntimeError("logging.wandb_project is set but wandb is not installed: pip install wandb") from error
-            self._wandb = wandb.init(project=wandb_project, dir=str(run_dir))
-
-    @classmethod
-    def from_config(cls, logging: LoggingConfig, *, enabled: bool = True, resume_from_step: int | None = None) -> MetricsLogger:
-        """The run's logger as the logging section says (run_dir, tensorboard, wandb_project); `enabled`: this
-        rank writes (the main rank); `resume_from_step`: the step a resumed run continues from."""
-        return cls(logging.run_dir, tensorboard=logging.tensorboard, wandb_project=logging.wandb_project,
-                   enabled=enabled, resume_from_step=resume_from_step)
+            self._wandb = wandb.init(project=logging.wandb_project, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from launcher import run_workers
+from megatron_armor.config import MicroBatchingConfig
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.hf_config import model_shape_from_dict, transformer_config
@@ -65,7 +66,8 @@ def test_sequence_batch_to_moves_every_tensor_field():
     assert all(same_tensor is tensor_fields(batch)[name] for name, same_tensor in tensor_fields(same).items())
 
 
-@pytest.mark.parametrize("micro_batching", [MicroBatching(1), MicroBatching(2, pack=True)], ids=["rows", "packed"])
+@pytest.mark.parametrize("micro_batching", [MicroBatching(MicroBatchingConfig(1)),
+                                            MicroBatching(MicroBatchingConfig(2, pack=True))], ids=["rows", "packed"])
 def test_forward_backward_feeds_model_and_loss_on_the_training_device(monkeypatch, micro_batching):
     """Every micro-batch reaches the model chunk and the loss function on `training_device()`, packed or not."""
     seen = []
@@ -92,7 +94,8 @@ def test_forward_backward_feeds_model_and_loss_on_the_training_device(monkeypatc
     batch = full_batch()
     logprobs.forward_backward(chunk, micro_batching.split(batch), loss_fn,
                               scoring=logprobs.ScoringConfig(head="fused"), forward_only=True)
-    assert [where for where, _ in seen] == ["model", "loss"] * (2 if micro_batching.micro_batch_size == 1 else 1)
+    per_micro_batch = ["model", "loss"]
+    assert [where for where, _ in seen] == per_micro_batch * (2 if micro_batching.settings.micro_batch_size == 1 else 1)
     for where, tensors in seen:
         assert {name: t.device for name, t in tensors.items()} == {name: META for name in tensors}, where
 

@@ -24,12 +24,12 @@ def inputs_of(recipe: str, *overrides: str, hardware: Hardware = H100):
 def test_micro_batch_tokens_follow_the_token_budget():
     max_len = 2048 + 20480
     assert inputs_of("qwen3-8b-base/armor.yaml").micro_batch_tokens == 2 * max_len  # micro_batch_size 2, padded
-    budget = inputs_of("qwen3-8b-base/armor.yaml", "train.max_tokens_per_micro_batch=65536")
+    budget = inputs_of("qwen3-8b-base/armor.yaml", "micro_batching.max_tokens=65536")
     assert budget.micro_batch_tokens == 65536
     rank_sequences = 32 * 16 // 16  # mini_batch_size prompts x n_samples over dp 16
     assert budget.micro_batches == math.ceil(rank_sequences * max_len / 65536)
     # a budget below the longest sequence still trains it, alone in its micro-batch
-    assert inputs_of("qwen3-8b-base/armor.yaml", "train.max_tokens_per_micro_batch=1000").micro_batch_tokens == max_len
+    assert inputs_of("qwen3-8b-base/armor.yaml", "micro_batching.max_tokens=1000").micro_batch_tokens == max_len
 
 
 def test_frozen_models_follow_the_algorithm():

@@ -65,7 +65,7 @@ class ScriptedEngine:
 
 
 def test_audit_accuracy_and_hack_rate_equal_hand_counts(verifier_file):
-    rewards = RewardFns.from_config(RewardConfig(
+    rewards = RewardFns.load(RewardConfig(
         train_fn=f"{verifier_file}:lenient", audit_fns=[f"{verifier_file}:strict", f"{verifier_file}:always"]))
     assert rewards.audits.names == ("my_rewards_strict", "my_rewards_always")
     scorer = SampleScorer(CharTokenizer(), rewards.train, audits=rewards.audits)
@@ -85,7 +85,7 @@ def test_audit_accuracy_and_hack_rate_equal_hand_counts(verifier_file):
 
 def test_no_audits_no_metrics():
     assert AuditCounts(()).metrics() == {}
-    assert RewardFns.from_config(RewardConfig()).audits.names == ()
+    assert RewardFns.load(RewardConfig()).audits.names == ()
 
 
 def test_audit_names():
@@ -110,7 +110,7 @@ def test_reward_fn_from_a_file_is_loaded_once(verifier_file):
 def test_missing_module_file_or_function_is_a_clear_error(verifier_file, setting, path, message):
     value = [p.format(file=verifier_file) for p in path] if isinstance(path, list) else path.format(file=verifier_file)
     with pytest.raises(RewardError, match=message):
-        RewardFns.from_config(RewardConfig(**{setting: value}))
+        RewardFns.load(RewardConfig(**{setting: value}))
 
 
 def test_a_file_that_fails_to_execute_names_the_file(tmp_path):

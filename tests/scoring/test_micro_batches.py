@@ -6,6 +6,7 @@ give the logprobs, entropy, loss and gradients of whole padded micro-batches."""
 import pytest
 import torch
 
+from megatron_armor.config import MicroBatchingConfig
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, forward_backward
 from megatron_armor.scoring.micro_batches import MicroBatching, pack_rows
@@ -17,7 +18,7 @@ from sequence_batches import batch_of, rlvr_lengths
 @pytest.mark.parametrize("pack", [False, True])
 def test_a_long_tailed_length_mix_is_binned_within_the_budget(pack):
     lengths = rlvr_lengths(512, seed=1)
-    batching = MicroBatching(max_tokens=8192, pack=pack)
+    batching = MicroBatching(MicroBatchingConfig(max_tokens=8192, pack=pack))
     bins = batching.bins(lengths)
     assert sorted(row for b in bins for row in b) == list(range(len(lengths)))  # every row once
     for rows in bins:
@@ -30,7 +31,7 @@ def test_a_long_tailed_length_mix_is_binned_within_the_budget(pack):
 
 
 def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
-    bins = MicroBatching(max_tokens=64).bins([10, 200, 20, 30])
+    bins = MicroBatching(MicroBatchingConfig(max_tokens=64)).bins([10, 200, 20, 30])
     assert [1] in bins and sorted(r for b in bins for r in b) == [0, 1, 2, 3]
 
 
@@ -38,16 +39,18 @@ def test_the_config_sets_the_micro_batching_of_the_step():
     from megatron_armor.config import load_config
     from megatron_armor.trainer.step_inputs.plan import StepPlan
 
-    cfg = load_config(None, ["task.synthetic=arithmetic", "train.micro_batch_size=4", "train.max_tokens_per_micro_batch=96",
-                             "train.pack_sequences=true", "parallel.tensor_parallel_size=3"])
+    cfg = load_config(None, ["task.synthetic=arithmetic", "micro_batching.micro_batch_size=4",
+                             "micro_batching.max_tokens=96", "micro_batching.pack=true", "parallel.tensor_parallel_size=3"])
     plan = StepPlan.from_config(cfg, make_algorithm("grpo"))
-    assert plan.micro_batching == MicroBatching(micro_batch_size=4, max_tokens=96, pack=True, pad_to_multiple_of=24)
-    assert StepPlan.from_config(load_config(None, ["task.synthetic=arithmetic"]), make_algorithm("grpo")).micro_batching == MicroBatching(8)
+    assert plan.micro_batching == MicroBatching(MicroBatchingConfig(micro_batch_size=4, max_tokens=96, pack=True),
+                                                pad_to_multiple_of=24)
+    default = StepPlan.from_config(load_config(None, ["task.synthetic=arithmetic"]), make_algorithm("grpo"))
+    assert default.micro_batching == MicroBatching(MicroBatchingConfig(8))
 
 
 def test_fixed_size_micro_batches_are_consecutive_rows_trimmed_to_their_longest():
     batch = batch_of([5, 20, 9, 7, 30])
-    micro = MicroBatching(micro_batch_size=2).split(batch)
+    micro = MicroBatching(MicroBatchingConfig(micro_batch_size=2)).split(batch)
     assert [mb.row_index.tolist() for mb in micro] == [[0, 1], [2, 3], [4]]
     assert [tuple(mb.rows.input_ids.shape) for mb in micro] == [(2, 24), (2, 16), (1, 32)]
     for mb in micro:
@@ -69,7 +72,7 @@ def test_packing_concatenates_exactly_the_real_tokens():
     assert torch.equal(packed.labels[0, :19], expected_labels)
     assert packed.labels[0, 4] == 0  # a sequence's last token predicts padding, not the next sequence
     assert packed.position_ids[0].tolist() == [*range(5), *range(11), *range(3), *range(5)]
-    micro = MicroBatching(micro_batch_size=3, pack=True).split(rows)[0]
+    micro = MicroBatching(MicroBatchingConfig(micro_batch_size=3, pack=True)).split(rows)[0]
     values = torch.arange(24.0)[None, :]
     unpacked = micro.unpack(values)  # [3, 16]: packed token j back at its row and column
     for i, n in enumerate(lengths):
@@ -90,11 +93,11 @@ def tiny_actor(tiny_model_factory):
 
 
 LAYOUTS = {
-    "padded": MicroBatching(micro_batch_size=7),  # the reference: whole rows, one micro-batch
-    "fixed": MicroBatching(micro_batch_size=2),
-    "budget": MicroBatching(max_tokens=48),
-    "packed": MicroBatching(micro_batch_size=3, pack=True),
-    "budget-packed": MicroBatching(max_tokens=40, pack=True),
+    "padded": MicroBatching(MicroBatchingConfig(micro_batch_size=7)),  # the reference: whole rows, one micro-batch
+    "fixed": MicroBatching(MicroBatchingConfig(micro_batch_size=2)),
+    "budget": MicroBatching(MicroBatchingConfig(max_tokens=48)),
+    "packed": MicroBatching(MicroBatchingConfig(micro_batch_size=3, pack=True)),
+    "budget-packed": MicroBatching(MicroBatchingConfig(max_tokens=40, pack=True)),
 }
 
 

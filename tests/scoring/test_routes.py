@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from megatron_armor.config import MicroBatchingConfig
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
@@ -30,7 +31,8 @@ ENGINE_BIAS = torch.tensor([[0.0, 0.9, 0.0, -0.9], [0.9, 0.0, -0.9, 0.0]])
 MODELS = {"qwen3_moe": {}, "mixtral": {}, "glm4_moe": {"moe": {"first_k_dense_replace": 0}},
           "deepseek_v3": {"moe": {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}}}
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
-LAYOUTS = {"rows": MicroBatching(micro_batch_size=2), "packed": MicroBatching(micro_batch_size=3, pack=True)}
+LAYOUTS = {"rows": MicroBatching(MicroBatchingConfig(micro_batch_size=2)),
+           "packed": MicroBatching(MicroBatchingConfig(micro_batch_size=3, pack=True))}
 
 
 def selection_scores(arch: str, model, layer: int, logits: torch.Tensor) -> torch.Tensor:

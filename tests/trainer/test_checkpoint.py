@@ -8,6 +8,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from megatron_armor.config import CheckpointConfig
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
 from megatron_armor.trainer.checkpointing.best_checkpoint import BEST_FILE, BestCheckpoint
 from megatron_armor.trainer.checkpointing.checkpoint import (
@@ -112,7 +113,7 @@ def test_incomplete_checkpoint_is_ignored_and_keep_last_prunes(tmp_path):
 def test_the_best_checkpoint_is_kept_beside_the_newest_and_named_in_best(tmp_path):
     """checkpoint.keep_best val/accuracy with keep_last 1: the best of the validated checkpoints survives pruning,
     checkpoints/BEST names it, and the choice rides in the checkpoints so a resumed run keeps it."""
-    best = BestCheckpoint("val/accuracy")
+    best = BestCheckpoint(CheckpointConfig(keep_best="val/accuracy"))
     saver = CheckpointSaver(tmp_path, keep_last=1, best=best)
     for step, accuracy in ((1, 0.5), (2, 0.7), (3, 0.6), (4, float("nan")), (5, 0.65)):
         metrics = {"val/accuracy": accuracy}
@@ -124,11 +125,11 @@ def test_the_best_checkpoint_is_kept_beside_the_newest_and_named_in_best(tmp_pat
     assert [s for s, _ in list_checkpoints(root)] == [2, 5]  # the best (0.7 at step 2) and the newest
     assert json.loads((root / BEST_FILE).read_text()) == {"step": 2, "path": "step_000002", "metric": "val/accuracy",
                                                           "value": 0.7}
-    resumed = BestCheckpoint("val/accuracy")
+    resumed = BestCheckpoint(CheckpointConfig(keep_best="val/accuracy"))
     resumed.load(load_checkpoint(latest_checkpoint(root), _request(), seed=0)[1])
     assert (resumed.step, resumed.value) == (2, 0.7)
     assert not resumed.improved_by({"val/accuracy": 0.69}) and resumed.improved_by({"val/accuracy": 0.71})
-    lowest = BestCheckpoint("val/loss", lower_is_better=True, step=1, value=0.3)
+    lowest = BestCheckpoint(CheckpointConfig(keep_best="val/loss", best_mode="min"), step=1, value=0.3)
     assert lowest.improved_by({"val/loss": 0.2}) and not lowest.improved_by({"val/loss": 0.4})
     assert not lowest.improved_by({"train/reward_mean": 0.0})  # a step without the validation metric
 

@@ -15,7 +15,7 @@ from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.config import OptimizerConfig
+from megatron_armor.config import MicroBatchingConfig, OptimizerConfig
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.batch import build_sequence_batch
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
@@ -29,6 +29,7 @@ from algorithm_factory import make_algorithm
 OPTIM = OptimizerConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1)
 ALGORITHM = make_algorithm("grpo")  # plain dual-clip PPO: no reference logprobs needed
 SCORING = ScoringConfig(temperature=1.0, head="torch")
+BATCHING = MicroBatching(MicroBatchingConfig(2))
 
 
 ON_GPU = torch.cuda.is_available()
@@ -64,8 +65,8 @@ def _batch(vocab_size: int, seed: int):
 
 
 def _update(ddp, optimizer, batch, step: int) -> None:
-    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=MicroBatching(2), scoring=ScoringConfig()).logprobs
-    update_policy(ddp, optimizer, [batch], micro_batching=MicroBatching(2), algorithm=ALGORITHM, scoring=SCORING, optim=OPTIM,
+    batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=BATCHING, scoring=ScoringConfig()).logprobs
+    update_policy(ddp, optimizer, [batch], micro_batching=BATCHING, algorithm=ALGORITHM, scoring=SCORING, optim=OPTIM,
                   rl_step=step)
 
 
@@ -102,7 +103,7 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(t.untyped_storage().nbytes() == 0 for t in parked)
     assert offload.metrics()["memory/trainer_parked_gib"] * 2**30 == expected
     with pytest.raises(ParkedWeightsError, match="parked"):
-        compute_logprobs(ddp, _batch(vocab, 1), micro_batching=MicroBatching(2), scoring=ScoringConfig())
+        compute_logprobs(ddp, _batch(vocab, 1), micro_batching=BATCHING, scoring=ScoringConfig())
 
     with offload.weights_resident("ref"):  # a push of the reference's weights between rollouts
         assert all(p.untyped_storage().nbytes() for p in ref.parameters())
@@ -116,7 +117,7 @@ def test_park_frees_every_storage_and_restores_it_bit_for_bit(megatron_world, ti
     assert all(t.untyped_storage().nbytes() == 0 for t in [*ref.parameters(), *moments, *constrained])
     assert all(p.untyped_storage().nbytes() for p in ddp.module.parameters())
     with pytest.raises(ParkedWeightsError, match="the ref model"):
-        compute_logprobs(ref, _batch(vocab, 1), micro_batching=MicroBatching(2), scoring=ScoringConfig())
+        compute_logprobs(ref, _batch(vocab, 1), micro_batching=BATCHING, scoring=ScoringConfig())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

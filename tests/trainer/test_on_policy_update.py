@@ -7,7 +7,7 @@ import torch
 
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.config import OptimizerConfig
+from megatron_armor.config import MicroBatchingConfig, OptimizerConfig
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.scoring.micro_batches import MicroBatching
@@ -20,7 +20,7 @@ from sequence_batches import batch_of
 
 OPTIM = OptimizerConfig(lr=1e-3, warmup_steps=0)
 SCORING = ScoringConfig()
-BATCHING = MicroBatching(micro_batch_size=3)
+BATCHING = MicroBatching(MicroBatchingConfig(micro_batch_size=3))
 
 
 def _batch():

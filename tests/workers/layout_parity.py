@@ -50,7 +50,7 @@ from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
-from megatron_armor.config import AgenticConfig, LoRAConfig, OptimizerConfig, RecomputeConfig  # noqa: E402
+from megatron_armor.config import AgenticConfig, LoRAConfig, MicroBatchingConfig, OptimizerConfig, RecomputeConfig  # noqa: E402
 from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapters  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
@@ -215,8 +215,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     budget = next((int(option.removeprefix("budget=")) for option in options if option.startswith("budget=")), None)
     replay = next((option.removeprefix("replay=") for option in options if option.startswith("replay=")), "none")
     plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2,
-                    micro_batching=MicroBatching(2, max_tokens=budget, pack="packed" in options), actor_n=3,
-                    ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
+                    micro_batching=MicroBatching(MicroBatchingConfig(2, max_tokens=budget, pack="packed" in options)),
+                    actor_n=3, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
                     seed=0, routing_replay=REPLAY_MODES[replay])
     scoring = ScoringConfig(temperature=1.0, head=head)
     groups = trajectory_groups(actor_dir, ref_dir) if "agentic" in options else fixed_groups(masked="masked" in options)

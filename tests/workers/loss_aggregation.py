@@ -21,7 +21,7 @@ from megatron_armor.convert.weights import (  # noqa: E402
     gather_all_stages_hf_weights, hf_parameter_source, load_hf_weights,
 )
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
-from megatron_armor.config import OptimizerConfig  # noqa: E402
+from megatron_armor.config import MicroBatchingConfig, OptimizerConfig  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import load_model_shape, transformer_config  # noqa: E402
 from megatron_armor.scoring.logprobs import ScoringConfig, forward_backward  # noqa: E402
@@ -48,11 +48,11 @@ for aggregation in ("token_mean", "seq_mean_token_mean"):
                           "kl.coef=0.001", "mipu.is_correction=tis", "mipu.w_max=2.0",
                           f"algorithm.loss_aggregation={aggregation}")
     for micro, micro_batch_size in (("one", 1), ("whole", local.size)):
-        forward_backward(ddp, MicroBatching(micro_batch_size).split(local), PolicyLossCallback(loss), scoring=SCORING,
-                         forward_only=False)
+        batching = MicroBatching(MicroBatchingConfig(micro_batch_size))
+        forward_backward(ddp, batching.split(local), PolicyLossCallback(loss), scoring=SCORING, forward_only=False)
         grads = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
         zero_grads(ddp, optimizer)
-        update = update_policy(ddp, optimizer, [local], micro_batching=MicroBatching(micro_batch_size), algorithm=loss,
+        update = update_policy(ddp, optimizer, [local], micro_batching=batching, algorithm=loss,
                                scoring=SCORING, optim=optim, rl_step=0)
         results[f"{aggregation}/{micro}"] = {"grads": grads, "metrics": update.metrics}
 
@@ -81,15 +81,16 @@ def armor_run(case: dict) -> dict:
 
     out = {}
     ddp, optimizer = fresh()
-    outputs = forward_backward(ddp, MicroBatching(2).split(local(range(batch.size))), PolicyLossCallback(loss),
-                               scoring=SCORING, forward_only=False)
+    pairs = MicroBatching(MicroBatchingConfig(2)).split(local(range(batch.size)))
+    outputs = forward_backward(ddp, pairs, PolicyLossCallback(loss), scoring=SCORING, forward_only=False)
     out["grads"] = {name: g.clone() for name, g in gather_all_stages_hf_weights(ddp.module, shape, use_grads=True)}
     out["sums"] = {name: sum(float(o[name]) for o in outputs) for name in outputs[0]}
     zero_grads(ddp, optimizer)
     out["updates"] = []
     for rl_step, mini_batches in case["steps"]:
-        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches], micro_batching=MicroBatching(1),
-                               algorithm=loss, scoring=SCORING, optim=optim, rl_step=rl_step)
+        update = update_policy(ddp, optimizer, [local(rows) for rows in mini_batches],
+                               micro_batching=MicroBatching(MicroBatchingConfig(1)), algorithm=loss, scoring=SCORING,
+                               optim=optim, rl_step=rl_step)
         out["updates"].append({"metrics": update.metrics, "weights": hf_weights(ddp)})
 
     ddp, optimizer = fresh()

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
+from megatron_armor.config import MicroBatchingConfig  # noqa: E402
 from megatron_armor.convert.weights import gather_hf_weights, load_hf_weights, parameters_exported_as_views  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
@@ -50,7 +51,8 @@ def check(model_dir: str) -> dict:
     gens = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=9, seed=3))
     samples = [Sample(i, g.prompt_ids, g.response_ids, g.logprobs, g.finish_reason, False) for i, g in enumerate(gens)]
     batch = build_sequence_batch(samples, [0.0] * len(samples), pad_token_id=0)
-    trainer = compute_logprobs(model, batch, micro_batching=MicroBatching(2), scoring=ScoringConfig(temperature=0.8, with_entropy=True))
+    trainer = compute_logprobs(model, batch, micro_batching=MicroBatching(MicroBatchingConfig(2)),
+                               scoring=ScoringConfig(temperature=0.8, with_entropy=True))
     mask = batch.response_mask.bool()
     engine_diff = (trainer.logprobs - batch.engine_logprobs)[mask].abs().max().item()
     with torch.no_grad():

@@ -30,7 +30,7 @@ from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs, for
 from megatron_armor.trainer.checkpointing.checkpoint import load_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.checkpoint_save import save_checkpoint  # noqa: E402
 from megatron_armor.trainer.checkpointing.sharded_state import sharded_modules  # noqa: E402
-from megatron_armor.config import OptimizerConfig  # noqa: E402
+from megatron_armor.config import MicroBatchingConfig, OptimizerConfig  # noqa: E402
 from megatron_armor.trainer.step_inputs.policies import Policy  # noqa: E402
 from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training  # noqa: E402
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback  # noqa: E402
@@ -52,8 +52,10 @@ samples = [Sample(i, torch.randint(1, 120, (3 + i,), generator=g).tolist(),
            for i in range(3)]
 batch = build_sequence_batch(samples, [1.0, -0.5, 0.25], pad_token_id=0)
 scoring = ScoringConfig(temperature=1.0, head="torch")
-batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=MicroBatching(3), scoring=scoring).logprobs
-forward_backward(ddp, MicroBatching(batch.size).split(batch), PolicyLossCallback(make_algorithm("grpo")), scoring=scoring, forward_only=False)
+batch.old_logprobs = compute_logprobs(ddp, batch, micro_batching=MicroBatching(MicroBatchingConfig(3)),
+                                      scoring=scoring).logprobs
+forward_backward(ddp, MicroBatching(MicroBatchingConfig(batch.size)).split(batch), PolicyLossCallback(make_algorithm("grpo")),
+                 scoring=scoring, forward_only=False)
 grads = {name: p.main_grad for name, p in constraint.params.items()}  # this rank's shards, projected in place
 raw_local = {name: g.clone() for name, g in grads.items()}
 

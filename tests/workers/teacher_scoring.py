@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, __file__.rsplit("/workers/", 1)[0])
 from launcher import write_result  # noqa: E402
 
+from megatron_armor.config import MicroBatchingConfig  # noqa: E402
 from megatron_armor.convert.loading import load_gpt_model  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed  # noqa: E402
@@ -26,7 +27,8 @@ samples = [Sample(prompt_index=i, prompt_ids=p, response_ids=r, engine_logprobs=
                   is_anchor=False) for i, (p, r) in enumerate(json.loads(sequences))]
 batch = build_sequence_batch(samples, [0.0] * len(samples), pad_token_id=0)
 model = load_gpt_model(model_dir, load_model_shape(model_dir))
-in_process = InProcessTeacher(model, micro_batching=MicroBatching(2), scoring=ScoringConfig(temperature=temperature))
+in_process = InProcessTeacher(model, micro_batching=MicroBatching(MicroBatchingConfig(2)),
+                              scoring=ScoringConfig(temperature=temperature))
 remote = RemoteTeacher(TeacherClient([url]), temperature=temperature)
 write_result(out_dir, {"in_process": in_process.score(batch).tolist(), "remote": remote.score(batch).tolist(),
                        "response_mask": batch.response_mask.tolist()})

@@ -25,19 +25,24 @@ START_STEP = 0  # the best "checkpoint" is the run's start: model.path
 
 @dataclass
 class BestCheckpoint:
-    """The best saved step by `metric` (higher is better unless `lower_is_better`); None until one is saved."""
+    """The best saved step by the validation metric checkpoint.keep_best names (higher is better unless
+    checkpoint.best_mode is min); `step` and `value` are None until one is saved. A run without keep_best has none."""
 
-    metric: str
-    lower_is_better: bool = False
+    settings: CheckpointConfig
     step: int | None = None
     value: float | None = None
 
-    @classmethod
-    def from_config(cls, checkpoint: CheckpointConfig) -> BestCheckpoint | None:
-        """The run's tracker, or None without checkpoint.keep_best."""
-        if checkpoint.keep_best is None:
-            return None
-        return cls(checkpoint.keep_best, lower_is_better=checkpoint.best_mode == "min")
+    def __post_init__(self) -> None:
+        if self.settings.keep_best is None:
+            raise ValueError("a best checkpoint needs checkpoint.keep_best (the validation metric it compares)")
+
+    @property
+    def metric(self) -> str:
+        return self.settings.keep_best
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.settings.best_mode == "min"
 
     def improved_by(self, metrics: dict[str, float]) -> bool:
         """Whether a checkpoint of the weights `metrics` (a step's, with its validation) describe beats the best."""

@@ -62,22 +62,15 @@ class AnchorState:
 
 class AnchorSwitch:
     """Acts on the anchor alarms of a run (`act`); its `AnchorState` travels with the checkpoints (`state`, `load`).
-    `start_weights` reads the run's starting weights when the best checkpoint is the start."""
+    `start_weights` reads the run's starting weights when the best checkpoint is the start. A run has one when an
+    alarm's action is anchor or anchor_keep (`MonitorConfig.anchors`; config validation gave it checkpoint.keep_best,
+    so `best` is there)."""
 
     def __init__(self, cfg: ArmorConfig, trainer: RLTrainer, best: BestCheckpoint, saver: CheckpointSaver,
                  watch: CollapseWatch, start_weights: StartWeights, *, is_main: bool) -> None:
         self.cfg, self.trainer, self.best, self.saver, self.is_main = cfg, trainer, best, saver, is_main
         self.watch, self.start_weights = watch, start_weights
         self.record = AnchorState(mode=cfg.algorithm.name)
-
-    @classmethod
-    def from_config(cls, cfg: ArmorConfig, trainer: RLTrainer, best: BestCheckpoint | None, saver: CheckpointSaver,
-                    watch: CollapseWatch, start_weights: StartWeights, *, is_main: bool) -> AnchorSwitch | None:
-        """The run's switch, or None when no alarm's action is anchor or anchor_keep (config validation gave it
-        keep_best)."""
-        if not cfg.monitor.anchors or best is None:
-            return None
-        return cls(cfg, trainer, best, saver, watch, start_weights, is_main=is_main)
 
     def act(self, step: int, alarms: tuple[Alarm, ...], metrics: dict[str, float], *, restart: bool) -> bool:
         """After `step` RL steps whose anchor alarms (agreed by every rank) are `alarms` (collective): when there are

@@ -14,7 +14,6 @@ import logging
 from typing import Any
 
 from megatron_armor.algorithms import REFERENCE
-from megatron_armor.config import MonitorConfig
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.step.loop import RLTrainer
 
@@ -25,19 +24,12 @@ METRIC = "val/accuracy"
 
 
 class ReferenceReset:
-    """Resets the reference at healthy new-best validations (`act`)."""
+    """Resets the reference at healthy new-best validations (`act`). A run has one with monitor.reference_reset and
+    the monitor on (`watch` judges health)."""
 
     def __init__(self, trainer: RLTrainer, watch: CollapseWatch, *, is_main: bool) -> None:
         self.trainer, self.watch, self.is_main = trainer, watch, is_main
         self.best: float | None = None
-
-    @classmethod
-    def from_config(cls, monitor: MonitorConfig, trainer: RLTrainer, watch: CollapseWatch, *,
-                    is_main: bool) -> ReferenceReset | None:
-        """The run's reset, or None without monitor.reference_reset (or with the monitor off: it judges health)."""
-        if not monitor.reference_reset or watch.monitor is None:
-            return None
-        return cls(trainer, watch, is_main=is_main)
 
     def observe_start(self, metrics: dict[str, float]) -> None:
         """The step-0 validation: the bar the first reset must beat (the reference is the start already)."""

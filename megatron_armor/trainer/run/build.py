@@ -38,7 +38,7 @@ from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
 from megatron_armor.scoring.logprobs import ScoringConfig
-from megatron_armor.scoring.micro_batches import MicroBatching
+from megatron_armor.scoring.micro_batches import MicroBatching, sequence_multiple
 from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.colocation.offload import TrainerOffload
@@ -82,8 +82,8 @@ def build_training(
     ctx: DistributedContext, cfg: ArmorConfig, algorithm: Algorithm, paths: TaskPaths, rewards: RewardFns | None = None,
 ) -> TrainingSetup:
     """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` and `algorithm` (built from it)
-    say (collective); `rewards` loaded beforehand (`RewardFns.from_config`), else here, before any model."""
-    rewards = rewards or RewardFns.from_config(cfg.reward)
+    say (collective); `rewards` loaded beforehand (`RewardFns.load`), else here, before any model."""
+    rewards = rewards or RewardFns.load(cfg.reward)
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
@@ -106,7 +106,7 @@ def build_training(
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
     train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
-    sampler = PromptSampler.from_config(train_rows, cfg.train, cfg.data)
+    sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     train_scorer = _train_scorer(cfg, tokenizer, rewards)
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
@@ -118,8 +118,8 @@ def build_training(
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
                         ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
-    validation = Validation.from_config(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
-                                        tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
+    validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
+                                 tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
 
 
@@ -271,11 +271,12 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
-        return InProcessTeacher(model, micro_batching=MicroBatching.from_config(cfg.train, cfg.parallel), scoring=scoring)
+        batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))  # as the student
+        return InProcessTeacher(model, micro_batching=batching, scoring=scoring)
     launch = None
     if opd.teacher_layout is not None:
         check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts
-        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.train, cfg.model)
+        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.micro_batching, cfg.model)
     urls = opd.teacher_url.split(",") if opd.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
@@ -290,8 +291,7 @@ def _update_gate(
     trajectory scorer: the gate measures the engine on trajectories, as it samples them)."""
     if config is None:
         return None
-    return InferenceGapGate.from_config(config, val_rows, val_scorer, sampling, seed=cfg.train.seed,
-                                        adv_eps=cfg.algorithm.adv_eps)
+    return InferenceGapGate(config, val_rows, val_scorer, sampling, seed=cfg.train.seed, adv_eps=cfg.algorithm.adv_eps)
 
 
 def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int, rank: int) -> tuple[RolloutEngine, RolloutEngine]:
@@ -317,7 +317,7 @@ def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> Lo
             f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
             f"megatron-to-hf`"
         )
-    return LocalEngine.from_config(paths.teacher_path, cfg.rollout, pad_token_id=pad_token_id, **_engine_placement(cfg))
+    return LocalEngine.load(paths.teacher_path, cfg.rollout.local, pad_token_id=pad_token_id, **_engine_placement(cfg))
 
 
 def _engine_placement(cfg: ArmorConfig) -> dict:

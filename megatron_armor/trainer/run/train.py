@@ -81,13 +81,13 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint, on anchor_keep
     it goes on as ARMOR with the best checkpoint as the reference (trainer/guard/anchor_switch.py)."""
     algorithm = build_algorithm(cfg)
-    rewards = RewardFns.from_config(cfg.reward)  # a missing module, file or function fails before any model loads
+    rewards = RewardFns.load(cfg.reward)  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
     trainer = setup.trainer
-    best = BestCheckpoint.from_config(cfg.checkpoint)
+    best = BestCheckpoint(cfg.checkpoint) if cfg.checkpoint.keep_best is not None else None
     saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                             best=best)
     guard = _guard(ctx, cfg, setup, paths, best, saver)
@@ -97,8 +97,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
                                                  ref_restored=ref_restored, adapter_sync=cfg.model.lora.adapter_sync))
-    metrics_log = MetricsLogger.from_config(cfg.logging, enabled=ctx.is_main,
-                                            resume_from_step=start_step if resume_from is not None else None)
+    metrics_log = MetricsLogger(cfg.logging, enabled=ctx.is_main,
+                                resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
@@ -137,12 +137,15 @@ def _guard(
     saver: CheckpointSaver,
 ) -> RunGuard:
     """The run's collapse guard: the watch (on by default when the run validates), the anchor actions restoring
-    `best` (the start's weights read again from model.path when it is the best) and the reference reset."""
+    `best` (the start's weights read again from model.path when it is the best) when an alarm's action is anchor or
+    anchor_keep, and the reference reset with monitor.reference_reset while the monitor runs."""
     watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
     start = functools.partial(start_weights, cfg, paths, setup.models.shape)
-    return RunGuard(watch, best,
-                    AnchorSwitch.from_config(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main),
-                    ReferenceReset.from_config(cfg.monitor, setup.trainer, watch, is_main=ctx.is_main))
+    anchor = (AnchorSwitch(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main)
+              if cfg.monitor.anchors and best is not None else None)
+    reset = (ReferenceReset(setup.trainer, watch, is_main=ctx.is_main)
+             if cfg.monitor.reference_reset and watch.monitor is not None else None)  # the monitor judges health
+    return RunGuard(watch, best, anchor, reset)
 
 
 def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:

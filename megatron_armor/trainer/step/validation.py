@@ -94,10 +94,10 @@ class Validation:
         return bool(self.sets)
 
     @classmethod
-    def from_config(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
+    def load(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
                     val_scorer: SampleScorer, val_sampling: SamplingParams,
                     tool_scorer: SampleScorer | None = None) -> Validation:
-        """eval.datasets' list, else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
+        """eval.datasets' list (each dataset's file loaded), else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
         rollout.sampling.val_n times with `val_sampling` and scored by `val_scorer`; none without either. With
         `tool_scorer` (the run's trajectories, rollout.agentic) those prompts are rolled out as its trajectories for
         val/accuracy, and answered bare (`val_scorer`) for val/accuracy_no_tools."""

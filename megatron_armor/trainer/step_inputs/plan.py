@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megatron_armor.algorithms import Algorithm
 from megatron_armor.config import ArmorConfig
-from megatron_armor.scoring.micro_batches import MicroBatching
+from megatron_armor.scoring.micro_batches import MicroBatching, sequence_multiple
 from megatron_armor.scoring.routes import REPLAY_MODES, ReplayMode
 
 
@@ -46,7 +46,7 @@ class StepPlan:
         section, train = cfg.algorithm, cfg.train
         return cls(
             algorithm=algorithm, train_batch_size=train.train_batch_size, mini_batch_size=train.mini_batch_size,
-            micro_batching=MicroBatching.from_config(train, cfg.parallel),
+            micro_batching=MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size)),
             actor_n=algorithm.on_policy_samples(cfg.rollout.sampling), ref_n=cfg.rollout.anchors.ref_n,
             max_num_gen_batches=section.max_num_gen_batches,
             allow_partial_batch=section.allow_partial_batch, adv_eps=section.adv_eps,

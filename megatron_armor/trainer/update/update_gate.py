@@ -34,28 +34,21 @@ class InferenceGapGate:
     """Measures T_post of the just-synced engine against the trainer and decides acceptance."""
 
     def __init__(
-        self, config: UpdateGateConfig, prompts: PromptSampler, scorer: SampleScorer, sampling: SamplingParams, *,
+        self, config: UpdateGateConfig, held_out: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *,
         seed: int, adv_eps: float,
     ) -> None:
-        self.config, self.prompts, self.scorer, self.sampling = config, prompts, scorer, sampling
-        self.seed, self.adv_eps = seed, adv_eps
-        self.rollbacks = 0  # cumulative
-
-    @classmethod
-    def from_config(
-        cls, config: UpdateGateConfig, held_out: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *,
-        seed: int, adv_eps: float,
-    ) -> InferenceGapGate:
-        """The gate over `held_out` prompts (the validation rows), with its own resumable sampler of them. The rule
-        that ties the algorithm's gate to the validation set (enough held-out prompts) lives here, with the component
-        that needs both."""
+        """The gate over `held_out` prompts (the validation rows), with its own resumable sampler of them (seeded by
+        `seed` + 1). The rule that ties the algorithm's gate to the validation set (enough held-out prompts) lives
+        here, with the component that needs both."""
         if len(held_out) < config.prompts:
             raise ValueError(
                 f"the update gate needs mipu.gate_prompts ({config.prompts}) held-out prompts, the validation set has "
                 f"{len(held_out)}; set data.val_path, lower mipu.gate_prompts, or set mipu.gate=false"
             )
-        return cls(config, PromptSampler(held_out, config.prompts, seed=seed + 1), scorer, sampling, seed=seed,
-                   adv_eps=adv_eps)
+        self.config, self.scorer, self.sampling = config, scorer, sampling
+        self.prompts = PromptSampler(held_out, config.prompts, seed=seed + 1)
+        self.seed, self.adv_eps = seed, adv_eps
+        self.rollbacks = 0  # cumulative
 
     def measure(
         self, step: int, actor: torch.nn.Module, engine: RolloutEngine, *, pad_token_id: int,
