@@ -76,21 +76,33 @@ class TrajectoryScorer(SampleScorer):
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
                 is_anchor: bool, agent: AgentCounts | None = None) -> list[Sample]:
         """A trajectory of each of `prompts` (their rows go to the environment's `reset`) sampled by `engine`, as a
-        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`. Request i's
-        k-th rollout is seeded from (sampling.seed, i, k), so it does not depend on what runs beside it."""
+        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`."""
+        return [sample for sample, _ in self.respond_with_trajectories(engine, prompts, sampling, is_anchor=is_anchor,
+                                                                       agent=agent)]
+
+    def respond_with_trajectories(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams,
+                                  *, is_anchor: bool, agent: AgentCounts | None = None,
+                                  ) -> list[tuple[Sample, Trajectory]]:
+        """`respond`'s samples, each beside the trajectory it is made of (the last one rolled out for its prompt).
+
+        Prompt i's k-th rollout is seeded from (sampling.seed, i, k), or with per-request seeds (`sampling.seeds`,
+        evaluation's) from (sampling.seeds[i], k), so it does not depend on what runs beside it; its turns are seeded
+        from that (`agentic.driver.TurnSeeds`)."""
         trajectories: list[Trajectory | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
+        turn_sampling = dataclasses.replace(sampling, seed=None, seeds=None)
         for attempt in range(self.settings.max_resamples + 1):
             if not pending:
                 break
-            seeds = [stable_seed(sampling.seed, i, attempt) for i in pending]
-            for i, trajectory in zip(pending, self._roll_out(engine, [prompts[i].row for i in pending], sampling,
+            seeds = [stable_seed(sampling.seed, i, attempt) if sampling.seeds is None
+                     else stable_seed(sampling.seeds[i], attempt) for i in pending]
+            for i, trajectory in zip(pending, self._roll_out(engine, [prompts[i].row for i in pending], turn_sampling,
                                                              seeds)):
                 trajectories[i] = trajectory
             if agent is not None:
                 agent.add(trajectories[i] for i in pending)
             pending = [i for i in pending if self._action(trajectories[i]) == "resample"]
-        return [self._sample(prompt, trajectory, is_anchor=is_anchor, zero_reward=i in pending)
+        return [(self._sample(prompt, trajectory, is_anchor=is_anchor, zero_reward=i in pending), trajectory)
                 for i, (prompt, trajectory) in enumerate(zip(prompts, trajectories))]
 
     def _roll_out(self, engine: RolloutEngine, rows: list[dict], sampling: SamplingParams,
