@@ -52,7 +52,8 @@ class SampleRecord:
     def to_json(self) -> dict[str, Any]:
         """The record as one flat JSON object (a trajectory's fields beside the others; none for a completion)."""
         row = asdict(self)
-        return {**row, **(row.pop("trajectory") or {})}
+        trajectory = row.pop("trajectory")
+        return {**row, **(trajectory or {})}
 
 
 def dataset_metrics(records: Sequence[SampleRecord], dataset: EvalDataset, *, seed: int) -> dict[str, float]:
