@@ -62,13 +62,13 @@ class EvalSet:
     def record(self, sample_index: int, sample: Sample, trajectory: Trajectory | None) -> SampleRecord:
         """The record of `sample`, sample `sample_index` of its prompt (made of `trajectory`, when it is one)."""
         text = self.scorer.response_text(sample.response_ids, sample.finish_reason)
-        turns = None if trajectory is None else TrajectoryRecord.of(trajectory)
-        answered = text if turns is None else turns.final_answer
+        summary = None if trajectory is None else TrajectoryRecord.of(trajectory)
+        answered = text if summary is None else summary.final_answer
         return SampleRecord(
             prompt_id=sample.prompt_index, sample=sample_index, response=text,
             answer=None if self.extract is None else self.extract(answered), reward=sample.reward,
             correct=sample.correct, length=len(sample.response_ids), finish_reason=sample.finish_reason,
-            trajectory=turns,
+            trajectory=summary,
         )
 
 
