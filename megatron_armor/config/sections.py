@@ -229,8 +229,9 @@ class EvalConfig:
     max_prompts: int | None = doc(None, "use only the first N validation prompts (of data.val_path)")
     datasets: str | None = doc(
         None, "YAML list of evaluation datasets, the file `armor eval --datasets` reads (docs/guides/evaluation.md): "
-        "each is validated and logged as val/<name>/avg@n, pass@k, ...; the first one's (or eval.primary's) avg@n is "
-        "val/accuracy. None: data.val_path, sampled rollout.sampling.val_n times, logged as val/accuracy (the MIPU "
+        "each is validated and logged as val/<name>/avg@n, pass@k, ... (a dataset with an agentic section is rolled "
+        "out as trajectories of its environment and adds turns_mean, tool_calls_mean, tool_error_rate); the first "
+        "one's (or eval.primary's) avg@n is val/accuracy. None: data.val_path, sampled rollout.sampling.val_n times, logged as val/accuracy (the MIPU "
         "gate reads data.val_path either way)"
     )
     primary: str | None = doc(

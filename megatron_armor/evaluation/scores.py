@@ -7,13 +7,37 @@ from dataclasses import asdict, dataclass
 from statistics import mean
 from typing import Any
 
+from megatron_armor.agentic.trajectory import Trajectory
 from megatron_armor.evaluation.estimators import bootstrap_stderr, maj_at_k, mean_pass_at_k
 from megatron_armor.evaluation.settings import EvalDataset
 
 
 @dataclass(frozen=True)
+class TrajectoryRecord:
+    """What a response that is a multi-turn trajectory (an agentic dataset's) adds to its record: how it ended
+    (`agentic.trajectory.Status` value), the policy's turns, the tool calls the environment counted and those of them
+    that failed or were invalid, and the trajectory's final answer (its last assistant message, which the dataset's
+    answer_fn reads)."""
+
+    status: str
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    final_answer: str
+
+    @classmethod
+    def of(cls, trajectory: Trajectory) -> TrajectoryRecord:
+        stats = trajectory.stats
+        answers = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
+        return cls(trajectory.status.value, stats.turns, stats.tool_calls, stats.tool_errors,
+                   answers[-1] if answers else "")
+
+
+@dataclass(frozen=True)
 class SampleRecord:
-    """One evaluated response: prompt `prompt_id` (its row's index in the dataset), sample `sample` of n."""
+    """One evaluated response: prompt `prompt_id` (its row's index in the dataset), sample `sample` of n; with
+    `trajectory`, the response is a multi-turn trajectory: every token after its first prompt (turns, tool results,
+    template scaffolding), `length` counts them all and `answer` is extracted from its final answer."""
 
     prompt_id: int
     sample: int
@@ -23,9 +47,13 @@ class SampleRecord:
     correct: bool
     length: int  # response tokens, the stop token included
     finish_reason: str  # "stop" | "length" (cut at max_new_tokens) | "abort"
+    trajectory: TrajectoryRecord | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record as one flat JSON object (a trajectory's fields beside the others; none for a completion)."""
+        row = asdict(self)
+        trajectory = row.pop("trajectory")
+        return {**row, **(trajectory or {})}
 
 
 def dataset_metrics(records: Sequence[SampleRecord], dataset: EvalDataset, *, seed: int) -> dict[str, float]:
@@ -33,7 +61,8 @@ def dataset_metrics(records: Sequence[SampleRecord], dataset: EvalDataset, *, se
 
     avg@n (mean correctness of every sample) and avg@n_stderr (bootstrap over prompts, seeded by `seed`);
     pass@k and, with an answer_fn, maj@k for each k of `dataset.ks`; reward_mean; response_length (mean tokens);
-    truncated_fraction (cut at max_new_tokens) and aborted_fraction (an interrupted engine's).
+    truncated_fraction (cut at max_new_tokens) and aborted_fraction (an interrupted engine's); for trajectories (an
+    agentic dataset) `trajectory_metrics` too.
     """
     n = dataset.n
     if not records or len(records) % n:
@@ -54,4 +83,18 @@ def dataset_metrics(records: Sequence[SampleRecord], dataset: EvalDataset, *, se
         "truncated_fraction": mean([float(r.finish_reason == "length") for r in records]),
         "aborted_fraction": mean([float(r.finish_reason == "abort") for r in records]),
     })
+    trajectories = [r.trajectory for r in records if r.trajectory is not None]
+    if trajectories:
+        metrics.update(trajectory_metrics(trajectories))
     return metrics
+
+
+def trajectory_metrics(trajectories: Sequence[TrajectoryRecord]) -> dict[str, float]:
+    """An agentic dataset's metrics: turns_mean and tool_calls_mean (per trajectory), tool_error_rate (failed or
+    invalid tool calls per tool call, 0 without calls), as the training's agent/* metrics define them."""
+    calls = sum(t.tool_calls for t in trajectories)
+    return {
+        "turns_mean": float(mean([t.turns for t in trajectories])),
+        "tool_calls_mean": calls / len(trajectories),
+        "tool_error_rate": sum(t.tool_errors for t in trajectories) / max(calls, 1),
+    }

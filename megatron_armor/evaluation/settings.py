@@ -14,6 +14,11 @@
       max_new_tokens: 1024
       apply_chat_template: false
       max_prompts: null               # the first N prompts only
+      agentic: null                   # rollout.agentic's settings: each sample a trajectory of that environment
+
+An agentic dataset (`agentic: {environment: package.module:Class, chat_template: ..., max_turns: ...}`, the keys and
+defaults of the training config's rollout.agentic section) rolls every sample out as a trajectory of the environment,
+scored by it (reward_fn is then not used); its environment and chat template are checked here too.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from megatron_armor.agentic.environment import Environment, load_environment
+from megatron_armor.config import AgenticConfig, coerce
 from megatron_armor.config.plugins import import_attribute
 
 AnswerFn = Callable[[str], "str | None"]  # response text -> the answer a verifier reads from it (None: none given)
@@ -57,6 +64,7 @@ class EvalDataset:
     apply_chat_template: bool = False
     max_prompts: int | None = None
     max_prompt_length: int = 2048
+    agentic: AgenticConfig | None = None  # rolled out as trajectories of agentic.environment (module docstring)
 
     def __post_init__(self) -> None:
         where = f"dataset {self.name!r}"
@@ -90,6 +98,15 @@ class EvalDataset:
         """The answer extractor `answer_fn` names, or None (no maj@k)."""
         return None if self.answer_fn is None else _callable(self.answer_fn, "answer function", self.name)
 
+    def environment(self) -> type[Environment] | None:
+        """The environment class `agentic.environment` names (imported now), or None for single completions."""
+        if self.agentic is None:
+            return None
+        try:
+            return load_environment(self.agentic.environment)
+        except ValueError as error:
+            raise EvalSettingsError(f"dataset {self.name!r}: {error}") from error
+
 
 def _callable(path: str, kind: str, dataset: str) -> Callable:
     try:
@@ -116,7 +133,7 @@ def load_eval_datasets(path: str | Path) -> list[EvalDataset]:
     if len(set(names)) != len(names):
         raise EvalSettingsError(f"{path}: dataset names must be unique, got {names}")
     for dataset in datasets:
-        dataset.reward(), dataset.answer_extractor()
+        dataset.reward(), dataset.answer_extractor(), dataset.environment()
     return datasets
 
 
@@ -143,13 +160,37 @@ def _dataset(entry: Any, index: int, source: Path) -> EvalDataset:
     values = dict(entry)  # pass_k a tuple, path relative to the list's file
     values["path"] = str((source.parent / str(values["path"])).resolve())
     values["pass_k"] = tuple(values.get("pass_k") or ())
+    if values.get("agentic") is not None:
+        values["agentic"] = _agentic(values["agentic"], where)
     hints = typing.get_type_hints(EvalDataset)
     for name, value in values.items():
-        if not _has_type(value, hints[name]):
+        if name != "agentic" and not _has_type(value, hints[name]):
             raise EvalSettingsError(f"{where}: {name} must be {known[name].type}, got {value!r}")
     if not Path(values["path"]).is_file():
         raise EvalSettingsError(f"{where}: dataset file {values['path']} does not exist")
     return EvalDataset(**values)
+
+
+def _agentic(value: Any, where: str) -> AgenticConfig:
+    """An entry's `agentic` mapping as rollout.agentic's section (its keys, types and checks), its environment set and
+    its chat template file there."""
+    if not isinstance(value, dict):
+        raise EvalSettingsError(f"{where}: agentic must be a mapping of rollout.agentic's settings, got {value!r}")
+    hints = typing.get_type_hints(AgenticConfig)
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(AgenticConfig)})
+    if unknown:
+        raise EvalSettingsError(f"{where}: unknown agentic keys {unknown}; known: those of rollout.agentic "
+                                f"(docs/config.md)")
+    try:
+        settings = AgenticConfig(**{name: coerce(v, hints[name], f"agentic.{name}") for name, v in value.items()})
+    except ValueError as error:
+        raise EvalSettingsError(f"{where}: {error}") from error
+    if settings.environment is None:
+        raise EvalSettingsError(f"{where}: agentic needs an environment (package.module:Class or path/to/file.py:Class)")
+    if settings.chat_template is not None and not Path(settings.chat_template).is_file():
+        raise EvalSettingsError(f"{where}: agentic.chat_template {settings.chat_template} does not exist (a relative "
+                                f"path is taken from the working directory {Path.cwd()})")
+    return settings
 
 
 def _has_type(value: Any, annotation: Any) -> bool:

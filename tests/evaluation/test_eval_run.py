@@ -1,11 +1,13 @@
 """`armor eval` end to end on a tiny training run's checkpoints: its numbers equal what validation logged for the
-same checkpoint and seed (one dataset list in both); the same sampled (n = 4, temperature 1) and greedy JSONL rows
-and numbers at DP=1 and DP=2, and validation's (run over 2 ranks) at DP=1; the table, the JSONL rows and the PNGs
-written."""
+same checkpoint and seed (one dataset list in both); the same sampled (n = 4, temperature 1), greedy and agentic
+(trajectories of an environment, retry_env.py) JSONL rows and numbers at DP=1 and DP=2, and validation's (run over 2
+ranks) at DP=1; the agentic dataset's metrics equal those computed from its JSONL rows; the table, the JSONL rows and
+the PNGs written."""
 
 import json
 import re
 from pathlib import Path
+from statistics import mean
 
 import pytest
 import yaml
@@ -14,7 +16,7 @@ from launcher import armor
 from megatron_armor.cli import main
 from megatron_armor.data.datasets import write_jsonl
 from megatron_armor.models.tiny import make_tiny_checkpoint
-from megatron_armor.rewards.arithmetic import make_rows
+from megatron_armor.rewards.arithmetic import extract_answer, make_rows
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 SEED = 1234  # the recipe's train.seed
@@ -23,12 +25,17 @@ ARITH = {"name": "arith", "path": "val.jsonl", "reward_fn": "megatron_armor.rewa
          "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 40}
 GREEDY = {"name": "greedy", "path": "val.jsonl", "reward_fn": "megatron_armor.rewards.arithmetic:verify",
           "n": 1, "temperature": 0.0, "max_new_tokens": 40, "max_prompts": 8}
+AGENTIC = {"name": "retry", "path": "val.jsonl", "answer_fn": "megatron_armor.rewards.arithmetic:extract_answer",
+           "n": 2, "temperature": 1.0, "top_p": 0.7, "max_new_tokens": 40, "max_prompts": 6,
+           "agentic": {"environment": f"{Path(__file__).parent / 'retry_env.py'}:RetryArithmetic",
+                       "chat_template": str(Path(__file__).parents[1] / "trainer" / "agentic_task" / "char_chat.jinja"),
+                       "max_turns": 2, "max_total_tokens": 120}}
 
 
 def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_path):
     write_jsonl(make_rows(12, seed=99), tmp_path / "val.jsonl")
     both = tmp_path / "datasets.yaml"
-    both.write_text(yaml.safe_dump([ARITH, GREEDY]))
+    both.write_text(yaml.safe_dump([ARITH, GREEDY, AGENTIC]))
     run = tmp_path / "run"
     proc = armor("train", "--config", CONFIG, "--max-steps", "2", "--run-dir", str(run), "--task.cache_dir",
                  str(synthetic_cache), "--task.num_train_rows", "400", "--task.num_val_rows", "16",
@@ -56,6 +63,8 @@ def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_pa
     assert len(rows) == 12 * 4 and [(r["prompt_id"], r["sample"]) for r in rows[:5]] == [(0, 0), (0, 1), (0, 2),
                                                                                          (0, 3), (1, 0)]
     assert results["checkpoints"][1]["datasets"]["arith"]["avg@4"] == sum(r["correct"] for r in rows) / len(rows)
+    assert "turns" not in rows[0]  # single completions: no trajectory fields
+    check_agentic_metrics(results["checkpoints"][1]["datasets"]["retry"], out / "samples" / "step_000002" / "retry.jsonl")
     table = (out / "results.md").read_text().splitlines()
     assert table[0].startswith("| checkpoint | step | arith avg@4 |") and table[3].startswith("| step_000002 | 2 |")
     assert (out / "plots" / "avg@4.png").stat().st_size > 0 and (out / "plots" / "pass@2.png").is_file()
@@ -65,7 +74,7 @@ def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_pa
                  "--out", str(single), "--seed", str(SEED), "--no-progress-bar"]) == 0
     dp1 = json.loads((single / "results.json").read_text())["checkpoints"][0]["datasets"]
     assert dp1 == results["checkpoints"][1]["datasets"]
-    for dataset in ("arith", "greedy"):
+    for dataset in ("arith", "greedy", "retry"):
         assert ((single / "samples" / "step_000002" / f"{dataset}.jsonl").read_text()
                 == (out / "samples" / "step_000002" / f"{dataset}.jsonl").read_text()), dataset
     assert len({r["response"] for r in rows}) > 12  # sampled: a prompt's 4 responses are not all one
@@ -81,6 +90,27 @@ def test_eval_matches_validation_and_data_parallel_sizes(synthetic_cache, tmp_pa
     assert list(json.loads((out / "results.json").read_text())["checkpoints"][0]["datasets"]) == ["greedy"]
 
 
+def check_agentic_metrics(metrics: dict, samples: Path) -> None:
+    """The agentic dataset's metrics against those computed here from its JSONL rows (6 prompts x 2 trajectories)."""
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(rows) == 12 and {"status", "turns", "tool_calls", "tool_errors", "final_answer"} <= set(rows[0])
+    assert {r["turns"] for r in rows} == {1, 2}  # some answered right at once, some were asked again
+    calls = sum(r["tool_calls"] for r in rows)
+    assert metrics["turns_mean"] == mean(r["turns"] for r in rows)
+    assert metrics["tool_calls_mean"] == calls / 12
+    assert metrics["tool_error_rate"] == sum(r["tool_errors"] for r in rows) / calls
+    assert all(r["correct"] == (r["reward"] > 0) for r in rows)
+    completed = [r for r in rows if r["status"] == "completed"]  # each turn's answer checked: right iff one was
+    assert completed and all(r["tool_calls"] == r["turns"] and r["correct"] == (r["tool_errors"] < r["turns"])
+                             for r in completed)
+    assert all(r["answer"] == extract_answer(r["final_answer"]) for r in rows)
+    pairs = [rows[i:i + 2] for i in range(0, 12, 2)]
+    assert metrics["avg@2"] == mean(float(r["correct"]) for r in rows)
+    assert metrics["pass@2"] == mean(float(a["correct"] or b["correct"]) for a, b in pairs)
+    assert metrics["maj@2"] == mean(float(a["correct"] if a["answer"] is not None or b["answer"] is None
+                                          else b["correct"]) for a, b in pairs)  # a tie: the first sample's answer
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """Two tiny HF checkpoints of different shapes."""
@@ -94,6 +124,7 @@ def tiny_models(tmp_path_factory):
     ({**GREEDY, "pass_k": [2]}, ["a"], "pass_k \\[2\\] larger than n = 1"),
     ({**GREEDY, "tempreature": 1.0}, ["a"], "unknown keys \\['tempreature'\\]"),
     ({**GREEDY, "answer_key": "solution_missing"}, ["a"], "row 1: missing required field 'solution_missing'"),
+    ({**GREEDY, "agentic": {"environment": "no_such_module:Env"}}, ["a"], "cannot import module 'no_such_module'"),
     (GREEDY, ["a", "missing"], "missing does not exist"),
     (GREEDY, ["a", "b"], "is not the model of"),
 ])

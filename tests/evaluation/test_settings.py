@@ -5,10 +5,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_armor.agentic.examples import CalculatorArithmetic
 from megatron_armor.cli import main
+from megatron_armor.config import AgenticConfig
 from megatron_armor.evaluation.settings import EvalDataset, EvalSettingsError, load_eval_datasets, validation_datasets
 
 VERIFY = "megatron_armor.rewards.arithmetic:verify"
+ENV = "megatron_armor.agentic.examples:CalculatorArithmetic"
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
 
 
@@ -26,6 +29,14 @@ def test_defaults_and_ks(tmp_path):
     assert EvalDataset("b", "p", n=6, pass_k=(3, 1, 3)).ks == (1, 3)
 
 
+def test_an_agentic_entry_takes_rollout_agentics_settings(tmp_path):
+    entry = {"name": "a", "path": "val.jsonl", "agentic": {"environment": ENV, "max_turns": 3, "on_failed": "resample"}}
+    (dataset,) = load_eval_datasets(write(tmp_path, [entry]))
+    assert dataset.agentic == AgenticConfig(environment=ENV, max_turns=3, on_failed="resample")
+    assert dataset.environment() is CalculatorArithmetic
+    assert load_eval_datasets(write(tmp_path, [{"name": "a", "path": "val.jsonl"}]))[0].environment() is None
+
+
 @pytest.mark.parametrize("entry, message", [
     ({"name": "a", "path": "val.jsonl", "n": 2, "pass_k": [4]}, r"pass_k \[4\] larger than n = 2"),
     ({"name": "a", "path": "val.jsonl", "n": "4"}, "n must be int, got '4'"),
@@ -35,6 +46,15 @@ def test_defaults_and_ks(tmp_path):
     ({"path": "val.jsonl"}, r"missing \['name'\]"),
     ({"name": "a", "path": "gone.jsonl"}, "gone.jsonl does not exist"),
     ({"name": "a", "path": "val.jsonl", "reward_fn": "megatron_armor.rewards.arithmetic:nothing"}, "nothing"),
+    ({"name": "a", "path": "val.jsonl", "agentic": "calculator"}, "agentic must be a mapping"),
+    ({"name": "a", "path": "val.jsonl", "agentic": {"environment": ENV, "max_turn": 2}}, r"agentic keys \['max_turn'\]"),
+    ({"name": "a", "path": "val.jsonl", "agentic": {"max_turns": 2}}, "agentic needs an environment"),
+    ({"name": "a", "path": "val.jsonl", "agentic": {"environment": ENV, "max_turns": 0}}, "max_turns must be >= 1"),
+    ({"name": "a", "path": "val.jsonl", "agentic": {"environment": ENV, "chat_template": "gone.jinja"}},
+     "agentic.chat_template gone.jinja does not exist"),
+    ({"name": "a", "path": "val.jsonl", "agentic": {"environment": VERIFY}}, "not a subclass of"),
+    ({"name": "a", "path": "val.jsonl", "agentic": {"environment": "no_such_module:Env"}},
+     "dataset 'a': environment 'no_such_module:Env': cannot import module"),
 ])
 def test_bad_entries(tmp_path, entry, message):
     with pytest.raises(EvalSettingsError, match=message):

@@ -76,3 +76,15 @@ def test_trajectories_depend_on_their_seed_only(engine):
     assert other_seed.response_ids != alone.response_ids
     with pytest.raises(ValueError, match="trajectories are seeded per request: 1 prompts need as many sampling.seeds"):
         scorer().respond(engine, rows[:1], dataclasses.replace(SAMPLING, seed=11), is_anchor=False)
+
+
+def test_per_request_seeds_give_a_trajectory_wherever_its_request_stands(engine):
+    """Evaluation's per-request seeds (`SamplingParams.seeds`, one per prompt): a request's trajectory depends on its
+    own seed only, so a data-parallel rank that answers it alone samples what one rank answering all of them does."""
+    rows = prompts(*({"prompt": f"{d}+{d}="} for d in range(3)))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seeds=(5, 6, 7))
+    together = scorer().respond(engine, rows, sampling, is_anchor=False)
+    [alone] = scorer().respond(engine, rows[1:2], SamplingParams(temperature=1.0, max_new_tokens=6, seeds=(6,)),
+                               is_anchor=False)
+    assert alone == together[1] and alone.reward == 1.0 and sum(alone.loss_mask) > 0  # sampled, not failed
+    assert alone.response_ids != together[0].response_ids

@@ -12,11 +12,12 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch.distributed as dist
 
 from megatron_armor.agentic.metrics import AgentCounts
+from megatron_armor.agentic.trajectory import Trajectory
 from megatron_armor.config import RewardConfig
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
@@ -30,6 +31,7 @@ from megatron_armor.rollout.weight_sync import SyncReport
 from megatron_armor.utils.seeding import stable_seed
 
 RewardFn = Callable[[str, dict], tuple[float, bool]]
+T = TypeVar("T")
 
 
 class SampleScorer:
@@ -44,7 +46,7 @@ class SampleScorer:
     """
 
     rolls_out_trajectories: ClassVar[bool] = False  # whether `respond` counts trajectories into its `agent` counts
-    # whether `generate_samples` seeds its requests one by one (`SamplingParams.seeds`) whatever its seed_per_request
+    # whether `generate_samples` seeds its requests one by one (`SamplingParams.seeds`) rather than by rank
     seeds_each_request: ClassVar[bool] = False
 
     def __init__(
@@ -70,6 +72,13 @@ class SampleScorer:
                  token_versions=g.versions)
             for p, g in zip(prompts, generations)
         ]
+
+    def respond_with_trajectories(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams,
+                                  *, is_anchor: bool, agent: AgentCounts | None = None,
+                                  ) -> list[tuple[Sample, Trajectory | None]]:
+        """`respond`'s samples, each beside the trajectory it is made of (what evaluation records of it): None here,
+        single completions."""
+        return [(sample, None) for sample in self.respond(engine, prompts, sampling, is_anchor=is_anchor, agent=agent)]
 
     def audit(self, prompt: PromptRow, sample: Sample) -> tuple[bool, ...]:
         """Each audit verifier's `correct` for `sample`, a response to `prompt` (() without audits)."""
@@ -142,6 +151,31 @@ class RolloutCounters:
         return total
 
 
+@dataclass(frozen=True)
+class RequestShare:
+    """The requests (prompt p, sample k) of a batch, prompt-major, dealt round-robin over the `world` ranks of a
+    group: rank r answers `requests[r::world]` (`mine` on rank `rank`)."""
+
+    requests: list[tuple[int, int]]
+    rank: int
+    world: int
+
+    @classmethod
+    def deal(cls, prompts: int, samples_per_prompt: int, group: dist.ProcessGroup | None = None) -> RequestShare:
+        """The share of this rank of `group` (the default group; all of it without torch.distributed)."""
+        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+        return cls([(p, k) for p in range(prompts) for k in range(samples_per_prompt)], rank, world)
+
+    @property
+    def mine(self) -> list[tuple[int, int]]:
+        return self.requests[self.rank::self.world]
+
+    def in_request_order(self, answers: Sequence[T]) -> list[T]:
+        """Every rank's answers to its share, concatenated in rank order (as gathered), put in request order."""
+        answered = [request for r in range(self.world) for request in self.requests[r::self.world]]
+        return [answer for _, answer in sorted(zip(answered, answers, strict=True), key=lambda item: item[0])]
+
+
 def generate_samples(
     engine: RolloutEngine,
     prompts: Sequence[PromptRow],
@@ -151,7 +185,6 @@ def generate_samples(
     *,
     is_anchor: bool,
     seed: int,
-    seed_per_request: bool = False,
     audit: AuditCounts | None = None,
     agent: AgentCounts | None = None,
     group: dist.ProcessGroup | None = None,
@@ -160,31 +193,29 @@ def generate_samples(
 
     A collective over `group` (default: the default process group) when torch.distributed is initialised (the
     background rollouts of rollout.mode one_step_off and async use a group of their own): each rank generates its
-    round-robin share of the requests with a rank-specific seed derived from `seed`, or with `seed_per_request`
-    each request (prompt p, sample k) with its own, stable_seed(seed, p's index, k): the samples are then the same at
-    any number of ranks (evaluation's, and every trajectory scorer's: `SampleScorer.seeds_each_request`; training's
-    single completions keep the rank seeds). Each request is answered as the scorer responds
-    (`SampleScorer.respond`: a completion, or a multi-turn trajectory). With `audit`, the
-    scorer's audit verdicts on this rank's share are counted into it before the samples are gathered (sum the counts
-    over ranks for the whole batch's); with `agent`, the share's trajectories (multi-turn runs).
+    round-robin share of the requests (`RequestShare`) with a rank-specific seed derived from `seed`, or, when the
+    scorer seeds each request (`SampleScorer.seeds_each_request`: every trajectory scorer), each request (prompt p,
+    sample k) with its own, stable_seed(seed, p's index, k): its samples are then the same at any number of ranks
+    (training's single completions keep the rank seeds; evaluation seeds each request itself:
+    trainer/step/validation.py). Each request is answered as the scorer responds (`SampleScorer.respond`: a
+    completion, or a multi-turn trajectory). With `audit`, the scorer's audit verdicts on this rank's share are
+    counted into it before the samples are gathered (sum the counts over ranks for the whole batch's); with `agent`,
+    the share's trajectories (multi-turn runs).
     """
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-    requests = [(p, k) for p in range(len(prompts)) for k in range(samples_per_prompt)]
-    mine = requests[rank::world]
-    if seed_per_request or scorer.seeds_each_request:
+    share = RequestShare.deal(len(prompts), samples_per_prompt, group)
+    mine = share.mine
+    if scorer.seeds_each_request:
         local_sampling = dataclasses.replace(
             sampling, seeds=tuple(stable_seed(seed, prompts[p].index, k) for p, k in mine))
     else:
-        local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, rank))
+        local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, share.rank))
     samples = scorer.respond(engine, [prompts[p] for p, _ in mine], local_sampling, is_anchor=is_anchor, agent=agent)
     if audit is not None:
         for (p, _), sample in zip(mine, samples):
             audit.add(sample.correct, scorer.audit(prompts[p], sample))
-    answered = mine  # the (prompt, sample index) of each sample
-    if world > 1:  # every rank's share, in rank order: rank r's samples answer requests[r::world]
-        samples = all_gather_samples(samples, group)
-        answered = [request for r in range(world) for request in requests[r::world]]
-    return [sample for _, sample in sorted(zip(answered, samples), key=lambda item: item[0])]
+    if share.world == 1:
+        return samples
+    return share.in_request_order(all_gather_samples(samples, group))
 
 
 def engine_counters(engine: RolloutEngine, group: dist.ProcessGroup | None) -> dict[str, float]:

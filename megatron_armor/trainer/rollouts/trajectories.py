@@ -81,26 +81,35 @@ class TrajectoryScorer(SampleScorer):
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
                 is_anchor: bool, agent: AgentCounts | None = None) -> list[Sample]:
         """A trajectory of each of `prompts` (their rows go to the environment's `reset`) sampled by `engine`, as a
-        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`. `sampling`
-        has a seed per prompt (`sampling.seeds`, `generate_samples` gives them: `seeds_each_request`); prompt i's
-        k-th rollout is seeded from (sampling.seeds[i], k) and its turns from that (`TurnSeeds`), so it depends on
-        neither what runs beside it nor on which rank."""
+        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`."""
+        return [sample for sample, _ in self.respond_with_trajectories(engine, prompts, sampling, is_anchor=is_anchor,
+                                                                       agent=agent)]
+
+    def respond_with_trajectories(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams,
+                                  *, is_anchor: bool, agent: AgentCounts | None = None,
+                                  ) -> list[tuple[Sample, Trajectory]]:
+        """`respond`'s samples, each beside the trajectory it is made of (the last one rolled out for its prompt).
+
+        `sampling` has a seed per prompt (`sampling.seeds`: `generate_samples` gives them, `seeds_each_request`, and
+        so does evaluation); prompt i's k-th rollout is seeded from (sampling.seeds[i], k) and its turns from that
+        (`agentic.driver.TurnSeeds`), so it depends on neither what runs beside it nor on which rank."""
         if sampling.seeds is None or len(sampling.seeds) != len(prompts):
             raise ValueError(f"trajectories are seeded per request: {len(prompts)} prompts need as many "
                              f"sampling.seeds, got {sampling.seeds}")
         trajectories: list[Trajectory | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
+        turn_sampling = dataclasses.replace(sampling, seed=None, seeds=None)
         for attempt in range(self.settings.max_resamples + 1):
             if not pending:
                 break
             seeds = [stable_seed(sampling.seeds[i], attempt) for i in pending]
-            for i, trajectory in zip(pending, self._roll_out(engine, [prompts[i].row for i in pending], sampling,
+            for i, trajectory in zip(pending, self._roll_out(engine, [prompts[i].row for i in pending], turn_sampling,
                                                              seeds)):
                 trajectories[i] = trajectory
             if agent is not None:
                 agent.add(trajectories[i] for i in pending)
             pending = [i for i in pending if self._action(trajectories[i]) == "resample"]
-        return [self._sample(prompt, trajectory, is_anchor=is_anchor, zero_reward=i in pending)
+        return [(self._sample(prompt, trajectory, is_anchor=is_anchor, zero_reward=i in pending), trajectory)
                 for i, (prompt, trajectory) in enumerate(zip(prompts, trajectories))]
 
     def _roll_out(self, engine: RolloutEngine, rows: list[dict], sampling: SamplingParams,

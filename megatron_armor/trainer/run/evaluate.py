@@ -63,7 +63,7 @@ def _evaluate(ctx: DistributedContext, run: EvalRun) -> list[CheckpointResult]:
     checkpoints = resolve_checkpoints(run.checkpoints)
     tokenizer = load_tokenizer(checkpoints[0].path)
     check_same_model(checkpoints, tokenizer)
-    sets = [EvalSet.load(d, tokenizer, (tokenizer.eos_token_id,)) for d in datasets]
+    sets = [EvalSet.load(d, tokenizer, (tokenizer.eos_token_id,), in_process=not run.sglang_urls) for d in datasets]
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engines = (SGLangEngines(run.sglang_urls.split(","), is_main=ctx.is_main) if run.sglang_urls
                else LocalEngines(pad_token_id))

@@ -1,9 +1,12 @@
 """Evaluate datasets on a rollout engine: validation during training and `armor eval` both run this.
 
-Each dataset's prompts are sampled n times through `generate_samples` (the requests dealt round-robin over the
-ranks, each request seeded from the call's seed, the dataset's name, its prompt's index and its sample index, so
-the samples and metrics are the same at any number of ranks), scored by the dataset's reward function, and turned
-into `SampleRecord`s and the dataset's metrics (evaluation/scores.py).
+Each dataset's prompts are sampled n times, the requests dealt round-robin over the ranks (`RequestShare`), each
+request seeded from the call's seed, the dataset's name, its prompt's index and its sample index, so the samples and
+metrics are the same at any number of ranks. A request is answered as the dataset's scorer responds: one completion
+scored by its reward function, or (an agentic dataset) a trajectory of its environment, rolled out and scored by the
+trainer's `TrajectoryScorer`, its turns seeded from the request's seed. Each rank makes `SampleRecord`s of its share
+(a trajectory's turns, tool calls and final answer included), the records are gathered, and the dataset's metrics
+computed from them (evaluation/scores.py).
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from megatron_armor.agentic.trajectory import Trajectory
 from megatron_armor.config import ArmorConfig
 from megatron_armor.data.datasets import PromptRow, load_prompt_rows
-from megatron_armor.evaluation.scores import SampleRecord, dataset_metrics
+from megatron_armor.data.types import Sample
+from megatron_armor.evaluation.scores import SampleRecord, TrajectoryRecord, dataset_metrics
 from megatron_armor.evaluation.settings import AnswerFn, EvalDataset, validation_datasets
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
-from megatron_armor.trainer.rollouts.samples import SampleScorer, generate_samples
+from megatron_armor.trainer.rollouts.samples import RequestShare, SampleScorer
+from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 from megatron_armor.utils.seeding import stable_seed
 
 # What validation logged before dataset lists, from the primary dataset (the first, or eval.primary): kept under these
@@ -28,7 +36,8 @@ _PRIMARY_KEYS = {"val/reward_mean": "reward_mean", "val/response_length": "respo
 
 @dataclass(frozen=True)
 class EvalSet:
-    """A dataset ready to evaluate: its settings, tokenized prompts, scorer, sampling and answer extractor."""
+    """A dataset ready to evaluate: its settings, tokenized prompts, scorer (a `TrajectoryScorer` for an agentic
+    dataset), sampling and answer extractor."""
 
     dataset: EvalDataset
     rows: list[PromptRow]
@@ -37,16 +46,30 @@ class EvalSet:
     extract: AnswerFn | None = None
 
     @classmethod
-    def load(cls, dataset: EvalDataset, tokenizer, stop_token_ids: tuple[int, ...]) -> EvalSet:
+    def load(cls, dataset: EvalDataset, tokenizer, stop_token_ids: tuple[int, ...], *, in_process: bool) -> EvalSet:
         """Read and tokenize `dataset`'s prompts (a row without the prompt or answer key is an error here, before
-        anything generates) and import its functions."""
+        anything generates) and import its functions, or its environment and chat template (`in_process`: the engine
+        runs in this process, else it is a client of servers: how the trajectories' turns are sent to it)."""
         rows = load_prompt_rows(dataset.path, tokenizer=tokenizer, prompt_key=dataset.prompt_key,
                                 answer_key=dataset.answer_key, apply_chat_template=dataset.apply_chat_template,
                                 max_prompt_length=dataset.max_prompt_length)
         sampling = SamplingParams(temperature=dataset.temperature, top_p=dataset.top_p,
                                   max_new_tokens=dataset.max_new_tokens, stop_token_ids=stop_token_ids)
-        return cls(dataset, rows[: dataset.max_prompts], SampleScorer(tokenizer, dataset.reward()), sampling,
-                   dataset.answer_extractor())
+        scorer = (SampleScorer(tokenizer, dataset.reward()) if dataset.agentic is None
+                  else TrajectoryScorer.load(dataset.agentic, tokenizer, in_process=in_process))
+        return cls(dataset, rows[: dataset.max_prompts], scorer, sampling, dataset.answer_extractor())
+
+    def record(self, sample_index: int, sample: Sample, trajectory: Trajectory | None) -> SampleRecord:
+        """The record of `sample`, sample `sample_index` of its prompt (made of `trajectory`, when it is one)."""
+        text = self.scorer.response_text(sample.response_ids, sample.finish_reason)
+        summary = None if trajectory is None else TrajectoryRecord.of(trajectory)
+        answered = text if summary is None else summary.final_answer
+        return SampleRecord(
+            prompt_id=sample.prompt_index, sample=sample_index, response=text,
+            answer=None if self.extract is None else self.extract(answered), reward=sample.reward,
+            correct=sample.correct, length=len(sample.response_ids), finish_reason=sample.finish_reason,
+            trajectory=summary,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,18 +83,20 @@ class DatasetResult:
 
 def evaluate_set(engine: RolloutEngine, eval_set: EvalSet, *, seed: tuple) -> DatasetResult:
     """Sample, score and measure `eval_set` on `engine` (collective when torch.distributed is initialised: every
-    rank returns the whole result). The same `seed` gives the same samples at any number of ranks."""
-    dataset, scorer = eval_set.dataset, eval_set.scorer
-    samples = generate_samples(engine, eval_set.rows, dataset.n, eval_set.sampling, scorer, is_anchor=False,
-                               seed=stable_seed(*seed, dataset.name), seed_per_request=True)
-    records = []
-    for i, sample in enumerate(samples):
-        text = scorer.response_text(sample.response_ids, sample.finish_reason)
-        records.append(SampleRecord(
-            prompt_id=sample.prompt_index, sample=i % dataset.n, response=text,
-            answer=None if eval_set.extract is None else eval_set.extract(text), reward=sample.reward,
-            correct=sample.correct, length=len(sample.response_ids), finish_reason=sample.finish_reason,
-        ))
+    rank returns the whole result). Request (prompt p, sample k) is seeded from (`seed`, the dataset's name, p's
+    index in the dataset, k), so the same `seed` gives the same samples at any number of ranks."""
+    dataset, rows = eval_set.dataset, eval_set.rows
+    share = RequestShare.deal(len(rows), dataset.n)
+    base = stable_seed(*seed, dataset.name)
+    sampling = dataclasses.replace(eval_set.sampling,
+                                   seeds=tuple(stable_seed(base, rows[p].index, k) for p, k in share.mine))
+    answers = eval_set.scorer.respond_with_trajectories(engine, [rows[p] for p, _ in share.mine], sampling,
+                                                        is_anchor=False)
+    records = [eval_set.record(k, sample, trajectory) for (_, k), (sample, trajectory) in zip(share.mine, answers)]
+    if share.world > 1:
+        every_rank: list[list[SampleRecord]] = [[] for _ in range(share.world)]
+        dist.all_gather_object(every_rank, records)
+        records = share.in_request_order([record for part in every_rank for record in part])
     return DatasetResult(dataset.name, records, dataset_metrics(records, dataset, seed=stable_seed(*seed)))
 
 
@@ -97,14 +122,16 @@ class Validation:
     def load(cls, cfg: ArmorConfig, tokenizer, stop_token_ids: tuple[int, ...], val_rows: list[PromptRow],
                     val_scorer: SampleScorer, val_sampling: SamplingParams,
                     tool_scorer: SampleScorer | None = None) -> Validation:
-        """eval.datasets' list (each dataset's file loaded), else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
+        """eval.datasets' list (its agentic datasets rolled out on the run's engines: in-process or servers, as
+        rollout.backend says), else data.val_path's prompts (`val_rows`, first eval.max_prompts of them) sampled
         rollout.sampling.val_n times with `val_sampling` and scored by `val_scorer`; none without either. With
         `tool_scorer` (the run's trajectories, rollout.agentic) those prompts are rolled out as its trajectories for
         val/accuracy, and answered bare (`val_scorer`) for val/accuracy_no_tools."""
         if cfg.eval.datasets is not None:
             datasets, primary = validation_datasets(cfg.eval.datasets, cfg.eval.primary)
-            return cls([EvalSet.load(d, tokenizer, stop_token_ids) for d in datasets], per_dataset=True,
-                       primary=primary)
+            in_process = cfg.rollout.backend_settings.in_process
+            return cls([EvalSet.load(d, tokenizer, stop_token_ids, in_process=in_process) for d in datasets],
+                       per_dataset=True, primary=primary)
         if not val_rows:
             return cls([], per_dataset=False)
         data, sampling = cfg.data, cfg.rollout.sampling
