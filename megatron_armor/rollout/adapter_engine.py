@@ -14,24 +14,17 @@ from typing import Any
 
 import torch
 
-from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.rollout.base import EngineView, Generation, RolloutEngine, SamplingParams
 
 
-class AdapterEngine(RolloutEngine):
+class AdapterEngine(EngineView):
     """`engine` generating with its LoRA adapter `name`, whose `update_weights` loads that adapter from PEFT-named
     tensors with PEFT's config dict, `config(<the tensors' names>)` (`LoRAConfig.peft_config`). Everything else is
     the engine's own: its servers, health, interrupts, caches and counters."""
 
     def __init__(self, engine: RolloutEngine, name: str, config: Callable[[list[str]], dict]) -> None:
-        self.engine, self.name, self.config = engine, name, config
-
-    @property
-    def shared_across_ranks(self) -> bool:  # type: ignore[override]
-        return self.engine.shared_across_ranks
-
-    @property
-    def pushes_weights(self) -> bool:  # type: ignore[override]
-        return self.engine.pushes_weights
+        super().__init__(engine)
+        self.name, self.config = name, config
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, **options: Any) -> list[Generation]:
         """The engine's generations with the adapter (`options`: the engine's own, e.g. a local engine's abort)."""
@@ -45,21 +38,6 @@ class AdapterEngine(RolloutEngine):
 
     def load_lora_adapter(self, name: str, config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.load_lora_adapter(name, config, named_tensors)
-
-    def health(self) -> bool:
-        return self.engine.health()
-
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()
-
-    def metrics(self) -> dict[str, float]:
-        return self.engine.metrics()
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def release_transfer_buffers(self) -> None:
-        self.engine.release_transfer_buffers()
 
     @property
     def urls(self) -> list[str]:

@@ -152,3 +152,38 @@ class RolloutEngine(abc.ABC):
         and without any when none is named. By default an engine has no LoRA."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold LoRA adapters: set model.lora.weight_sync "
                                   f"merged to push merged weights")
+
+
+class EngineView(RolloutEngine):
+    """`engine` seen through a view that changes part of what it does (`PausableEngine`: pauses around pushes;
+    `AdapterEngine`: generates with a LoRA adapter): what the view does not override is the engine's own (where
+    its servers are, weight pushes, health, caches, counters, closing)."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    @property
+    def shared_across_ranks(self) -> bool:  # type: ignore[override]
+        return self.engine.shared_across_ranks
+
+    @property
+    def pushes_weights(self) -> bool:  # type: ignore[override]
+        return self.engine.pushes_weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def release_transfer_buffers(self) -> None:
+        self.engine.release_transfer_buffers()

@@ -16,33 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-import torch
 
-from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
+from megatron_armor.rollout.base import EngineView, Generation, RolloutEngine, SamplingParams
 from megatron_armor.utils.seeding import stable_seed
 
 
-class PausableEngine(RolloutEngine):
+class PausableEngine(EngineView):
     """`engine` (the actor's) with `pause` / `resume` around weight pushes; its generations carry per-token
     versions: `version` is the weight version the engine holds (the trainer's count of kept updates)."""
 
     INTERRUPT_EVERY_S = 0.2  # `pause` repeats the interrupt this often (s) while a call still runs
 
     def __init__(self, engine: RolloutEngine, version: int = 0) -> None:
-        self.engine, self.version = engine, version
+        super().__init__(engine)
+        self.version = version
         self._cond = threading.Condition()
         self._paused = False
         self._calls = 0  # the wrapped engine's `generate` calls running
-
-    @property
-    def shared_across_ranks(self) -> bool:  # type: ignore[override]
-        return self.engine.shared_across_ranks
-
-    @property
-    def pushes_weights(self) -> bool:  # type: ignore[override]
-        return self.engine.pushes_weights
 
     def pause(self) -> None:
         """Interrupt the generations in flight and return once the engine runs none: its weights may change. Until
@@ -97,24 +89,6 @@ class PausableEngine(RolloutEngine):
             pending = [i for i in pending if out[i].finish_reason == "abort"]
             round_ += 1
         return out
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights(named_tensors)
-
-    def health(self) -> bool:
-        return self.engine.health()
-
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()
-
-    def metrics(self) -> dict[str, float]:
-        return self.engine.metrics()
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def release_transfer_buffers(self) -> None:
-        self.engine.release_transfer_buffers()
 
 
 def _extended(head: Generation, tail: Generation, version: int, sampling: SamplingParams) -> Generation:
