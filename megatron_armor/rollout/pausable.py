@@ -18,7 +18,6 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-
 from megatron_armor.rollout.base import EngineView, Generation, RolloutEngine, SamplingParams
 from megatron_armor.utils.seeding import stable_seed
 
