@@ -91,8 +91,14 @@ def test_armor_trains_exactly_the_sampled_tokens_of_multi_turn_trajectories(synt
     resume_from(run_dir, resumed, 1)
     assert run_training(load_config(CONFIG, agentic_overrides(synthetic_cache, resumed, 2)), resume=True) == 0
     timings = ("perf/", "agent/generation_s_mean", "agent/tool_s_mean")
-    deterministic = [key for key in rows[2] if not key.startswith(timings)]
-    assert {k: run_metrics(resumed)[2][k] for k in deterministic} == {k: rows[2][k] for k in deterministic}
+    # The in-process engine batches the turns waiting together (which ones: timing), and its logprobs round by batch
+    # size: the engine-trainer mismatch moves at the fp32 floor; the samples, the loss and the rest are exact.
+    floor = ("mismatch/",)
+    deterministic = [key for key in rows[2] if not key.startswith(timings + floor)]
+    resumed_row = run_metrics(resumed)[2]
+    assert {k: resumed_row[k] for k in deterministic} == {k: rows[2][k] for k in deterministic}
+    for key in (key for key in rows[2] if key.startswith(floor)):
+        assert resumed_row[key] == pytest.approx(rows[2][key], abs=1e-7), key
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])

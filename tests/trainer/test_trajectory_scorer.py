@@ -86,5 +86,9 @@ def test_per_request_seeds_give_a_trajectory_wherever_its_request_stands(engine)
     together = scorer().respond(engine, rows, sampling, is_anchor=False)
     [alone] = scorer().respond(engine, rows[1:2], SamplingParams(temperature=1.0, max_new_tokens=6, seeds=(6,)),
                                is_anchor=False)
-    assert alone == together[1] and alone.reward == 1.0 and sum(alone.loss_mask) > 0  # sampled, not failed
+    # the same trajectory: its tokens, masks and reward exactly; its engine logprobs to the fp32 floor (the engine
+    # batches the turns waiting together, and its products round by batch size)
+    assert dataclasses.replace(alone, engine_logprobs=None) == dataclasses.replace(together[1], engine_logprobs=None)
+    assert alone.engine_logprobs == pytest.approx(together[1].engine_logprobs, abs=1e-6)
+    assert alone.reward == 1.0 and sum(alone.loss_mask) > 0  # sampled, not failed
     assert alone.response_ids != together[0].response_ids
