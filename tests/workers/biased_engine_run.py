@@ -13,7 +13,7 @@ from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.rollout.local import LocalEngine  # noqa: E402
 from megatron_armor.trainer.run.train import run_training  # noqa: E402
 
-build = LocalEngine.from_config.__func__
+build = LocalEngine.load.__func__
 
 
 def biased_engine(cls, *args, **kwargs) -> LocalEngine:
@@ -22,7 +22,7 @@ def biased_engine(cls, *args, **kwargs) -> LocalEngine:
     return engine
 
 
-LocalEngine.from_config = classmethod(biased_engine)
+LocalEngine.load = classmethod(biased_engine)
 out_dir, config_path, *overrides = sys.argv[1:]
 code = run_training(load_config(config_path, overrides))
 write_result(out_dir, {"exit_code": code})
