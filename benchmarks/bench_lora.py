@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_armor.config import LoRAConfig, OptimizerConfig, load_config
+from megatron_armor.config import LoRAConfig, MicroBatchingConfig, OptimizerConfig, load_config
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.convert.peft_export import peft_tensors
 from megatron_armor.convert.weights import gather_hf_weights
@@ -119,7 +119,7 @@ def measure(checkpoint: Path, shape: ModelShape, rank: int, batch: SequenceBatch
     if rank:
         apply_lora(model, LoRAConfig(rank=rank, alpha=2.0 * rank), seed=0)
     ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=1e-5, warmup_steps=0))
-    micro_batches = MicroBatching(args.micro_batch_size).split(batch)
+    micro_batches = MicroBatching(MicroBatchingConfig(args.micro_batch_size)).split(batch)
     times = []
     for _ in range(args.repeats + 1):  # the first, a warm-up, also creates Adam's state
         start = time.perf_counter()
