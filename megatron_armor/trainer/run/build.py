@@ -276,7 +276,10 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     launch = None
     if opd.teacher_layout is not None:
         check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts
-        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.micro_batching, cfg.model)
+        # at opd's layout on a free loopback port, scoring the student's micro-batches in the student's dtype
+        launch = TeacherServerConfig(paths.teacher_path, *opd.teacher_layout, port=0,
+                                     micro_batch_size=cfg.micro_batching.micro_batch_size,
+                                     params_dtype=cfg.model.params_dtype)
     urls = opd.teacher_url.split(",") if opd.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
