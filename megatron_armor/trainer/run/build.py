@@ -37,7 +37,7 @@ from megatron_armor.scoring.routes import REPLAY_MODES
 from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
-from megatron_armor.scoring.logprobs import ScoringConfig
+from megatron_armor.scoring.logprobs import ScoringConfig, resolve_logprob_head
 from megatron_armor.scoring.micro_batches import MicroBatching, sequence_multiple
 from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
@@ -117,10 +117,17 @@ def build_training(
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
     trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
-                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
+                        _scoring(cfg), cfg.optimizer, parts)
     validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
                                  tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
+
+
+def _scoring(cfg: ArmorConfig) -> ScoringConfig:
+    """How the run's last stage scores tokens: at the temperature of rollout.sampling (tokens are scored under the
+    distribution the engines sampled from, or the importance ratios would compare different distributions), with
+    train.logprob_head's head ("auto" resolved for this machine)."""
+    return ScoringConfig(temperature=cfg.rollout.sampling.temperature, head=resolve_logprob_head(cfg.train.logprob_head))
 
 
 def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScorer:
@@ -268,7 +275,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     if paths.teacher_path is not None:  # None: only a teacher_url was given
         teacher_shape = load_model_shape(paths.teacher_path)
         check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"opd.teacher_path {paths.teacher_path}")
-    scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
+    scoring = _scoring(cfg)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
         batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))  # as the student
