@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig
+from megatron_armor.config import ArmorConfig, SamplingConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.peft_export import all_stages_peft_tensors, peft_config
@@ -95,8 +95,7 @@ def build_training(
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
     trainer_models = _build_models(cfg, algorithm, paths, shape, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
-    sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
-    val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
+    sampling, val_sampling = _samplings(cfg.rollout.sampling, stop_ids)
     teacher = trainer_models.teacher
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
@@ -121,6 +120,13 @@ def build_training(
     validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
                                  tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
+
+
+def _samplings(sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> tuple[SamplingParams, SamplingParams]:
+    """(training rollouts', validation's) sampling: rollout.sampling's temperature and top_p, or val_temperature and
+    val_top_p; its max_new_tokens for both, stopping at the tokenizer's `stop_ids`."""
+    return (SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, stop_ids),
+            SamplingParams(sampling.val_temperature, sampling.val_top_p, sampling.max_new_tokens, stop_ids))
 
 
 def _scoring(cfg: ArmorConfig) -> ScoringConfig:
