@@ -78,7 +78,7 @@ DELETED_COPY_CLASSES = {
 # The classes left with a `from_config` adapter (issue 28 removes them one by one): a class may lose its adapter, none
 # may gain one. A component takes its section instead; one that combines several sections says why in its docstring.
 FROM_CONFIG_CLASSES = {
-    "StepPlan", "SGLangEngineConfig",
+    "SGLangEngineConfig",
 }
 
 

@@ -115,11 +115,19 @@ def build_training(
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
-    trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
+    trainer = RLTrainer(ctx, models, step_plan(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
                         _scoring(cfg), cfg.optimizer, parts)
     validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
                                  tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
+
+
+def step_plan(cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
+    """`algorithm`'s steps by the train, rollout and algorithm sections, with micro-batches padded for this run's
+    tensor-parallel size and the on-policy samples per prompt the algorithm fixes (`Algorithm.on_policy_samples`)."""
+    batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))
+    return StepPlan(algorithm, cfg.train, cfg.rollout, cfg.algorithm, batching,
+                    actor_n=algorithm.on_policy_samples(cfg.rollout.sampling))
 
 
 def _samplings(sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> tuple[SamplingParams, SamplingParams]:
