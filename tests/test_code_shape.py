@@ -72,6 +72,7 @@ def long_functions(tree: ast.AST) -> list[tuple[str, int]]:
 # Copy classes deleted because their component takes the config section itself -> what replaced them.
 DELETED_COPY_CLASSES = {
     "OverlongPenalty": "SampleScorer takes the reward section (reward.overlong_*)",
+    "UpdateGateConfig": "InferenceGapGate takes the mipu section (algorithms.GateSettings: the fields it reads)",
 }  # trainer/run/warmstart.py's WarmStartConfig became the task.warm_start section (config.WarmStartConfig)
 
 

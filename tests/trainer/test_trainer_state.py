@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_armor.algorithms import UpdateGateConfig
-from megatron_armor.config import AlgorithmConfig, AnchorsConfig, MicroBatchingConfig, RolloutConfig, TrainConfig
+from megatron_armor.config import (
+    AlgorithmConfig, AnchorsConfig, MicroBatchingConfig, MipuConfig, RolloutConfig, TrainConfig,
+)
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -49,7 +50,7 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
                     MicroBatching(MicroBatchingConfig(2)), actor_n=2)
     weight = actor.module.weight
     constraint = SubspaceConstraint({"w": weight}, {"w": weight.detach().clone()}, k=1)
-    gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
+    gate_config = MipuConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, gate_prompts=2, gate_n=8)
     gate = InferenceGapGate(gate_config, ROWS, scorer=None, sampling=None, seed=0, adv_eps=1e-6)  # held-out sampler seed 1
     parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=4)))
     return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, UpdateGateConfig
+from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, GateSettings
 from megatron_armor.config import ArmorConfig, SamplingConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
@@ -307,7 +307,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
 
 
 def _update_gate(
-    cfg: ArmorConfig, config: UpdateGateConfig | None, val_rows: list[PromptRow], val_scorer: SampleScorer,
+    cfg: ArmorConfig, config: GateSettings | None, val_rows: list[PromptRow], val_scorer: SampleScorer,
     sampling: SamplingParams,
 ) -> InferenceGapGate | None:
     """The algorithm's post-update gate over held-out prompts, or None when it has none. Its advantages come
