@@ -56,18 +56,15 @@ class LoRAConfig:
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
 
     def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
-                   rollout: RolloutConfig, subspace_enabled: bool, *, save_peft: bool) -> None:
+                   rollout: RolloutConfig, subspace_enabled: bool) -> None:
         """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
         (model.ref_path, reference resets, the monitor's anchor_keep action; its anchor action restores the best
         checkpoint's adapters and their optimizer state, trainer/guard/anchor_switch.py); trainer offload
         and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
-        section imports this one's) read or move whole weights and do not know adapters yet. The checkpoints' PEFT
-        export (checkpoint.`save_peft`) does not map the routed experts' adapters. Under adapter sync the engines hold
-        the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
+        section imports this one's) read or move whole weights and do not know adapters yet. Under adapter sync the
+        engines hold the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
         if not self.enabled:
             return
-        require(not (self.experts and save_peft), "model.lora.experts: the checkpoints' PEFT export does not map the "
-                                                  "routed experts' adapters yet; set checkpoint.save_peft false")
         refused = (  # (what, whether the run uses it, how to turn it off)
             ("model.ref_path", ref_path is not None, "unset it"),
             ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
@@ -85,14 +82,12 @@ class LoRAConfig:
     def check_adapter_sync_with(self, rollout: RolloutConfig) -> None:
         """model.lora.weight_sync adapter: the engines keep the base they loaded and the actor's adapter beside it,
         and the reference (ARMOR's anchors) samples from them with the adapter off, so reference servers would go
-        unused; what the adapter push cannot carry yet (routed experts' adapters, a base lost to a memory release)
+        unused; what the adapter push cannot carry (a base lost to a memory release, generations a push interrupts)
         needs the merged push."""
         refused = (  # (what, whether the run uses it, why)
             (f"rollout.sglang.ref_urls ({rollout.sglang.ref_urls})", bool(rollout.sglang.ref_urls),
              "the reference samples from the actor's servers with the adapter off, so reference servers go unused: "
              "drop it"),
-            ("model.lora.experts", self.experts, "the routed experts' adapters are not mapped to the engines' LoRA "
-             "layers yet"),
             ("rollout.memory.release_servers", rollout.memory.release_servers, "a release loses the base the servers "
              "loaded, which only the first push sends"),
             ("rollout.partial_rollouts", rollout.partial_rollouts, "a weight push interrupts the engine's generations, "
