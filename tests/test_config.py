@@ -410,23 +410,27 @@ def test_task_options_of_the_agentic_demo_are_validated(overrides, message):
 
 
 def test_lora_refuses_what_would_make_the_reference_another_model():
-    """Under model.lora the reference is model.path with the adapters off: a reference of its own, resets of it, the
-    monitor's anchor_keep action, trainer offload and subspace training are refused at start-up, each with its fix
-    (the anchor action resets the adapters: tests/trainer/test_anchor_run.py); the routed experts' adapters are
-    exported and pushed like the others."""
+    """Under model.lora the reference is model.path with the adapters off: a reference of its own, the monitor's
+    reference reset and anchor_keep action, trainer offload and subspace training are refused at start-up, each with
+    why and its fix; a reference reset (algorithm.ref_reset_period) resets the adapters to the best checkpoint's, so
+    it needs checkpoint.keep_best (tests/trainer/test_anchor_run.py), as the anchor action does; the routed experts'
+    adapters are exported and pushed like the others."""
     base = ["task.synthetic=arithmetic", "model.lora.rank=8"]
     assert load_config(None, base).model.lora.rank == 8
     assert load_config(None, [*base, "model.lora.experts=true"]).checkpoint.save_peft
     monitor = ["monitor.enabled=true", "checkpoint.keep_best=val/accuracy", "eval.every=1", "checkpoint.every=1"]
     assert load_config(None, [*base, *monitor, "monitor.actions=[val_drop=anchor]"]).monitor.anchors
-    refused = {"model.ref_path=/ckpt": "model.ref_path yet.*unset it",
-               "algorithm.ref_reset_period=2": "algorithm.ref_reset_period yet.*set it to 0",
-               "monitor.reference_reset=true": "monitor.reference_reset yet.*set it to false",
-               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer yet.*set it to false"}
+    assert load_config(None, [*base, *monitor, "algorithm.ref_reset_period=2"]).algorithm.ref_reset_period == 2
+    refused = {"model.ref_path=/ckpt": "model.ref_path: the reference is model.path.*unset it",
+               "algorithm.ref_reset_period=2": "ref_reset_period without checkpoint.keep_best: a reference reset "
+                                               "resets the adapters.*set checkpoint.keep_best",
+               "monitor.reference_reset=true": "monitor.reference_reset: .*the adapters are the best checkpoint's "
+                                               "already.*set it to false",
+               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer: .*set it to false"}
     for override, message in refused.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, override])
-    with pytest.raises(ConfigError, match="monitor.actions anchor_keep yet.*choose anchor, warn or stop"):
+    with pytest.raises(ConfigError, match="anchor_keep: .*one set of adapters.*choose anchor .*, warn or stop"):
         load_config(None, [*base, *monitor, "monitor.actions=[val_drop=anchor_keep]"])
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['q_proj'\] name no adaptable layer"):
         load_config(None, [*base, "model.lora.target_modules=[q_proj]"])

@@ -178,7 +178,8 @@ def validate(cfg: ArmorConfig) -> None:
     cfg.monitor.check_with(cfg.checkpoint.keep_best)
     cfg.rollout.check_with(cfg.train.routing_replay)
     cfg.task.check_with(cfg.model, cfg.data, cfg.rollout.agentic.environment)
-    cfg.model.lora.check_with(cfg.model.ref_path, cfg.algorithm, cfg.monitor, cfg.rollout, cfg.subspace.enabled)
+    cfg.model.lora.check_with(cfg.model.ref_path, cfg.algorithm, cfg.monitor, cfg.rollout, cfg.subspace.enabled,
+                              cfg.checkpoint.keep_best)
 
 
 def save_config(cfg: ArmorConfig, path: str | Path) -> None:

@@ -56,26 +56,39 @@ class LoRAConfig:
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
 
     def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
-                   rollout: RolloutConfig, subspace_enabled: bool) -> None:
-        """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
-        (model.ref_path, reference resets, the monitor's anchor_keep action; its anchor action restores the best
-        checkpoint's adapters and their optimizer state, trainer/guard/anchor_switch.py); trainer offload
-        and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
-        section imports this one's) read or move whole weights and do not know adapters yet. Under adapter sync the
-        engines hold the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
+                   rollout: RolloutConfig, subspace_enabled: bool, keep_best: str | None) -> None:
+        """With adapters the reference is the base (model.path) with them off, so nothing may make it another model:
+        model.ref_path, the monitor's anchor_keep action (it makes the best checkpoint's weights the reference while
+        the actor goes on: the model holds one set of adapters, the actor's) and monitor.reference_reset (it makes
+        the current policy the reference at a new best; under LoRA that policy is the best checkpoint's already).
+        A reference reset (algorithm.ref_reset_period) resets the adapters and their optimizer state to the best
+        checkpoint's, as the monitor's anchor action does (trainer/guard/adapter_reset.py), so it needs
+        checkpoint.`keep_best`. Trainer offload and subspace-constrained training (`subspace_enabled`:
+        `SubspaceConfig.enabled`, passed as a value: that section imports this one's) read or move whole weights and
+        do not know adapters yet. Under adapter sync the engines hold the base and the anchors come from the actor's
+        (`check_adapter_sync_with`)."""
         if not self.enabled:
             return
-        refused = (  # (what, whether the run uses it, how to turn it off)
-            ("model.ref_path", ref_path is not None, "unset it"),
-            ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
-            ("monitor.actions anchor_keep", monitor.keeps_weights_on_anchor, "choose anchor, warn or stop"),
-            ("monitor.reference_reset", monitor.reference_reset, "set it to false"),
-            ("rollout.memory.offload_trainer", rollout.memory.offload_trainer, "set it to false"),
-            ("subspace.capture_step", subspace_enabled, "unset it"),
+        base = "the reference is model.path with the adapters off"
+        refused = (  # (what, whether the run uses it, why, how to turn it off)
+            ("model.ref_path", ref_path is not None, base, "unset it"),
+            ("monitor.actions anchor_keep", monitor.keeps_weights_on_anchor,
+             f"{base}, and the model holds one set of adapters, the actor's, so the best checkpoint's cannot become "
+             "the reference beside them", "choose anchor (it resets the adapters to the best checkpoint's), warn or "
+             "stop"),
+            ("monitor.reference_reset", monitor.reference_reset,
+             f"{base}, so the current policy cannot become it; at a new best the adapters are the best checkpoint's "
+             "already, so resetting them to it changes nothing", "set it to false (algorithm.ref_reset_period resets "
+             "the adapters to the best checkpoint's)"),
+            ("algorithm.ref_reset_period without checkpoint.keep_best", algorithm.ref_reset_period > 0 and not keep_best,
+             "a reference reset resets the adapters and their optimizer state to the best checkpoint's", "set "
+             "checkpoint.keep_best (e.g. val/accuracy) or algorithm.ref_reset_period 0"),
+            ("rollout.memory.offload_trainer", rollout.memory.offload_trainer, "trainer offload moves whole weights",
+             "set it to false"),
+            ("subspace.capture_step", subspace_enabled, "subspace training reads whole weights", "unset it"),
         )
-        for name, used, fix in refused:
-            require(not used, f"model.lora (rank {self.rank}) does not work with {name} yet: under LoRA the reference "
-                              f"is model.path with the adapters off, and only the adapters train; {fix}")
+        for name, used, why, fix in refused:
+            require(not used, f"model.lora (rank {self.rank}) does not work with {name}: {why}; {fix}")
         if self.adapter_sync:
             self.check_adapter_sync_with(rollout)
 
