@@ -119,7 +119,7 @@ class RLTrainer:
         metrics.update(self.rollouts.step_metrics())
         metrics["train/update_skipped"] = float(not rollout.groups or "train/nonfinite_skipped" in metrics)
         metrics.update(self.capture_subspace(step))
-        if self.plan.resets_reference_after(step) and not models.actor.adapters_only:  # LoRA: the guard's reset
+        if self.plan.resets_reference_after(step) and not self.models.actor.adapters_only:  # LoRA: AdapterReset
             metrics.update(self.reset_reference())
         metrics.update(self.colocation.offload_metrics())
         seconds = time.perf_counter() - start
