@@ -43,6 +43,13 @@ class LoRAConfig:
         "reference engine or servers) | merged (the merged weights W + (alpha / rank) B A, for engines without LoRA; "
         "the reference then needs an engine of its own or rollout.anchors.engine shared)"
     )
+    push_dir: str | None = doc(
+        None, "weight_sync adapter: a directory on a filesystem every rollout server can read; each push then writes "
+        "the adapter there in PEFT's format (a new version directory <actor>-rank<R>-v<N>, written under a temporary "
+        "name and renamed; the older versions but the previous one removed) and the servers load it by path "
+        "(SGLang's /load_lora_adapter), so they may run on other hosts. Unset: the tensors travel as shared-memory "
+        "handles, to servers on the trainer's host only"
+    )
 
     def __post_init__(self) -> None:
         check_choices("model.lora", self)
@@ -54,6 +61,9 @@ class LoRAConfig:
                              f"{list(LORA_TARGETS)}")
         require(not self.enabled or bool(self.target_modules),
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
+        require(self.push_dir is None or self.adapter_sync,
+                "model.lora.push_dir is for adapter pushes (model.lora.rank > 0 and model.lora.weight_sync adapter); "
+                "unset it")
 
     def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
                    rollout: RolloutConfig, subspace_enabled: bool, keep_best: str | None) -> None:

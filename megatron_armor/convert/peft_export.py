@@ -12,20 +12,19 @@ its adapters of the stacked expert tensors when it loads them. PEFT's scale is l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from safetensors.torch import save_file
 
 from megatron_armor.config import LoRAConfig
 from megatron_armor.convert.mapping import megatron_shards_to_hf
 from megatron_armor.convert.weights import stage_mappings
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.models.lora import ADAPTER_SUFFIX, LoRAAdapter
+from megatron_armor.utils.peft_files import write_peft_adapter
 
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
 PEFT_DIR = "peft"  # a LoRA run's checkpoint's export: step_N/peft/ (checkpoint.save_peft)
@@ -90,8 +89,4 @@ def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_
     tensors = all_stages_peft_tensors(model, shape)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, tensors, base_model), indent=2))
-    return out
+    return write_peft_adapter(tensors, peft_config(lora, tensors, base_model), out_dir)

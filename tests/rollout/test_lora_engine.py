@@ -1,9 +1,9 @@
 """LoRA on the rollout engines (model.lora.weight_sync adapter), one process: the in-process engine holding the base
 and the adapter the trainer pushes samples the trainer's policy (its logprobs are the Megatron model's) and, with
 the adapter off, the base's exactly (a MoE model's routed experts' adapters too); a push moves the adapters' bytes
-alone; serve-local, loaded with the same
-adapter from tensors through the SGLang client (SGLang's endpoints and `lora_path`), generates what the in-process
-engine does, with the adapter and without."""
+alone; serve-local, loaded with the same adapter from tensors through the SGLang client (SGLang's endpoints and
+`lora_path`), generates what the in-process engine does, with the adapter and without, and loaded by path from a
+push directory (model.lora.push_dir: SGLang's /load_lora_adapter) samples the trainer's policy."""
 
 import dataclasses
 import functools
@@ -18,6 +18,7 @@ from megatron_armor.distributed.init import destroy_distributed, initialize_dist
 from megatron_armor.models.gpt import build_gpt_model
 from megatron_armor.models.hf_config import load_model_shape, transformer_config
 from megatron_armor.models.lora import apply_lora, lora_adapters
+from megatron_armor.rollout.adapter_dir import AdapterDir
 from megatron_armor.rollout.adapter_engine import AdapterEngine
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.engine_lora import AdapterError
@@ -143,8 +144,8 @@ def test_bad_adapters_are_refused_before_anything_changes(trained_actor, tiny_mo
 
 
 def test_serve_local_with_the_adapter_from_tensors_generates_what_the_in_process_engine_does(
-        trained_actor, prepackable_model, serving):
-    _, tensors = trained_actor
+        trained_actor, prepackable_model, serving, tmp_path):
+    model, tensors = trained_actor
     local = LocalEngine(prepackable_model)
     local_actor = _actor_view(local, prepackable_model)
     local_actor.update_weights(iter(tensors.items()))
@@ -162,3 +163,14 @@ def test_serve_local_with_the_adapter_from_tensors_generates_what_the_in_process
                 assert [g.response_ids for g in got] == [g.response_ids for g in want]
                 for g, w in zip(got, want):
                     torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-6, rtol=0)
+
+        # model.lora.push_dir: each push is a new PEFT directory the server loads by path (SGLang's /load_lora_adapter)
+        push_dir = tmp_path / "push"
+        (push_dir / "actor-rank0-v000007").mkdir(parents=True)  # a run's earlier version: numbering goes on after it
+        by_path = AdapterEngine(client, "actor", functools.partial(peft_config, LORA, base_model=str(prepackable_model)),
+                                AdapterDir(push_dir, "actor-rank0"))
+        by_path.update_weights(iter(stale.items()))
+        by_path.update_weights(iter(tensors.items()))
+        assert sorted(entry.name for entry in push_dir.iterdir()) == ["actor-rank0-v000008", "actor-rank0-v000009"]
+        assert list(server.state.engine.adapters.loaded) == ["actor"]
+        _assert_samples_the_trainer_s_policy(by_path, model, local.model.config.vocab_size)
