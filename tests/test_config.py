@@ -457,5 +457,8 @@ def test_lora_adapter_sync_needs_no_reference_servers_and_merged_sync_does():
     with pytest.raises(ConfigError, match=r"rollout.sglang.ref_urls is required for armor.*weight_sync adapter"):
         check_algorithm_config(load_config(None, merged))
     check_algorithm_config(load_config(None, [*merged, "rollout.sglang.ref_urls=http://h:2"]))
+    assert load_config(None, [*servers, "model.lora.push_dir=/shared/adapters"]).model.lora.push_dir
+    with pytest.raises(ConfigError, match=r"model.lora.push_dir is for adapter pushes .*weight_sync adapter"):
+        load_config(None, [*merged, "model.lora.push_dir=/shared/adapters"])
     with pytest.raises(ConfigError, match=r"model.lora.weight_sync: 'both' is not allowed"):
         load_config(None, [*servers, "model.lora.weight_sync=both"])
