@@ -62,6 +62,8 @@ class ExpertAdapters:
         adapters added to its gate, up and down products: [T, H]."""
         out = torch.zeros_like(hidden)
         for expert in top_k_index.unique().tolist():
+            if expert >= experts.num_experts:  # transformers' mark of a slot routed to no local expert
+                continue
             positions, tokens = torch.where((top_k_index == expert).T)  # transformers' order: by position, then token
             x = hidden[tokens]
             gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
