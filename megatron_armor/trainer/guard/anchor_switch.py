@@ -32,6 +32,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from megatron_armor.algorithms import ANCHORED_ALGORITHM, build_anchored_algorithm
@@ -62,6 +63,13 @@ class AnchorState:
     reference_step: int | None = None  # the best checkpoint's step the reference came from at the last action
 
 
+def best_checkpoint_dir(best: BestCheckpoint, saver: CheckpointSaver) -> Path:
+    """The directory of the best checkpoint (`best.step` is a saved step), its save finished first (it may be the
+    one still in flight)."""
+    saver.finalize()
+    return step_dirs(saver.root, best.step)[0]
+
+
 def restore_point(trainer: RLTrainer, best: BestCheckpoint, saver: CheckpointSaver,
                   start_weights: StartWeights) -> tuple[dict[str, Any], str]:
     """The best checkpoint's modules a restart restores into the actor (collective; `best.step` is set), and where
@@ -71,8 +79,7 @@ def restore_point(trainer: RLTrainer, best: BestCheckpoint, saver: CheckpointSav
     actor = trainer.models.actor
     if best.step == START_STEP:
         return {actor.name: start_weights()}, "the run's start (model.path), the best so far"
-    saver.finalize()  # the best checkpoint may be the save still in flight
-    checkpoint = step_dirs(saver.root, best.step)[0]
+    checkpoint = best_checkpoint_dir(best, saver)
     if actor.adapters_only:
         request = trainer.sharded_state_dict(is_loading=True, names=[actor.name, OPTIMIZER])["modules"]
     else:
@@ -140,8 +147,7 @@ class AnchorSwitch:
         untouched)."""
         if restart or self.best.step == START_STEP:
             return restore_point(self.trainer, self.best, self.saver, self.start_weights)
-        self.saver.finalize()  # the best checkpoint may be the save still in flight
-        checkpoint = step_dirs(self.saver.root, self.best.step)[0]
+        checkpoint = best_checkpoint_dir(self.best, self.saver)
         actor = self.trainer.models.actor
         request = {actor.name: self.trainer.models.ref.sharded_state_dict(prefix=actor.checkpoint_prefix)}
         return load_modules(checkpoint, request), f"the best checkpoint {checkpoint.name}"
