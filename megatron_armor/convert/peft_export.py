@@ -63,7 +63,7 @@ def peft_config(lora: LoRAConfig, tensors: dict[str, torch.Tensor], base_model: 
 def all_stages_peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
     """`peft_tensors` of every pipeline stage and every expert-parallel rank's experts, on the CPU, on every rank
     (collective over TP, EP and PP): the adapters whole, what the PEFT export writes and an adapter-only weight push
-    sends."""
+    sends. Where nothing had to be gathered they may be the live parameters themselves: copy them to keep them."""
     tensors = {key: value.cpu() for key, value in peft_tensors(model, shape).items()}
     for size, group in ((parallel_state.get_expert_model_parallel_world_size,
                          parallel_state.get_expert_model_parallel_group),

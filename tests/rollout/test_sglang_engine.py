@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -199,10 +200,14 @@ def test_killed_server_mid_batch_loses_nothing(servers, model_dir, wait_for_load
 
 
 def test_server_that_never_comes_up_times_out_clearly():
-    url = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=rf"SGLang server {url} was not healthy within 1 s .*ConnectionRefusedError"):
-        SGLangEngine([url], replace(FAST, startup_timeout_s=1.0))
+    # A bound socket that never listens holds the port (no other test's server can take it) and refuses connections.
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{reserved.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError,
+                           match=rf"SGLang server {url} was not healthy within 1 s .*ConnectionRefusedError"):
+            SGLangEngine([url], replace(FAST, startup_timeout_s=1.0))
     assert time.monotonic() - start < 30
 
 

@@ -254,7 +254,8 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     step_geometry = geometry.metrics(ddp.module, handles.ref.module)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}  # LoRA: merged
     adapters = every_stage_adapters(ddp) if lora else None
-    peft = all_stages_peft_tensors(ddp.module, shape) if lora else None  # what an adapter push sends
+    # what an adapter push sends (copied: on the CPU they may be the live parameters, which the round trip steps)
+    peft = {k: v.clone() for k, v in all_stages_peft_tensors(ddp.module, shape).items()} if lora else None
     ref_after = handles.ref.score(batch, micro_batching=plan.micro_batching, scoring=scoring) if lora else None
     moments, saved = None, None
     if "checkpoint" in options:  # before the round trip below steps once more
