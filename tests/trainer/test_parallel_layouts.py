@@ -9,9 +9,10 @@ parallel) beside EP=2, and Mixtral's and GLM-4.5's (sigmoid router, expert bias)
 steps, entropy included, at CP=2 (also with the fused head, with packed micro-batches, and with the distributed
 optimizer and full recomputation), CP=2 x TP=2 (sequence parallel) and CP=2 x PP=2, and a MoE model's CP=2 steps
 (auxiliary loss, routing metrics, routing replay; CP=2 x EP=2 with selective recomputation); so does a whole ARMOR
-step on multi-turn trajectories (rolled out, then trained; tokens inside the response that are not trained) at TP=2
-and DP=2."""
+step on multi-turn trajectories (rolled out, then trained; tokens inside the response that are not trained;
+trajectories forked on drift into several samples) at TP=2 and DP=2."""
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -157,16 +158,21 @@ def test_only_the_sampled_tokens_of_a_trajectory_are_scored_and_trained(runs):
 
 
 def test_multi_turn_armor_step_at_tp2_and_dp2_equals_one_process(runs):
-    """The whole step on multi-turn trajectories: the rollout (two-turn trajectories of the actor and the
-    reference's anchors, the requests dealt over the ranks, each seeded on its own) gives every rank the one-process
-    run's samples (tokens, masks and rewards exactly; engine logprobs to the fp32 floor: the in-process engine batches
-    the turns in flight, which differ by layout), and the ARMOR update on them equals the one-process one."""
+    """The whole step on multi-turn trajectories, forked on drift under a template that strips earlier answers: the
+    rollout (two-turn trajectories of the actor and the reference's anchors, the requests dealt over the ranks, each
+    seeded on its own) gives every rank the one-process run's samples (tokens, masks, rewards and trajectory numbers
+    exactly; engine logprobs to the fp32 floor: the in-process engine batches the turns in flight, which differ by
+    layout), and the ARMOR update on them (a trajectory's segments dealt together, sharing its advantage) equals the
+    one-process one."""
     base = runs["agentic-base"][0]
     samples = [s for group in base["samples"] for s in group]
     assert len(base["samples"]) == 4 and all(group[-1][5] and group[-1][4] > 0 for group in base["samples"])
     assert all(mask[0] == mask[-1] == 1 for _, _, mask, *_ in samples)  # from the first to the last sampled token
-    assert sum(0 in mask for _, _, mask, *_ in samples) > len(samples) / 2  # mostly two turns: the tool message between
-    assert {reward for *_, reward, anchor in samples if not anchor} == {-1.0, 1.0}
+    segments = collections.Counter((g, s[5], s[6]) for g, group in enumerate(base["samples"]) for s in group)
+    assert max(segments.values()) == 2  # forked two-turn trajectories (a first answer dropped by the template) ...
+    # ... and unforked ones, their first answer empty: the tool message between their turns
+    assert all((0 in s[2]) == (segments[g, s[5], s[6]] == 1) for g, group in enumerate(base["samples"]) for s in group)
+    assert {s[4] for s in samples if not s[5]} == {-1.0, 1.0}
     # The EOS-prone head's logits swing by +-10: gradients ~15x the fixed batch's (max ~1.6), and the layouts'
     # summation-order differences with them (~2e-6 at TP=2): gradients are held to 1e-5 of the largest one, the
     # weights after two Adam steps to 2% of a step.
