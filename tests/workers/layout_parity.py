@@ -108,8 +108,8 @@ def trajectory_groups(actor_dir: str, ref_dir: str, num_groups: int = 4) -> list
     two-turn trajectory of `TwoTurnParity` (tests/trainer/agentic_task/) three times by the actor's in-process engine
     and twice by the reference's (ARMOR's anchors), the requests dealt over every rank (`generate_samples`, the
     trajectory scorer's seed per request), grouped and filtered (`build_groups`); the first `num_groups` groups. The
-    template strips earlier answers (char_chat_strip.jinja) and the trajectories fork on drift: one whose first answer
-    is not empty is two samples."""
+    template keeps only the last character of an earlier answer (char_chat_strip.jinja) and the trajectories fork on
+    drift: one whose first answer is longer is two samples."""
     agentic = AgenticConfig(environment=f"{AGENTIC_TASK / 'two_turns.py'}:TwoTurnParity",
                             chat_template=str(AGENTIC_TASK / "char_chat_strip.jinja"), max_turns=2, on_drift="fork")
     tokenizer = make_char_tokenizer()
