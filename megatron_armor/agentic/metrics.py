@@ -62,8 +62,8 @@ class AgentCounts:
         return AgentCounts.from_vector([a + b for a, b in zip(self.as_vector(), other.as_vector(), strict=True)])
 
     def metrics(self) -> dict[str, float]:
-        """Means over the trajectories (turns, tool calls, segments, seconds awaiting the engine and the environment), the
-        fraction ending in each status, the fraction of tool calls that failed or were invalid, the fraction of
+        """Means over the trajectories (turns, tool calls, segments, seconds awaiting the engine and the environment),
+        the fraction ending in each status, the fraction of tool calls that failed or were invalid, the fraction of
         trajectory tokens the policy sampled (trained), and those of turns with drift and of trajectories whose final
         render check failed (agentic/trajectory.py); {} without trajectories."""
         n = self.trajectories

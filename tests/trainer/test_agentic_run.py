@@ -48,7 +48,8 @@ def test_armor_trains_every_sampled_token_once_on_trajectories_forked_on_drift(s
     once in its group (ARMOR's anchor included: all its segments join), and its segments share its advantage, the
     group-normalised trajectory reward computed here."""
     trajectories, batches, built, step_groups = [], [], [], []
-    roll_out, build, advantage_batch = TrajectoryScorer._roll_out, training_batch.build_sequence_batch, loop.advantage_batch
+    roll_out, build = TrajectoryScorer._roll_out, training_batch.build_sequence_batch
+    advantage_batch = loop.advantage_batch
 
     def recorded_roll_out(self, *args):
         trajectories.extend(result := roll_out(self, *args))
@@ -76,7 +77,7 @@ def test_armor_trains_every_sampled_token_once_on_trajectories_forked_on_drift(s
         assert row["mismatch/logprob_abs_diff"] < 1e-5  # the fp32 floor (~1e-7), far below any real mismatch
         assert row["armor/anchors_used"] == row["filter/prompts_kept"] > 0  # one anchor trajectory per group
         assert row["agent/turns_mean"] == 2.0 and row["agent/tool_calls_mean"] == 1.0
-        assert row["agent/status_failed"] == row["agent/status_aborted"] == 0.0  # (a turn at its token limit: truncated)
+        assert row["agent/status_failed"] == row["agent/status_aborted"] == 0.0  # (a turn at its limit: truncated)
         assert 1 < row["agent/segments_mean"] <= 2 and row["agent/drift_turn_fraction"] > 0
 
     by_tokens = {}  # the segments by their tokens (an actor's and an anchor's may be equal, their logprobs not)

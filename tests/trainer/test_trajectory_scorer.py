@@ -54,7 +54,8 @@ def test_zero_reward_action_keeps_the_tokens_and_drops_the_reward(engine):
 
 def test_resample_rolls_a_row_out_again_until_it_samples_and_gives_up_with_reward_zero(engine):
     rows = prompts({"prompt": "4=", "fail": 2}, {"prompt": "5=", "fail": 9}, {"prompt": "6="})
-    samples = [s for answer in scorer(max_resamples=2).respond(engine, rows, seeded(rows), is_anchor=False) for s in answer]
+    answers = scorer(max_resamples=2).respond(engine, rows, seeded(rows), is_anchor=False)
+    samples = [s for answer in answers for s in answer]
     assert Flaky.attempts == {"4=": 3, "5=": 3, "6=": 1}  # a failed reset samples nothing: rolled out again
     assert samples[0].reward == 1.0 and sum(samples[0].loss_mask) > 0  # the third attempt succeeded
     assert (samples[1].prompt_ids, samples[1].response_ids, samples[1].loss_mask, samples[1].reward) == (

@@ -79,8 +79,9 @@ class AnchorSource:
         shared_engine: bool, group: dist.ProcessGroup | None,
     ) -> dict[str, float]:
         """What the anchors (trajectories: each its samples) add to a rollout's metrics: their accuracy, the fraction
-        of on-policy trajectories among the kept groups' (armor.md §7), their time, cache hits (with a cache), an engine shared with the actor's pushes, and a
-        reference engine of its own its counters as rollout/ref_* (summed over `group`: collective)."""
+        of on-policy trajectories among the kept groups' (armor.md §7), their time, cache hits (with a cache), an
+        engine shared with the actor's pushes, and a reference engine of its own its counters as rollout/ref_* (summed
+        over `group`: collective)."""
         metrics = {}
         if anchors:
             metrics["armor/anchor_accuracy"] = mean([float(t[0].correct) for t in anchors])

@@ -201,10 +201,10 @@ class RolloutPhase:
     ) -> dict[str, float]:
         """The rollout's metrics over trajectories (`on_policy`, `extra`: each its samples, a forked one's segments;
         `algorithms.trajectories`): rewards, accuracy and response lengths (its segments' together) of every on-policy
-        one, what filtering kept, the anchor trajectories among the kept groups, the audit verifiers' verdicts on every on-policy sample and a multi-turn run's
-        agent/* metrics of every on-policy trajectory (counts summed over `group`: collective), the actor's engine's
-        own counters summed over the ranks (`engine_counters`, as rollout/*), and what the algorithm's extra sources
-        add (`AnchorSource.metrics`)."""
+        one, what filtering kept, the anchor trajectories among the kept groups, the audit verifiers' verdicts on
+        every on-policy sample and a multi-turn run's agent/* metrics of every on-policy trajectory (counts summed over
+        `group`: collective), the actor's engine's own counters summed over the ranks (`engine_counters`, as
+        rollout/*), and what the algorithm's extra sources add (`AnchorSource.metrics`)."""
         metrics = {
             "train/reward_mean": mean([t[0].reward for t in on_policy]),
             "train/accuracy": mean([float(t[0].correct) for t in on_policy]),
