@@ -19,6 +19,7 @@ setup(
         "ray",
         "sglang-router==0.3.2",  # SGLang's router (runs on CPU): rollout.sglang.router auto uses it; the tests run it
         "pytest",
+        "pytest-xdist",  # tests only: scripts/run_tests.sh runs the test files on two workers
         "peft",  # tests only: the PEFT export of LoRA adapters is loaded with it; megatron_armor never imports it
         "pyyaml",
         "pyarrow",

@@ -16,7 +16,8 @@ alpha = 2 r.
 
 With --accuracy it also trains the demo (examples/tiny/armor.yaml, one process, 100 RL steps; its cached
 warm-started checkpoint under --cache-dir, made on first use) with full fine-tuning at the demo's lr and with rank-8
-LoRA at --lora-lr-scale times it, and prints the validation accuracy before and after: minutes on a CPU.
+LoRA at --lora-lr-scale times it, once per --seeds, and prints the validation accuracy before and after: minutes
+on a CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_lora.py
     OMP_NUM_THREADS=1 python benchmarks/bench_lora.py --hidden 512 --layers 8 --tokens 512
@@ -164,27 +165,33 @@ def print_table(results: dict[int, Figures]) -> None:
                   f"{fig.step_seconds / full.step_seconds:.2f}")
 
 
-def demo_accuracy(cache_dir: Path, lr_scale: float) -> dict[str, dict[int, float]]:
-    """val/accuracy before and after 100 RL steps of the demo, one process: full fine-tuning at the demo's lr, and
-    rank-8 LoRA at `lr_scale` times it."""
+def demo_accuracy(cache_dir: Path, lr_scale: float, seeds: list[int]) -> dict[tuple[str, int], dict[int, float]]:
+    """val/accuracy before and after 100 RL steps of the demo, one process, for each run seed (`train.seed`): full
+    fine-tuning at the demo's lr, and rank-8 LoRA at `lr_scale` times it. Keys: (variant, seed)."""
     from megatron_armor.trainer.run.train import run_training
 
     demo_lr = load_config(str(DEMO)).optimizer.lr
     variants = {"full": [], "lora-r8": ["model.lora.rank=8", f"optimizer.lr={demo_lr * lr_scale}"]}
     accuracy = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in variants.items():
-            run_dir = Path(tmp) / name
-            cfg = load_config(str(DEMO), [
-                "parallel.tensor_parallel_size=1", f"task.cache_dir={cache_dir}", f"logging.run_dir={run_dir}",
-                "eval.every=100", "checkpoint.every=100", "checkpoint.keep_last=1", "checkpoint.save_model=false",
-                "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false", *overrides])
-            start = time.perf_counter()
-            assert run_training(cfg) == 0, name
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            accuracy[name] = {row["step"]: row["val/accuracy"] for row in rows if "val/accuracy" in row}
-            print(f"demo, {name} (lr {cfg.optimizer.lr:g}): val/accuracy {accuracy[name]} "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+        for seed in seeds:
+            for name, overrides in variants.items():
+                run_dir = Path(tmp) / f"{name}-{seed}"
+                cfg = load_config(str(DEMO), [
+                    "parallel.tensor_parallel_size=1", f"task.cache_dir={cache_dir}", f"logging.run_dir={run_dir}",
+                    f"train.seed={seed}", "eval.every=100", "checkpoint.every=100", "checkpoint.keep_last=1",
+                    "checkpoint.save_model=false", "logging.tensorboard=false", "logging.plot=false",
+                    "logging.progress_bar=false", *overrides])
+                start = time.perf_counter()
+                assert run_training(cfg) == 0, name
+                rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                accuracy[name, seed] = {row["step"]: row["val/accuracy"] for row in rows if "val/accuracy" in row}
+                print(f"demo, {name} (lr {cfg.optimizer.lr:g}, seed {seed}): val/accuracy {accuracy[name, seed]} "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+    for name in variants:
+        after = [accuracy[name, seed][max(accuracy[name, seed])] for seed in seeds]
+        print(f"demo, {name}: val/accuracy after 100 steps, mean over seeds {seeds}: {sum(after) / len(after):.3f} "
+              f"[{min(after):.3f}-{max(after):.3f}]")
     return accuracy
 
 
@@ -199,6 +206,7 @@ def main() -> None:
     parser.add_argument("--accuracy", action="store_true", help="also train the demo 100 steps, full vs LoRA")
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/megatron-armor"), help="the demo's task cache")
     parser.add_argument("--lora-lr-scale", type=float, default=10.0, help="LoRA's lr over full fine-tuning's")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2], help="--accuracy: the runs' train.seed")
     args = parser.parse_args()
 
     initialize_distributed(1, 1, 1)
@@ -217,7 +225,7 @@ def main() -> None:
     print_table(results)
     destroy_distributed()
     if args.accuracy:
-        demo_accuracy(args.cache_dir, args.lora_lr_scale)
+        demo_accuracy(args.cache_dir, args.lora_lr_scale, args.seeds)
 
 
 if __name__ == "__main__":

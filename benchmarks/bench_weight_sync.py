@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from bench_models import qwen2_of_width
 
+from megatron_armor.config import WeightSyncConfig
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.convert.weights import gather_hf_weights, parameters_exported_as_views
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
@@ -128,10 +129,9 @@ def main() -> None:
         gathered = sum(t.nbytes for _, t in gather_hf_weights(trainer, shape))
         assert gathered == total, f"the trainer gathers {gathered} bytes, the HF model has {total}"
 
-        def client(mode: str, mib: int, payload: str = "flattened_bucket") -> SGLangEngine:
-            return SGLangEngine([url], SGLangEngineConfig(
-                bucket_bytes=mib << 20, weight_sync=mode, weight_sync_dir=str(work / "disk"), startup_timeout_s=300,
-                load_format=None if payload == "per_tensor" else "flattened_bucket"))
+        def client(mode: str, mib: float, payload: str = "flattened_bucket") -> SGLangEngine:
+            pushes = WeightSyncConfig(method=mode, dir=str(work / "disk"), payload=payload, bucket_mb=mib)
+            return SGLangEngine([url], SGLangEngineConfig(startup_timeout_s=300, weight_sync=pushes))
 
         for payload in ("flattened_bucket", "per_tensor"):
             for mib in args.buckets:
@@ -141,7 +141,8 @@ def main() -> None:
             with contextlib.closing(client("tensor", max(args.buckets), payload)) as engine:
                 row(f"trainer -> http_server, tensor {payload}, {max(args.buckets)} MiB",
                     lambda: sync_seconds(engine, lambda: gather_hf_weights(trainer, shape)))
-        for mode, mib in [("distributed", b) for b in args.buckets if device.type == "cpu"] + [("disk", 0)]:
+        disk = [("disk", 2 ** -20)]  # 1-byte buckets: a file per tensor
+        for mode, mib in [("distributed", b) for b in args.buckets if device.type == "cpu"] + disk:
             with contextlib.closing(client(mode, mib)) as engine:
                 row(f"http_server, {mode}" + (f", {mib} MiB" if mode != "disk" else ""), lambda: sync_seconds(engine))
     finally:

@@ -4,7 +4,7 @@ advantages, group building, KL estimators, MIPU importance weights and gate, OPD
 from megatron_armor.algorithms.advantages import group_advantages
 from megatron_armor.algorithms.armor import Armor
 from megatron_armor.algorithms.base import (
-    ACTOR, ANCHORS, REFERENCE, TEACHER, Algorithm, LossInputs, PolicyLossTerms, StepSources, UpdateGateConfig,
+    ACTOR, ANCHORS, REFERENCE, TEACHER, Algorithm, GateSettings, LossInputs, PolicyLossTerms, StepSources,
 )
 from megatron_armor.algorithms.groups import (
     GroupCollector, GroupStats, anchor_trajectories, build_groups, mix_kl_metrics, select_group, trajectories,
@@ -25,8 +25,8 @@ from megatron_armor.algorithms.registry import (
 
 __all__ = [
     "ACTOR", "ANCHORED_ALGORITHM", "ANCHORS", "IS_CORRECTIONS", "REFERENCE", "TEACHER", "Algorithm", "Armor",
-    "GroupCollector", "GroupStats", "Grpo", "GrpoKL", "LossInputs", "Mipu", "Opd", "PolicyLossTerms", "StepSources",
-    "UpdateGateConfig", "accept_update", "algorithm_class", "anchor_trajectories", "armor_policy_loss",
+    "GateSettings", "GroupCollector", "GroupStats", "Grpo", "GrpoKL", "LossInputs", "Mipu", "Opd", "PolicyLossTerms",
+    "StepSources", "accept_update", "algorithm_class", "anchor_trajectories", "armor_policy_loss",
     "build_algorithm", "build_anchored_algorithm", "build_groups", "check_algorithm_config", "dual_clip_ppo", "gap_proxy", "group_advantages",
     "kl_penalty", "mismatch_k3", "mix_kl_metrics", "opd_token_advantages", "register_algorithm",
     "registered_algorithms", "reverse_kl", "sampler_corrected_loss", "sampler_weights", "select_group",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -93,16 +93,16 @@ class PolicyLossTerms:
     per_unit: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class UpdateGateConfig:
-    """A post-update gate (MIPU Step 2): tolerance c_t from c_start to c_end over ramp_steps RL steps, measured
-    on `prompts` held-out prompts x `responses_per_prompt` responses each."""
+class GateSettings(Protocol):
+    """What a post-update gate (MIPU Step 2) reads of the section of the algorithm that asks for one (`update_gate`:
+    the mipu section itself): tolerance c_t from c_start to c_end over ramp_steps RL steps, measured on gate_prompts
+    held-out prompts x gate_n responses each."""
 
     c_start: float
     c_end: float
     ramp_steps: int
-    prompts: int
-    responses_per_prompt: int
+    gate_prompts: int
+    gate_n: int
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,6 @@ class Algorithm:
         ratios start at exactly 1 either way; unless something reads them before the update."""
         return mini_batches_per_step == 1 and not self.reads_old_logprobs_before_update
 
-    def update_gate(self) -> UpdateGateConfig | None:
-        """Settings of a post-update accept / roll-back gate, or None for none."""
+    def update_gate(self) -> GateSettings | None:
+        """Settings of a post-update accept / roll-back gate (its section), or None for none."""
         return None

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from megatron_armor.algorithms.base import Algorithm, LossInputs, UpdateGateConfig
+from megatron_armor.algorithms.base import Algorithm, GateSettings, LossInputs
 from megatron_armor.algorithms.importance import sampler_corrected_loss
 from megatron_armor.algorithms.losses import LOG_RATIO_CLAMP
 from megatron_armor.algorithms.registry import register_algorithm
@@ -90,9 +90,6 @@ class Mipu(Algorithm):
             normalizer=1.0, **self.clip.as_kwargs(),
         )
 
-    def update_gate(self) -> UpdateGateConfig | None:
-        mipu = self.settings
-        if not mipu.gate:
-            return None
-        return UpdateGateConfig(c_start=mipu.c_start, c_end=mipu.c_end, ramp_steps=mipu.ramp_steps,
-                                prompts=mipu.gate_prompts, responses_per_prompt=mipu.gate_n)
+    def update_gate(self) -> GateSettings | None:
+        """The mipu section, whose gate fields the gate reads, unless mipu.gate is off."""
+        return self.settings if self.settings.gate else None

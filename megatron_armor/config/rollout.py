@@ -216,18 +216,18 @@ class WeightSyncConfig:
     )
     dir: str | None = doc(None, "directory the servers can read, for method disk")
     payload: Literal["flattened_bucket", "per_tensor"] = doc(
-        "flattened_bucket", "payload of method tensor: flattened_bucket = each bucket packed into one staging "
-        "buffer, sent as one handle (SGLang's load_format flattened_bucket); per_tensor = SGLang's load_format null: "
-        "tensors the servers can map where they are go as handles to the trainer's own storage, with no staging copy "
-        "(every CUDA tensor; on CPU the weights the push reads in place, which each pushing rank then keeps in "
-        "shared memory unless rollout.memory.offload_trainer), the rest (on CPU: TP-gathered, split fused QKV) is "
-        "staged"
+        "flattened_bucket", "payload of methods tensor and distributed: flattened_bucket = each bucket packed into "
+        "one buffer, sent as one handle or broadcast (SGLang's load_format flattened_bucket); per_tensor = SGLang's "
+        "load_format null: method tensor sends tensors the servers can map where they are as handles to the "
+        "trainer's own storage, with no staging copy (every CUDA tensor; on CPU the weights the push reads in place, "
+        "which each pushing rank then keeps in shared memory unless rollout.memory.offload_trainer), the rest (on "
+        "CPU: TP-gathered, split fused QKV) staged; method distributed broadcasts tensor by tensor"
     )
-    bucket_mb: int = doc(512, "weight-update bucket size in MiB (backend sglang)")
+    bucket_mb: float = doc(512, "weight-update bucket size in MiB (backend sglang)")
 
     def __post_init__(self) -> None:
         check_choices("rollout.weight_sync", self)
-        require(self.bucket_mb >= 1, f"rollout.weight_sync.bucket_mb must be >= 1, got {self.bucket_mb}")
+        require(self.bucket_mb > 0, f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 @dataclass

@@ -77,7 +77,7 @@ class SGLangBackend(RolloutBackend):
         from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
         from megatron_armor.rollout.router import make_sglang_engine
 
-        client, sglang = SGLangEngineConfig.from_config(rollout.weight_sync), rollout.sglang
+        client, sglang = SGLangEngineConfig(weight_sync=rollout.weight_sync), rollout.sglang
 
         def engine(urls: str, router_url: str | None, client: SGLangEngineConfig = client):
             push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
@@ -93,8 +93,9 @@ class SGLangBackend(RolloutBackend):
         return actor, ref
 
     def pushes_weights_by_handle(self, rollout: RolloutConfig) -> bool:
-        """rollout.weight_sync.payload per_tensor (with method tensor): SGLang's load_format null."""
-        return SGLangEngineConfig.from_config(rollout.weight_sync).load_format is None
+        """rollout.weight_sync.payload per_tensor with method tensor (SGLang's load_format null on handles)."""
+        weight_sync = rollout.weight_sync
+        return weight_sync.method == "tensor" and weight_sync.payload == "per_tensor"
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {"local": LocalBackend(), "sglang": SGLangBackend()}

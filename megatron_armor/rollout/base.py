@@ -9,7 +9,6 @@ from typing import Literal
 
 import torch
 
-from megatron_armor.config import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -17,8 +16,9 @@ class SamplingParams:
     """Sampling settings for one `generate` call (SGLang `sampling_params` semantics; named after that request
     field, as it is the request's payload rather than a config section).
 
-    Not a config section: `from_config` joins rollout.sampling with the tokenizer's stop tokens (not config), and a
-    call adds its seeds; config/ sits below rollout/, so the section cannot build it.
+    Not a config section: a request's payload, which evaluation, validation datasets and the warm start fill in
+    themselves; a training run's join rollout.sampling with the tokenizer's stop tokens (not config) where the run
+    is built (`trainer/run/build.py`'s `_samplings`), and a call adds its seeds.
 
     `top_p` filtering happens after temperature scaling; reported logprobs are taken before it.
     `seed` makes a call reproducible for a given engine state; None draws from the engine's generator.
@@ -43,15 +43,6 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @classmethod
-    def from_config(cls, sampling: SamplingConfig, stop_token_ids: tuple[int, ...], *,
-                    validation: bool = False) -> SamplingParams:
-        """Training rollouts' sampling of the rollout.sampling section, or with `validation` validation's."""
-        temperature, top_p = ((sampling.val_temperature, sampling.val_top_p) if validation
-                              else (sampling.temperature, sampling.top_p))
-        return cls(temperature=temperature, top_p=top_p, max_new_tokens=sampling.max_new_tokens,
-                   stop_token_ids=stop_token_ids)
 
 
 GenerationFinish = Literal["stop", "length", "abort"]  # abort: interrupted (`RolloutEngine.interrupt`), partial

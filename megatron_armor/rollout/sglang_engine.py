@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -43,11 +43,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SGLangEngineConfig:
-    """Client knobs; times in seconds, sizes in bytes.
+    """Client knobs; times in seconds.
 
-    Not a copy of a section: the retries, timeouts and polling are the client's own (no config field sets them); a
-    training run's client (`from_config`) takes the rollout.weight_sync section's transport, directory and bucket
-    size, and turns its payload into SGLang's load_format.
+    The retries, timeouts and polling are the client's own (no config field sets them); its weight pushes are the
+    rollout.weight_sync section as loaded (`weight_sync`: method, directory, payload and bucket size), which a
+    training run's backend passes in (rollout/backends.py).
     """
 
     prompts_per_request: int = 16  # through a router: 1 per request, this many times more requests in flight
@@ -60,27 +60,23 @@ class SGLangEngineConfig:
     startup_timeout_s: float = 600.0
     poll_interval_s: float = 1.0  # readiness polling while waiting for servers to come up
     health_timeout_s: float = 30.0
-    bucket_bytes: int = 512 << 20  # weight-update bucket (slime's --update-weight-buffer-size)
-    load_format: proto.LoadFormat = "flattened_bucket"
-    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"  # weight_transport.TRANSPORTS
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # how pushes reach the servers
     weight_group_timeout_s: float = 300.0  # weight_sync distributed: forming the group, each broadcast
-    weight_sync_dir: str | None = None  # weight_sync disk: a directory the servers can read
     flush_attempts: int = 60  # /flush_cache answers 400 while requests run; slime retries 60 x 1 s
     flush_interval_s: float = 1.0
     routed_experts_shape: tuple[int, int] | None = None  # (L, k): ask for every item's routed experts (servers need
     # --enable-return-routed-experts) and read them as [N, L, k] (`Generation.routed_experts`)
 
-    @classmethod
-    def from_config(cls, weight_sync: WeightSyncConfig) -> SGLangEngineConfig:
-        """The client of a run: its weight pushes as the rollout.weight_sync section says (payload per_tensor with
-        method tensor is SGLang's load_format null; every other push sends flattened buckets)."""
-        per_tensor = weight_sync.method == "tensor" and weight_sync.payload == "per_tensor"
-        return cls(bucket_bytes=weight_sync.bucket_mb << 20, weight_sync=weight_sync.method,
-                   weight_sync_dir=weight_sync.dir, load_format=None if per_tensor else "flattened_bucket")
+    @property
+    def bucket_bytes(self) -> int:
+        """Weights per update request in bytes (weight_sync.bucket_mb; slime's --update-weight-buffer-size)."""
+        return int(self.weight_sync.bucket_mb * (1 << 20))
 
-    def __post_init__(self) -> None:
-        if self.weight_sync not in TRANSPORTS:
-            raise ValueError(f"SGLangEngineConfig.weight_sync must be one of {sorted(TRANSPORTS)}, got {self.weight_sync!r}")
+    @property
+    def load_format(self) -> proto.LoadFormat:
+        """SGLang's load_format of a push: null (tensor by tensor) for weight_sync.payload per_tensor, else
+        flattened_bucket (a bucket travels as one uint8 tensor); a disk push writes safetensors files either way."""
+        return None if self.weight_sync.payload == "per_tensor" else "flattened_bucket"
 
 
 @dataclass
@@ -261,7 +257,7 @@ class SGLangEngine(RolloutEngine):
         push_urls = list(urls) if push_urls is None else list(push_urls)
         if not set(push_urls) <= set(urls):
             raise ValueError(f"push_urls {sorted(set(push_urls) - set(urls))} are not among the servers {list(urls)}")
-        if config.weight_sync == "tensor":
+        if config.weight_sync.method == "tensor":
             elsewhere = [url for url in push_urls if not on_this_host(url)]
             if elsewhere:
                 raise ValueError(
@@ -280,10 +276,10 @@ class SGLangEngine(RolloutEngine):
         for server in self._servers:
             server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))
         transport = TransportConfig(config.bucket_bytes, config.load_format, config.weight_group_timeout_s,
-                                    config.weight_sync_dir)
+                                    config.weight_sync.dir)
         # the push servers the last push reached (the transport's servers: updated in place); the others missed it
         self._live_push_servers = list(self._push_servers)
-        self._transport = TRANSPORTS[config.weight_sync](self._live_push_servers, self._on_push_servers, transport)
+        self._transport = TRANSPORTS[config.weight_sync.method](self._live_push_servers, self._on_push_servers, transport)
         self._weight_version = 0
         self._interrupted = threading.Event()  # `interrupt`: aborted items come back partial, nothing more is sent
         self._calls_lock = threading.Lock()

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_armor.config import SamplingConfig, TrainConfig
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 from megatron_armor.distributed.device import training_device
 from megatron_armor.scoring.batch import SequenceBatch
@@ -54,10 +53,10 @@ LossFn = Callable[[TokenScores, SequenceBatch], tuple[torch.Tensor, torch.Tensor
 class ScoringConfig:
     """How the last stage scores tokens: sampling temperature, head ("torch" | "fused"), entropy or not.
 
-    Not a config section, and not a copy of one: it joins two sections' settings the scoring needs together, the
-    temperature of rollout.sampling (tokens are scored under the distribution the engines sampled from, or the
-    importance ratios would compare different distributions) and train.logprob_head resolved for this machine
-    ("auto"), with `with_entropy`, which each scoring pass chooses for itself.
+    Not a config section, and not a copy of one: the arguments of one scoring pass (a teacher server scores at
+    each request's temperature, each pass chooses `with_entropy`). A training run's settings join two sections
+    (`trainer/run/build.py`'s `_scoring`): the temperature of rollout.sampling and train.logprob_head resolved for
+    this machine.
     """
 
     temperature: float = 1.0
@@ -67,11 +66,6 @@ class ScoringConfig:
     def __post_init__(self) -> None:
         if self.head not in LOGPROB_HEADS:
             raise ValueError(f"unknown logprob head {self.head!r}; choose one of {LOGPROB_HEADS}")
-
-    @classmethod
-    def from_config(cls, sampling: SamplingConfig, train: TrainConfig) -> ScoringConfig:
-        """Scoring at the rollouts' temperature (rollout.sampling) with train.logprob_head's head ("auto" resolved)."""
-        return cls(temperature=sampling.temperature, head=resolve_logprob_head(train.logprob_head))
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 from typing import NoReturn
 
-from megatron_armor.config import MicroBatchingConfig, ModelConfig, OpdConfig
 from megatron_armor.distributed.launch import torchrun_command
 
 PARAMS_DTYPES = ("float32", "bfloat16")
@@ -21,9 +20,9 @@ SERVER_MODULE = "megatron_armor.teacher.server"
 class TeacherServerConfig:
     """What a teacher server runs: the checkpoint, its layout and where rank 0 listens.
 
-    The settings of `armor serve-teacher` (its options: `argv`), which runs without a training config; a training
-    run's teacher (`from_config`) joins three sections: opd's checkpoint and layout, micro_batching's micro-batch size
-    and model's parameter dtype (the teacher scores the student's micro-batches in the student's dtype).
+    The settings of `armor serve-teacher` (its options: `argv`), which runs without a training config; the server a
+    training run starts for its teacher joins three sections there (`trainer/run/build.py`'s `_teacher`: opd's
+    checkpoint and layout, micro_batching's micro-batch size, model's parameter dtype).
     """
 
     model_path: str
@@ -40,15 +39,6 @@ class TeacherServerConfig:
                 raise ValueError(f"serve-teacher: {name} must be >= 1, got {getattr(self, name)}")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"serve-teacher: params_dtype must be one of {PARAMS_DTYPES}, got {self.params_dtype!r}")
-
-    @classmethod
-    def from_config(cls, model_path: str, opd: OpdConfig, micro_batching: MicroBatchingConfig,
-                    model: ModelConfig) -> TeacherServerConfig:
-        """The server the trainer starts for `model_path` (opd.teacher_path) at opd.teacher_tensor/pipeline_parallel_size
-        on a free loopback port, with the student's micro-batch size (micro_batching) and parameter dtype (model)."""
-        tp, pp = opd.teacher_layout
-        return cls(model_path, tp, pp, port=0, micro_batch_size=micro_batching.micro_batch_size,
-                   params_dtype=model.params_dtype)
 
     @property
     def world_size(self) -> int:

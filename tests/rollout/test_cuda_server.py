@@ -18,13 +18,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from megatron_armor.config import WeightSyncConfig
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.sglang_engine import RolloutError, SGLangEngine, SGLangEngineConfig, http_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_checks.sh)")
 
 CONFIG = str(Path(__file__).parents[2] / "examples" / "tiny" / "armor.yaml")
-CLIENT = SGLangEngineConfig(startup_timeout_s=300, poll_interval_s=0.2, bucket_bytes=64 << 10)
+BUCKET_MB = 64 / 1024  # 64 KiB: several requests per push
+CLIENT = SGLangEngineConfig(startup_timeout_s=300, poll_interval_s=0.2,
+                            weight_sync=WeightSyncConfig(bucket_mb=BUCKET_MB))
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 MIB = 1 << 20
@@ -40,17 +43,17 @@ def gpu_free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
+@pytest.mark.parametrize("payload", ["flattened_bucket", "per_tensor"])
 def test_cuda_tensors_reach_a_gpu_server_as_ipc_handles(
-    start_server, tiny_model_factory, second_tiny_model, teacher_logprobs, load_format
+    start_server, tiny_model_factory, second_tiny_model, teacher_logprobs, payload
 ):
     engine = SGLangEngine([start_server(tiny_model_factory("qwen2"), "--device", "cuda").url],
-                          replace(CLIENT, weight_sync="tensor", load_format=load_format))
+                          replace(CLIENT, weight_sync=WeightSyncConfig(payload=payload, bucket_mb=BUCKET_MB)))
     assert http_call(engine.urls[0], "/server_info", method="GET")["device"] == "cuda:0"
     trained = named_cuda_parameters(second_tiny_model)
     engine.update_weights(trained)  # 64 KiB buckets: several requests
     # flattened buckets go through the two CUDA staging buffers; per tensor (null), every CUDA tensor as itself
-    assert (engine._transport._staging == {}) == (load_format is None)
+    assert (engine._transport._staging == {}) == (payload == "per_tensor")
     for name, want in trained:
         got = http_call(engine.urls[0], "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]})
         torch.testing.assert_close(torch.tensor(got), want.cpu(), atol=0, rtol=0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from megatron_armor.config import WeightSyncConfig
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
@@ -88,10 +89,11 @@ def test_generate_matches_local_engine_and_hf_reference(engine, model_dir, teach
     assert engine.health()
 
 
-@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
-def test_update_weights_from_tensor_then_from_disk(engine, model_dir, second_tiny_model, load_format):
+@pytest.mark.parametrize("payload", ["per_tensor", "flattened_bucket"])
+def test_update_weights_from_tensor_then_from_disk(engine, model_dir, second_tiny_model, payload):
     other = load(second_tiny_model)
-    pusher = SGLangEngine(engine.urls, replace(FAST, load_format=load_format, bucket_bytes=64 << 10))
+    pushes = WeightSyncConfig(method="tensor", payload=payload, bucket_mb=64 / 1024)  # 64 KiB buckets
+    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync=pushes))
     named = list(other.named_parameters())
     assert len(list(proto.bucket_named_tensors(named, pusher.config.bucket_bytes))) > 1  # several requests
     pusher.update_weights(named)
@@ -209,7 +211,7 @@ def test_tensor_weight_sync_refuses_servers_on_other_hosts():
     local = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=r"weight_sync tensor .* but http://203\.0\.113\.7:30000 is not on this host: "
                                          r"use rollout\.weight_sync\.method distributed"):
-        SGLangEngine([local, "http://203.0.113.7:30000"], replace(FAST, weight_sync="tensor"))
+        SGLangEngine([local, "http://203.0.113.7:30000"], replace(FAST, weight_sync=WeightSyncConfig(method="tensor")))
 
 
 def test_a_push_leaves_out_a_dead_server_which_joins_a_later_push_once_it_is_back(serving, model_dir,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from megatron_armor.config import WeightSyncConfig
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout import tensor_serialization
 from megatron_armor.rollout.base import SamplingParams
@@ -19,12 +20,21 @@ from megatron_armor.rollout.weight_sync import sync_weights
 from megatron_armor.rollout.weight_transport import TensorTransport, TransportConfig
 from megatron_armor.utils.net import free_port
 
-FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, bucket_bytes=64 << 10, weight_group_timeout_s=60)
+FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, weight_group_timeout_s=60,
+                          weight_sync=WeightSyncConfig(bucket_mb=64 / 1024))
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5)
-# Every weight_sync mode with each load_format it takes (disk writes safetensors: no load_format).
-SYNC_MODES = [("tensor", "flattened_bucket"), ("tensor", None), ("distributed", "flattened_bucket"),
-              ("distributed", None), ("disk", None)]
+# Every weight_sync method with each payload it takes (disk writes safetensors: no payload).
+SYNC_MODES = [("tensor", "flattened_bucket"), ("tensor", "per_tensor"), ("distributed", "flattened_bucket"),
+              ("distributed", "per_tensor"), ("disk", "flattened_bucket")]
+
+
+def pushing(method: str = "tensor", payload: str = "flattened_bucket", directory: str | None = None, *,
+            bucket_kib: int = 64, **knobs) -> SGLangEngineConfig:
+    """FAST pushing as a rollout.weight_sync section of `method`, `payload`, `directory` and `bucket_kib` KiB buckets
+    says (with other client `knobs`)."""
+    weight_sync = WeightSyncConfig(method=method, dir=directory, payload=payload, bucket_mb=bucket_kib / 1024)
+    return replace(FAST, weight_sync=weight_sync, **knobs)
 
 
 def load(model_dir):
@@ -54,14 +64,13 @@ def url(engine):
     return engine.urls[0]
 
 
-@pytest.mark.parametrize("weight_sync, load_format", SYNC_MODES)
+@pytest.mark.parametrize("method, payload", SYNC_MODES)
 def test_every_mode_makes_server_logprobs_equal_the_trainers(
-    engine, model_dir, second_tiny_model, tmp_path, weight_sync, load_format
+    engine, model_dir, second_tiny_model, tmp_path, method, payload
 ):
     trained, original = load(second_tiny_model), load(model_dir)
     engine.update_weights_from_disk(str(model_dir))  # start from the original weights
-    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync=weight_sync, load_format=load_format,
-                                               weight_sync_dir=str(tmp_path / "weights")))
+    pusher = SGLangEngine(engine.urls, pushing(method, payload, str(tmp_path / "weights")))
     pusher.update_weights(list(trained.named_parameters()))
     pusher.close()
     for g in engine.generate(PROMPTS, GREEDY):
@@ -90,16 +99,15 @@ class LiveTensors:
             yield name, copy
 
 
-@pytest.mark.parametrize("weight_sync, load_format", SYNC_MODES)
+@pytest.mark.parametrize("method, payload", SYNC_MODES)
 def test_every_mode_streams_a_generator_holding_about_two_buckets(
-    engine, model_dir, second_tiny_model, tmp_path, weight_sync, load_format
+    engine, model_dir, second_tiny_model, tmp_path, method, payload
 ):
     """The push draws the generator as buckets go out (here 40 KiB, below the MLP weights' 44 KiB, so those go
     alone and the staging buffers grow): at most two buckets and one tensor ahead are alive at once."""
     trained = dict(load(second_tiny_model).named_parameters())
     engine.update_weights_from_disk(str(model_dir))
-    config = replace(FAST, bucket_bytes=40 << 10, weight_sync=weight_sync, load_format=load_format,
-                     weight_sync_dir=str(tmp_path / "weights"))
+    config = pushing(method, payload, str(tmp_path / "weights"), bucket_kib=40)
     pusher, live = SGLangEngine(engine.urls, config), LiveTensors()
     report = sync_weights(pusher, live.stream(trained.items()))
     pusher.close()
@@ -148,7 +156,7 @@ def test_per_tensor_push_of_shared_weights_stages_nothing(engine, model_dir, sec
     trained = {name: p.detach().clone() for name, p in load(second_tiny_model).named_parameters()}
     tensor_serialization.share_storages(trained.values())
     engine.update_weights_from_disk(str(model_dir))
-    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync="tensor", load_format=None))
+    pusher = SGLangEngine(engine.urls, pushing("tensor", "per_tensor"))
     name = "model.layers.1.mlp.down_proj.weight"
 
     def served() -> torch.Tensor:
@@ -181,7 +189,7 @@ def load_with(model_dir, weights):
 def test_disk_push_replaces_the_previous_push_directory(engine, model_dir, tmp_path):
     name = "model.norm.weight"
     size = load(model_dir).get_parameter(name).numel()
-    pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync="disk", weight_sync_dir=str(tmp_path)))
+    pusher = SGLangEngine(engine.urls, pushing("disk", directory=str(tmp_path)))
     seen = set()
     for value in (0.5, 0.25):
         pusher.update_weights(iter([(name, torch.full((size,), value))]))
@@ -257,7 +265,7 @@ def test_distributed_push_after_a_server_restart_forms_a_new_group(model_dir, se
     shape = load(model_dir).get_parameter(name).shape
     url = f"http://127.0.0.1:{port}"
     with serving(model_dir, port) as first:
-        engine = SGLangEngine([url], replace(FAST, weight_sync="distributed", weight_group_timeout_s=30))
+        engine = SGLangEngine([url], pushing("distributed", weight_group_timeout_s=30))
         engine.update_weights([(name, torch.full(shape, 0.5))])
         assert len(first.state._groups) == 1
     with serving(model_dir, port) as restarted:

@@ -37,14 +37,14 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
 
 def test_the_config_sets_the_micro_batching_of_the_step():
     from megatron_armor.config import load_config
-    from megatron_armor.trainer.step_inputs.plan import StepPlan
+    from megatron_armor.trainer.run.build import step_plan
 
     cfg = load_config(None, ["task.synthetic=arithmetic", "micro_batching.micro_batch_size=4",
                              "micro_batching.max_tokens=96", "micro_batching.pack=true", "parallel.tensor_parallel_size=3"])
-    plan = StepPlan.from_config(cfg, make_algorithm("grpo"))
+    plan = step_plan(cfg, make_algorithm("grpo"))
     assert plan.micro_batching == MicroBatching(MicroBatchingConfig(micro_batch_size=4, max_tokens=96, pack=True),
                                                 pad_to_multiple_of=24)
-    default = StepPlan.from_config(load_config(None, ["task.synthetic=arithmetic"]), make_algorithm("grpo"))
+    default = step_plan(load_config(None, ["task.synthetic=arithmetic"]), make_algorithm("grpo"))
     assert default.micro_batching == MicroBatching(MicroBatchingConfig(8))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_armor.algorithms import GroupCollector, GroupStats
-from megatron_armor.config import ConfigError, load_config
+from megatron_armor.config import ConfigError, RolloutConfig, load_config
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.rollout.base import SamplingParams
@@ -30,8 +30,8 @@ class BatchPhase:
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, max_staleness: int, buffer_batches: int,
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
-        self.plan = SimpleNamespace(max_staleness=max_staleness, async_buffer_batches=buffer_batches,
-                                    partial_rollouts=False)
+        self.plan = SimpleNamespace(rollout=RolloutConfig(mode="async", max_staleness=max_staleness,
+                                                          async_buffer_batches=buffer_batches))
         self.samples_anchors_ahead = False
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
@@ -201,7 +201,7 @@ class EnginePhase(BatchPhase):
 
     def __init__(self, sampler: PromptSampler, engine: PausableEngine, *, max_staleness: int) -> None:
         super().__init__(sampler, {}, max_staleness=max_staleness, buffer_batches=2)
-        self.plan.partial_rollouts = True
+        self.plan.rollout.partial_rollouts = True
         self.models = SimpleNamespace(actor=SimpleNamespace(engine=engine))
 
     def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:

@@ -7,7 +7,9 @@ import torch
 
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
-from megatron_armor.config import MicroBatchingConfig, OptimizerConfig
+from megatron_armor.config import (
+    AlgorithmConfig, AnchorsConfig, MicroBatchingConfig, OptimizerConfig, RolloutConfig, TrainConfig,
+)
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.scoring.logprobs import ScoringConfig, compute_logprobs
 from megatron_armor.scoring.micro_batches import MicroBatching
@@ -71,9 +73,9 @@ def test_the_update_scores_the_old_policy_itself_and_steps_as_the_two_pass_path(
 
 def test_the_fast_path_is_taken_only_with_one_mini_batch_and_an_algorithm_that_allows_it(checkpoint):
     def plan(algorithm, mini_batch_size):
-        return StepPlan(algorithm=make_algorithm(algorithm), train_batch_size=8, mini_batch_size=mini_batch_size,
-                        micro_batching=BATCHING, actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=False,
-                        adv_eps=1e-6, ref_reset_period=0, seed=0)
+        train = TrainConfig(train_batch_size=8, mini_batch_size=mini_batch_size, seed=0)
+        return StepPlan(make_algorithm(algorithm), train, RolloutConfig(anchors=AnchorsConfig(ref_n=0)),
+                        AlgorithmConfig(max_num_gen_batches=1), BATCHING, actor_n=2)
 
     assert plan("grpo", 8).old_logprobs_from_update and plan("armor", 8).old_logprobs_from_update
     assert not plan("grpo", 4).old_logprobs_from_update  # the second mini-batch runs after an optimizer step

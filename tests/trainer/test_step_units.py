@@ -10,7 +10,9 @@ from megatron_armor.algorithms import ACTOR, REFERENCE
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
-from megatron_armor.config import MicroBatchingConfig, OptimizerConfig
+from megatron_armor.config import (
+    AlgorithmConfig, AnchorsConfig, MicroBatchingConfig, OptimizerConfig, RolloutConfig, TrainConfig,
+)
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources, trim_to_data_parallel
 from megatron_armor.trainer.rollouts.samples import SampleScorer
 from megatron_armor.trainer.step.loop import RLTrainer
@@ -74,10 +76,10 @@ def test_a_partial_batch_left_empty_skips_the_update_on_every_rank():
     """allow_partial_batch: 1 kept prompt on 2 data-parallel ranks is cut to 0 (one rank would have no
     batch and skip optimizer steps the other runs); the step then trains on nothing, says so, and
     touches neither the actor nor the engine."""
-    plan = StepPlan(algorithm=make_algorithm("grpo"), train_batch_size=4, mini_batch_size=2,
-                    micro_batching=MicroBatching(MicroBatchingConfig(2)),
-                    actor_n=2, ref_n=0, max_num_gen_batches=1, allow_partial_batch=True, adv_eps=1e-6,
-                    ref_reset_period=0, seed=0)
+    plan = StepPlan(make_algorithm("grpo"), TrainConfig(train_batch_size=4, mini_batch_size=2, seed=0),
+                    RolloutConfig(anchors=AnchorsConfig(ref_n=0)),
+                    AlgorithmConfig(max_num_gen_batches=1, allow_partial_batch=True),
+                    MicroBatching(MicroBatchingConfig(2)), actor_n=2)
     handles = PolicyHandles(actor=Policy(ACTOR, None, SimpleNamespace(metrics=dict)), ref=Policy(REFERENCE, None),
                             optimizer=None, shape=None, pad_token_id=0)
     prompts = PromptSampler([PromptRow(i, [1, 2], {}) for i in range(2)], 2, seed=0, shuffle=False)

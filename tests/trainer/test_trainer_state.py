@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_armor.algorithms import UpdateGateConfig
-from megatron_armor.config import AnchorsConfig, MicroBatchingConfig
+from megatron_armor.config import (
+    AlgorithmConfig, AnchorsConfig, MicroBatchingConfig, MipuConfig, RolloutConfig, TrainConfig,
+)
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
@@ -43,13 +44,13 @@ def _trainer(seed: int, *, ref_reset_period: int = 0) -> RLTrainer:
     optimizer = torch.optim.AdamW(actor.parameters(), lr=0.1)
     handles = PolicyHandles(actor=Policy("actor", actor), ref=Policy("ref", torch.nn.Linear(3, 4, bias=False)),
                             optimizer=optimizer, shape=None, pad_token_id=0)
-    plan = StepPlan(algorithm=make_algorithm("armor"), train_batch_size=2, mini_batch_size=2,
-                    micro_batching=MicroBatching(MicroBatchingConfig(2)),
-                    actor_n=2, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6,
-                    ref_reset_period=ref_reset_period, seed=0)
+    plan = StepPlan(make_algorithm("armor"), TrainConfig(train_batch_size=2, mini_batch_size=2, seed=0),
+                    RolloutConfig(anchors=AnchorsConfig(ref_n=1)),
+                    AlgorithmConfig(max_num_gen_batches=1, ref_reset_period=ref_reset_period),
+                    MicroBatching(MicroBatchingConfig(2)), actor_n=2)
     weight = actor.module.weight
     constraint = SubspaceConstraint({"w": weight}, {"w": weight.detach().clone()}, k=1)
-    gate_config = UpdateGateConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, prompts=2, responses_per_prompt=8)
+    gate_config = MipuConfig(c_start=4e-3, c_end=1e-3, ramp_steps=100, gate_prompts=2, gate_n=8)
     gate = InferenceGapGate(gate_config, ROWS, scorer=None, sampling=None, seed=0, adv_eps=1e-6)  # held-out sampler seed 1
     parts = TrainerParts(gate=gate, constraint=constraint, constraint_capture_step=1, anchor_cache=AnchorCache(AnchorsConfig(cache=True, cache_max_prompts=4)))
     return RLTrainer(SimpleNamespace(dp_size=1, dp_rank=0), handles, plan,

@@ -50,7 +50,10 @@ from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 
 from megatron_armor.diagnostics.step_geometry import StepGeometry  # noqa: E402
 from megatron_armor.distributed.init import destroy_distributed, destroy_model_parallel, initialize_distributed  # noqa: E402
-from megatron_armor.config import AgenticConfig, LoRAConfig, MicroBatchingConfig, OptimizerConfig, RecomputeConfig  # noqa: E402
+from megatron_armor.config import (  # noqa: E402
+    AgenticConfig, AlgorithmConfig, AnchorsConfig, LoRAConfig, MicroBatchingConfig, OptimizerConfig, RecomputeConfig,
+    RolloutConfig, TrainConfig,
+)
 from megatron_armor.models.lora import adapters_disabled, apply_lora, full_adapters  # noqa: E402
 from megatron_armor.models.gpt import build_gpt_model  # noqa: E402
 from megatron_armor.models.hf_config import MoERouting, load_model_shape, transformer_config  # noqa: E402
@@ -68,7 +71,7 @@ from megatron_armor.trainer.update.optimizer import wrap_for_training, zero_grad
 from megatron_armor.trainer.update.policy_update import PolicyLossCallback, update_policy  # noqa: E402
 from megatron_armor.trainer.update.training_batch import advantage_batch, score_logprobs  # noqa: E402
 from megatron_armor.scoring.micro_batches import MicroBatching  # noqa: E402
-from megatron_armor.scoring.routes import REPLAY_MODES, routing_pass  # noqa: E402
+from megatron_armor.scoring.routes import routing_pass  # noqa: E402
 
 RECOMPUTE = {"full": RecomputeConfig("full", "uniform", 1), "selective": RecomputeConfig("selective")}
 CHECKPOINTS = []  # one entry per call of Megatron's activation checkpoint (what recomputation runs through)
@@ -216,10 +219,9 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     algorithm = make_algorithm("armor", "armor.alpha=0.75", f"algorithm.clip_low={clip}", f"algorithm.clip_high={clip}")
     budget = next((int(option.removeprefix("budget=")) for option in options if option.startswith("budget=")), None)
     replay = next((option.removeprefix("replay=") for option in options if option.startswith("replay=")), "none")
-    plan = StepPlan(algorithm=algorithm, train_batch_size=4, mini_batch_size=2,
-                    micro_batching=MicroBatching(MicroBatchingConfig(2, max_tokens=budget, pack="packed" in options)),
-                    actor_n=3, ref_n=1, max_num_gen_batches=1, allow_partial_batch=False, adv_eps=1e-6, ref_reset_period=0,
-                    seed=0, routing_replay=REPLAY_MODES[replay])
+    plan = StepPlan(algorithm, TrainConfig(train_batch_size=4, mini_batch_size=2, routing_replay=replay, seed=0),
+                    RolloutConfig(anchors=AnchorsConfig(ref_n=1)), AlgorithmConfig(max_num_gen_batches=1),
+                    MicroBatching(MicroBatchingConfig(2, max_tokens=budget, pack="packed" in options)), actor_n=3)
     scoring = ScoringConfig(temperature=1.0, head=head)
     groups = trajectory_groups(actor_dir, ref_dir) if "agentic" in options else fixed_groups(masked="masked" in options)
     if replay == "rollout":

@@ -2,10 +2,10 @@
 
 The generator (a daemon thread; its collectives over the overlapped modes' gloo group) produces one generation batch
 at a time (`RolloutPhase.generation_batch`: prompts drawn, sampled, scored, grouped), tagged with the weight version
-the engine held while it generated it, into a buffer of at most `StepPlan.async_buffer_batches` batches (the one in
+the engine held while it generated it, into a buffer of at most `rollout.async_buffer_batches` batches (the one in
 flight included). `take(step)` pops batches in the order they were drawn until `train_batch_size` groups are in
 (sync's filtering and `max_num_gen_batches`; the groups the last batch has beyond them are dropped, as sync drops
-them), waiting for the generator when the buffer is empty; a batch more than `StepPlan.max_staleness` versions older
+them), waiting for the generator when the buffer is empty; a batch more than `rollout.max_staleness` versions older
 than the trainer's weights is dropped instead (async/dropped_stale_groups counts its kept groups; its prompts count
 as drawn, as those that filtering drops). So no step trains on a sample older than `max_staleness` versions.
 
@@ -83,7 +83,8 @@ class AsyncRollouts(OverlappedRollouts):
 
     def __init__(self, phase: RolloutPhase, sampler: PromptSampler, last_step: int | None) -> None:
         super().__init__(phase, sampler, last_step)
-        self.max_staleness, self.buffer_batches = phase.plan.max_staleness, phase.plan.async_buffer_batches
+        rollout = phase.plan.rollout
+        self.max_staleness, self.buffer_batches = rollout.max_staleness, rollout.async_buffer_batches
         self._thread: threading.Thread | None = None
         # counts of batches since the start (the same on every rank but `_begun` / `_finished` between agreements)
         self._issued = 0  # batches the generator may begin (consumed + buffer size)
@@ -97,7 +98,7 @@ class AsyncRollouts(OverlappedRollouts):
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
         self._stopped = True  # `settle` stopped the generator and nothing resumed it since
         # rollout.partial_rollouts: the actor's engine, paused by `settle` (phase.models is built with it)
-        self.pausable: PausableEngine | None = phase.models.actor.engine if phase.plan.partial_rollouts else None
+        self.pausable: PausableEngine | None = phase.models.actor.engine if rollout.partial_rollouts else None
         self._idle_since = 0.0  # when the generator last began waiting (perf_counter)
         self._generating = 0.0  # s the generator spent on batches during this step
 
@@ -182,7 +183,7 @@ class AsyncRollouts(OverlappedRollouts):
     @staticmethod
     def anchor_depth(phase: RolloutPhase) -> int:
         """The batches the generator may have begun beyond the one in use: the buffer's."""
-        return phase.plan.async_buffer_batches
+        return phase.plan.rollout.async_buffer_batches
 
     def _actor_done(self) -> None:
         """The actor's engine is done with the batch in flight (its anchors may still be coming): a push need not wait

@@ -109,9 +109,9 @@ class RolloutPhase:
 
     def new_collector(self) -> GroupCollector:
         """An empty collector of one step's groups (train_batch_size prompts, within max_num_gen_batches)."""
-        plan = self.plan
-        return GroupCollector(target_prompts=plan.train_batch_size, max_num_gen_batches=plan.max_num_gen_batches,
-                              allow_partial=plan.allow_partial_batch)
+        prompts, section = self.plan.train.train_batch_size, self.plan.algorithm_section
+        return GroupCollector(target_prompts=prompts, max_num_gen_batches=section.max_num_gen_batches,
+                              allow_partial=section.allow_partial_batch)
 
     def generation_batch(self, key: tuple, on_actor_done: Callable[[], None] | None = None) -> GenerationBatch:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
@@ -167,7 +167,7 @@ class RolloutPhase:
     def seed(self, key: tuple, tag: str) -> tuple:
         """The sampling seed of the samples tagged `tag` in the generation batch `key`: ACTOR for the training
         responses, an extra source's `seed_tag` for its samples."""
-        return (self.plan.seed, *key, tag)
+        return (self.plan.train.seed, *key, tag)
 
     def assemble(
         self, collector: GroupCollector, batches: list[GenerationBatch], group: dist.ProcessGroup | None,

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, UpdateGateConfig
-from megatron_armor.config import ArmorConfig
+from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, GateSettings
+from megatron_armor.config import ArmorConfig, SamplingConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.peft_export import all_stages_peft_tensors, peft_config
@@ -37,7 +37,7 @@ from megatron_armor.scoring.routes import REPLAY_MODES
 from megatron_armor.rollout.tensor_serialization import share_storages
 from megatron_armor.teacher.scorer import InProcessTeacher, TeacherScorer, check_teacher_vocab, connect_remote_teacher
 from megatron_armor.teacher.serve_cli import TeacherServerConfig
-from megatron_armor.scoring.logprobs import ScoringConfig
+from megatron_armor.scoring.logprobs import ScoringConfig, resolve_logprob_head
 from megatron_armor.scoring.micro_batches import MicroBatching, sequence_multiple
 from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
@@ -95,8 +95,7 @@ def build_training(
     handoff = _memory_handoff(cfg, actor_engine, ref_engine)
     trainer_models = _build_models(cfg, algorithm, paths, shape, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
-    sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids)
-    val_sampling = SamplingParams.from_config(cfg.rollout.sampling, stop_ids, validation=True)
+    sampling, val_sampling = _samplings(cfg.rollout.sampling, stop_ids)
     teacher = trainer_models.teacher
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
@@ -116,11 +115,33 @@ def build_training(
                          constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
-    trainer = RLTrainer(ctx, models, StepPlan.from_config(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
-                        ScoringConfig.from_config(cfg.rollout.sampling, cfg.train), cfg.optimizer, parts)
+    trainer = RLTrainer(ctx, models, step_plan(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
+                        _scoring(cfg), cfg.optimizer, parts)
     validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
                                  tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
+
+
+def step_plan(cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
+    """`algorithm`'s steps by the train, rollout and algorithm sections, with micro-batches padded for this run's
+    tensor-parallel size and the on-policy samples per prompt the algorithm fixes (`Algorithm.on_policy_samples`)."""
+    batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))
+    return StepPlan(algorithm, cfg.train, cfg.rollout, cfg.algorithm, batching,
+                    actor_n=algorithm.on_policy_samples(cfg.rollout.sampling))
+
+
+def _samplings(sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> tuple[SamplingParams, SamplingParams]:
+    """(training rollouts', validation's) sampling: rollout.sampling's temperature and top_p, or val_temperature and
+    val_top_p; its max_new_tokens for both, stopping at the tokenizer's `stop_ids`."""
+    return (SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, stop_ids),
+            SamplingParams(sampling.val_temperature, sampling.val_top_p, sampling.max_new_tokens, stop_ids))
+
+
+def _scoring(cfg: ArmorConfig) -> ScoringConfig:
+    """How the run's last stage scores tokens: at the temperature of rollout.sampling (tokens are scored under the
+    distribution the engines sampled from, or the importance ratios would compare different distributions), with
+    train.logprob_head's head ("auto" resolved for this machine)."""
+    return ScoringConfig(temperature=cfg.rollout.sampling.temperature, head=resolve_logprob_head(cfg.train.logprob_head))
 
 
 def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScorer:
@@ -268,7 +289,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     if paths.teacher_path is not None:  # None: only a teacher_url was given
         teacher_shape = load_model_shape(paths.teacher_path)
         check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"opd.teacher_path {paths.teacher_path}")
-    scoring = ScoringConfig.from_config(cfg.rollout.sampling, cfg.train)  # as the student's
+    scoring = _scoring(cfg)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
         batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))  # as the student
@@ -276,14 +297,17 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     launch = None
     if opd.teacher_layout is not None:
         check_parallel_layout(teacher_shape, *opd.teacher_layout)  # before any teacher process starts
-        launch = TeacherServerConfig.from_config(paths.teacher_path, opd, cfg.micro_batching, cfg.model)
+        # at opd's layout on a free loopback port, scoring the student's micro-batches in the student's dtype
+        launch = TeacherServerConfig(paths.teacher_path, *opd.teacher_layout, port=0,
+                                     micro_batch_size=cfg.micro_batching.micro_batch_size,
+                                     params_dtype=cfg.model.params_dtype)
     urls = opd.teacher_url.split(",") if opd.teacher_url else None
     return connect_remote_teacher(urls, student_vocab=student.vocab_size, temperature=scoring.temperature,
                                   launch=launch, log_dir=cfg.logging.run_dir)
 
 
 def _update_gate(
-    cfg: ArmorConfig, config: UpdateGateConfig | None, val_rows: list[PromptRow], val_scorer: SampleScorer,
+    cfg: ArmorConfig, config: GateSettings | None, val_rows: list[PromptRow], val_scorer: SampleScorer,
     sampling: SamplingParams,
 ) -> InferenceGapGate | None:
     """The algorithm's post-update gate over held-out prompts, or None when it has none. Its advantages come

@@ -83,19 +83,21 @@ class RLTrainer:
         self.colocation, self.geometry_every = parts.colocation, parts.geometry_every
         self.engine_weights = EngineWeights(models, self.colocation)
         # ARMOR's anchors: the rollout source an algorithm may ask for (ARMOR, or a run the anchor action switched)
-        self.anchors = AnchorSource(models.ref, plan.ref_n, parts.anchor_cache, engine_weights=self.engine_weights,
-                                    sampling=sources.sampling, scorer=sources.scorer)
+        self.anchors = AnchorSource(models.ref, plan.rollout.anchors.ref_n, parts.anchor_cache,
+                                    engine_weights=self.engine_weights, sampling=sources.sampling,
+                                    scorer=sources.scorer)
         # partial rollouts: the rollout phase samples through an engine a weight push pauses (the schedule's)
         phase_models = (dataclasses.replace(models, actor=dataclasses.replace(
-            models.actor, engine=PausableEngine(models.actor.engine))) if plan.partial_rollouts else models)
+            models.actor, engine=PausableEngine(models.actor.engine))) if plan.rollout.partial_rollouts else models)
         self.rollouts = RolloutSchedule.build(
-            plan.rollout_mode, lambda group: RolloutPhase(plan, phase_models, sources, self.engine_weights,
+            plan.rollout.mode, lambda group: RolloutPhase(plan, phase_models, sources, self.engine_weights,
                                                           self.anchors, dp_size=ctx.dp_size, group=group),
-            sources.sampler, plan.max_steps,
+            sources.sampler, plan.train.max_steps,
         )
         self.optimizer_steps = 0
         self.consecutive_skips = 0  # RL steps in a row whose update was skipped for a non-finite loss or gradient
-        self.checkpoints_reference = bool(plan.ref_reset_period)  # the reference leaves model.ref_path's weights
+        # the reference leaves model.ref_path's weights
+        self.checkpoints_reference = bool(plan.algorithm_section.ref_reset_period)
         self.warmup_from = 0  # the RL step the lr warmup counts from (the anchor action restarts it)
 
     # ----- one RL step ---------------------------------------------------------------------
@@ -216,7 +218,7 @@ class RLTrainer:
         host when the GPU is shared until the gate has decided), or, with train.nonfinite_rollback, a non-finite
         mini-batch after the first (on the host: one copy of this rank's weights and optimizer state in host
         memory per RL step); else None."""
-        if self.gate is None and (num_mini_batches <= 1 or not self.plan.nonfinite_rollback):
+        if self.gate is None and (num_mini_batches <= 1 or not self.plan.train.nonfinite_rollback):
             return None
         return TrainingSnapshot.capture(self.models.actor.model, self.models.optimizer, self.optimizer_steps,
                                         self.constraint, to_host=self.colocation.offloaded or self.gate is None)

@@ -77,15 +77,16 @@ def advantage_batch(
     of each mini-batch packed into one batch (a group's samples, segments included, stay together)."""
     samples = [s for g in groups for s in g]
     group_ids = [gi for gi, g in enumerate(groups) for _ in g]
-    advantages = trajectory_advantages(samples, group_ids, eps=plan.adv_eps, baseline=plan.advantage_baseline,
-                                       quantile=plan.baseline_quantile)
+    section = plan.algorithm_section
+    advantages = trajectory_advantages(samples, group_ids, eps=section.adv_eps, baseline=section.advantage_baseline,
+                                       quantile=section.baseline_quantile)
     group_start = [0]
     for g in groups:
         group_start.append(group_start[-1] + len(g))
     group_tokens = [sum(len(s.prompt_ids) + len(s.response_ids) for s in g) for g in groups]
     rows = [  # sample rows of each local mini-batch
         [r for gi in local for r in range(group_start[gi], group_start[gi + 1])]
-        for local in local_mini_batch_groups(group_tokens, plan.mini_batch_size, dp_size, dp_rank)
+        for local in local_mini_batch_groups(group_tokens, plan.train.mini_batch_size, dp_size, dp_rank)
     ]
     order = [r for mini in rows for r in mini]
     if plan.routing_replay.engines_record and any(s.routed_experts is None for s in samples if not s.is_anchor):
@@ -125,7 +126,7 @@ def score_logprobs(
     for name in algorithm.sources.scores:
         scores = models.policy(name).score(batch, micro_batching=plan.micro_batching, scoring=scoring)
         setattr(batch, SCORE_FIELDS[name], scores)
-    generator = torch.Generator().manual_seed(stable_seed(plan.seed, optimizer_steps, algorithm.name, dp_rank))
+    generator = torch.Generator().manual_seed(stable_seed(plan.train.seed, optimizer_steps, algorithm.name, dp_rank))
     batch.token_advantages = algorithm.token_advantages(
         batch.old_logprobs, batch.teacher_logprobs, batch.response_mask, batch.advantages, generator
     )

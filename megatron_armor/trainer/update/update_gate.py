@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algorithms import (
-    UpdateGateConfig, accept_update, gap_proxy, tolerance, trajectory_advantages, trajectory_members,
+    GateSettings, accept_update, gap_proxy, tolerance, trajectory_advantages, trajectory_members,
 )
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -36,19 +36,19 @@ class InferenceGapGate:
     """Measures T_post of the just-synced engine against the trainer and decides acceptance."""
 
     def __init__(
-        self, config: UpdateGateConfig, held_out: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *,
+        self, config: GateSettings, held_out: list[PromptRow], scorer: SampleScorer, sampling: SamplingParams, *,
         seed: int, adv_eps: float,
     ) -> None:
         """The gate over `held_out` prompts (the validation rows), with its own resumable sampler of them (seeded by
         `seed` + 1). The rule that ties the algorithm's gate to the validation set (enough held-out prompts) lives
         here, with the component that needs both."""
-        if len(held_out) < config.prompts:
+        if len(held_out) < config.gate_prompts:
             raise ValueError(
-                f"the update gate needs mipu.gate_prompts ({config.prompts}) held-out prompts, the validation set has "
+                f"the update gate needs mipu.gate_prompts ({config.gate_prompts}) held-out prompts, the validation set has "
                 f"{len(held_out)}; set data.val_path, lower mipu.gate_prompts, or set mipu.gate=false"
             )
         self.config, self.scorer, self.sampling = config, scorer, sampling
-        self.prompts = PromptSampler(held_out, config.prompts, seed=seed + 1)
+        self.prompts = PromptSampler(held_out, config.gate_prompts, seed=seed + 1)
         self.seed, self.adv_eps = seed, adv_eps
         self.rollbacks = 0  # cumulative
 
@@ -60,7 +60,7 @@ class InferenceGapGate:
         `actor` (pi_{k+1}) and compare T_post with -c_step."""
         config = self.config
         samples = generate_samples(
-            engine, self.prompts.next_batch(), config.responses_per_prompt, self.sampling, self.scorer, is_anchor=False,
+            engine, self.prompts.next_batch(), config.gate_n, self.sampling, self.scorer, is_anchor=False,
             seed=(self.seed, step, "mipu_gate"),
         )
         groups = [sample.prompt_index for sample in samples]
