@@ -420,23 +420,27 @@ def test_task_options_of_the_agentic_demo_are_validated(overrides, message):
 
 
 def test_lora_refuses_what_would_make_the_reference_another_model():
-    """Under model.lora the reference is model.path with the adapters off: a reference of its own, resets of it, the
-    monitor's anchor_keep action, trainer offload and subspace training are refused at start-up, each with its fix
-    (the anchor action resets the adapters: tests/trainer/test_anchor_run.py), and so is the checkpoints' PEFT export
-    of routed experts' adapters."""
+    """Under model.lora the reference is model.path with the adapters off: a reference of its own, the monitor's
+    reference reset and anchor_keep action, trainer offload and subspace training are refused at start-up, each with
+    why and its fix; a reference reset (algorithm.ref_reset_period) resets the adapters to the best checkpoint's, so
+    it needs checkpoint.keep_best (tests/trainer/test_anchor_run.py), as the anchor action does; the routed experts'
+    adapters are exported and pushed like the others."""
     base = ["task.synthetic=arithmetic", "model.lora.rank=8"]
     assert load_config(None, base).model.lora.rank == 8
+    assert load_config(None, [*base, "model.lora.experts=true"]).checkpoint.save_peft
     monitor = ["monitor.enabled=true", "checkpoint.keep_best=val/accuracy", "eval.every=1", "checkpoint.every=1"]
     assert load_config(None, [*base, *monitor, "monitor.actions=[val_drop=anchor]"]).monitor.anchors
-    refused = {"model.ref_path=/ckpt": "model.ref_path yet.*unset it",
-               "algorithm.ref_reset_period=2": "algorithm.ref_reset_period yet.*set it to 0",
-               "monitor.reference_reset=true": "monitor.reference_reset yet.*set it to false",
-               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer yet.*set it to false",
-               "model.lora.experts=true": "PEFT export does not map the routed experts.*checkpoint.save_peft false"}
+    assert load_config(None, [*base, *monitor, "algorithm.ref_reset_period=2"]).algorithm.ref_reset_period == 2
+    refused = {"model.ref_path=/ckpt": "model.ref_path: the reference is model.path.*unset it",
+               "algorithm.ref_reset_period=2": "ref_reset_period without checkpoint.keep_best: a reference reset "
+                                               "resets the adapters.*set checkpoint.keep_best",
+               "monitor.reference_reset=true": "monitor.reference_reset: .*the adapters are the best checkpoint's "
+                                               "already.*set it to false",
+               "rollout.memory.offload_trainer=true": "rollout.memory.offload_trainer: .*set it to false"}
     for override, message in refused.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*base, override])
-    with pytest.raises(ConfigError, match="monitor.actions anchor_keep yet.*choose anchor, warn or stop"):
+    with pytest.raises(ConfigError, match="anchor_keep: .*one set of adapters.*choose anchor .*, warn or stop"):
         load_config(None, [*base, *monitor, "monitor.actions=[val_drop=anchor_keep]"])
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['q_proj'\] name no adaptable layer"):
         load_config(None, [*base, "model.lora.target_modules=[q_proj]"])
@@ -451,18 +455,20 @@ def test_lora_adapter_sync_needs_no_reference_servers_and_merged_sync_does():
     cfg = load_config(None, servers)
     assert cfg.model.lora.weight_sync == "adapter" and cfg.model.lora.adapter_sync
     check_algorithm_config(cfg)  # ARMOR without rollout.sglang.ref_urls
+    assert load_config(None, [*servers, "model.lora.experts=true"]).model.lora.adapter_sync  # experts' adapters too
     refused = {"rollout.sglang.ref_urls=http://h:2": r"rollout.sglang.ref_urls \(http://h:2\): the reference samples",
-               "model.lora.experts=true": "model.lora.experts: the routed experts' adapters",
                "rollout.memory.release_servers=true": "rollout.memory.release_servers: a release loses the base",
                "rollout.partial_rollouts=true": "rollout.partial_rollouts: a weight push interrupts"}
     for override, message in refused.items():
-        extra = {"rollout.partial_rollouts=true": ["rollout.mode=async"],  # (the PEFT export refuses experts first)
-                 "model.lora.experts=true": ["checkpoint.save_peft=false"]}.get(override, [])
+        extra = {"rollout.partial_rollouts=true": ["rollout.mode=async"]}.get(override, [])
         with pytest.raises(ConfigError, match=f"weight_sync adapter does not work with {message}.*weight_sync merged"):
             load_config(None, [*servers, *extra, override])
     merged = [*servers, "model.lora.weight_sync=merged"]
     with pytest.raises(ConfigError, match=r"rollout.sglang.ref_urls is required for armor.*weight_sync adapter"):
         check_algorithm_config(load_config(None, merged))
     check_algorithm_config(load_config(None, [*merged, "rollout.sglang.ref_urls=http://h:2"]))
+    assert load_config(None, [*servers, "model.lora.push_dir=/shared/adapters"]).model.lora.push_dir
+    with pytest.raises(ConfigError, match=r"model.lora.push_dir is for adapter pushes .*weight_sync adapter"):
+        load_config(None, [*merged, "model.lora.push_dir=/shared/adapters"])
     with pytest.raises(ConfigError, match=r"model.lora.weight_sync: 'both' is not allowed"):
         load_config(None, [*servers, "model.lora.weight_sync=both"])

@@ -58,7 +58,9 @@ class AlgorithmConfig:
     baseline_quantile: float = doc(0.45, "quantile of the QAE baseline (advantage_baseline quantile)")
     ref_reset_period: int = doc(
         0, "copy the actor into the reference every N steps (0: frozen); checkpoints then hold the reference, and "
-        "a resume restores a checkpoint's reference whatever this is set to"
+        "a resume restores a checkpoint's reference whatever this is set to. Under model.lora the reference stays the "
+        "base: every N steps the adapters and their optimizer state go back to the best checkpoint's "
+        "(checkpoint.keep_best) unless the step's validation is a new best"
     )
 
     def __post_init__(self) -> None:

@@ -179,7 +179,7 @@ def validate(cfg: ArmorConfig) -> None:
     cfg.rollout.check_with(cfg.train.routing_replay)
     cfg.task.check_with(cfg.model, cfg.data, cfg.rollout.agentic.environment)
     cfg.model.lora.check_with(cfg.model.ref_path, cfg.algorithm, cfg.monitor, cfg.rollout, cfg.subspace.enabled,
-                              save_peft=cfg.checkpoint.save_peft)
+                              cfg.checkpoint.keep_best)
 
 
 def save_config(cfg: ArmorConfig, path: str | Path) -> None:

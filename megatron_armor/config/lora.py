@@ -43,6 +43,13 @@ class LoRAConfig:
         "reference engine or servers) | merged (the merged weights W + (alpha / rank) B A, for engines without LoRA; "
         "the reference then needs an engine of its own or rollout.anchors.engine shared)"
     )
+    push_dir: str | None = doc(
+        None, "weight_sync adapter: a directory on a filesystem every rollout server can read; each push then writes "
+        "the adapter there in PEFT's format (a new version directory <actor>-rank<R>-v<N>, written under a temporary "
+        "name and renamed; the older versions but the previous one removed) and the servers load it by path "
+        "(SGLang's /load_lora_adapter), so they may run on other hosts. Unset: the tensors travel as shared-memory "
+        "handles, to servers on the trainer's host only"
+    )
 
     def __post_init__(self) -> None:
         check_choices("model.lora", self)
@@ -54,45 +61,56 @@ class LoRAConfig:
                              f"{list(LORA_TARGETS)}")
         require(not self.enabled or bool(self.target_modules),
                 "model.lora.target_modules is empty: name at least one layer, or set model.lora.rank 0")
+        require(self.push_dir is None or self.adapter_sync,
+                "model.lora.push_dir is for adapter pushes (model.lora.rank > 0 and model.lora.weight_sync adapter); "
+                "unset it")
 
     def check_with(self, ref_path: str | None, algorithm: AlgorithmConfig, monitor: MonitorConfig,
-                   rollout: RolloutConfig, subspace_enabled: bool, *, save_peft: bool) -> None:
-        """With adapters the reference is the base (model.path) with them off, so nothing may make it another model
-        (model.ref_path, reference resets, the monitor's anchor_keep action; its anchor action restores the best
-        checkpoint's adapters and their optimizer state, trainer/guard/anchor_switch.py); trainer offload
-        and subspace-constrained training (`subspace_enabled`: `SubspaceConfig.enabled`, passed as a value: that
-        section imports this one's) read or move whole weights and do not know adapters yet. The checkpoints' PEFT
-        export (checkpoint.`save_peft`) does not map the routed experts' adapters. Under adapter sync the engines hold
-        the base and the anchors come from the actor's (`check_adapter_sync_with`)."""
+                   rollout: RolloutConfig, subspace_enabled: bool, keep_best: str | None) -> None:
+        """With adapters the reference is the base (model.path) with them off, so nothing may make it another model:
+        model.ref_path, the monitor's anchor_keep action (it makes the best checkpoint's weights the reference while
+        the actor goes on: the model holds one set of adapters, the actor's) and monitor.reference_reset (it makes
+        the current policy the reference at a new best; under LoRA that policy is the best checkpoint's already).
+        A reference reset (algorithm.ref_reset_period) resets the adapters and their optimizer state to the best
+        checkpoint's, as the monitor's anchor action does (trainer/guard/adapter_reset.py), so it needs
+        checkpoint.`keep_best`. Trainer offload and subspace-constrained training (`subspace_enabled`:
+        `SubspaceConfig.enabled`, passed as a value: that section imports this one's) read or move whole weights and
+        do not know adapters yet. Under adapter sync the engines hold the base and the anchors come from the actor's
+        (`check_adapter_sync_with`)."""
         if not self.enabled:
             return
-        require(not (self.experts and save_peft), "model.lora.experts: the checkpoints' PEFT export does not map the "
-                                                  "routed experts' adapters yet; set checkpoint.save_peft false")
-        refused = (  # (what, whether the run uses it, how to turn it off)
-            ("model.ref_path", ref_path is not None, "unset it"),
-            ("algorithm.ref_reset_period", algorithm.ref_reset_period > 0, "set it to 0"),
-            ("monitor.actions anchor_keep", monitor.keeps_weights_on_anchor, "choose anchor, warn or stop"),
-            ("monitor.reference_reset", monitor.reference_reset, "set it to false"),
-            ("rollout.memory.offload_trainer", rollout.memory.offload_trainer, "set it to false"),
-            ("subspace.capture_step", subspace_enabled, "unset it"),
+        base = "the reference is model.path with the adapters off"
+        refused = (  # (what, whether the run uses it, why, how to turn it off)
+            ("model.ref_path", ref_path is not None, base, "unset it"),
+            ("monitor.actions anchor_keep", monitor.keeps_weights_on_anchor,
+             f"{base}, and the model holds one set of adapters, the actor's, so the best checkpoint's cannot become "
+             "the reference beside them", "choose anchor (it resets the adapters to the best checkpoint's), warn or "
+             "stop"),
+            ("monitor.reference_reset", monitor.reference_reset,
+             f"{base}, so the current policy cannot become it; at a new best the adapters are the best checkpoint's "
+             "already, so resetting them to it changes nothing", "set it to false (algorithm.ref_reset_period resets "
+             "the adapters to the best checkpoint's)"),
+            ("algorithm.ref_reset_period without checkpoint.keep_best", algorithm.ref_reset_period > 0 and not keep_best,
+             "a reference reset resets the adapters and their optimizer state to the best checkpoint's", "set "
+             "checkpoint.keep_best (e.g. val/accuracy) or algorithm.ref_reset_period 0"),
+            ("rollout.memory.offload_trainer", rollout.memory.offload_trainer, "trainer offload moves whole weights",
+             "set it to false"),
+            ("subspace.capture_step", subspace_enabled, "subspace training reads whole weights", "unset it"),
         )
-        for name, used, fix in refused:
-            require(not used, f"model.lora (rank {self.rank}) does not work with {name} yet: under LoRA the reference "
-                              f"is model.path with the adapters off, and only the adapters train; {fix}")
+        for name, used, why, fix in refused:
+            require(not used, f"model.lora (rank {self.rank}) does not work with {name}: {why}; {fix}")
         if self.adapter_sync:
             self.check_adapter_sync_with(rollout)
 
     def check_adapter_sync_with(self, rollout: RolloutConfig) -> None:
         """model.lora.weight_sync adapter: the engines keep the base they loaded and the actor's adapter beside it,
         and the reference (ARMOR's anchors) samples from them with the adapter off, so reference servers would go
-        unused; what the adapter push cannot carry yet (routed experts' adapters, a base lost to a memory release)
+        unused; what the adapter push cannot carry (a base lost to a memory release, generations a push interrupts)
         needs the merged push."""
         refused = (  # (what, whether the run uses it, why)
             (f"rollout.sglang.ref_urls ({rollout.sglang.ref_urls})", bool(rollout.sglang.ref_urls),
              "the reference samples from the actor's servers with the adapter off, so reference servers go unused: "
              "drop it"),
-            ("model.lora.experts", self.experts, "the routed experts' adapters are not mapped to the engines' LoRA "
-             "layers yet"),
             ("rollout.memory.release_servers", rollout.memory.release_servers, "a release loses the base the servers "
              "loaded, which only the first push sends"),
             ("rollout.partial_rollouts", rollout.partial_rollouts, "a weight push interrupts the engine's generations, "

@@ -4,25 +4,27 @@
 Each Megatron adapter becomes the adapters of the HF linear layers its layer fuses, through the parameter mapping of
 the layer's weight (`convert.mapping`): a fused QKV's B `[q + 2kv, r]` is split as the weight is into q_proj's,
 k_proj's and v_proj's B, each with the same A; a gated fc1's B `[2f, r]` into gate_proj's and up_proj's; proj and
-fc2 map one to one (o_proj, down_proj). PEFT's scale is lora_alpha / r, as here.
+fc2 map one to one (o_proj, down_proj). A routed expert's adapters (`model.lora.experts`) take the names of the
+expert's HF layers in the checkpoint, `<layer>.mlp.experts.<e>.gate_proj` / `up_proj` / `down_proj` (Mixtral's
+`block_sparse_moe.experts.<e>.w1` / `w3` / `w2`), which `peft` (with transformers 5's stacked experts) converts to
+its adapters of the stacked expert tensors when it loads them. PEFT's scale is lora_alpha / r, as here.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from safetensors.torch import save_file
 
 from megatron_armor.config import LoRAConfig
 from megatron_armor.convert.mapping import megatron_shards_to_hf
 from megatron_armor.convert.weights import stage_mappings
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.models.lora import ADAPTER_SUFFIX, LoRAAdapter
+from megatron_armor.utils.peft_files import write_peft_adapter
 
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
 PEFT_DIR = "peft"  # a LoRA run's checkpoint's export: step_N/peft/ (checkpoint.save_peft)
@@ -30,15 +32,13 @@ PEFT_DIR = "peft"  # a LoRA run's checkpoint's export: step_N/peft/ (checkpoint.
 
 def peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
     """This pipeline stage's adapters under PEFT's names (`base_model.model.<HF layer>.lora_A.weight` `[r, in]`,
-    `.lora_B.weight` `[out, r]`), whole (collective over the TP group). Routed experts' adapters are refused: PEFT
-    names experts per family and this export does not map them yet."""
+    `.lora_B.weight` `[out, r]`), whole (collective over the TP group); of the routed experts, those of this
+    expert-parallel rank, under their global expert numbers."""
     mappings = {m.megatron_name: m for m in stage_mappings(model, shape)}
     out = {}
     for name, adapter in model.named_modules():
         if not isinstance(adapter, LoRAAdapter):
             continue
-        if ".experts." in name:
-            raise ValueError(f"{name}: the PEFT export does not map the routed experts' adapters yet")
         mapping = mappings[f"{name.removesuffix(ADAPTER_SUFFIX)}.weight"]
         a, b = adapter.full_factors()
         for hf_name, hf_b in zip(mapping.hf_names, megatron_shards_to_hf(mapping, [b], shape), strict=True):
@@ -61,15 +61,24 @@ def peft_config(lora: LoRAConfig, tensors: dict[str, torch.Tensor], base_model: 
 
 
 def all_stages_peft_tensors(model: GPTModel, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """`peft_tensors` of every pipeline stage, on the CPU, on every rank (collective over TP and PP): the adapters
-    whole, what the PEFT export writes and an adapter-only weight push sends."""
+    """`peft_tensors` of every pipeline stage and every expert-parallel rank's experts, on the CPU, on every rank
+    (collective over TP, EP and PP): the adapters whole, what the PEFT export writes and an adapter-only weight push
+    sends."""
     tensors = {key: value.cpu() for key, value in peft_tensors(model, shape).items()}
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        group = parallel_state.get_pipeline_model_parallel_group()
-        stages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(stages, tensors, group=group)
-        tensors = {key: value for stage in stages for key, value in stage.items()}
+    for size, group in ((parallel_state.get_expert_model_parallel_world_size,
+                         parallel_state.get_expert_model_parallel_group),
+                        (parallel_state.get_pipeline_model_parallel_world_size,
+                         parallel_state.get_pipeline_model_parallel_group)):
+        if size() > 1:
+            tensors = _union_over(tensors, group())
     return tensors
+
+
+def _union_over(tensors: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """The union of every rank of `group`'s `tensors` (a name two ranks hold is the same tensor on both)."""
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, tensors, group=group)
+    return {key: value for part in parts for key, value in part.items()}
 
 
 def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_dir: str | Path,
@@ -80,8 +89,4 @@ def save_peft_adapter(model: GPTModel, shape: ModelShape, lora: LoRAConfig, out_
     tensors = all_stages_peft_tensors(model, shape)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, tensors, base_model), indent=2))
-    return out
+    return write_peft_adapter(tensors, peft_config(lora, tensors, base_model), out_dir)

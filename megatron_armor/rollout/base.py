@@ -144,6 +144,12 @@ class RolloutEngine(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot hold LoRA adapters: set model.lora.weight_sync "
                                   f"merged to push merged weights")
 
+    def load_lora_adapter_from_path(self, name: str, path: str) -> None:
+        """`load_lora_adapter` from an adapter directory in PEFT's format at `path` (`adapter_config.json`,
+        `adapter_model.safetensors`) that the engine (its servers) can read: SGLang's /load_lora_adapter."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load LoRA adapters from a path: unset "
+                                  f"model.lora.push_dir")
+
 
 class EngineView(RolloutEngine):
     """`engine` seen through a view that changes part of what it does (`PausableEngine`: pauses around pushes;

@@ -6,6 +6,12 @@ An adapter comes as Hugging Face PEFT's tensors (`base_model.model.<HF linear>.l
 `nn.Linear` adds `(lora_alpha / r) B A x` to its output while the calling thread has that adapter selected
 (`EngineAdapters.selected`): calls on other threads (the base's anchors beside the actor's rollouts) run with their
 own choice, and with none selected the model is the base, bit for bit.
+
+A routed expert's adapters come under the checkpoint's per-expert names (`<layer>.mlp.experts.<e>.gate_proj`, ...;
+the family's `engine_expert` finds them in transformers 5's stacked experts module). Gate and up adapters act before
+the expert's activation, so no output hook can add them: while an adapter with factors for a MoE layer is selected,
+that layer's experts module runs `ExpertAdapters.forward` (transformers' expert loop with each expert's adapters
+added to its gate, up and down products) instead of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from megatron_armor.models.families import model_family
+from megatron_armor.models.families.weights import EngineExpert
+from megatron_armor.models.tensors import checkpoint_tensors
 
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
 FACTOR_SUFFIXES = {"A": ".lora_A.weight", "B": ".lora_B.weight"}
@@ -38,13 +48,44 @@ class LinearAdapter:
         return torch.nn.functional.linear(torch.nn.functional.linear(x, self.a), self.b) * self.scale
 
 
+class ExpertAdapters:
+    """One MoE layer's expert adapters, `LinearAdapter`s by (expert, projection: gate / up / down); an expert or
+    projection without one computes as the base."""
+
+    def __init__(self) -> None:
+        self.factors: dict[tuple[int, str], LinearAdapter] = {}
+
+    def forward(self, experts: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers 5's expert loop of `experts` (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) for tokens
+        `hidden` [T, H] routed to experts `top_k_index` [T, k] with weights `top_k_weights` [T, k], each expert's
+        adapters added to its gate, up and down products: [T, H]."""
+        out = torch.zeros_like(hidden)
+        for expert in top_k_index.unique().tolist():
+            if expert >= experts.num_experts:  # transformers' mark of a slot routed to no local expert
+                continue
+            positions, tokens = torch.where((top_k_index == expert).T)  # transformers' order: by position, then token
+            x = hidden[tokens]
+            gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            h = experts.act_fn(self._added(expert, "gate", gate, x)) * self._added(expert, "up", up, x)
+            y = self._added(expert, "down", torch.nn.functional.linear(h, experts.down_proj[expert]), h)
+            out.index_add_(0, tokens, (y * top_k_weights[tokens, positions, None]).to(out.dtype))
+        return out
+
+    def _added(self, expert: int, projection: str, product: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        factors = self.factors.get((expert, projection))
+        return product if factors is None else product + factors.delta(x)
+
+
 class EngineAdapters:
     """The adapters loaded into `model` by name (`load`, `unload`) and the hooks that apply the selected one."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.loaded: dict[str, dict[str, LinearAdapter]] = {}  # adapter name -> HF module name -> its factors
-        self._hooked: set[str] = set()  # modules with the hook
+        self.family = model_family(model.config.model_type, source="the engine's model")
+        # adapter name -> module name -> its factors (a linear layer's, or a MoE layer's experts module's)
+        self.loaded: dict[str, dict[str, LinearAdapter | ExpertAdapters]] = {}
+        self._hooked: set[str] = set()  # modules with the hook (or the experts' forward)
         self._thread = threading.local()  # .adapter: the calling thread's selected adapter (module -> factors)
 
     def load(self, name: str, config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -62,36 +103,55 @@ class EngineAdapters:
         for key, tensor in named_tensors:
             module, factor = _module_and_factor(key)
             factors.setdefault(module, {})[factor] = tensor
-        adapters = {module: self._checked(name, module, pair, rank, alpha / rank, convert)
-                    for module, pair in factors.items()}
-        if not adapters:
+        if not factors:
             raise AdapterError(f"adapter {name!r} has no tensors")
-        for module in adapters.keys() - self._hooked:
-            self.model.get_submodule(module).register_forward_hook(self._hook(module))
-            self._hooked.add(module)
+        weights = self.family.engine_named_views(checkpoint_tensors(self.model))
+        adapters: dict[str, LinearAdapter | ExpertAdapters] = {}
+        for module, pair in factors.items():
+            expert = self.family.engine_expert(module)
+            adapter = self._checked(name, module, weights.get(f"{module}.weight"), expert is None, pair, rank,
+                                    alpha / rank, convert)
+            if expert is None:
+                adapters[module] = adapter
+            else:
+                self._check_experts(name, expert)
+                experts = adapters.setdefault(expert.module, ExpertAdapters())
+                experts.factors[expert.expert, expert.projection] = adapter
+        for module, adapter in adapters.items():
+            if module not in self._hooked:
+                self._hook(module, isinstance(adapter, ExpertAdapters))
         self.loaded[name] = adapters
 
-    def _checked(self, name: str, module: str, pair: dict[str, torch.Tensor], rank: int, scale: float,
-                 convert: Callable[[torch.Tensor], torch.Tensor] | None) -> LinearAdapter:
-        """`module`'s factors as the model's linear layer takes them, or AdapterError."""
-        try:
-            layer = self.model.get_submodule(module)
-        except AttributeError:
-            raise AdapterError(f"adapter {name!r}: the model has no layer {module!r}") from None
-        if not isinstance(layer, torch.nn.Linear):
+    def _checked(self, name: str, module: str, weight: torch.Tensor | None, linear: bool, pair: dict[str, torch.Tensor],
+                 rank: int, scale: float, convert: Callable[[torch.Tensor], torch.Tensor] | None) -> LinearAdapter:
+        """`module`'s factors as the model's layer of weight `weight` [out, in] (by the checkpoint's name: a view
+        into the stacked experts for a routed expert's projection, else `linear`: an `nn.Linear`'s) takes them, or
+        AdapterError."""
+        if weight is None:
+            raise AdapterError(f"adapter {name!r}: the model has no layer {module!r}")
+        if linear and not isinstance(layer := self.model.get_submodule(module), torch.nn.Linear):
             raise AdapterError(f"adapter {name!r}: {module} is a {type(layer).__name__}, not a linear layer")
         if pair.keys() != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: {module} needs lora_A and lora_B, got {sorted(pair)}")
-        a, b = pair["A"], pair["B"]
-        want = {"A": (rank, layer.in_features), "B": (layer.out_features, rank)}
+        out_features, in_features = weight.shape
+        want = {"A": (rank, in_features), "B": (out_features, rank)}
         for factor, tensor in pair.items():
             if tuple(tensor.shape) != want[factor]:
                 raise AdapterError(f"adapter {name!r}: {module}.lora_{factor} has shape {tuple(tensor.shape)}, the "
                                    f"layer needs {want[factor]} (r {rank})")
-        weight = layer.weight
         a, b = ((t.detach() if convert is None else convert(t.detach())).to(
-            device=weight.device, dtype=weight.dtype, copy=True) for t in (a, b))
+            device=weight.device, dtype=weight.dtype, copy=True) for t in (pair["A"], pair["B"]))
         return LinearAdapter(a, b, scale)
+
+    def _check_experts(self, name: str, expert: EngineExpert) -> None:
+        """AdapterError unless `expert.module` is an experts module whose loop `ExpertAdapters.forward` repeats:
+        gate and up fused in that order, untransposed, without biases."""
+        experts = self.model.get_submodule(expert.module)
+        layout = {key: getattr(experts, key, None) for key in ("has_gate", "is_concatenated", "is_transposed",
+                                                                  "has_bias")}
+        if layout != {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False}:
+            raise AdapterError(f"adapter {name!r}: the experts of {expert.module} ({type(experts).__name__}, {layout}) "
+                               f"are not laid out as the expert adapters' loop needs")
 
     def unload(self, name: str) -> None:
         """Drop adapter `name` (its hooks stay and do nothing for it)."""
@@ -110,13 +170,32 @@ class EngineAdapters:
         finally:
             self._thread.adapter = previous
 
-    def _hook(self, module: str):
-        def add_delta(layer: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            adapter = getattr(self._thread, "adapter", None)
-            factors = None if adapter is None else adapter.get(module)
-            return None if factors is None else output + factors.delta(args[0])
+    def _factors(self, module: str) -> LinearAdapter | ExpertAdapters | None:
+        """The calling thread's selected adapter's factors of `module`, or None (none selected, or none there)."""
+        adapter = getattr(self._thread, "adapter", None)
+        return None if adapter is None else adapter.get(module)
 
-        return add_delta
+    def _hook(self, module: str, experts: bool) -> None:
+        """Make `module` apply the selected adapter: a linear layer through a forward hook, a MoE layer's experts
+        module through its forward (an instance attribute over the class's; its parameters and names stay)."""
+        layer = self.model.get_submodule(module)
+        self._hooked.add(module)
+        if not experts:
+            def add_delta(_: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+                factors = self._factors(module)
+                return None if factors is None else output + factors.delta(args[0])
+
+            layer.register_forward_hook(add_delta)
+            return
+        base_forward = layer.forward
+
+        def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+            factors = self._factors(module)
+            if factors is None:
+                return base_forward(hidden, top_k_index, top_k_weights)
+            return factors.forward(layer, hidden, top_k_index, top_k_weights)
+
+        layer.forward = forward
 
 
 def _module_and_factor(key: str) -> tuple[str, str]:

@@ -72,6 +72,7 @@ def _routes(state: LocalServerState) -> dict[str, Callable[[dict[str, Any]], Any
         "/pause_generation": state.pause_generation, "/continue_generation": state.continue_generation,
         "/get_weights_by_name": state.weights_by_name,
         "/load_lora_adapter_from_tensors": state.load_lora_adapter, "/unload_lora_adapter": state.unload_lora_adapter,
+        "/load_lora_adapter": state.load_lora_adapter_from_path,
         "/release_memory_occupation": state.release_memory, "/resume_memory_occupation": state.resume_memory,
     }
 

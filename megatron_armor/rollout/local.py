@@ -37,6 +37,7 @@ from megatron_armor.rollout.engine_lora import EngineAdapters
 from megatron_armor.rollout.precision import ENGINE_PRECISIONS, EnginePrecision, quantize_weight
 from megatron_armor.rollout.prepacked_linear import drop_layouts, prepack_linears
 from megatron_armor.rollout.route_capture import RouteCapture
+from megatron_armor.utils.peft_files import read_peft_adapter
 
 
 def sample_next_tokens(
@@ -375,6 +376,11 @@ class LocalEngine(RolloutEngine):
         (`engine_lora.EngineAdapters.load`; rounded to `weight_precision`). Nothing cached outlives a call."""
         self.adapters.load(name, config, named_tensors,
                            functools.partial(quantize_weight, precision=self.weight_precision))
+
+    def load_lora_adapter_from_path(self, name: str, path: str) -> None:
+        """`load_lora_adapter` from the PEFT directory at `path`."""
+        config, tensors = read_peft_adapter(path)
+        self.load_lora_adapter(name, config, tensors.items())
 
     def unload_lora_adapter(self, name: str) -> None:
         """Drop LoRA adapter `name`."""

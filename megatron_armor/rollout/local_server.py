@@ -390,6 +390,24 @@ class LocalServerState:
                 raise RequestError(f"/load_lora_adapter_from_tensors: {error}") from error
             return proto.lora_update_reply(self.engine.adapters.loaded)
 
+    def load_lora_adapter_from_path(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /load_lora_adapter {lora_name, lora_path, pinned}: the adapter beside the base from the PEFT directory
+        at lora_path (`LocalEngine.load_lora_adapter_from_path`; pinned changes nothing here). As SGLang, a name
+        already loaded is refused: unload it first."""
+        try:
+            name, path = proto.lora_adapter_path_from_request(body)
+        except tensor_serialization.PayloadError as error:
+            raise RequestError(f"/load_lora_adapter: bad request: {error}") from error
+        with self.engine_lock:
+            if name in self.engine.adapters.loaded:
+                raise RequestError(f"/load_lora_adapter: adapter {name!r} is already loaded; POST "
+                                   f"/unload_lora_adapter first")
+            try:
+                self.engine.load_lora_adapter_from_path(name, path)
+            except (OSError, ValueError) as error:  # no such directory or files, or an adapter the model cannot take
+                raise RequestError(f"/load_lora_adapter: {error}") from error
+            return proto.lora_update_reply(self.engine.adapters.loaded)
+
     def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /unload_lora_adapter {lora_name}."""
         with self.engine_lock:

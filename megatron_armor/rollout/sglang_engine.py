@@ -508,6 +508,18 @@ class SGLangEngine(RolloutEngine):
 
         self._while_paused(tensors, load)
 
+    def load_lora_adapter_from_path(self, name: str, path: str) -> None:
+        """Load (or replace) LoRA adapter `name` on the push servers from the PEFT directory at `path`, which they
+        read from a filesystem they share with this process (model.lora.push_dir; any host): generation paused and
+        any adapter of that name unloaded as for `load_lora_adapter`, then SGLang's /load_lora_adapter."""
+
+        def load(_: list[tuple[str, torch.Tensor]]) -> None:
+            self._try_servers(self._live_push_servers, "/unload_lora_adapter",
+                              lambda s: proto.unload_lora_adapter_request(name))
+            self._on_push_servers("/load_lora_adapter", lambda s: proto.load_lora_adapter_request(name, path))
+
+        self._while_paused([], load)
+
     def _while_paused(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                       send: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> None:
         """`send(named_tensors)` to the push servers that answer /pause_generation, then /continue_generation on

@@ -348,6 +348,20 @@ def lora_adapter_from_request(
     return name, config, tensor_serialization.named_tensors_from_payload(payload, body.get("load_format"))
 
 
+def load_lora_adapter_request(name: str, path: str) -> dict[str, Any]:
+    """A /load_lora_adapter body (SGLang's LoadLoRAAdapterReqInput): adapter `name` from the PEFT directory at `path`
+    on the server's filesystem, not pinned in memory."""
+    return {"lora_name": name, "lora_path": path, "pinned": False}
+
+
+def lora_adapter_path_from_request(body: dict[str, Any]) -> tuple[str, str]:
+    """(name, path) of a /load_lora_adapter body; PayloadError if either is missing."""
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise tensor_serialization.PayloadError("lora_name and lora_path (non-empty strings) are required")
+    return name, path
+
+
 def unload_lora_adapter_request(name: str) -> dict[str, Any]:
     """An /unload_lora_adapter body (SGLang's UnloadLoRAAdapterReqInput)."""
     return {"lora_name": name}

@@ -1,10 +1,12 @@
 """The PEFT export of a LoRA actor: `peft` loads it onto the HF base model, which then gives the Megatron model's
-logits with its adapters on."""
+logits with its adapters on; a MoE model's routed experts' adapters too (per-expert HF names, which peft converts to
+its adapters of transformers 5's stacked experts)."""
 
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from megatron_armor.config import LoRAConfig
 from megatron_armor.convert.peft_export import save_peft_adapter
@@ -22,7 +24,7 @@ def megatron_world():
     destroy_distributed()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 def test_peft_loads_the_export_and_gives_the_trainer_s_logits(megatron_world, tiny_model_factory, tmp_path, arch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -31,7 +33,7 @@ def test_peft_loads_the_export_and_gives_the_trainer_s_logits(megatron_world, ti
     shape = load_model_shape(checkpoint)
     model = build_gpt_model(shape, transformer_config(shape), trainable=True)
     load_hf_weights(model, checkpoint, shape)
-    lora = LoRAConfig(rank=4, alpha=8.0)
+    lora = LoRAConfig(rank=4, alpha=8.0, experts=bool(shape.num_experts))
     apply_lora(model, lora)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -44,6 +46,11 @@ def test_peft_loads_the_export_and_gives_the_trainer_s_logits(megatron_world, ti
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["base_model_name_or_path"] == str(checkpoint)
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    if shape.num_experts:  # every layer's every expert, as peft names the HF checkpoint's per-expert layers
+        with safe_open(out / "adapter_model.safetensors", "pt") as f:
+            experts = {key.split(".mlp.experts.")[1] for key in f.keys() if ".mlp.experts." in key}
+        assert experts == {f"{e}.{proj}.lora_{f}.weight" for e in range(shape.num_experts)
+                           for proj in ("gate_proj", "up_proj", "down_proj") for f in "AB"}
     base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     with torch.no_grad():
         base_logits = base(tokens).logits

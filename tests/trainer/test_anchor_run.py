@@ -2,7 +2,8 @@
 validation accuracies (0.5, 0.0, 1.0, 0.25, 1.0) make val_drop fire after steps 2 and 4 switches to ARMOR after
 step 2 from the best checkpoint (step 1) and resets to the best again (step 3) after step 4; the checkpoints hold the
 best's weights as actor and reference with a fresh optimizer, the lr warmup restarts, and a resume trains ARMOR
-with the same reference. Under LoRA the action puts the best checkpoint's adapters and their optimizer state back.
+with the same reference. Under LoRA the action puts the best checkpoint's adapters and their optimizer state back, and
+so does a reference reset (algorithm.ref_reset_period), the lr schedule going on.
 """
 
 import json
@@ -178,6 +179,33 @@ def test_anchor_under_lora_restores_the_best_adapters_and_their_optimizer_state(
     assert bit_identical(saved[2]["optimizer"], saved[1]["optimizer"]) and not _fresh(saved[2]["optimizer"])
     assert saved[3]["optimizer"]["adam_step"] == 4
     assert json.loads((run_dir / "checkpoints" / "BEST").read_text())["step"] == 3  # keep_best as without LoRA
+
+
+def test_a_reference_reset_under_lora_restores_the_best_adapters_unless_the_step_is_the_best(
+        synthetic_cache, tmp_path, caplog):
+    """algorithm.ref_reset_period 1 under LoRA, no monitor: after step 1 the adapters stay (no best checkpoint yet),
+    after step 2 (val/accuracy 0.0) they and their Adam state are step 1's (the best, 0.5) again, bit for bit, the lr
+    schedule going on (no warmup again); after step 3 (1.0, a new best) they stay. The reference stays the base: no
+    checkpoint holds one."""
+    run_dir = tmp_path / "run"
+    planted = _planted(tmp_path / "planted.py", [0.5, 0.0, 1.0])
+    overrides = [*(o for o in _overrides(synthetic_cache, run_dir, planted) if not o.startswith("monitor.")),
+                 "monitor.enabled=false", "model.lora.rank=8", "algorithm.ref_reset_period=1", "train.max_steps=3"]
+    with caplog.at_level(logging.INFO, logger="megatron_armor"):
+        assert run_training(load_config(CONFIG, overrides)) == 0
+    rows = _rows(run_dir)
+    assert [rows[step].get("armor/ref_reset", 0) for step in (1, 2, 3)] == [0, 1, 0]
+    assert [rows[step]["optim/lr"] for step in (1, 2, 3)] == [LR / 2, LR, LR]
+    assert "step 1: reference reset: the adapters stay (no best checkpoint yet)" in caplog.text
+    assert ("step 2: reference reset under LoRA: the adapters and their optimizer state from the best checkpoint "
+            "step_000001 (step 1, val/accuracy 0.5)") in caplog.text
+    assert "step 3: reference reset: the adapters stay (val/accuracy 1 is the best so far)" in caplog.text
+    saved = {step: saved_modules(run_dir / "checkpoints" / f"step_{step:06d}") for step in (1, 2, 3)}
+    assert all("ref" not in modules for modules in saved.values())
+    assert bit_identical(saved[2]["actor"], saved[1]["actor"]) and not _fresh(saved[2]["optimizer"])
+    assert bit_identical(saved[2]["optimizer"], saved[1]["optimizer"])
+    assert not bit_identical(saved[3]["actor"], saved[2]["actor"])  # trained on, not reset
+    assert json.loads((run_dir / "checkpoints" / "BEST").read_text())["step"] == 3
 
 
 def test_anchor_needs_a_best_checkpoint_and_an_algorithm_that_can_switch(tmp_path):

@@ -392,18 +392,23 @@ def test_lora_layout_matches_single_rank(runs, name, baseline):
     """A LoRA ARMOR step (the reference: the actor's model with its adapters off) at TP=2 (with and without sequence
     parallelism), PP=2, DP=2 with the distributed optimizer, and a MoE model's with experts adapted over EP=2, equals
     the one-process step: logprobs, the adapters' gradients (whole, TP-gathered), the merged weights after two
-    optimizer steps and the adapters themselves; the base weights never move, and the adapters off still score the
-    base after the step."""
+    optimizer steps and the adapters themselves, whole and PEFT-named as a push sends them (a MoE model's every
+    expert's, on every rank); the base weights never move, and the adapters off still score the base after the
+    step."""
     ranks, base = runs[name], runs[baseline][0]
     assert_same_step(ranks, base)
     assert base["grads"] and all(name.endswith((".lora_a", ".lora_b")) for name in base["grads"])
     assert any(g.abs().max() > 0 for name, g in base["grads"].items() if name.endswith(".lora_b"))
     if "moe" in name:
         assert any(".local_experts.3." in key for key in base["adapters"])  # every expert, gathered over EP
+        assert any(".mlp.experts.3.up_proj.lora_B" in key for key in base["peft"])
     for result in ranks:
         assert result["adapters"].keys() == base["adapters"].keys()
         for key, tensor in result["adapters"].items():
             torch.testing.assert_close(tensor, base["adapters"][key], atol=WEIGHT_ATOL, rtol=0, msg=key)
+        assert result["peft"].keys() == base["peft"].keys()
+        for key, tensor in result["peft"].items():
+            torch.testing.assert_close(tensor, base["peft"][key], atol=WEIGHT_ATOL, rtol=0, msg=key)
         before, after = result["ref_logprobs_before_and_after"]
         assert torch.equal(before, after)
     changed = [key for key, w in base["weights"].items() if not torch.equal(w, base["initial_weights"][key])]

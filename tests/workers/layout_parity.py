@@ -43,6 +43,7 @@ from launcher import write_result  # noqa: E402
 from state_trees import adam_moments  # noqa: E402
 
 from megatron_armor.algorithms import build_groups  # noqa: E402
+from megatron_armor.convert.peft_export import all_stages_peft_tensors  # noqa: E402
 from megatron_armor.convert.weights import gather_all_stages_hf_weights, load_hf_weights  # noqa: E402
 from megatron_armor.data.datasets import PromptRow  # noqa: E402
 from megatron_armor.data.types import Sample  # noqa: E402
@@ -255,6 +256,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     step_geometry = geometry.metrics(ddp.module, handles.ref.module)
     weights = {name: w.clone() for name, w in gather_all_stages_hf_weights(ddp.module, shape)}  # LoRA: merged
     adapters = every_stage_adapters(ddp) if lora else None
+    peft = all_stages_peft_tensors(ddp.module, shape) if lora else None  # what an adapter push sends
     ref_after = handles.ref.score(batch, micro_batching=plan.micro_batching, scoring=scoring) if lora else None
     moments, saved = None, None
     if "checkpoint" in options:  # before the round trip below steps once more
@@ -270,7 +272,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
                 "head_in_main_grad": head_in_main_grad,
                 "metrics": update.metrics, "initial_weights": initial_weights, "weights": weights, "geometry": step_geometry,
                 "optimizer_state_bytes": state_bytes, "state_round_trip_exact": round_trip,
-                "adapters": adapters, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
+                "adapters": adapters, "peft": peft, "ref_logprobs_before_and_after": (batch.ref_logprobs, ref_after),
                 "adam_moments": moments, "checkpoint": saved, "checkpointed": len(CHECKPOINTS),
                 "samples": sample_records(groups) if "agentic" in options else None,
                 "layout": (ctx.tp_size, ctx.pp_size, ctx.dp_size)}, Path(out_dir) / name / f"rank{ctx.rank}.pt")

@@ -11,7 +11,9 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_armor.models.families.weights import ParamMapping, attention_mappings, dense_mlp_mappings
+from megatron_armor.models.families.weights import (
+    EngineExpert, ParamMapping, attention_mappings, dense_mlp_mappings,
+)
 from megatron_armor.models.layer_specs import layer_spec
 from megatron_armor.models.shape import ModelShape
 
@@ -112,3 +114,9 @@ class ModelFamily:
         names of the weight mapping: views of them, so writing into a view writes the model (the dense families' are
         the same names)."""
         return params
+
+    def engine_expert(self, name: str) -> EngineExpert | None:
+        """Where the HF checkpoint's layer `name` (no `.weight`) sits among an in-memory transformers model's stacked
+        routed experts, or None when it is not a routed expert's projection (the dense families have none)."""
+        del name
+        return None

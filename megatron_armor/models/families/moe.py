@@ -3,6 +3,7 @@ of another router overrides `router_fields`: `families.sigmoid_moe`, GLM-4.5's a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_armor.models.families.base import ModelConfigError, ModelFamily
-from megatron_armor.models.families.weights import ExpertNames, ParamMapping, moe_mappings
+from megatron_armor.models.families.weights import EngineExpert, ExpertNames, ParamMapping, moe_mappings
 from megatron_armor.models.layer_specs import layer_spec
 from megatron_armor.models.shape import ModelShape
 
@@ -103,3 +104,13 @@ class MoEFamily(ModelFamily):
             else:
                 views[block + rest] = tensor
         return views
+
+    def engine_expert(self, name: str) -> EngineExpert | None:
+        """`{layer}.{block}.experts.{e}.{gate|up|down}` (the checkpoint's names, `engine_named_views`) is projection
+        gate, up or down of expert e in transformers 5's stacked experts `{layer}.mlp.experts`."""
+        names = self.expert_names
+        projections = {names.gate: "gate", names.up: "up", names.down: "down"}
+        match = re.fullmatch(rf"(.+)\.{re.escape(names.block)}\.experts\.(\d+)\.(\w+)", name)
+        if match is None or match.group(3) not in projections:
+            return None
+        return EngineExpert(f"{match.group(1)}.mlp.experts", int(match.group(2)), projections[match.group(3)])

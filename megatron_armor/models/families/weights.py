@@ -42,6 +42,17 @@ class ParamMapping:
 
 
 @dataclass(frozen=True)
+class EngineExpert:
+    """Where one routed expert's HF projection (a checkpoint name such as ``model.layers.0.mlp.experts.3.up_proj``)
+    lives in a transformers 5 model, which stacks a MoE layer's experts: the experts module ``module`` (its
+    ``gate_up_proj`` [E, 2 * I, H], ``down_proj`` [E, H, I]), the expert number and the projection."""
+
+    module: str
+    expert: int
+    projection: Literal["gate", "up", "down"]
+
+
+@dataclass(frozen=True)
 class ExpertNames:
     """How a family's HF checkpoint names a MoE block's tensors: ``model.layers.{i}.{block}.{router}.weight`` [E, H],
     ``{block}.experts.{e}.{gate|up|down}.weight``, and a shared expert's ``{block}.{shared}.{gate|up|down}.weight``

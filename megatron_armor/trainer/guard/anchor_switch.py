@@ -15,8 +15,10 @@ mixed ratio pull the policy back toward the best checkpoint's behaviour). When a
 wins.
 
 Under LoRA (model.lora) the reference is the base and never moves: anchor restores the best checkpoint's adapters and
-their optimizer state into the actor (the base is untouched) and trains ARMOR against the base from then on; anchor_keep
-is refused (config validation: it would make the reference another model than the base).
+their optimizer state into the actor (the base is untouched) and trains ARMOR against the base from then on
+(`restore_point`, which a LoRA run's reference reset shares: trainer/guard/adapter_reset.py); anchor_keep is refused
+(config validation: the model holds one set of adapters, the actor's, so the best checkpoint's cannot become the
+reference beside them).
 
 The best checkpoint may be the start (step 0: the model the run started from, with its step-0 validation); its
 weights are then read from model.path again (`StartWeights`; under LoRA the adapters as they were built), not from a
@@ -30,6 +32,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from megatron_armor.algorithms import ANCHORED_ALGORITHM, build_anchored_algorithm
@@ -58,6 +61,30 @@ class AnchorState:
     anchors: int = 0  # actions taken so far (switches, restarts and kept-weight reference changes)
     step: int | None = None  # RL steps done at the last restart (anchor): the lr warmup counts from this step
     reference_step: int | None = None  # the best checkpoint's step the reference came from at the last action
+
+
+def best_checkpoint_dir(best: BestCheckpoint, saver: CheckpointSaver) -> Path:
+    """The directory of the best checkpoint (`best.step` is a saved step), its save finished first (it may be the
+    one still in flight)."""
+    saver.finalize()
+    return step_dirs(saver.root, best.step)[0]
+
+
+def restore_point(trainer: RLTrainer, best: BestCheckpoint, saver: CheckpointSaver,
+                  start_weights: StartWeights) -> tuple[dict[str, Any], str]:
+    """The best checkpoint's modules a restart restores into the actor (collective; `best.step` is set), and where
+    they came from, for the log: {"actor": its weights}; under LoRA (`Policy.adapters_only`) the adapters and their
+    optimizer state ("optimizer"), which go on from where the best checkpoint was. The start (step 0) has weights
+    only (`start_weights`), the optimizer starts afresh."""
+    actor = trainer.models.actor
+    if best.step == START_STEP:
+        return {actor.name: start_weights()}, "the run's start (model.path), the best so far"
+    checkpoint = best_checkpoint_dir(best, saver)
+    if actor.adapters_only:
+        request = trainer.sharded_state_dict(is_loading=True, names=[actor.name, OPTIMIZER])["modules"]
+    else:
+        request = {actor.name: actor.sharded_state_dict(prefix=actor.checkpoint_prefix)}
+    return load_modules(checkpoint, request), f"the best checkpoint {checkpoint.name}"
 
 
 class AnchorSwitch:
@@ -115,20 +142,14 @@ class AnchorSwitch:
 
     def _best_state(self, *, restart: bool) -> tuple[dict[str, Any], str]:
         """The best checkpoint's modules the action restores (collective), and where they came from, for the log:
-        {"actor": its weights} read into the actor's own tensors for a restart, into the reference's for anchor_keep
-        (a checkpoint's load fills the tensors it is given, so the actor's stay untouched). A LoRA restart
-        (`Policy.adapters_only`) reads the adapters and their optimizer state ("optimizer"): they go on from where
-        the best checkpoint was. The start (step 0) has weights only, the optimizer starts afresh."""
+        {"actor": its weights} read into the actor's own tensors for a restart (`restore_point`), into the
+        reference's for anchor_keep (a checkpoint's load fills the tensors it is given, so the actor's stay
+        untouched)."""
+        if restart or self.best.step == START_STEP:
+            return restore_point(self.trainer, self.best, self.saver, self.start_weights)
+        checkpoint = best_checkpoint_dir(self.best, self.saver)
         actor = self.trainer.models.actor
-        if self.best.step == START_STEP:
-            return {actor.name: self.start_weights()}, "the run's start (model.path), the best so far"
-        self.saver.finalize()  # the best checkpoint may be the save still in flight
-        checkpoint = step_dirs(self.saver.root, self.best.step)[0]
-        if restart and actor.adapters_only:
-            request = self.trainer.sharded_state_dict(is_loading=True, names=[actor.name, OPTIMIZER])["modules"]
-        else:
-            into = actor if restart else self.trainer.models.ref
-            request = {actor.name: into.sharded_state_dict(prefix=actor.checkpoint_prefix)}
+        request = {actor.name: self.trainer.models.ref.sharded_state_dict(prefix=actor.checkpoint_prefix)}
         return load_modules(checkpoint, request), f"the best checkpoint {checkpoint.name}"
 
     def state(self) -> dict[str, Any]:

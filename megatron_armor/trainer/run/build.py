@@ -29,6 +29,7 @@ from megatron_armor.models.hf_config import (
 from megatron_armor.models.lora import adapter_entries, adapters_disabled, apply_lora
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
+from megatron_armor.rollout.adapter_dir import AdapterDir
 from megatron_armor.rollout.adapter_engine import AdapterEngine
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.rollout.backends import ROLLOUT_BACKENDS, EngineSite
@@ -99,7 +100,7 @@ def build_training(
     teacher = trainer_models.teacher
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
-        actor=_actor(cfg, paths, trainer_models, actor_engine),
+        actor=_actor(cfg, paths, trainer_models, actor_engine, rank=ctx.rank),
         ref=_reference(trainer_models, ref_engine),
         optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
@@ -155,14 +156,17 @@ def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScor
                         audits=rewards.audits)
 
 
-def _actor(cfg: ArmorConfig, paths: TaskPaths, models: TrainerModels, engine: RolloutEngine) -> Policy:
+def _actor(cfg: ArmorConfig, paths: TaskPaths, models: TrainerModels, engine: RolloutEngine, *, rank: int) -> Policy:
     """The actor policy. Under model.lora.weight_sync adapter its engine holds the base, and the actor samples
     through its adapter there (`AdapterEngine`), to which each push sends the adapters alone (PEFT-named,
-    `convert.peft_export.all_stages_peft_tensors`)."""
-    if not cfg.model.lora.adapter_sync:
-        return Policy(ACTOR, models.ddp, engine, adapters_only=cfg.model.lora.enabled)
-    config = functools.partial(peft_config, cfg.model.lora, base_model=paths.model_path)
-    return Policy(ACTOR, models.ddp, AdapterEngine(engine, ACTOR_ADAPTER, config), weights=_adapter_tensors,
+    `convert.peft_export.all_stages_peft_tensors`), with model.lora.push_dir by path (this `rank`'s versions: every
+    rank that pushes writes its own)."""
+    lora = cfg.model.lora
+    if not lora.adapter_sync:
+        return Policy(ACTOR, models.ddp, engine, adapters_only=lora.enabled)
+    config = functools.partial(peft_config, lora, base_model=paths.model_path)
+    push_dir = None if lora.push_dir is None else AdapterDir(lora.push_dir, f"{ACTOR_ADAPTER}-rank{rank}")
+    return Policy(ACTOR, models.ddp, AdapterEngine(engine, ACTOR_ADAPTER, config, push_dir), weights=_adapter_tensors,
                   adapters_only=True)
 
 

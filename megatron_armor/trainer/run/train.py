@@ -25,6 +25,7 @@ from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.checkpointing.lora_base import LoRABase
 from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
 from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
+from megatron_armor.trainer.guard.adapter_reset import AdapterReset
 from megatron_armor.trainer.guard.reference_reset import ReferenceReset
 from megatron_armor.trainer.guard.run_guard import RunGuard
 from megatron_armor.trainer.run.build import TrainingSetup, build_training, start_weights
@@ -138,14 +139,17 @@ def _guard(
 ) -> RunGuard:
     """The run's collapse guard: the watch (on by default when the run validates), the anchor actions restoring
     `best` (the start's weights read again from model.path when it is the best) when an alarm's action is anchor or
-    anchor_keep, and the reference reset with monitor.reference_reset while the monitor runs."""
+    anchor_keep, the reference reset with monitor.reference_reset while the monitor runs, and under LoRA with
+    algorithm.ref_reset_period the adapters' reset to `best`."""
     watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
     start = functools.partial(start_weights, cfg, paths, setup.models.shape)
     anchor = (AnchorSwitch(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main)
               if cfg.monitor.anchors and best is not None else None)
     reset = (ReferenceReset(setup.trainer, watch, is_main=ctx.is_main)
              if cfg.monitor.reference_reset and watch.monitor is not None else None)  # the monitor judges health
-    return RunGuard(watch, best, anchor, reset)
+    adapter_reset = (AdapterReset(setup.trainer, best, saver, start, is_main=ctx.is_main)
+                     if cfg.model.lora.enabled and cfg.algorithm.ref_reset_period and best is not None else None)
+    return RunGuard(watch, best, anchor, reset, adapter_reset)
 
 
 def _finish(trainer: RLTrainer, saver: CheckpointSaver, metrics_log: MetricsLogger) -> None:

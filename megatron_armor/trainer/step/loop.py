@@ -96,8 +96,8 @@ class RLTrainer:
         )
         self.optimizer_steps = 0
         self.consecutive_skips = 0  # RL steps in a row whose update was skipped for a non-finite loss or gradient
-        # the reference leaves model.ref_path's weights
-        self.checkpoints_reference = bool(plan.algorithm_section.ref_reset_period)
+        # the reference leaves model.ref_path's weights (under LoRA it stays the base: a reset resets the adapters)
+        self.checkpoints_reference = bool(plan.algorithm_section.ref_reset_period) and not models.actor.adapters_only
         self.warmup_from = 0  # the RL step the lr warmup counts from (the anchor action restarts it)
 
     # ----- one RL step ---------------------------------------------------------------------
@@ -120,7 +120,7 @@ class RLTrainer:
         metrics.update(self.rollouts.step_metrics())
         metrics["train/update_skipped"] = float(not rollout.groups or "train/nonfinite_skipped" in metrics)
         metrics.update(self.capture_subspace(step))
-        if self.plan.resets_reference_after(step):
+        if self.plan.resets_reference_after(step) and not self.models.actor.adapters_only:  # LoRA: AdapterReset
             metrics.update(self.reset_reference())
         metrics.update(self.colocation.offload_metrics())
         seconds = time.perf_counter() - start
@@ -295,15 +295,16 @@ class RLTrainer:
         self.plan = dataclasses.replace(self.plan, algorithm=algorithm)
         self.rollouts.phase.plan = self.plan
 
-    def restart_from(self, state: dict[str, Any], step: int) -> dict[str, float]:
+    def restart_from(self, state: dict[str, Any], step: int, *, warmup: bool = True) -> dict[str, float]:
         """ARMOR's restart (armor.md §4) after RL step `step` (1-based count of steps done; collective): the actor
         gets the weights of `state`'s "actor" (a loaded entry of `sharded_state_dict`, e.g. the best checkpoint's),
-        its optimizer `state`'s "optimizer" when there is one, else a fresh one, and an lr warmup counted from here;
-        the reference becomes that actor (and is checkpointed from now on); the engines get the new weights, and a
-        rollout generated ahead is dropped. Its metrics.
+        its optimizer `state`'s "optimizer" when there is one, else a fresh one, and (`warmup`) an lr warmup counted
+        from here; the reference becomes that actor (and is checkpointed from now on); the engines get the new
+        weights, and a rollout generated ahead is dropped. Its metrics.
 
         Under LoRA (`Policy.adapters_only`) `state` holds the adapters (with the best checkpoint's Adam state), the
-        base never moves and the reference stays the base: the restart resets the adapters."""
+        base never moves and the reference stays the base: the restart resets the adapters (a LoRA run's reference
+        reset: trainer/guard/adapter_reset.py, without the warmup)."""
         self.rollouts.discard_queued()
         actor = self.models.actor
         modules = self.checkpointed_modules()
@@ -312,7 +313,8 @@ class RLTrainer:
                 restore_module(name, modules[name], state[name])
             if OPTIMIZER not in state:
                 reset_optimizer(self.models.optimizer)
-        self.warmup_from = step
+        if warmup:
+            self.warmup_from = step
         if not actor.adapters_only:
             self.checkpoints_reference = True
         self.colocation.park_for_rollouts()
