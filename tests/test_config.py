@@ -4,15 +4,17 @@ import ast
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
+from megatron_armor.agentic.trajectory import DRIFT_POLICIES
 from megatron_armor.algorithms import build_algorithm, check_algorithm_config
 from megatron_armor.cli import build_parser, overrides_from_args
 from megatron_armor.config import (
-    MOVED_FIELDS, AlgorithmConfig, ConfigError, KLConfig, OpdConfig, ParallelConfig, SamplingConfig, WeightSyncConfig,
-    config_fields, load_config, save_config,
+    MOVED_FIELDS, AgenticConfig, AlgorithmConfig, ConfigError, KLConfig, OpdConfig, ParallelConfig, SamplingConfig,
+    WeightSyncConfig, config_fields, load_config, save_config,
 )
 
 DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "armor.yaml"
@@ -80,6 +82,8 @@ def test_demo_config_loads_with_typed_overrides():
         (["model.moe_load_balancing=sinkhorn"], "model.moe_load_balancing: 'sinkhorn' is not allowed"),
         (["rollout.agentic.on_failed=drop"], "rollout.agentic.on_failed: 'drop' is not allowed"),
         (["rollout.agentic.max_resamples=-1"], "rollout.agentic.max_resamples must be >= 0, got -1"),
+        (["rollout.agentic.on_drift=realign"],
+         "rollout.agentic.on_drift: 'realign' is not allowed; choose one of \\['keep', 'fork'\\]"),
     ],
 )
 def test_bad_values_name_the_field_value_and_what_is_allowed(overrides, message):
@@ -380,6 +384,12 @@ def test_a_plugin_path_that_does_not_import_is_refused_by_name_before_any_flag_i
 
 
 AGENTIC_DEMO = Path(__file__).parents[1] / "examples" / "tiny" / "agentic.yaml"
+
+
+def test_on_drift_offers_the_trajectory_builders_policies():
+    """rollout.agentic.on_drift's choices are the drift policies agentic/trajectory.py implements, keep first."""
+    assert typing.get_args(typing.get_type_hints(AgenticConfig)["on_drift"]) == DRIFT_POLICIES
+    assert AgenticConfig().on_drift == "keep"
 
 
 def test_agentic_demo_config_loads_its_environment_template_and_harder_task():

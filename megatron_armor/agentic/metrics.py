@@ -14,9 +14,11 @@ class AgentCounts:
     """Integer sums over trajectories (seconds as milliseconds), so that ranks can add theirs (`as_vector`).
 
     statuses: trajectories per `Status`, in its order; render_checks / render_mismatches: trajectories whose final
-    render check ran / failed (agentic/trajectory.py)."""
+    render check ran / failed (agentic/trajectory.py); segments: the samples trajectories became (one each unless
+    they forked on drift)."""
 
     trajectories: int = 0
+    segments: int = 0
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -33,6 +35,7 @@ class AgentCounts:
         for t in trajectories:
             stats = t.stats
             self.trajectories += 1
+            self.segments += len(t.segments)
             self.turns += stats.turns
             self.tool_calls += stats.tool_calls
             self.tool_errors += stats.tool_errors
@@ -59,8 +62,8 @@ class AgentCounts:
         return AgentCounts.from_vector([a + b for a, b in zip(self.as_vector(), other.as_vector(), strict=True)])
 
     def metrics(self) -> dict[str, float]:
-        """Means over the trajectories (turns, tool calls, seconds awaiting the engine and the environment), the
-        fraction ending in each status, the fraction of tool calls that failed or were invalid, the fraction of
+        """Means over the trajectories (turns, tool calls, segments, seconds awaiting the engine and the environment),
+        the fraction ending in each status, the fraction of tool calls that failed or were invalid, the fraction of
         trajectory tokens the policy sampled (trained), and those of turns with drift and of trajectories whose final
         render check failed (agentic/trajectory.py); {} without trajectories."""
         n = self.trajectories
@@ -69,6 +72,7 @@ class AgentCounts:
         return {
             "agent/turns_mean": self.turns / n,
             "agent/tool_calls_mean": self.tool_calls / n,
+            "agent/segments_mean": self.segments / n,
             "agent/tool_error_rate": self.tool_errors / max(self.tool_calls, 1),
             **{f"agent/status_{status.value}": count / n for status, count in zip(Status, self.statuses)},
             "agent/trainable_token_fraction": self.sampled_tokens / max(self.total_tokens, 1),

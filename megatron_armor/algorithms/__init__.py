@@ -6,7 +6,10 @@ from megatron_armor.algorithms.armor import Armor
 from megatron_armor.algorithms.base import (
     ACTOR, ANCHORS, REFERENCE, TEACHER, Algorithm, GateSettings, LossInputs, PolicyLossTerms, StepSources,
 )
-from megatron_armor.algorithms.groups import GroupCollector, GroupStats, build_groups, mix_kl_metrics, select_group
+from megatron_armor.algorithms.groups import (
+    GroupCollector, GroupStats, anchor_trajectories, build_groups, mix_kl_metrics, select_group, trajectories,
+    trajectory_advantages, trajectory_members,
+)
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.grpo_kl import GrpoKL
 from megatron_armor.algorithms.importance import IS_CORRECTIONS, mismatch_k3, sampler_corrected_loss, sampler_weights
@@ -23,9 +26,10 @@ from megatron_armor.algorithms.registry import (
 __all__ = [
     "ACTOR", "ANCHORED_ALGORITHM", "ANCHORS", "IS_CORRECTIONS", "REFERENCE", "TEACHER", "Algorithm", "Armor",
     "GateSettings", "GroupCollector", "GroupStats", "Grpo", "GrpoKL", "LossInputs", "Mipu", "Opd", "PolicyLossTerms",
-    "StepSources", "accept_update", "algorithm_class", "armor_policy_loss",
+    "StepSources", "accept_update", "algorithm_class", "anchor_trajectories", "armor_policy_loss",
     "build_algorithm", "build_anchored_algorithm", "build_groups", "check_algorithm_config", "dual_clip_ppo", "gap_proxy", "group_advantages",
     "kl_penalty", "mismatch_k3", "mix_kl_metrics", "opd_token_advantages", "register_algorithm",
     "registered_algorithms", "reverse_kl", "sampler_corrected_loss", "sampler_weights", "select_group",
-    "sparse_token_mask", "sparsify_log_ratio", "tolerance", "unregister_algorithm",
+    "sparse_token_mask", "sparsify_log_ratio", "tolerance", "trajectories", "trajectory_advantages",
+    "trajectory_members", "unregister_algorithm",
 ]

@@ -1,4 +1,10 @@
-"""Prompt filtering and group building (ARMOR section 1; DAPO dynamic sampling for GRPO)."""
+"""Prompt filtering and group building (ARMOR section 1; DAPO dynamic sampling for GRPO), over trajectories.
+
+A group's unit is the trajectory: one sample, or the segments of a multi-turn rollout forked on drift (samples with
+the same `Sample.trajectory`, rollout.agentic.on_drift fork). Filtering counts trajectories, ARMOR's first correct
+anchor joins the group with all its segments, and the group advantages are the trajectories' (`trajectory_advantages`),
+each segment carrying its trajectory's.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_armor.algorithms.advantages import AdvantageBaseline, group_advantages
 from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.data.types import Sample
 
@@ -27,26 +34,61 @@ class GroupStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
+def trajectory_members(samples: Sequence[Sample], group_ids: Sequence[int] | None = None) -> list[list[int]]:
+    """The indices into `samples` of each trajectory's samples, trajectories in order of first appearance: samples of
+    one group (`group_ids[i]`; default: all one group) with the same `is_anchor` and `Sample.trajectory` are one
+    trajectory's segments (in their order); a sample without `trajectory` is one alone."""
+    members: dict[tuple, list[int]] = {}
+    for i, sample in enumerate(samples):
+        own = ("sample", i) if sample.trajectory is None else ("request", sample.trajectory)
+        members.setdefault((0 if group_ids is None else group_ids[i], sample.is_anchor, own), []).append(i)
+    return list(members.values())
+
+
+def trajectories(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """One group's `samples` as trajectories, each its segments (`trajectory_members`)."""
+    return [[samples[i] for i in members] for members in trajectory_members(samples)]
+
+
+def trajectory_advantages(
+    samples: Sequence[Sample], group_ids: Sequence[int], *, eps: float = 1e-6, baseline: AdvantageBaseline = "mean",
+    quantile: float = 0.45,
+) -> torch.Tensor:
+    """[N] float32: each sample's advantage, `group_advantages` of the trajectories' rewards (a trajectory's first
+    sample's: its segments carry the same) in the groups `group_ids` [N]: a trajectory counts once in its group's
+    mean, std and quantile, and all its segments get its advantage."""
+    members = trajectory_members(samples, group_ids)
+    rewards = torch.tensor([samples[m[0]].reward for m in members], dtype=torch.float32)
+    advantages = group_advantages(rewards, torch.tensor([group_ids[m[0]] for m in members], dtype=torch.long),
+                                  eps=eps, baseline=baseline, quantile=quantile)
+    owner = torch.empty(len(samples), dtype=torch.long)
+    for t, m in enumerate(members):
+        owner[m] = t
+    return advantages[owner]
+
+
 def select_group(
     on_policy: Sequence[Sample], anchors: Sequence[Sample], *, require_anchor: bool, filter_groups: bool
 ) -> tuple[list[Sample] | None, str]:
     """The training group of one prompt, or None, with the reason ("kept", "all_correct", ...).
 
-    Kept iff 1 <= #correct(on-policy) <= len(on_policy) - 1 (when filter_groups) and, when
-    require_anchor, some anchor is correct. The group is all on-policy samples followed by the
-    first correct anchor in generation order.
+    Counted in trajectories (`trajectories`: a forked one's segments share its `correct`): kept iff
+    1 <= #correct(on-policy) <= #on-policy - 1 (when filter_groups) and, when require_anchor, some anchor is correct.
+    The group is all on-policy samples followed by the first correct anchor trajectory in generation order (all its
+    segments).
     """
-    correct = sum(s.correct for s in on_policy)
-    if filter_groups and correct == len(on_policy):
+    rolled_out = trajectories(on_policy)
+    correct = sum(t[0].correct for t in rolled_out)
+    if filter_groups and correct == len(rolled_out):
         return None, "all_correct"
     if filter_groups and correct == 0:
         return None, "all_wrong"
     if not require_anchor:
         return list(on_policy), "kept"
-    anchor = next((a for a in anchors if a.correct), None)
+    anchor = next((a for a in trajectories(anchors) if a[0].correct), None)
     if anchor is None:
         return None, "no_anchor"
-    return [*on_policy, anchor], "kept"
+    return [*on_policy, *anchor], "kept"
 
 
 def build_groups(
@@ -66,8 +108,13 @@ def build_groups(
             continue
         kept.append(group)
         stats.kept += 1
-        stats.anchors_used += sum(s.is_anchor for s in group)
+        stats.anchors_used += anchor_trajectories(group)
     return kept, stats
+
+
+def anchor_trajectories(group: Sequence[Sample]) -> int:
+    """The anchor trajectories in `group` (ARMOR's: one in a kept group; whatever its segments)."""
+    return len(trajectories([s for s in group if s.is_anchor]))
 
 
 @dataclass

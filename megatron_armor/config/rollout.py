@@ -112,6 +112,13 @@ class AgenticConfig:
         2, "rollouts again of a row whose trajectory an on_<status> resample dropped (or that sampled nothing); past "
         "them the last one is trained with reward 0"
     )
+    on_drift: Literal["keep", "fork"] = doc(
+        "keep", "what a trajectory does when the chat template's render of the conversation differs from its tokens "
+        "before the last sampled one (the template rewrote history, e.g. stripped earlier <think> reasoning): keep "
+        "(one sample, token-exact: the policy keeps seeing its own earlier tokens) | fork (a new sample from the "
+        "template's render, as the policy sees it at inference: Qwen 3's practice; each sample carries the "
+        "trajectory's reward and advantage, and the trajectory counts once in its group)"
+    )
 
     def __post_init__(self) -> None:
         check_choices("rollout.agentic", self)

@@ -25,6 +25,10 @@ class Sample:
     loss_mask: [R] int, 1 where the policy sampled the response token (a multi-turn trajectory's response also holds
     tool results and template scaffolding, which are not trained; agentic/trajectory.py), or None: every response
     token was sampled. engine_logprobs are 0.0 where it is 0.
+    trajectory: the number of the request the sample answers in its generation call (`generate_samples`: prompt-major,
+    unique within the call), or None: a trajectory of its own. Samples of one group with the same `is_anchor` and
+    `trajectory` are the segments of one trajectory (a multi-turn rollout forked on drift, rollout.agentic.on_drift
+    fork), in order: they carry its reward and count once in the group's statistics (`algorithms.trajectory_members`).
     """
 
     prompt_index: int
@@ -38,3 +42,4 @@ class Sample:
     routed_experts: torch.Tensor | None = field(default=None, compare=False)
     token_versions: list[int] | None = None
     loss_mask: list[int] | None = None
+    trajectory: int | None = None

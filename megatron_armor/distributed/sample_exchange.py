@@ -20,7 +20,7 @@ from megatron_armor.data.types import FinishReason, Sample
 from megatron_armor.distributed.device import collective_device
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)  # finish reason i travels as the code i
-SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code", "routed", "versioned", "masked")
+SCALAR_COLUMNS = ("prompt_index", "is_anchor", "correct", "finish_code", "routed", "versioned", "masked", "trajectory")
 
 
 @dataclass
@@ -30,8 +30,9 @@ class PackedSamples:
     token_ids:       [T] int64, each sample's prompt ids then its response ids, samples in order
     engine_logprobs: [L] float64, each sample's response logprobs, samples in order
     lengths:         [n, 2] int64, (P_i, R_i)
-    scalars:         [n, 7] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS; routed / versioned /
-                     masked: 1 when the sample carries routed experts / token versions / a loss mask)
+    scalars:         [n, 8] int64, columns SCALAR_COLUMNS (finish_code: index into FINISH_REASONS; routed / versioned /
+                     masked: 1 when the sample carries routed experts / token versions / a loss mask; trajectory: -1
+                     for None)
     rewards:         [n] float64
     token_versions:  [sum over versioned samples of R_i] int64, their `token_versions` in order
     loss_masks:      [sum over masked samples of R_i] int64, their `loss_mask` in order
@@ -50,7 +51,7 @@ class PackedSamples:
     route_shape: tuple[int, int]
 
     def to_words(self) -> torch.Tensor:
-        """One [3 + 10n + T + L + |token_versions| + |loss_masks| + ceil(|routes| / 2)] int64 buffer: n,
+        """One [3 + 11n + T + L + |token_versions| + |loss_masks| + ceil(|routes| / 2)] int64 buffer: n,
         route_shape, lengths, scalars, rewards, token ids, logprobs (floats as their bits), token versions, loss masks,
         routes (int32 pairs as their bits), so that a single collective moves it."""
         header = torch.tensor([self.lengths.shape[0], *self.route_shape], dtype=torch.int64)
@@ -65,10 +66,10 @@ class PackedSamples:
         n, layers, top_k = words[:3].tolist()
         lengths = words[3 : 3 + 2 * n].reshape(n, 2)
         total_tokens, total_logprobs = int(lengths.sum()), int(lengths[:, 1].sum())
-        scalars = words[3 + 2 * n : 3 + 9 * n].reshape(n, 7)
+        scalars = words[3 + 2 * n : 3 + 10 * n].reshape(n, 8)
         total_versions = int((lengths[:, 1] * scalars[:, 5]).sum())
         total_masks = int((lengths[:, 1] * scalars[:, 6]).sum())
-        offsets = torch.tensor([3 + 9 * n, n, total_tokens, total_logprobs, total_versions, total_masks]).cumsum(0)
+        offsets = torch.tensor([3 + 10 * n, n, total_tokens, total_logprobs, total_versions, total_masks]).cumsum(0)
         offsets = offsets.tolist()
         rewards, token_ids, logprobs, versions, masks = (words[a:b] for a, b in zip(offsets, offsets[1:]))
         total_routes = int(((lengths.sum(1) - 1) * scalars[:, 4]).sum()) * layers * top_k
@@ -116,11 +117,12 @@ def pack_samples(samples: list[Sample]) -> PackedSamples:
             masks.append(struct.pack(f"{len(s.loss_mask)}q", *s.loss_mask))
         ids.append(struct.pack(f"{len(s.prompt_ids) + len(s.response_ids)}q", *s.prompt_ids, *s.response_ids))
         logprobs.append(struct.pack(f"{len(s.engine_logprobs)}d", *s.engine_logprobs))
-        ints.append(struct.pack("9q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
+        ints.append(struct.pack("10q", len(s.prompt_ids), len(s.response_ids), s.prompt_index, s.is_anchor, s.correct,
                                 finish_code(s.finish_reason), s.routed_experts is not None,
-                                s.token_versions is not None, s.loss_mask is not None))
+                                s.token_versions is not None, s.loss_mask is not None,
+                                -1 if s.trajectory is None else s.trajectory))
         rewards.append(struct.pack("d", s.reward))
-    table = _tensor(ints, torch.int64).reshape(len(samples), 9)
+    table = _tensor(ints, torch.int64).reshape(len(samples), 10)
     routes, route_shape = _packed_routes(samples)
     return PackedSamples(token_ids=_tensor(ids, torch.int64), engine_logprobs=_tensor(logprobs, torch.float64),
                          lengths=table[:, :2].contiguous(), scalars=table[:, 2:].contiguous(),
@@ -160,8 +162,9 @@ def unpack_samples(packed: PackedSamples) -> list[Sample]:
                reward=reward, correct=bool(correct),
                routed_experts=next(routes).view(-1, *packed.route_shape).clone() if routed else None,
                token_versions=next(versions).tolist() if versioned else None,
-               loss_mask=next(masks).tolist() if masked else None)
-        for i, ((index, anchor, correct, code, routed, versioned, masked), reward)
+               loss_mask=next(masks).tolist() if masked else None,
+               trajectory=None if trajectory < 0 else trajectory)
+        for i, ((index, anchor, correct, code, routed, versioned, masked, trajectory), reward)
         in enumerate(zip(scalars, packed.rewards.tolist()))
     ]
 

@@ -24,7 +24,8 @@ def batch():
 def test_agent_metrics_are_batch_means_and_fractions():
     metrics = agent_metrics(batch())
     assert metrics == pytest.approx({
-        "agent/turns_mean": 4 / 3, "agent/tool_calls_mean": 4 / 3, "agent/tool_error_rate": 1 / 4,
+        "agent/turns_mean": 4 / 3, "agent/tool_calls_mean": 4 / 3, "agent/segments_mean": 3 / 3,
+        "agent/tool_error_rate": 1 / 4,
         "agent/status_completed": 1 / 3, "agent/status_truncated": 0.0, "agent/status_aborted": 0.0,
         "agent/status_failed": 2 / 3, "agent/trainable_token_fraction": 4 / 9, "agent/generation_s_mean": 1.0,
         "agent/tool_s_mean": 1.0, "agent/drift_turn_fraction": 1 / 4, "agent/final_render_mismatch": 1 / 2,

@@ -1,9 +1,11 @@
-"""ARMOR prompt filtering, anchor selection and cross-batch collection."""
+"""ARMOR prompt filtering, anchor selection and cross-batch collection; over trajectories forked into segments."""
+
+import statistics
 
 import pytest
 import torch
 
-from megatron_armor.algorithms import GroupCollector, build_groups, mix_kl_metrics
+from megatron_armor.algorithms import GroupCollector, build_groups, mix_kl_metrics, trajectory_advantages
 from megatron_armor.data.types import Sample
 
 
@@ -37,6 +39,38 @@ def test_grpo_keeps_mixed_groups_without_anchors():
     assert len(groups) == 1 and len(groups[0]) == 15
     groups, _ = build_groups(batch(0, 3, []) + batch(1, 0, []), require_anchor=False, filter_groups=False)
     assert len(groups) == 2
+
+
+def forked(prompt, rewards, anchor=False):
+    """One prompt's trajectories of `rewards` (>0: correct), trajectory k forked into k + 1 segments."""
+    return [Sample(prompt, [1] * (j + 1), [k], [0.0], "stop", anchor, reward, reward > 0, trajectory=k)
+            for k, reward in enumerate(rewards) for j in range(k + 1)]
+
+
+def test_forked_trajectories_count_once_in_filtering_anchors_and_advantages():
+    """A trajectory forked into segments (the same `trajectory`) is one trajectory: filtering counts it once (prompt
+    0: one correct trajectory of three, in 1 + 2 + 3 samples, is mixed), the first correct anchor joins with all its
+    segments, and each segment gets its trajectory's advantage, the group normalised over trajectories (computed
+    here with statistics' mean and sample std); a sample without `trajectory` is a trajectory alone."""
+    samples = (forked(0, [-1.0, -1.0, 1.0]) + forked(0, [-1.0, 0.5], anchor=True)
+               + forked(1, [1.0, 1.0]) + forked(1, [1.0], anchor=True))  # prompt 1: all correct, dropped
+    groups, stats = build_groups(samples, require_anchor=True, filter_groups=True)
+    [group] = groups
+    assert [(x.trajectory, x.is_anchor) for x in group] == [(0, False), (1, False), (1, False), (2, False),
+                                                            (2, False), (2, False), (1, True), (1, True)]
+    assert (stats.kept, stats.dropped_all_correct, stats.anchors_used) == (1, 1, 1)
+
+    rewards = [-1.0, -1.0, 1.0, 0.5]  # the trajectories: three on-policy, the anchor
+    mean, std = statistics.mean(rewards), statistics.stdev(rewards)
+    want = [(rewards[t] - mean) / (std + 1e-6) for t in (0, 1, 1, 2, 2, 2, 3, 3)]
+    assert trajectory_advantages(group, [7] * len(group)).tolist() == pytest.approx(want, abs=1e-6)
+    # the same samples without trajectory numbers: eight trajectories of their own, weighted by segment count
+    alone = [Sample(x.prompt_index, x.prompt_ids, x.response_ids, x.engine_logprobs, "stop", x.is_anchor, x.reward,
+                    x.correct) for x in group]
+    every = [x.reward for x in group]
+    mean, std = statistics.mean(every), statistics.stdev(every)
+    assert trajectory_advantages(alone, [7] * len(alone)).tolist() == pytest.approx(
+        [(r - mean) / (std + 1e-6) for r in every], abs=1e-6)
 
 
 def test_collector_accumulates_truncates_and_errors():

@@ -19,19 +19,20 @@ BIG = 2**63 - 1
 
 
 def samples() -> list[Sample]:
-    """Edge cases: an empty response, an empty prompt, anchors, int64 extremes, floats that float32 would change."""
+    """Edge cases: an empty response, an empty prompt, anchors, int64 extremes, floats that float32 would change,
+    trajectory numbers (a forked trajectory's segments share one) and none."""
     return [
         Sample(3, [1, 2, 3], [4, 5], [-0.1, -2.5e-8], "stop", False, reward=1.0, correct=True),
         Sample(0, [7], [], [], "length", True, reward=-0.1234567890123, correct=False),
-        Sample(9, [], [BIG, 0, -BIG - 1], [-0.0, float("-inf"), 5e-324], "length", False),
-        Sample(2**40, [151_999] * 4, [6], [-1.0000000000000002], "stop", True, reward=0.1, correct=True),
+        Sample(9, [], [BIG, 0, -BIG - 1], [-0.0, float("-inf"), 5e-324], "length", False, trajectory=7),
+        Sample(2**40, [151_999] * 4, [6], [-1.0000000000000002], "stop", True, reward=0.1, correct=True, trajectory=0),
     ]
 
 
 def bits(samples: list[Sample]) -> list[tuple]:
     """Every field, floats by their bits (so -0.0 != 0.0 and a float32 rounding shows)."""
     return [(s.prompt_index, s.prompt_ids, s.response_ids, [struct.pack("d", x) for x in s.engine_logprobs],
-             s.finish_reason, s.is_anchor, struct.pack("d", s.reward), s.correct) for s in samples]
+             s.finish_reason, s.is_anchor, struct.pack("d", s.reward), s.correct, s.trajectory) for s in samples]
 
 
 def test_round_trip_is_exact_in_every_field_and_type():
@@ -49,8 +50,8 @@ def test_packed_shapes_and_dtypes():
     assert (packed.token_ids.dtype, packed.token_ids.shape) == (torch.int64, (3 + 2 + 1 + 0 + 0 + 3 + 4 + 1,))
     assert (packed.engine_logprobs.dtype, packed.engine_logprobs.shape) == (torch.float64, (6,))
     assert packed.lengths.tolist() == [[3, 2], [1, 0], [0, 3], [4, 1]]
-    assert packed.scalars.tolist() == [[3, 0, 1, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0], [9, 0, 0, 1, 0, 0, 0],
-                                       [2**40, 1, 1, 0, 0, 0, 0]]
+    assert packed.scalars.tolist() == [[3, 0, 1, 0, 0, 0, 0, -1], [0, 1, 0, 1, 0, 0, 0, -1], [9, 0, 0, 1, 0, 0, 0, 7],
+                                       [2**40, 1, 1, 0, 0, 0, 0, 0]]
     assert packed.routes.shape == (0,) and packed.route_shape == (0, 0) and packed.token_versions.shape == (0,)
     assert packed.loss_masks.shape == (0,)
     assert (packed.rewards.dtype, packed.rewards.shape) == (torch.float64, (4,))
@@ -59,11 +60,11 @@ def test_packed_shapes_and_dtypes():
 
 def test_words_round_trip_ignores_padding_and_holds_no_samples():
     words = pack_samples(samples()).to_words()
-    assert words.dtype == torch.int64 and words.numel() == 3 + 10 * 4 + 14 + 6
+    assert words.dtype == torch.int64 and words.numel() == 3 + 11 * 4 + 14 + 6
     padded = torch.cat([words, torch.full((5,), -7, dtype=torch.int64)])
     assert bits(unpack_samples(PackedSamples.from_words(padded))) == bits(samples())
     empty = pack_samples([])
-    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 7)
+    assert empty.token_ids.shape == (0,) and empty.lengths.shape == (0, 2) and empty.scalars.shape == (0, 8)
     assert unpack_samples(PackedSamples.from_words(empty.to_words())) == []
 
 
@@ -75,7 +76,7 @@ def test_routed_experts_travel_exactly_and_only_with_the_samples_that_have_them(
         fed = len(routed[i].prompt_ids) + len(routed[i].response_ids) - 1
         routed[i].routed_experts = torch.randint(0, 128, (fed, 3, 2), generator=g, dtype=torch.int32)
     words = pack_samples(routed).to_words()
-    assert words.numel() == 3 + 10 * 4 + 14 + 6 + (4 + 4) * 3 * 2 // 2
+    assert words.numel() == 3 + 11 * 4 + 14 + 6 + (4 + 4) * 3 * 2 // 2
     back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.full((3,), -7, dtype=torch.int64)])))
     assert bits(back) == bits(routed)
     for mine, theirs in zip(back, routed):
@@ -93,7 +94,7 @@ def test_token_versions_travel_exactly_and_only_with_the_samples_that_have_them(
     versioned[2].token_versions = [0, 0, BIG]
     versioned[3].routed_experts = torch.arange(4 * 2 * 1, dtype=torch.int32).view(4, 2, 1)
     words = pack_samples(versioned).to_words()
-    assert words.numel() == 3 + 10 * 4 + 14 + 6 + 5 + 4 * 2 // 2
+    assert words.numel() == 3 + 11 * 4 + 14 + 6 + 5 + 4 * 2 // 2
     back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.zeros(2, dtype=torch.int64)])))
     assert [s.token_versions for s in back] == [[3, 4], None, [0, 0, BIG], None]
     assert torch.equal(back[3].routed_experts, versioned[3].routed_experts) and bits(back) == bits(versioned)
@@ -109,7 +110,7 @@ def test_loss_masks_travel_exactly_and_only_with_the_samples_that_have_them():
     masked[2].loss_mask = [0, 1, 1]
     masked[2].token_versions = [5, 6, 7]
     words = pack_samples(masked).to_words()
-    assert words.numel() == 3 + 10 * 4 + 14 + 6 + 3 + 5
+    assert words.numel() == 3 + 11 * 4 + 14 + 6 + 3 + 5
     back = unpack_samples(PackedSamples.from_words(torch.cat([words, torch.zeros(2, dtype=torch.int64)])))
     assert [s.loss_mask for s in back] == [[1, 0], None, [0, 1, 1], None]
     assert back == masked and bits(back) == bits(masked)

@@ -46,15 +46,16 @@ def test_zero_reward_action_keeps_the_tokens_and_drops_the_reward(engine):
     """A turn cut at its token limit ends the trajectory truncated, one that samples the stop token completed."""
     actions = dict(on_completed="zero_reward", on_truncated="zero_reward")
     rows = prompts({"prompt": "3="})
-    [sample] = scorer(**actions).respond(engine, rows, seeded(rows), is_anchor=False)
+    [[sample]] = scorer(**actions).respond(engine, rows, seeded(rows), is_anchor=False)
     assert sample.reward == 0.0 and not sample.correct and sample.loss_mask == [1] * len(sample.response_ids)
-    [kept] = scorer().respond(engine, rows, seeded(rows), is_anchor=False)
+    [[kept]] = scorer().respond(engine, rows, seeded(rows), is_anchor=False)
     assert kept.reward == 1.0 and kept.correct and kept.response_ids == sample.response_ids
 
 
 def test_resample_rolls_a_row_out_again_until_it_samples_and_gives_up_with_reward_zero(engine):
     rows = prompts({"prompt": "4=", "fail": 2}, {"prompt": "5=", "fail": 9}, {"prompt": "6="})
-    samples = scorer(max_resamples=2).respond(engine, rows, seeded(rows), is_anchor=False)
+    answers = scorer(max_resamples=2).respond(engine, rows, seeded(rows), is_anchor=False)
+    samples = [s for answer in answers for s in answer]
     assert Flaky.attempts == {"4=": 3, "5=": 3, "6=": 1}  # a failed reset samples nothing: rolled out again
     assert samples[0].reward == 1.0 and sum(samples[0].loss_mask) > 0  # the third attempt succeeded
     assert (samples[1].prompt_ids, samples[1].response_ids, samples[1].loss_mask, samples[1].reward) == (
@@ -67,12 +68,12 @@ def test_trajectories_depend_on_their_seed_only(engine):
     row's; batched with the others' turns, its logprobs to the fp32 floor), not with another seed; a scorer without a
     seed per row refuses to roll out."""
     rows = prompts(*({"prompt": f"{d}+{d}="} for d in range(3)))
-    together = scorer(max_in_flight=3).respond(engine, rows, seeded(rows), is_anchor=False)
-    [alone] = scorer(max_in_flight=1).respond(engine, rows[:1], seeded(rows[:1]), is_anchor=False)
+    together = [s for [s] in scorer(max_in_flight=3).respond(engine, rows, seeded(rows), is_anchor=False)]
+    [[alone]] = scorer(max_in_flight=1).respond(engine, rows[:1], seeded(rows[:1]), is_anchor=False)
     assert alone.engine_logprobs == pytest.approx(together[0].engine_logprobs, abs=1e-6, rel=0)
     assert dataclasses.replace(alone, engine_logprobs=[]) == dataclasses.replace(together[0], engine_logprobs=[])
     assert alone.response_ids != together[1].response_ids
-    [other_seed] = scorer().respond(engine, rows[:1], seeded(rows[:1], first=12), is_anchor=False)
+    [[other_seed]] = scorer().respond(engine, rows[:1], seeded(rows[:1], first=12), is_anchor=False)
     assert other_seed.response_ids != alone.response_ids
     with pytest.raises(ValueError, match="trajectories are seeded per request: 1 prompts need as many sampling.seeds"):
         scorer().respond(engine, rows[:1], dataclasses.replace(SAMPLING, seed=11), is_anchor=False)
@@ -83,8 +84,8 @@ def test_per_request_seeds_give_a_trajectory_wherever_its_request_stands(engine)
     own seed only, so a data-parallel rank that answers it alone samples what one rank answering all of them does."""
     rows = prompts(*({"prompt": f"{d}+{d}="} for d in range(3)))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seeds=(5, 6, 7))
-    together = scorer().respond(engine, rows, sampling, is_anchor=False)
-    [alone] = scorer().respond(engine, rows[1:2], SamplingParams(temperature=1.0, max_new_tokens=6, seeds=(6,)),
+    together = [s for [s] in scorer().respond(engine, rows, sampling, is_anchor=False)]
+    [[alone]] = scorer().respond(engine, rows[1:2], SamplingParams(temperature=1.0, max_new_tokens=6, seeds=(6,)),
                                is_anchor=False)
     # the same trajectory: its tokens, masks and reward exactly; its engine logprobs to the fp32 floor (the engine
     # batches the turns waiting together, and its products round by batch size)

@@ -111,9 +111,11 @@ def trajectory_groups(actor_dir: str, ref_dir: str, num_groups: int = 4) -> list
     """A step's rollout as the rollout phase makes it, on multi-turn trajectories: 10 prompts, each rolled out as a
     two-turn trajectory of `TwoTurnParity` (tests/trainer/agentic_task/) three times by the actor's in-process engine
     and twice by the reference's (ARMOR's anchors), the requests dealt over every rank (`generate_samples`, the
-    trajectory scorer's seed per request), grouped and filtered (`build_groups`); the first `num_groups` groups."""
+    trajectory scorer's seed per request), grouped and filtered (`build_groups`); the first `num_groups` groups. The
+    template keeps only the last character of an earlier answer (char_chat_strip.jinja) and the trajectories fork on
+    drift: one whose first answer is longer is two samples."""
     agentic = AgenticConfig(environment=f"{AGENTIC_TASK / 'two_turns.py'}:TwoTurnParity",
-                            chat_template=str(AGENTIC_TASK / "char_chat.jinja"), max_turns=2)
+                            chat_template=str(AGENTIC_TASK / "char_chat_strip.jinja"), max_turns=2, on_drift="fork")
     tokenizer = make_char_tokenizer()
     scorer = TrajectoryScorer.load(agentic, tokenizer, in_process=True)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
@@ -129,10 +131,10 @@ def trajectory_groups(actor_dir: str, ref_dir: str, num_groups: int = 4) -> list
 
 
 def sample_records(groups: list[list[Sample]]) -> list[list[tuple]]:
-    """Each sample's tokens, loss mask, engine logprobs, reward and anchor flag, by group (plain lists: loadable
-    with torch.load's weights_only)."""
-    return [[(s.prompt_ids, s.response_ids, s.loss_mask, s.engine_logprobs, s.reward, s.is_anchor) for s in group]
-            for group in groups]
+    """Each sample's tokens, loss mask, engine logprobs, reward, anchor flag and trajectory number, by group (plain
+    lists: loadable with torch.load's weights_only)."""
+    return [[(s.prompt_ids, s.response_ids, s.loss_mask, s.engine_logprobs, s.reward, s.is_anchor, s.trajectory)
+             for s in group] for group in groups]
 
 
 def give_random_routes(groups, layers, experts, top_k) -> None:

@@ -23,7 +23,7 @@ ODD_FLOATS = [-0.0, float("-inf"), 5e-324, -1e-30]  # signed zero, infinity, a s
 
 def rank_samples(rank: int, count: int) -> list[Sample]:
     """`count` samples of one rank: response lengths 0.., anchors, int64 extremes, odd floats, and (every third)
-    a trajectory's loss mask."""
+    a trajectory's loss mask; trajectory numbers, two samples each (a forked trajectory's segments), or none."""
     rng = random.Random(rank)
     samples = []
     for i in range(count):
@@ -32,7 +32,8 @@ def rank_samples(rank: int, count: int) -> list[Sample]:
         samples.append(Sample(prompt_index=rank * 100 + i, prompt_ids=[rng.randrange(151_000) for _ in range(i + 1)],
                               response_ids=response, engine_logprobs=logprobs, finish_reason=("stop", "length")[i % 2],
                               is_anchor=i % 3 == 0, reward=rng.uniform(-2, 2), correct=i % 2 == 0,
-                              loss_mask=[rng.randrange(2) for _ in response] if i % 3 == 1 else None))
+                              loss_mask=[rng.randrange(2) for _ in response] if i % 3 == 1 else None,
+                              trajectory=i // 2 if i % 4 else None))
     return samples
 
 

@@ -51,8 +51,9 @@ class AnchorCache:
             missing = list({key: p for key, p in zip(keys, prompts) if key not in self._anchors}.values())
             anchors = {key: self._anchors[key] for key in keys if key in self._anchors}
         anchors.update({tuple(p.prompt_ids): [] for p in missing})
-        for sample in generate(missing) if missing else []:
-            anchors[tuple(sample.prompt_ids)].append(sample)
+        key_of = {p.index: tuple(p.prompt_ids) for p in missing}  # by prompt_index: a trajectory's segments have
+        for sample in generate(missing) if missing else []:  # prompts of their own
+            anchors[key_of[sample.prompt_index]].append(sample)
         with self._lock:
             for key in keys:
                 self._store(key, anchors[key])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from megatron_armor.algorithms import ANCHORS
+from megatron_armor.algorithms import ANCHORS, trajectories
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.trainer.colocation.engine_weights import EngineWeights
@@ -75,17 +75,18 @@ class AnchorSource:
         return anchors
 
     def metrics(
-        self, groups: list[list[Sample]], anchors: Sequence[Sample], counters: RolloutCounters, *, shared_engine: bool,
-        group: dist.ProcessGroup | None,
+        self, groups: list[list[Sample]], anchors: Sequence[list[Sample]], counters: RolloutCounters, *,
+        shared_engine: bool, group: dist.ProcessGroup | None,
     ) -> dict[str, float]:
-        """What the anchors add to a rollout's metrics: their accuracy, the fraction of on-policy samples in the kept
-        groups (armor.md §7), their time, cache hits (with a cache), an engine shared with the actor's pushes, and a
-        reference engine of its own its counters as rollout/ref_* (summed over `group`: collective)."""
+        """What the anchors (trajectories: each its samples) add to a rollout's metrics: their accuracy, the fraction
+        of on-policy trajectories among the kept groups' (armor.md §7), their time, cache hits (with a cache), an
+        engine shared with the actor's pushes, and a reference engine of its own its counters as rollout/ref_* (summed
+        over `group`: collective)."""
         metrics = {}
         if anchors:
-            metrics["armor/anchor_accuracy"] = mean([float(s.correct) for s in anchors])
+            metrics["armor/anchor_accuracy"] = mean([float(t[0].correct) for t in anchors])
         if groups:
-            metrics["mix_kl/main_ratio"] = mean([float(not s.is_anchor) for g in groups for s in g])
+            metrics["mix_kl/main_ratio"] = mean([float(not t[0].is_anchor) for g in groups for t in trajectories(g)])
         metrics["perf/anchor_rollout_seconds"] = counters.anchor_seconds
         if self.cache is not None:
             metrics["armor/anchor_cache_hits"] = float(counters.anchor_cache_hits)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_armor.agentic.metrics import AgentCounts
-from megatron_armor.algorithms import ACTOR, ANCHORS, GroupCollector, GroupStats, build_groups
+from megatron_armor.algorithms import (
+    ACTOR, ANCHORS, GroupCollector, GroupStats, anchor_trajectories, build_groups, trajectories,
+)
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
@@ -175,8 +177,8 @@ class RolloutPhase:
         the data-parallel size (`trim_to_data_parallel`); it may then be empty."""
         groups = trim_to_data_parallel(collector.result(), self.dp_size)
         counters = RolloutCounters.merged([batch.counters for batch in batches])
-        on_policy = [s for batch in batches for s in batch.on_policy]
-        extra = [s for batch in batches for s in batch.extra]
+        on_policy = [t for batch in batches for t in trajectories(batch.on_policy)]
+        extra = [t for batch in batches for t in trajectories(batch.extra)]
         return Rollout(groups, self.metrics(groups, on_policy, extra, collector, counters, group))
 
     def sample_on_policy(self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters) -> list[Sample]:
@@ -194,22 +196,23 @@ class RolloutPhase:
         )
 
     def metrics(
-        self, groups: list[list[Sample]], on_policy: list[Sample], extra: list[Sample], collector: GroupCollector,
-        counters: RolloutCounters, group: dist.ProcessGroup | None,
+        self, groups: list[list[Sample]], on_policy: list[list[Sample]], extra: list[list[Sample]],
+        collector: GroupCollector, counters: RolloutCounters, group: dist.ProcessGroup | None,
     ) -> dict[str, float]:
-        """The rollout's metrics: rewards, accuracy and lengths of every on-policy sample, what filtering kept, the
-        anchors among the kept groups, the audit verifiers' verdicts on every on-policy sample and a multi-turn run's
-        agent/* metrics of every on-policy trajectory (counts summed over `group`: collective), the actor's engine's
-        own counters summed over the ranks (`engine_counters`, as rollout/*), and what the algorithm's extra sources
-        add (`AnchorSource.metrics`)."""
+        """The rollout's metrics over trajectories (`on_policy`, `extra`: each its samples, a forked one's segments;
+        `algorithms.trajectories`): rewards, accuracy and response lengths (its segments' together) of every on-policy
+        one, what filtering kept, the anchor trajectories among the kept groups, the audit verifiers' verdicts on
+        every on-policy sample and a multi-turn run's agent/* metrics of every on-policy trajectory (counts summed over
+        `group`: collective), the actor's engine's own counters summed over the ranks (`engine_counters`, as
+        rollout/*), and what the algorithm's extra sources add (`AnchorSource.metrics`)."""
         metrics = {
-            "train/reward_mean": mean([s.reward for s in on_policy]),
-            "train/accuracy": mean([float(s.correct) for s in on_policy]),
+            "train/reward_mean": mean([t[0].reward for t in on_policy]),
+            "train/accuracy": mean([float(t[0].correct) for t in on_policy]),
             "train/num_gen_batches": float(collector.num_gen_batches),
-            "response/length_mean": mean([len(s.response_ids) for s in on_policy]),
+            "response/length_mean": mean([sum(len(s.response_ids) for s in t) for t in on_policy]),
             "filter/prompts_kept": float(len(groups)),
             "filter/prompts_generated": float(collector.stats.prompts_seen),
-            "armor/anchors_used": float(sum(s.is_anchor for g in groups for s in g)),
+            "armor/anchors_used": float(sum(anchor_trajectories(g) for g in groups)),
         }
         if counters.audit is not None:
             metrics.update(counters.audit.from_vector(sum_over_ranks(counters.audit.as_vector(), group)).metrics())

@@ -61,24 +61,25 @@ class SampleScorer:
         self.audits = audits
 
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
-                is_anchor: bool, agent: AgentCounts | None = None) -> list[Sample]:
-        """One scored completion of each of `prompts` from `engine`, in order; samples keep the engine's routed
-        experts unless they are anchors (the reference's weights routed them). `agent`: the counts of trajectories
-        (none here)."""
+                is_anchor: bool, agent: AgentCounts | None = None) -> list[list[Sample]]:
+        """The answer of each of `prompts` from `engine`, in order, as its samples: here one scored completion (a
+        trajectory scorer's answer is a trajectory's segments, several when it forked); samples keep the engine's
+        routed experts unless they are anchors (the reference's weights routed them). `agent`: the counts of
+        trajectories (none here)."""
         generations = engine.generate([p.prompt_ids for p in prompts], sampling) if prompts else []
         return [
-            self(p, g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
-                 routed_experts=None if is_anchor else g.routed_experts,  # the actor routes anchors itself
-                 token_versions=g.versions)
+            [self(p, g.response_ids, g.logprobs, g.finish_reason, is_anchor=is_anchor,
+                  routed_experts=None if is_anchor else g.routed_experts,  # the actor routes anchors itself
+                  token_versions=g.versions)]
             for p, g in zip(prompts, generations)
         ]
 
     def respond_with_trajectories(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams,
                                   *, is_anchor: bool, agent: AgentCounts | None = None,
-                                  ) -> list[tuple[Sample, Trajectory | None]]:
-        """`respond`'s samples, each beside the trajectory it is made of (what evaluation records of it): None here,
+                                  ) -> list[tuple[list[Sample], Trajectory | None]]:
+        """`respond`'s answers, each beside the trajectory it is made of (what evaluation records of it): None here,
         single completions."""
-        return [(sample, None) for sample in self.respond(engine, prompts, sampling, is_anchor=is_anchor, agent=agent)]
+        return [(answer, None) for answer in self.respond(engine, prompts, sampling, is_anchor=is_anchor, agent=agent)]
 
     def audit(self, prompt: PromptRow, sample: Sample) -> tuple[bool, ...]:
         """Each audit verifier's `correct` for `sample`, a response to `prompt` (() without audits)."""
@@ -170,6 +171,11 @@ class RequestShare:
     def mine(self) -> list[tuple[int, int]]:
         return self.requests[self.rank::self.world]
 
+    @property
+    def mine_numbers(self) -> range:
+        """The numbers of `mine`: their places in `requests`."""
+        return range(self.rank, len(self.requests), self.world)
+
     def in_request_order(self, answers: Sequence[T]) -> list[T]:
         """Every rank's answers to its share, concatenated in rank order (as gathered), put in request order."""
         answered = [request for r in range(self.world) for request in self.requests[r::self.world]]
@@ -198,9 +204,11 @@ def generate_samples(
     sample k) with its own, stable_seed(seed, p's index, k): its samples are then the same at any number of ranks
     (training's single completions keep the rank seeds; evaluation seeds each request itself:
     trainer/step/validation.py). Each request is answered as the scorer responds (`SampleScorer.respond`: a
-    completion, or a multi-turn trajectory). With `audit`, the scorer's audit verdicts on this rank's share are
-    counted into it before the samples are gathered (sum the counts over ranks for the whole batch's); with `agent`,
-    the share's trajectories (multi-turn runs).
+    completion, or a multi-turn trajectory: its segments, several when it forked), each sample numbered by its
+    request (`Sample.trajectory`: its place in the prompt-major requests), which orders the gathered samples. With
+    `audit`, the scorer's audit verdicts on this rank's share are counted into it before the samples are gathered
+    (sum the counts over ranks for the whole batch's; a trajectory's by its last segment, which holds its final
+    answer); with `agent`, the share's trajectories (multi-turn runs).
     """
     share = RequestShare.deal(len(prompts), samples_per_prompt, group)
     mine = share.mine
@@ -209,13 +217,15 @@ def generate_samples(
             sampling, seeds=tuple(stable_seed(seed, prompts[p].index, k) for p, k in mine))
     else:
         local_sampling = dataclasses.replace(sampling, seed=stable_seed(seed, share.rank))
-    samples = scorer.respond(engine, [prompts[p] for p, _ in mine], local_sampling, is_anchor=is_anchor, agent=agent)
+    answers = scorer.respond(engine, [prompts[p] for p, _ in mine], local_sampling, is_anchor=is_anchor, agent=agent)
     if audit is not None:
-        for (p, _), sample in zip(mine, samples):
-            audit.add(sample.correct, scorer.audit(prompts[p], sample))
+        for (p, _), answer in zip(mine, answers):
+            audit.add(answer[-1].correct, scorer.audit(prompts[p], answer[-1]))
+    samples = [dataclasses.replace(sample, trajectory=number)
+               for number, answer in zip(share.mine_numbers, answers, strict=True) for sample in answer]
     if share.world == 1:
         return samples
-    return share.in_request_order(all_gather_samples(samples, group))
+    return sorted(all_gather_samples(samples, group), key=lambda sample: sample.trajectory)  # stable: segments in order
 
 
 def engine_counters(engine: RolloutEngine, group: dist.ProcessGroup | None) -> dict[str, float]:

@@ -2,16 +2,19 @@
 run's environment (rollout.agentic, docs/guides/agentic.md), sampled by the agentic layer (megatron_armor/agentic/).
 
 Every sample the rollout phase asks for goes through it: the policy's training responses and ARMOR's anchors (the
-reference's engine, the same environment). A trajectory becomes one `Sample`: its segment's tokens before the first
-sampled one are the prompt, the rest the response, with `loss_mask` 1 exactly on the tokens the policy sampled (its
-stop tokens included) and the engine's logprobs there (0.0 elsewhere); with partial rollouts (the actor's engine a
+reference's engine, the same environment). A trajectory becomes one `Sample` per segment (agentic/trajectory.py): one
+when its drift is kept token-exact (rollout.agentic.on_drift keep), one per fork with on_drift fork (a template that
+strips earlier reasoning forks at every turn after one that reasoned). A segment's tokens before its first sampled one
+are the sample's prompt, the rest its response, with `loss_mask` 1 exactly on the tokens the policy sampled (its stop
+tokens included) and the engine's logprobs there (0.0 elsewhere); with partial rollouts (the actor's engine a
 `PausableEngine`: a weight push interrupts a turn, which goes on under the new weights) also the weight version of
-each response token (`Sample.token_versions`: a context token has that of the sampled token before it). The
-trajectory's drift is kept token-exact (`AgentLimits.on_drift` "keep"), so it is one segment. Its reward is the
-environment's score; it is correct (ARMOR's anchors, group filtering) when that is > 0. Its status decides what it
-becomes (rollout.agentic.on_<status>): trained as it is, trained with reward 0, or rolled out again (as is a
-trajectory that sampled nothing) at most `max_resamples` times, after which the last one is trained with reward 0
-(one without sampled tokens: a sample with the dataset prompt and an empty response, which trains nothing).
+each response token (`Sample.token_versions`: a context token has that of the sampled token before it). Every segment
+carries the trajectory's reward; it is correct (ARMOR's anchors, group filtering) when that is > 0. Its segments
+count as one trajectory in the group statistics (`Sample.trajectory`, numbered by `generate_samples`;
+algorithms/groups.py). Its status decides what it becomes (rollout.agentic.on_<status>): trained as it is, trained
+with reward 0, or rolled out again (as is a trajectory that sampled nothing) at most `max_resamples` times, after which
+the last one is trained with reward 0 (one without sampled tokens: a sample with the dataset prompt and an empty
+response, which trains nothing).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class TrajectoryScorer(SampleScorer):
         self.environment, self.settings = environment, settings
         self.stop_token_ids, self.in_process = stop_token_ids, in_process
         self.limits = AgentLimits(max_turns=settings.max_turns, max_total_tokens=settings.max_total_tokens,
-                                  max_invalid_turns=settings.max_invalid_turns, on_drift="keep")
+                                  max_invalid_turns=settings.max_invalid_turns, on_drift=settings.on_drift)
 
     @classmethod
     def load(cls, settings: AgenticConfig, tokenizer: PreTrainedTokenizerBase, *, in_process: bool,
@@ -79,16 +82,17 @@ class TrajectoryScorer(SampleScorer):
                    in_process=in_process, audits=audits)
 
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
-                is_anchor: bool, agent: AgentCounts | None = None) -> list[Sample]:
-        """A trajectory of each of `prompts` (their rows go to the environment's `reset`) sampled by `engine`, as a
-        sample each, in order; every trajectory rolled out (resampled ones too) is counted into `agent`."""
-        return [sample for sample, _ in self.respond_with_trajectories(engine, prompts, sampling, is_anchor=is_anchor,
+                is_anchor: bool, agent: AgentCounts | None = None) -> list[list[Sample]]:
+        """A trajectory of each of `prompts` (their rows go to the environment's `reset`) sampled by `engine`, as its
+        samples (one per segment), in order; every trajectory rolled out (resampled ones too) is counted into
+        `agent`."""
+        return [answer for answer, _ in self.respond_with_trajectories(engine, prompts, sampling, is_anchor=is_anchor,
                                                                        agent=agent)]
 
     def respond_with_trajectories(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams,
                                   *, is_anchor: bool, agent: AgentCounts | None = None,
-                                  ) -> list[tuple[Sample, Trajectory]]:
-        """`respond`'s samples, each beside the trajectory it is made of (the last one rolled out for its prompt).
+                                  ) -> list[tuple[list[Sample], Trajectory]]:
+        """`respond`'s answers, each beside the trajectory it is made of (the last one rolled out for its prompt).
 
         `sampling` has a seed per prompt (`sampling.seeds`: `generate_samples` gives them, `seeds_each_request`, and
         so does evaluation); prompt i's k-th rollout is seeded from (sampling.seeds[i], k) and its turns from that
@@ -109,7 +113,7 @@ class TrajectoryScorer(SampleScorer):
             if agent is not None:
                 agent.add(trajectories[i] for i in pending)
             pending = [i for i in pending if self._action(trajectories[i]) == "resample"]
-        return [(self._sample(prompt, trajectory, is_anchor=is_anchor, zero_reward=i in pending), trajectory)
+        return [(self._samples(prompt, trajectory, is_anchor=is_anchor, zero_reward=i in pending), trajectory)
                 for i, (prompt, trajectory) in enumerate(zip(prompts, trajectories))]
 
     def _roll_out(self, engine: RolloutEngine, rows: list[dict], sampling: SamplingParams,
@@ -128,22 +132,26 @@ class TrajectoryScorer(SampleScorer):
         """What `trajectory` becomes (rollout.agentic.on_<status>); one that sampled nothing is rolled out again."""
         return self.settings.action(trajectory.status.value) if trajectory.segments else "resample"
 
-    def _sample(self, prompt: PromptRow, trajectory: Trajectory, *, is_anchor: bool, zero_reward: bool) -> Sample:
-        """`trajectory` as the sample of `prompt` (module docstring); `zero_reward`: its resamples ran out."""
+    def _samples(self, prompt: PromptRow, trajectory: Trajectory, *, is_anchor: bool,
+                 zero_reward: bool) -> list[Sample]:
+        """`trajectory` as the samples of `prompt`, one per segment (module docstring); `zero_reward`: its resamples
+        ran out."""
         if zero_reward or self._action(trajectory) == "zero_reward":
             reward = 0.0
         else:
             reward = trajectory.reward
         if not trajectory.segments:
-            return Sample(prompt.index, list(prompt.prompt_ids), [], [], "length", is_anchor, reward=0.0,
-                          correct=False, loss_mask=[])
-        (segment,) = trajectory.segments  # drift is kept token-exact: one segment
-        start = segment.prompt_length
-        response = segment.token_ids[start:]
-        return Sample(
-            prompt_index=prompt.index, prompt_ids=segment.token_ids[:start], response_ids=response,
-            engine_logprobs=segment.logprobs[start:],
-            finish_reason="stop" if response[-1] in self.stop_token_ids else "length", is_anchor=is_anchor,
-            reward=float(reward), correct=reward > 0, loss_mask=segment.loss_mask[start:],
-            token_versions=segment.response_versions(),
-        )
+            return [Sample(prompt.index, list(prompt.prompt_ids), [], [], "length", is_anchor, reward=0.0,
+                           correct=False, loss_mask=[])]
+        samples = []
+        for segment in trajectory.segments:
+            start = segment.prompt_length
+            response = segment.token_ids[start:]
+            samples.append(Sample(
+                prompt_index=prompt.index, prompt_ids=segment.token_ids[:start], response_ids=response,
+                engine_logprobs=segment.logprobs[start:],
+                finish_reason="stop" if response[-1] in self.stop_token_ids else "length", is_anchor=is_anchor,
+                reward=float(reward), correct=reward > 0, loss_mask=segment.loss_mask[start:],
+                token_versions=segment.response_versions(),
+            ))
+        return samples

@@ -59,15 +59,18 @@ class EvalSet:
                   else TrajectoryScorer.load(dataset.agentic, tokenizer, in_process=in_process))
         return cls(dataset, rows[: dataset.max_prompts], scorer, sampling, dataset.answer_extractor())
 
-    def record(self, sample_index: int, sample: Sample, trajectory: Trajectory | None) -> SampleRecord:
-        """The record of `sample`, sample `sample_index` of its prompt (made of `trajectory`, when it is one)."""
-        text = self.scorer.response_text(sample.response_ids, sample.finish_reason)
+    def record(self, sample_index: int, answer: Sequence[Sample], trajectory: Trajectory | None) -> SampleRecord:
+        """The record of `answer`, sample `sample_index` of its prompt: one sample, or the segments of `trajectory`
+        (when it is one; several when it forked: its reward theirs, its response the last one's, its length all of
+        theirs)."""
+        last = answer[-1]
+        text = self.scorer.response_text(last.response_ids, last.finish_reason)
         summary = None if trajectory is None else TrajectoryRecord.of(trajectory)
         answered = text if summary is None else summary.final_answer
         return SampleRecord(
-            prompt_id=sample.prompt_index, sample=sample_index, response=text,
-            answer=None if self.extract is None else self.extract(answered), reward=sample.reward,
-            correct=sample.correct, length=len(sample.response_ids), finish_reason=sample.finish_reason,
+            prompt_id=last.prompt_index, sample=sample_index, response=text,
+            answer=None if self.extract is None else self.extract(answered), reward=last.reward,
+            correct=last.correct, length=sum(len(s.response_ids) for s in answer), finish_reason=last.finish_reason,
             trajectory=summary,
         )
 
@@ -92,7 +95,7 @@ def evaluate_set(engine: RolloutEngine, eval_set: EvalSet, *, seed: tuple) -> Da
                                    seeds=tuple(stable_seed(base, rows[p].index, k) for p, k in share.mine))
     answers = eval_set.scorer.respond_with_trajectories(engine, [rows[p] for p, _ in share.mine], sampling,
                                                         is_anchor=False)
-    records = [eval_set.record(k, sample, trajectory) for (_, k), (sample, trajectory) in zip(share.mine, answers)]
+    records = [eval_set.record(k, answer, trajectory) for (_, k), (answer, trajectory) in zip(share.mine, answers)]
     if share.world > 1:
         every_rank: list[list[SampleRecord]] = [[] for _ in range(share.world)]
         dist.all_gather_object(every_rank, records)

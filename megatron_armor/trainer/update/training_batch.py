@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_armor.algorithms import (
-    ACTOR, ANCHORS, REFERENCE, TEACHER, StepSources, group_advantages, mismatch_k3, mix_kl_metrics, reverse_kl,
+    ACTOR, ANCHORS, REFERENCE, TEACHER, StepSources, mismatch_k3, mix_kl_metrics, reverse_kl, trajectory_advantages,
 )
 from megatron_armor.algorithms.reduce import masked_mean
 from megatron_armor.data.types import Sample
@@ -72,14 +72,14 @@ class PreparedBatch:
 def advantage_batch(
     groups: list[list[Sample]], plan: StepPlan, *, dp_size: int, dp_rank: int, pad_token_id: int
 ) -> AdvantageBatch:
-    """Group advantages A = (R - b_g) / (std_g + eps) of every sample of the step (anchors included),
-    and this rank's share of each mini-batch packed into one batch."""
+    """Group advantages A = (R - b_g) / (std_g + eps) of every sample of the step (anchors included; over
+    trajectories: the segments of a forked one share its advantage, `trajectory_advantages`), and this rank's share
+    of each mini-batch packed into one batch (a group's samples, segments included, stay together)."""
     samples = [s for g in groups for s in g]
-    group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    group_ids = [gi for gi, g in enumerate(groups) for _ in g]
     section = plan.algorithm_section
-    advantages = group_advantages(rewards, group_ids, eps=section.adv_eps, baseline=section.advantage_baseline,
-                                  quantile=section.baseline_quantile)
+    advantages = trajectory_advantages(samples, group_ids, eps=section.adv_eps, baseline=section.advantage_baseline,
+                                       quantile=section.baseline_quantile)
     group_start = [0]
     for g in groups:
         group_start.append(group_start[-1] + len(g))

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_armor.algorithms import GateSettings, accept_update, gap_proxy, group_advantages, tolerance
+from megatron_armor.algorithms import (
+    GateSettings, accept_update, gap_proxy, tolerance, trajectory_advantages, trajectory_members,
+)
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
 from megatron_armor.scoring.batch import build_sequence_batch
@@ -61,9 +63,9 @@ class InferenceGapGate:
             engine, self.prompts.next_batch(), config.gate_n, self.sampling, self.scorer, is_anchor=False,
             seed=(self.seed, step, "mipu_gate"),
         )
-        group_ids = torch.tensor([sample.prompt_index for sample in samples])
-        rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float32)
-        advantages = group_advantages(rewards, group_ids, eps=self.adv_eps)
+        groups = [sample.prompt_index for sample in samples]
+        advantages = trajectory_advantages(samples, groups, eps=self.adv_eps)  # a forked trajectory counts once
+        rewards = torch.tensor([samples[m[0]].reward for m in trajectory_members(samples, groups)], dtype=torch.float32)
         batch = build_sequence_batch(samples, advantages.tolist(), pad_token_id=pad_token_id)
         trainer_logp = compute_logprobs(actor, batch, micro_batching=micro_batching, scoring=scoring).logprobs
         gap = _from_rank0(gap_proxy(trainer_logp, batch.engine_logprobs, batch.response_mask, advantages))
