@@ -37,10 +37,11 @@ import tempfile
 import time
 
 from megatron_armor.agentic.chat_templates import make_chat_tokenizer
-from megatron_armor.agentic.driver import AgentLimits, RolloutContext, environment_rollout, run_rollouts
+from megatron_armor.agentic.driver import RolloutContext, environment_rollout, run_rollouts
 from megatron_armor.agentic.environment import EnvReply, Environment
 from megatron_armor.agentic.generate import EngineGenerator
 from megatron_armor.agentic.metrics import agent_metrics
+from megatron_armor.config import AgenticConfig
 from megatron_armor.models.tiny import make_tiny_checkpoint
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
@@ -136,7 +137,7 @@ def main() -> None:
         "<|im_end|>"),)
     generator = EngineGenerator(engine, workers=1)
     ctx = RolloutContext(generator, tokenizer, SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=stops),
-                         AgentLimits(max_turns=args.max_turns + 1))
+                         AgenticConfig(max_turns=args.max_turns + 1))
     print(f"{'latency':>8} {'mode':>17} {'traj/s':>7} {'gen s':>6} {'tool s':>6} {'turns':>5}")
     for latency_ms in args.latency_ms:
         batch = rows(args.trajectories, args.max_turns, latency_ms / 1000, args.seed)

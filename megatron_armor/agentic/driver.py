@@ -5,7 +5,7 @@ A rollout function is `async def rollout(ctx: RolloutContext, row: dict) -> Traj
 `ctx.generate(token_ids)` and builds its trajectory with a `TrajectoryBuilder` (users who write their own loop
 start here). `environment_rollout(make_env)` is the rollout function of an `Environment`: render the first
 messages, then per turn sample, let the environment answer, append the template's delta, until the environment ends
-the episode or a limit (`AgentLimits`) does. Whatever a trajectory's environment, tools or rollout function raise,
+the episode or a limit (`RolloutContext.limits`) does. Whatever a trajectory's environment, tools or rollout function raise,
 the trajectory ends `failed`, its error logged once with its row, and the other trajectories go on.
 """
 
@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -27,9 +27,8 @@ from megatron_armor.agentic.environment import Environment, MalformedMessages, M
 from megatron_armor.agentic.generate import GenerateResult, Generator
 from megatron_armor.agentic.render import ChatRenderer
 from megatron_armor.agentic.tools import WORKER_THREADS, ToolError, in_thread
-from megatron_armor.agentic.trajectory import (
-    DRIFT_POLICIES, DriftPolicy, Status, Trajectory, TrajectoryBuilder, TrajectoryStats, TurnCheck,
-)
+from megatron_armor.agentic.trajectory import Status, Trajectory, TrajectoryBuilder, TrajectoryStats, TurnCheck
+from megatron_armor.config import AgenticConfig
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.utils.seeding import stable_seed
 
@@ -37,33 +36,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class AgentLimits:
-    """max_turns: policy turns per trajectory (truncated after); max_total_tokens: tokens of the growing segment
-    (the next prompt plus what it may sample; truncated when spent); max_invalid_turns: invalid turns in a row
-    (e.g. malformed tool calls) before the trajectory is aborted; on_drift: agentic/trajectory.py's drift policy."""
-
-    max_turns: int = 8
-    max_total_tokens: int = 4096
-    max_invalid_turns: int = 3
-    on_drift: DriftPolicy = "keep"
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_total_tokens", "max_invalid_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"AgentLimits.{name} must be >= 1, got {getattr(self, name)}")
-        if self.on_drift not in DRIFT_POLICIES:
-            raise ValueError(f"AgentLimits.on_drift must be one of {DRIFT_POLICIES}, got {self.on_drift!r}")
-
-
-@dataclass(frozen=True)
 class RolloutContext:
     """What a rollout function gets: `generate` on the policy's engine, the tokenizer (with its chat template), the
-    turn's sampling settings (stop tokens: those that end an assistant turn) and the limits."""
+    turn's sampling settings (stop tokens: those that end an assistant turn) and the limits: the `rollout.agentic`
+    section, whose max_turns, max_total_tokens, max_invalid_turns and on_drift the driver reads (a loop of one's own
+    builds one by hand, e.g. `AgenticConfig(max_turns=6)`)."""
 
     generator: Generator
     tokenizer: PreTrainedTokenizerBase
     sampling: SamplingParams
-    limits: AgentLimits = AgentLimits()
+    limits: AgenticConfig = field(default_factory=AgenticConfig)
 
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams | None = None) -> GenerateResult:
         return await self.generator.generate(token_ids, sampling or self.sampling)

@@ -37,7 +37,7 @@ class EnvReply:
     messages: the new messages (tool results, a simulated user's reply); done: the episode ends here (`messages`
     are then not shown to the policy); reward: this turn's reward, if the environment gives per-turn rewards;
     invalid: the turn was unusable (e.g. malformed tool calls): the driver ends the trajectory `aborted` after
-    `AgentLimits.max_invalid_turns` such turns in a row; tool_calls / tool_errors: counts for the metrics.
+    `rollout.agentic.max_invalid_turns` such turns in a row; tool_calls / tool_errors: counts for the metrics.
     """
 
     messages: list[Message] = field(default_factory=list)

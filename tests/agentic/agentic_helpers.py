@@ -7,10 +7,11 @@ import asyncio
 import random
 from collections.abc import Sequence
 
-from megatron_armor.agentic.driver import AgentLimits, RolloutContext, environment_rollout, run_rollouts
+from megatron_armor.agentic.driver import RolloutContext, environment_rollout, run_rollouts
 from megatron_armor.agentic.generate import GenerateResult
 from megatron_armor.agentic.tool_env import ToolEnv
 from megatron_armor.agentic.tools import Tool
+from megatron_armor.config import AgenticConfig
 from megatron_armor.rollout.base import SamplingParams
 
 ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -52,7 +53,7 @@ class ScriptedPolicy:
         return GenerateResult(list(ids), logprobs, finish)
 
 
-def play(policy, tokenizer, stop_id: int, make_env=AddEnv, rows=({"prompt": "What is 2+3?"},), limits=AgentLimits(),
+def play(policy, tokenizer, stop_id: int, make_env=AddEnv, rows=({"prompt": "What is 2+3?"},), limits=AgenticConfig(),
          max_in_flight: int = 1):
     ctx = RolloutContext(policy, tokenizer, SamplingParams(max_new_tokens=256, stop_token_ids=(stop_id,)), limits)
     return asyncio.run(run_rollouts(ctx, environment_rollout(make_env), list(rows), max_in_flight))

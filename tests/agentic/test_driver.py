@@ -15,7 +15,7 @@ import pytest
 
 from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
 from megatron_armor.agentic.chat_templates import make_chat_tokenizer
-from megatron_armor.agentic.driver import AgentLimits
+from megatron_armor.config import AgenticConfig
 from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
 from megatron_armor.agentic.metrics import agent_metrics
 from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
@@ -88,7 +88,7 @@ def test_bad_input_gives_each_trajectory_its_status_and_one_log_line_and_leaks_n
     fds, children = open_fds(), len(psutil.Process().children(recursive=True))
     with caplog.at_level(logging.ERROR, logger="megatron_armor.agentic.driver"):
         trajectories = play(policy, tokenizer, stop_id, make_env=CaseEnv, rows=[{"case": c} for c in CASES],
-                            limits=AgentLimits(max_turns=4, max_invalid_turns=2), max_in_flight=len(CASES))
+                            limits=AgenticConfig(max_turns=4, max_invalid_turns=2), max_in_flight=len(CASES))
     by_case = {t.row["case"]: t for t in trajectories}
     assert {c: t.status for c, t in by_case.items()} == EXPECTED
     failures = {c: r.getMessage() for r in caplog.records for c in CASES
@@ -197,7 +197,7 @@ def test_per_turn_rewards_and_the_token_budget():
     (segment,) = graded.segments
     budget = len(segment.token_ids) - 2  # the third turn's last tokens do not fit
     (cut,) = play(policy, tokenizer, stop_id, make_env=GradedEnv, rows=[{"case": "a"}],
-                  limits=AgentLimits(max_total_tokens=budget))
+                  limits=AgenticConfig(max_total_tokens=budget))
     assert cut.status is Status.TRUNCATED and cut.stats.turns == 3 and cut.turn_rewards == [0.5, 1.0]
     assert cut.segments[0].token_ids == segment.token_ids[:budget]
 

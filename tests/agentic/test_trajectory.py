@@ -10,7 +10,7 @@ import pytest
 
 from agentic_helpers import AddEnv, ScriptedPolicy, play
 from megatron_armor.agentic.chat_templates import CHAT_FORMATS, make_chat_tokenizer
-from megatron_armor.agentic.driver import AgentLimits
+from megatron_armor.config import AgenticConfig
 from megatron_armor.agentic.tools import tool_calls_text
 from megatron_armor.agentic.trajectory import Segment, Status, TrajectoryBuilder, TurnCheck
 
@@ -80,7 +80,7 @@ def test_random_conversations_are_token_exact(chat, canonical, on_drift):
     statuses, drifted = set(), 0
     for seed in range(CONVERSATIONS):
         policy = ScriptedPolicy(random_turns(rng, tokenizer, stop_id, think=think, canonical=canonical), seed)
-        (trajectory,) = play(policy, tokenizer, stop_id, limits=AgentLimits(max_turns=8, on_drift=on_drift))
+        (trajectory,) = play(policy, tokenizer, stop_id, limits=AgenticConfig(max_turns=8, on_drift=on_drift))
         statuses.add(trajectory.status)
         assert trajectory.status in (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED), trajectory.error
         assert_token_exact(trajectory, policy)

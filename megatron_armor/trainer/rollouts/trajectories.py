@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
-from megatron_armor.agentic.driver import AgentLimits, RolloutContext, environment_rollout, run_rollouts
+from megatron_armor.agentic.driver import RolloutContext, environment_rollout, run_rollouts
 from megatron_armor.agentic.environment import Environment, load_environment
 from megatron_armor.agentic.generate import EngineGenerator
 from megatron_armor.agentic.metrics import AgentCounts
@@ -62,8 +62,6 @@ class TrajectoryScorer(SampleScorer):
         super().__init__(tokenizer, reward_fn=None, audits=audits)
         self.environment, self.settings = environment, settings
         self.stop_token_ids, self.in_process = stop_token_ids, in_process
-        self.limits = AgentLimits(max_turns=settings.max_turns, max_total_tokens=settings.max_total_tokens,
-                                  max_invalid_turns=settings.max_invalid_turns, on_drift=settings.on_drift)
 
     @classmethod
     def load(cls, settings: AgenticConfig, tokenizer: PreTrainedTokenizerBase, *, in_process: bool,
@@ -121,7 +119,7 @@ class TrajectoryScorer(SampleScorer):
         workers = dict(workers=1) if self.in_process else dict(workers=self.settings.max_in_flight, max_batch=1)
         generator = EngineGenerator(engine, **workers)
         turn = dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids, seeds=None)  # `seeds`: per turn
-        ctx = RolloutContext(generator, self.tokenizer, turn, self.limits)
+        ctx = RolloutContext(generator, self.tokenizer, turn, self.settings)
         try:
             return asyncio.run(run_rollouts(ctx, environment_rollout(self.environment), rows,
                                             self.settings.max_in_flight, seeds))
