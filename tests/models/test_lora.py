@@ -135,6 +135,39 @@ def test_only_adapters_reach_ddp_buffers_and_the_optimizer(megatron_world, tiny_
                                                       for p in (adapter.lora_a, adapter.lora_b))
 
 
+def test_the_rollback_snapshot_holds_the_adapters_alone_and_restores_them_exactly(megatron_world, tiny_model_factory):
+    """MIPU's accept / rollback snapshot (`TrainingSnapshot`) of a LoRA actor copies what the optimizer updates, the
+    adapters, not the frozen base; a rollback puts adapters and Adam state back, so the step taken again after it
+    lands on the first attempt's adapters bit for bit."""
+    from megatron_armor.trainer.update.snapshot import TrainingSnapshot
+
+    checkpoint = tiny_model_factory()
+    model = _model(checkpoint)
+    adapters = apply_lora(model, LORA)
+    ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=1e-2, warmup_steps=0))
+    tokens = _tokens(load_model_shape(checkpoint).vocab_size)
+
+    trained = [p for adapter in adapters for p in (adapter.lora_a, adapter.lora_b)]
+
+    def step() -> list[torch.Tensor]:
+        zero_grads(ddp, optimizer)
+        _loss(_logits(ddp, tokens), tokens).backward()
+        ddp.finish_grad_sync()
+        assert optimizer_step(ddp, optimizer, lr=1e-2).updated
+        return [p.detach().clone() for p in trained]
+
+    before = step()  # Adam moments that a rollback must restore, and B off zero
+    snapshot = TrainingSnapshot.capture(ddp, optimizer, 1)
+    # the adapters alone (4 per layer, A and B each), in the order of the model's parameters
+    assert [p.shape for p in snapshot.params] == [p.shape for p in trained]
+    assert all(torch.equal(saved, p) for saved, p in zip(snapshot.params, before, strict=True))
+    candidate = step()
+    assert not any(torch.equal(a, b) for a, b in zip(candidate, before))
+    snapshot.restore(ddp, optimizer)
+    assert all(torch.equal(p, saved) for p, saved in zip(trained, before, strict=True))
+    assert all(torch.equal(again, first) for again, first in zip(step(), candidate, strict=True))
+
+
 def test_full_recompute_gives_adapters_the_gradients_of_a_kept_run(megatron_world, tiny_model_factory):
     from megatron_armor.config import RecomputeConfig
 

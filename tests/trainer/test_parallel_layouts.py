@@ -110,7 +110,8 @@ JOBS = {
         "agentic-tp2": ("eos-prone", 2, 1, "torch", "agentic"), "agentic-dp2": ("eos-prone", 1, 1, "torch", "agentic"),
         "lora-tp2": ("dense", 2, 1, "torch", "lora", "checkpoint"), "lora-tp2-sp": ("dense", 2, 1, "torch", "sp", "lora"),
         "lora-pp2": ("dense", 1, 2, "torch", "lora"), "lora-dp2-distopt": ("dense", 1, 1, "torch", "distopt", "lora", "checkpoint"),
-        "lora-moe-ep2": ("moe", 1, 1, "torch", "ep=2", "lora")},
+        "lora-moe-ep2": ("moe", 1, 1, "torch", "ep=2", "lora"),
+        "lora-tp2-sp-budget-packed": ("dense", 2, 1, "torch", "sp", "budget=40", "packed", "lora")},
     4: {"tp2xpp2": ("dense", 2, 2, "torch"),
         "cp2xtp2-sp": ("dense", 2, 1, "torch", "sp", "cp=2"), "cp2xpp2": ("dense", 1, 2, "torch", "cp=2"),
         "moe-ep2-tp2-sp-r3": ("moe", 2, 1, "torch", "sp", "ep=2", "replay=rollout"),
@@ -387,10 +388,12 @@ def assert_head_gradient_path(ranks, head):
 
 @pytest.mark.parametrize("name, baseline", [("lora-tp2", "lora-base"), ("lora-tp2-sp", "lora-base"),
                                             ("lora-pp2", "lora-base"), ("lora-dp2-distopt", "lora-base"),
-                                            ("lora-moe-ep2", "lora-moe-base")])
+                                            ("lora-moe-ep2", "lora-moe-base"),
+                                            ("lora-tp2-sp-budget-packed", "lora-base")])
 def test_lora_layout_matches_single_rank(runs, name, baseline):
     """A LoRA ARMOR step (the reference: the actor's model with its adapters off) at TP=2 (with and without sequence
-    parallelism), PP=2, DP=2 with the distributed optimizer, and a MoE model's with experts adapted over EP=2, equals
+    parallelism; with it also on token-budget packed micro-batches), PP=2, DP=2 with the distributed optimizer, and a
+    MoE model's with experts adapted over EP=2, equals
     the one-process step: logprobs, the adapters' gradients (whole, TP-gathered), the merged weights after two
     optimizer steps and the adapters themselves, whole and PEFT-named as a push sends them (a MoE model's every
     expert's, on every rank); the base weights never move, and the adapters off still score the base after the
