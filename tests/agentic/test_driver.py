@@ -1,5 +1,6 @@
 """The environment loop under bad input, all in one concurrent batch: an environment that raises, answers malformed
-messages or never ends; a tool that hangs, crashes or floods its output; malformed tool-call JSON. Each trajectory
+messages or never ends; a tool that hangs, crashes or floods its output (the sandbox's, or a plain function returning
+100 MB); malformed tool-call JSON. Each trajectory
 gets its status and one clear log line, the others finish, and no process or file descriptor is left behind."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megatron_armor.agentic.environment import EnvReply, Environment, load_envir
 from megatron_armor.agentic.metrics import agent_metrics
 from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
 from megatron_armor.agentic.tool_env import ToolEnv
-from megatron_armor.agentic.tools import Tool, tool_calls_text
+from megatron_armor.agentic.tools import MAX_OUTPUT_BYTES, Tool, tool_calls_text
 from megatron_armor.agentic.trajectory import Status
 
 
@@ -33,13 +34,18 @@ def crash() -> str:
     raise ZeroDivisionError("the tool divided by zero")
 
 
+def flood() -> str:
+    return "x" * 100_000_000
+
+
 class CaseEnv(ToolEnv):
     """Behaves as its row's "case" says."""
 
     def __init__(self) -> None:
         super().__init__([
             Tool(add, ADD_SCHEMA), Tool(hang, {"type": "object", "properties": {"seconds": {}}}, timeout_s=0.2),
-            Tool(crash, {"type": "object"}), python_tool(PythonSandbox(timeout_s=5.0, max_output_bytes=2000)),
+            Tool(crash, {"type": "object"}), Tool(flood, {"type": "object"}),
+            python_tool(PythonSandbox(timeout_s=5.0, max_output_bytes=2000)),
         ])
 
     def reset(self, row):
@@ -66,6 +72,7 @@ CASES = {
     "env never ends": ["more"],
     "tool hangs": [tool_calls_text([("hang", {"seconds": 1.5})])],
     "tool crashes": [tool_calls_text([("crash", {})])],
+    "tool floods": [tool_calls_text([("flood", {})])],
     "python loops": [tool_calls_text([("python", {"code": "while True: pass"})]), "done"],
     "python floods": [tool_calls_text([("python", {"code": "print('x' * 100_000_000)"})]), "done"],
     "bad json": ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'],
@@ -73,6 +80,7 @@ CASES = {
 EXPECTED = {
     "ok": Status.COMPLETED, "env raises": Status.FAILED, "env malformed": Status.FAILED,
     "env never ends": Status.TRUNCATED, "tool hangs": Status.FAILED, "tool crashes": Status.FAILED,
+    "tool floods": Status.TRUNCATED,  # its 64 KiB shown: past the trajectory's token budget
     "python loops": Status.COMPLETED, "python floods": Status.COMPLETED, "bad json": Status.ABORTED,
 }
 
@@ -105,13 +113,15 @@ def test_bad_input_gives_each_trajectory_its_status_and_one_log_line_and_leaks_n
     assert tool_says["python loops"] == ["[killed: time limit]"]
     assert tool_says["python floods"][0].endswith("[killed: output limit]")
     assert len(tool_says["python floods"][0]) < 2100  # the sandbox limit, not 100 MB
+    assert tool_says["tool floods"] == ["x" * MAX_OUTPUT_BYTES + f"\n[cut: output limit of {MAX_OUTPUT_BYTES} bytes]"]
     assert all("not valid JSON" in m for m in tool_says["bad json"]) and len(tool_says["bad json"]) == 1
     assert by_case["bad json"].error == "2 invalid turns in a row"
     metrics = agent_metrics(trajectories)
-    assert metrics["agent/status_failed"] == pytest.approx(4 / 9)
-    # calls: ok, env raises, hang, crash, python loops, python floods, bad json x2; errors: hang, crash, bad json x2
-    assert metrics["agent/tool_calls_mean"] == pytest.approx(8 / 9)
-    assert metrics["agent/tool_error_rate"] == pytest.approx(4 / 8)
+    assert metrics["agent/status_failed"] == pytest.approx(4 / 10)
+    # calls: ok, env raises, hang, crash, flood, python loops, python floods, bad json x2; errors: hang, crash, bad
+    # json x2
+    assert metrics["agent/tool_calls_mean"] == pytest.approx(9 / 10)
+    assert metrics["agent/tool_error_rate"] == pytest.approx(4 / 9)
     time.sleep(1.5)  # the hung tool's thread returns (a Python function cannot be stopped)
     assert open_fds() == fds
     assert len(psutil.Process().children(recursive=True)) == children
