@@ -16,6 +16,7 @@ import pytest
 
 from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
 from megatron_armor.agentic.chat_templates import make_chat_tokenizer
+from megatron_armor.agentic.driver import RolloutContext, load_rollout, run_rollouts
 from megatron_armor.config import AgenticConfig
 from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
 from megatron_armor.agentic.metrics import agent_metrics
@@ -23,6 +24,7 @@ from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
 from megatron_armor.agentic.tool_env import ToolEnv
 from megatron_armor.agentic.tools import MAX_OUTPUT_BYTES, Tool, tool_calls_text
 from megatron_armor.agentic.trajectory import Status
+from megatron_armor.rollout.base import SamplingParams
 
 
 def hang(seconds: float) -> str:
@@ -141,6 +143,36 @@ def test_environment_classes_load_by_module_or_file_path(tmp_path):
         load_environment(f"{file}:NotAnEnv")
     with pytest.raises(ValueError, match="environment 'nowhere:Env': cannot import module 'nowhere'"):
         load_environment("nowhere:Env")
+
+
+def test_rollout_functions_load_from_the_config_and_a_trajectory_breaking_the_contract_fails_its_row(tmp_path,
+                                                                                                     caplog):
+    """rollout.agentic.rollout_fn: one of it and environment; an async function; what it returns is a `Trajectory`
+    whose segments end with a sampled token (what the trainer's samples are cut to), or the row's trajectory fails,
+    logged once."""
+    file = tmp_path / "my_rollout.py"
+    file.write_text("from megatron_armor.agentic.trajectory import Segment, Status, Trajectory, TrajectoryStats\n"
+                    "async def context_last(ctx, row):\n"
+                    "    segment = Segment([1, 2, 3], [0, 1, 0], [0.0, -1.0, 0.0])\n"
+                    "    return Trajectory(row, [segment], Status.COMPLETED, 1.0, [], [], TrajectoryStats())\n"
+                    "async def nothing(ctx, row):\n"
+                    "    return None\n"
+                    "def blocking(ctx, row):\n"
+                    "    return None\n")
+    with pytest.raises(ValueError, match=r"rollout.agentic.environment \(e:E\) and rollout.agentic.rollout_fn \(m:f\) "
+                                         "are two ways to roll a trajectory out: set one of them"):
+        AgenticConfig(environment="e:E", rollout_fn="m:f")
+    with pytest.raises(ValueError, match="blocking' is <function blocking .*>, not an async function"):
+        load_rollout(AgenticConfig(rollout_fn=f"{file}:blocking"))
+    ctx = RolloutContext(generator=None, tokenizer=None, sampling=SamplingParams())
+    with caplog.at_level(logging.ERROR, logger="megatron_armor.agentic.driver"):
+        trajectories = [asyncio.run(run_rollouts(ctx, load_rollout(AgenticConfig(rollout_fn=f"{file}:{name}")),
+                                                 [{"case": name}]))[0] for name in ("context_last", "nothing")]
+    assert [(t.status, t.segments) for t in trajectories] == [(Status.FAILED, [])] * 2
+    assert trajectories[0].error.startswith("ValueError: segment 0 of a trajectory must start with its prompt "
+                                            "(context, mask 0), end with a sampled token (mask 1)")
+    assert trajectories[1].error == "TypeError: the rollout function returned NoneType, not a Trajectory"
+    assert len(caplog.records) == 2
 
 
 async def slow_lookup(key: str) -> str:
