@@ -8,7 +8,7 @@ from megatron_armor.algorithms.base import (
 )
 from megatron_armor.algorithms.groups import (
     GroupCollector, GroupStats, anchor_trajectories, build_groups, mix_kl_metrics, select_group, trajectories,
-    trajectory_advantages, trajectory_members,
+    trajectory_advantages, trajectory_members, trajectory_owners,
 )
 from megatron_armor.algorithms.grpo import Grpo
 from megatron_armor.algorithms.grpo_kl import GrpoKL
@@ -31,5 +31,5 @@ __all__ = [
     "kl_penalty", "mismatch_k3", "mix_kl_metrics", "opd_token_advantages", "register_algorithm",
     "registered_algorithms", "reverse_kl", "sampler_corrected_loss", "sampler_weights", "select_group",
     "sparse_token_mask", "sparsify_log_ratio", "tolerance", "trajectories", "trajectory_advantages",
-    "trajectory_members", "unregister_algorithm",
+    "trajectory_members", "trajectory_owners", "unregister_algorithm",
 ]

@@ -61,10 +61,15 @@ def trajectory_advantages(
     rewards = torch.tensor([samples[m[0]].reward for m in members], dtype=torch.float32)
     advantages = group_advantages(rewards, torch.tensor([group_ids[m[0]] for m in members], dtype=torch.long),
                                   eps=eps, baseline=baseline, quantile=quantile)
-    owner = torch.empty(len(samples), dtype=torch.long)
+    return advantages[trajectory_owners(members, len(samples))]
+
+
+def trajectory_owners(members: list[list[int]], n: int) -> torch.Tensor:
+    """[n] long: the trajectory of each of `n` samples, its place in `members` (`trajectory_members`' list)."""
+    owner = torch.empty(n, dtype=torch.long)
     for t, m in enumerate(members):
         owner[m] = t
-    return advantages[owner]
+    return owner
 
 
 def select_group(

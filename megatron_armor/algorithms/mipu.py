@@ -16,12 +16,16 @@ from megatron_armor.config import ArmorConfig, KLConfig, MipuConfig
 
 @torch.no_grad()
 def gap_proxy(
-    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+    trajectories: torch.Tensor | None = None,
 ) -> float:
     """T_post = -mean_i(rho_i * A_i), rho_i = exp(mean_t(log pi_{k+1} - log mu_{k+1})) over response i.
 
     trainer_logp, engine_logp, mask: [N, T] float32 of N validation responses sampled by mu_{k+1};
-    advantages: [N] float32, group-relative within each validation group. Negative T_post: the
+    advantages: [N] float32, group-relative within each validation group. trajectories: [N] long, the trajectory
+    (0 .. M-1) each response belongs to (a multi-turn trajectory forked into several responses; None: each response
+    its own): a trajectory is one response i of the formula, its rho over all its responses' tokens and its advantage
+    theirs (they share it), so it counts once in the mean. Negative T_post: the
     trainer favours positive-advantage responses more than the engine does. Each token's log ratio
     is clamped to +-LOG_RATIO_CLAMP (as in `sampler_weights`), so an engine logprob of -inf counts
     as a large finite ratio; a non-finite T_post (NaN logprobs or advantages) raises FloatingPointError
@@ -29,8 +33,15 @@ def gap_proxy(
     """
     log_ratio = (trainer_logp - engine_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = torch.where(mask > 0, log_ratio, 0.0)  # off-response positions may hold anything
-    rho = torch.exp(log_ratio.sum(1) / mask.sum(1).clamp(min=1.0))
-    gap = float(-(rho * advantages).mean())
+    n = len(advantages)
+    if trajectories is None:
+        trajectories = torch.arange(n)
+    count = int(trajectories.max()) + 1
+    log_ratio_sum = torch.zeros(count, dtype=log_ratio.dtype).index_add_(0, trajectories, log_ratio.sum(1))
+    tokens = torch.zeros(count, dtype=mask.dtype).index_add_(0, trajectories, mask.sum(1))
+    first = torch.full((count,), n).scatter_reduce_(0, trajectories, torch.arange(n), reduce="amin")
+    rho = torch.exp(log_ratio_sum / tokens.clamp(min=1.0))
+    gap = float(-(rho * advantages[first]).mean())
     if not math.isfinite(gap):
         raise FloatingPointError(
             f"MIPU gap proxy T_post is {gap}: the gate batch has non-finite trainer/engine logprobs or advantages"

@@ -374,38 +374,38 @@ class LocalServerState:
 
     def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format}: the adapter
-        beside the base (`LocalEngine.load_lora_adapter`). As SGLang, a name already loaded is refused: unload it
-        first."""
+        beside the base (`LocalEngine.load_lora_adapter`)."""
+        route = "/load_lora_adapter_from_tensors"
         try:
             name, config, named = proto.lora_adapter_from_request(body, allow_cuda=self.device.type == "cuda")
         except tensor_serialization.PayloadError as error:
-            raise RequestError(f"/load_lora_adapter_from_tensors: bad request: {error}") from error
-        with self.engine_lock:
-            if name in self.engine.adapters.loaded:
-                raise RequestError(f"/load_lora_adapter_from_tensors: adapter {name!r} is already loaded; POST "
-                                   f"/unload_lora_adapter first")
-            try:
-                self.engine.load_lora_adapter(name, config, named)
-            except AdapterError as error:
-                raise RequestError(f"/load_lora_adapter_from_tensors: {error}") from error
-            return proto.lora_update_reply(self.engine.adapters.loaded)
+            raise RequestError(f"{route}: bad request: {error}") from error
+        return self._add_adapter(route, name, lambda: self.engine.load_lora_adapter(name, config, named), AdapterError)
 
     def load_lora_adapter_from_path(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /load_lora_adapter {lora_name, lora_path, pinned}: the adapter beside the base from the PEFT directory
-        at lora_path (`LocalEngine.load_lora_adapter_from_path`; pinned changes nothing here). As SGLang, a name
-        already loaded is refused: unload it first."""
+        at lora_path (`LocalEngine.load_lora_adapter_from_path`; pinned changes nothing here)."""
+        route = "/load_lora_adapter"
         try:
             name, path = proto.lora_adapter_path_from_request(body)
         except tensor_serialization.PayloadError as error:
-            raise RequestError(f"/load_lora_adapter: bad request: {error}") from error
+            raise RequestError(f"{route}: bad request: {error}") from error
+        # OSError: no such directory or files; ValueError: an adapter the model cannot take
+        return self._add_adapter(route, name, lambda: self.engine.load_lora_adapter_from_path(name, path),
+                                 (OSError, ValueError))
+
+    def _add_adapter(self, route: str, name: str, load: Callable[[], None],
+                     errors: type[Exception] | tuple[type[Exception], ...]) -> dict[str, Any]:
+        """Run `load` (which adds adapter `name` to the engine) under the engine lock; `route`'s reply. As SGLang, a
+        name already loaded is refused (unload it first); `errors`, what `load` raises for an adapter it cannot
+        take, become the route's `RequestError`."""
         with self.engine_lock:
             if name in self.engine.adapters.loaded:
-                raise RequestError(f"/load_lora_adapter: adapter {name!r} is already loaded; POST "
-                                   f"/unload_lora_adapter first")
+                raise RequestError(f"{route}: adapter {name!r} is already loaded; POST /unload_lora_adapter first")
             try:
-                self.engine.load_lora_adapter_from_path(name, path)
-            except (OSError, ValueError) as error:  # no such directory or files, or an adapter the model cannot take
-                raise RequestError(f"/load_lora_adapter: {error}") from error
+                load()
+            except errors as error:
+                raise RequestError(f"{route}: {error}") from error
             return proto.lora_update_reply(self.engine.adapters.loaded)
 
     def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The guide's calculator environment (examples/agentic/calculator_env.py), loaded by its path as a config names it."""
+"""The guides' environments (examples/agentic/), loaded by their paths as a config names them."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from megatron_armor.agentic.environment import load_environment
 from megatron_armor.agentic.tools import tool_calls_text
 from megatron_armor.agentic.trajectory import Status
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agentic" / "calculator_env.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agentic"
 
 
 def test_calculator_env_answers_tool_calls_and_scores_the_answer():
-    env = load_environment(f"{EXAMPLE}:CalculatorEnv")
+    env = load_environment(f"{EXAMPLES / 'calculator_env.py'}:CalculatorEnv")
     tokenizer = make_chat_tokenizer("llama3")
     stop_id = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     call = tool_calls_text([("calculate", {"expression": "(17 - 5) * -3 + 2"})])
@@ -28,3 +28,17 @@ def test_calculator_env_answers_tool_calls_and_scores_the_answer():
     assert (right.status, right.reward, wrong.reward) == (Status.COMPLETED, 1.0, 0.0)
     assert [m["content"] for m in corrected.messages if m["role"] == "tool"] == ["error: not allowed: 2 ** 8"]
     assert (corrected.status, corrected.reward) == (Status.COMPLETED, 1.0)
+
+
+def test_python_math_env_runs_the_policy_s_code_in_the_sandbox_and_scores_the_last_answer_line():
+    """The own-task guide's environment: a python tool call's printed output comes back as the tool message."""
+    env = load_environment(f"{EXAMPLES / 'python_math_env.py'}:PythonMathEnv")
+    tokenizer = make_chat_tokenizer("chatml")
+    stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = tool_calls_text([("python", {"code": "print(sum(range(1, 101)))"})])
+    policy = PolicyByPrompt(tokenizer, stop_id, {"1..100": [call, "So Answer: 5050"], "2+2": ["Answer: 5"]})
+    rows = [{"prompt": "1..100", "answer": 5050}, {"prompt": "2+2", "answer": 4}]
+    right, wrong = play(policy, tokenizer, stop_id, make_env=env, rows=rows, max_in_flight=2)
+    assert [m["content"] for m in right.messages if m["role"] == "tool"] == ["5050\n"]  # what it printed
+    assert (right.status, right.reward, right.stats.tool_calls) == (Status.COMPLETED, 1.0, 1)
+    assert (wrong.status, wrong.reward, wrong.stats.tool_calls) == (Status.COMPLETED, 0.0, 0)

@@ -124,3 +124,17 @@ def test_gap_proxy_raises_on_a_non_finite_gap_instead_of_rejecting_silently():
     trainer = torch.tensor([[math.nan, -1.0], [-1.0, -1.0]])
     with pytest.raises(FloatingPointError, match="gap proxy T_post is nan"):
         gap_proxy(trainer, torch.full((2, 2), -1.0), mask, torch.tensor([1.0, -1.0]))
+
+
+def test_gap_proxy_counts_a_trajectory_forked_into_responses_once():
+    """Responses 0 and 1 are one trajectory's two segments (advantage 1 each), response 2 a trajectory alone: the
+    first trajectory's rho is over its segments' three tokens, and the mean is over two trajectories."""
+    trainer = torch.tensor([[0.3, 0.0], [0.6, 0.9], [0.2, 0.0]])
+    engine = torch.zeros(3, 2)
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    rho = [math.exp((0.3 + 0.6 + 0.9) / 3), math.exp(0.2)]
+    gap = gap_proxy(trainer, engine, mask, adv, trajectories=torch.tensor([0, 0, 1]))
+    assert gap == pytest.approx(-(rho[0] - rho[1]) / 2, rel=1e-6)
+    assert gap_proxy(trainer, engine, mask, adv) == pytest.approx(
+        -(math.exp(0.3) + math.exp(0.75) - math.exp(0.2)) / 3, rel=1e-6)  # each response its own trajectory

@@ -24,7 +24,7 @@ from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.engine_lora import AdapterError
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.prepacked_linear import PrepackedLinear, prepacking_available
-from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
 from megatron_armor.rollout.weight_sync import sync_weights
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -173,4 +173,10 @@ def test_serve_local_with_the_adapter_from_tensors_generates_what_the_in_process
         by_path.update_weights(iter(tensors.items()))
         assert sorted(entry.name for entry in push_dir.iterdir()) == ["actor-rank0-v000008", "actor-rank0-v000009"]
         assert list(server.state.engine.adapters.loaded) == ["actor"]
+        url = f"http://127.0.0.1:{server.state.port}"  # as SGLang, a name it holds is refused by both routes
+        with pytest.raises(ServerError, match=r"/load_lora_adapter: adapter 'actor' is already loaded"):
+            http_call(url, "/load_lora_adapter",
+                      {"lora_name": "actor", "lora_path": str(push_dir / "actor-rank0-v000009")})
+        with pytest.raises(ServerError, match=r"/load_lora_adapter: bad request"):
+            http_call(url, "/load_lora_adapter", {"lora_name": "other"})
         _assert_samples_the_trainer_s_policy(by_path, model, local.model.config.vocab_size)

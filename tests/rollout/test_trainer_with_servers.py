@@ -2,7 +2,7 @@
 weights from its own trainer rank, as colocated servers do) and one for the reference policy, handing
 their memory to the trainer for its phases, and the trainer parking its own for rollouts, as in colocated
 placement (`armor ray-train --placement colocated` sets both); and a LoRA run in process whose actor and anchors
-come from one server, with the adapter and without."""
+come from one server, with the adapter (pushed by path) and without."""
 
 import json
 from pathlib import Path
@@ -62,26 +62,47 @@ def test_armor_step_with_remote_engines(start_server, tiny_model_factory, synthe
 def test_armor_lora_run_samples_the_actor_and_its_anchors_from_one_server(serving, tiny_model_factory, synthetic_cache,
                                                                         tmp_path, monkeypatch):
     """ARMOR with LoRA (model.lora.weight_sync adapter) in process against one serve-local server (its HTTP server on
-    loopback, in a thread of this process) and no reference server: the server loaded an untrained checkpoint, so the trainer pushes the base once (the reference's weights),
-    then the adapter alone (/load_lora_adapter_from_tensors) after every update; the actor samples with it
-    (`lora_path`), ARMOR's anchors come from the same server without it."""
+    loopback, in a thread of this process) and no reference server: the server loaded an untrained checkpoint, so the
+    trainer pushes the base once (the reference's weights), then the adapter alone at start and after every update, by path
+    (model.lora.push_dir: a PEFT directory per push, loaded with /load_lora_adapter; the tensor push is
+    tests/rollout/test_lora_engine.py's); the actor samples with it (`lora_path`), ARMOR's anchors come from the same
+    server without it."""
     calls: list[str | None] = []  # the adapter of every sampling call of the server's engine (not health checks)
+    loaded: list[str] = []  # the directory of every adapter load by path
+    adapter_loads: list[str] = []  # the name of every adapter load, by path or from tensors
     with serving(tiny_model_factory("qwen2")) as server:
-        generate = server.state.engine.generate
+        engine = server.state.engine
+        generate, load, load_from_path = engine.generate, engine.load_lora_adapter, engine.load_lora_adapter_from_path
 
         def recording(prompts, sampling, **options):
             if sampling.max_new_tokens > 1:
                 calls.append(options.get("lora"))
             return generate(prompts, sampling, **options)
 
-        monkeypatch.setattr(server.state.engine, "generate", recording)
+        def loading(name, config, named_tensors):
+            adapter_loads.append(name)
+            return load(name, config, named_tensors)
+
+        def loading_from_path(name, path):
+            loaded.append(path)
+            return load_from_path(name, path)
+
+        monkeypatch.setattr(engine, "generate", recording)
+        monkeypatch.setattr(engine, "load_lora_adapter", loading)
+        monkeypatch.setattr(engine, "load_lora_adapter_from_path", loading_from_path)
         url = f"http://127.0.0.1:{server.state.port}"
-        run_dir = tmp_path / "run"
+        run_dir, push_dir = tmp_path / "run", tmp_path / "adapters"
         overrides = [*run_overrides(synthetic_cache, run_dir, 2), *LORA, "rollout.backend=sglang",
-                     f"rollout.sglang.urls={url}"]
+                     f"rollout.sglang.urls={url}", f"model.lora.push_dir={push_dir}"]
         assert run_training(load_config(CONFIG, overrides)) == 0
         assert http_call(url, "/model_info", method="GET")["weight_version"] == "1"  # one full push: the base
-        assert list(server.state.engine.adapters.loaded) == ["actor"]
+        assert list(engine.adapters.loaded) == ["actor"]
+    versions = [f"actor-rank0-v{v:06d}" for v in (1, 2, 3)]  # pushed at start and after each of the two updates
+    assert loaded == [str(push_dir / name) for name in versions]
+    assert adapter_loads == ["actor"] * 3  # every adapter the server loaded came by path
+    assert sorted(p.name for p in push_dir.iterdir()) == versions[-2:]  # the older ones pruned
+    assert all(sorted(p.name for p in (push_dir / v).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+               for v in versions[-2:])
     rows = run_metrics(run_dir)
     adapters = adapter_push_bytes(saved_modules(run_dir / "checkpoints" / "step_000002")["actor"])
     for step in (1, 2):

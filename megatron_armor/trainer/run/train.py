@@ -185,12 +185,11 @@ def _resume(
     request = trainer.sharded_state_dict(is_loading=True, names=saved_modules(checkpoint))
     step, state = load_checkpoint(checkpoint, request, seed=cfg.train.seed)
     try:
-        trainer.load_state_dict(state)
+        ref_restored = trainer.load_state_dict(state)
     except ValueError as error:
         raise ValueError(f"{checkpoint}: {error}") from error
     for tracker in trackers:
         tracker.load(state)
-    ref_restored = trainer.models.ref.name in state["modules"]
     if ref_restored:
         log.info("reference policy restored from %s (not from %s)", checkpoint, paths.ref_path)
     log.info("resumed from %s (step %d)", checkpoint, step)

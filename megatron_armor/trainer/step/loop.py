@@ -379,9 +379,9 @@ class RLTrainer:
             state["anchor_cache"] = anchor_cache
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore a `state_dict()`, or a loaded `sharded_state_dict()` (collective when offloaded: the modules
-        load in a trainer phase).
+        load in a trainer phase); True when it held a reference.
 
         A reference in it is restored, and checkpointed from then on, whatever the plan says; without one
         the reference stays model.ref_path's. A cache's state is restored when it has one (none: saved with
@@ -406,4 +406,5 @@ class RLTrainer:
             self.gate.load_state_dict(state["mipu_gate"])
         if "anchor_cache" in state:
             self.anchors.load_state_dict(state["anchor_cache"])
+        return ref in modules
 

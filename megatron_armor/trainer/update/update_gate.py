@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algorithms import (
-    GateSettings, accept_update, gap_proxy, tolerance, trajectory_advantages, trajectory_members,
+    GateSettings, accept_update, gap_proxy, tolerance, trajectory_advantages, trajectory_members, trajectory_owners,
 )
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.rollout.base import RolloutEngine, SamplingParams
@@ -64,11 +64,14 @@ class InferenceGapGate:
             seed=(self.seed, step, "mipu_gate"),
         )
         groups = [sample.prompt_index for sample in samples]
-        advantages = trajectory_advantages(samples, groups, eps=self.adv_eps)  # a forked trajectory counts once
-        rewards = torch.tensor([samples[m[0]].reward for m in trajectory_members(samples, groups)], dtype=torch.float32)
+        # A trajectory forked into several samples counts once: in its group's advantages, the reward mean and T_post.
+        members = trajectory_members(samples, groups)
+        advantages = trajectory_advantages(samples, groups, eps=self.adv_eps)
+        rewards = torch.tensor([samples[m[0]].reward for m in members], dtype=torch.float32)
         batch = build_sequence_batch(samples, advantages.tolist(), pad_token_id=pad_token_id)
         trainer_logp = compute_logprobs(actor, batch, micro_batching=micro_batching, scoring=scoring).logprobs
-        gap = _from_rank0(gap_proxy(trainer_logp, batch.engine_logprobs, batch.response_mask, advantages))
+        gap = _from_rank0(gap_proxy(trainer_logp, batch.engine_logprobs, batch.response_mask, advantages,
+                                    trajectories=trajectory_owners(members, len(samples))))
         c = tolerance(step, config.c_start, config.c_end, config.ramp_steps)
         return GateResult(gap=gap, tolerance=c, accepted=accept_update(gap, c), reward_mean=float(rewards.mean()))
 
