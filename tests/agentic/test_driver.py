@@ -82,7 +82,7 @@ CASES = {
 EXPECTED = {
     "ok": Status.COMPLETED, "env raises": Status.FAILED, "env malformed": Status.FAILED,
     "env never ends": Status.TRUNCATED, "tool hangs": Status.FAILED, "tool crashes": Status.FAILED,
-    "tool floods": Status.TRUNCATED,  # its 64 KiB shown: past the trajectory's token budget
+    "tool floods": Status.TRUNCATED,  # the 64 KiB of its result shown overrun the trajectory's token budget
     "python loops": Status.COMPLETED, "python floods": Status.COMPLETED, "bad json": Status.ABORTED,
 }
 

@@ -1,9 +1,9 @@
 """ARMOR on multi-turn trajectories through `armor train`'s code path (`run_training`, one process): the policy's
 samples and the anchors are two-turn trajectories of an environment or of a rollout function of one's own
-(tests/trainer/agentic_task/), the trained tokens
-are exactly those the policy sampled (checked against the trajectories' own record), the trainer's logprobs equal the
-engine's to the fp32 floor, the agent/* metrics reach metrics.jsonl, and a run resumed mid-way continues with the
-same metrics (each turn's sampling seed derives from its request)."""
+(tests/trainer/agentic_task/), the trained tokens are exactly those the policy sampled (checked against the
+trajectories' own record), the trainer's logprobs equal the engine's to the fp32 floor, the agent/* metrics reach
+metrics.jsonl, and a run resumed mid-way continues with the same metrics (each turn's sampling seed derives from its
+request)."""
 
 import statistics
 from pathlib import Path
@@ -155,7 +155,7 @@ def test_armor_trains_the_tokens_a_rollout_function_sampled_and_monitors_and_aud
     `ctx.generate` itself for two turns (agentic_task/two_turn_rollout.py); the trained tokens are exactly the tokens
     it sampled, with the engine's logprobs. The collapse monitor and an audit verifier (validation every step) run on
     those trajectories: `never` calls every trajectory wrong, so its hack rate is the fraction the trajectories' own
-    reward calls correct."""
+    reward calls correct, and the monitor's hack-rate alarm (threshold 0, a window of one step) fires on it."""
     helper = TASK / "two_turn_rollout.py"
     record = import_attribute(f"{helper}:SAMPLED", "the rollout function's record")
     record.clear()
@@ -172,7 +172,7 @@ def test_armor_trains_the_tokens_a_rollout_function_sampled_and_monitors_and_aud
     overrides = [o for o in agentic_overrides(synthetic_cache, run_dir, 1)
                  if not o.startswith("rollout.agentic.environment=")]
     overrides += [f"rollout.agentic.rollout_fn={helper}:two_turns", "eval.every=1", "eval.max_prompts=2",
-                  f"reward.audit_fns=[{audits}:never]", "monitor.enabled=true", "monitor.window=1"]
+                  f"reward.audit_fns=[{audits}:never]", "monitor.enabled=true", "monitor.window=1", "monitor.hack_rate=0.0"]
     assert run_training(load_config(CONFIG, overrides)) == 0
 
     row = run_metrics(run_dir)[1]
@@ -180,11 +180,10 @@ def test_armor_trains_the_tokens_a_rollout_function_sampled_and_monitors_and_aud
     assert row["mismatch/logprob_abs_diff"] < 1e-5 and row["armor/anchors_used"] > 0
     assert row["audit/audits_never_accuracy"] == 0.0
     assert row["audit/audits_never_hack_rate"] == row["audit/hack_rate"] == row["train/accuracy"] > 0
-    assert row["monitor/val_best"] == row["val/accuracy"] and "monitor/alarm_hack_rate" in row
+    assert row["monitor/val_best"] == row["val/accuracy"] and row["monitor/alarm_hack_rate"] == 1.0
     by_tokens = {}
     for tokens, turns in record:
         by_tokens.setdefault(tuple(tokens), []).append(turns)
-    trained = 0
     for batch in batches:
         for i in range(batch.size):
             length = int(batch.seq_lengths[i])
@@ -195,8 +194,7 @@ def test_armor_trains_the_tokens_a_rollout_function_sampled_and_monitors_and_aud
                        and torch.equal(batch.engine_logprobs[i, labels - 1],
                                        torch.tensor([lp for _, lps in turns for lp in lps]))
                        for turns in by_tokens[tuple(tokens.tolist())])
-            trained += 1
-    assert trained > 0
+    assert sum(batch.size for batch in batches) > 0
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
