@@ -2,11 +2,12 @@
 trajectory under a cap on those in flight.
 
 A rollout function is `async def rollout(ctx: RolloutContext, row: dict) -> Trajectory`: it samples with
-`ctx.generate(token_ids)` and builds its trajectory with a `TrajectoryBuilder` (users who write their own loop
-start here). `environment_rollout(make_env)` is the rollout function of an `Environment`: render the first
-messages, then per turn sample, let the environment answer, append the template's delta, until the environment ends
-the episode or a limit (`RolloutContext.limits`) does. Whatever a trajectory's environment, tools or rollout function raise,
-the trajectory ends `failed`, its error logged once with its row, and the other trajectories go on.
+`ctx.generate(token_ids)`, builds its trajectory with a `TrajectoryBuilder` and scores it (users who write their own
+loop start here; a config names one as rollout.agentic.rollout_fn, `load_rollout`). `environment_rollout(make_env)` is
+the rollout function of an `Environment`: render the first messages, then per turn sample, let the environment answer,
+append the template's delta, until the environment ends the episode or a limit (`RolloutContext.limits`) does. Whatever
+a trajectory's environment, tools or rollout function raise, the trajectory ends `failed`, its error logged once with
+its row, and the other trajectories go on.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from megatron_armor.agentic.environment import Environment, MalformedMessages, Message, check_messages
+from megatron_armor.agentic.environment import Environment, MalformedMessages, Message, check_messages, load_environment
 from megatron_armor.agentic.generate import GenerateResult, Generator
 from megatron_armor.agentic.render import ChatRenderer
 from megatron_armor.agentic.tools import WORKER_THREADS, ToolError, in_thread
 from megatron_armor.agentic.trajectory import Status, Trajectory, TrajectoryBuilder, TrajectoryStats, TurnCheck
 from megatron_armor.config import AgenticConfig
+from megatron_armor.config.plugins import import_attribute
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.utils.seeding import stable_seed
 
@@ -52,6 +54,18 @@ class RolloutContext:
 
 
 RolloutFunction = Callable[[RolloutContext, dict], Awaitable[Trajectory]]
+
+
+def load_rollout(settings: AgenticConfig) -> RolloutFunction:
+    """The rollout function `settings` (a rollout.agentic section that `rolls_out`) names, imported now: that of
+    its environment class (`environment_rollout`), or its rollout_fn, an async function of (ctx, row)."""
+    if settings.environment is not None:
+        return environment_rollout(load_environment(settings.environment))
+    fn = import_attribute(settings.rollout_fn, "rollout function", "package.module:function")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout function {settings.rollout_fn!r} is {fn!r}, not an async function: write "
+                         "`async def rollout(ctx: RolloutContext, row: dict) -> Trajectory`")
+    return fn
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -168,10 +182,10 @@ async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequ
     """One task per row running `rollout`, at most `max_in_flight` at once; trajectories in the order of `rows`.
     With `seeds` (one per row) row i's trajectory samples its turns seeded from `seeds[i]` (`TurnSeeds`), so it is
     reproducible whatever runs beside it (turns batched together keep their own seeds: `EngineGenerator`).
-    A rollout function that raises gives a `failed` trajectory without segments. Synchronous environment methods and
-    plain-function tools run meanwhile on a pool of `max_in_flight` threads (`tools.WORKER_THREADS`), so every
-    trajectory in flight may wait on one; the pool is shut down on return without waiting for a call past its
-    time-out."""
+    A rollout function that raises (or returns no `Trajectory`) gives a `failed` trajectory without segments.
+    Synchronous environment methods and plain-function tools run meanwhile on a pool of `max_in_flight` threads
+    (`tools.WORKER_THREADS`), so every trajectory in flight may wait on one; the pool is shut down on return without
+    waiting for a call past its time-out."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if seeds is not None and len(seeds) != len(rows):
@@ -183,8 +197,11 @@ async def run_rollouts(ctx: RolloutContext, rollout: RolloutFunction, rows: Sequ
     async def one(row: dict, seed: int | None) -> Trajectory:
         async with admission:
             try:
-                return await rollout(ctx if seed is None else replace(ctx, generator=TurnSeeds(ctx.generator, seed)),
-                                     row)
+                trajectory = await rollout(
+                    ctx if seed is None else replace(ctx, generator=TurnSeeds(ctx.generator, seed)), row)
+                if not isinstance(trajectory, Trajectory):
+                    raise TypeError(f"the rollout function returned {type(trajectory).__name__}, not a Trajectory")
+                return trajectory
             except Exception as error:
                 return Trajectory(row, [], Status.FAILED, 0.0, [], [], TrajectoryStats(),
                                   error=_log_failure(row, error))

@@ -11,11 +11,13 @@ from megatron_armor.agentic.trajectory import Status, Trajectory
 
 @dataclass
 class AgentCounts:
-    """Integer sums over trajectories (seconds as milliseconds), so that ranks can add theirs (`as_vector`).
+    """Integer sums over trajectories (seconds as milliseconds, rewards as millionths), so that ranks can add theirs
+    (`as_vector`).
 
     statuses: trajectories per `Status`, in its order; render_checks / render_mismatches: trajectories whose final
     render check ran / failed (agentic/trajectory.py); segments: the samples trajectories became (one each unless
-    they forked on drift)."""
+    they forked on drift); turn_rewards / turn_reward_micros: the per-turn rewards environments gave
+    (`Trajectory.turn_rewards`) and their sum."""
 
     trajectories: int = 0
     segments: int = 0
@@ -29,6 +31,8 @@ class AgentCounts:
     drift_turns: int = 0
     render_checks: int = 0
     render_mismatches: int = 0
+    turn_rewards: int = 0
+    turn_reward_micros: int = 0
     statuses: list[int] = field(default_factory=lambda: [0] * len(Status))
 
     def add(self, trajectories: Iterable[Trajectory]) -> None:
@@ -46,6 +50,8 @@ class AgentCounts:
             self.drift_turns += stats.drift_turns
             self.render_checks += t.final_render_matches is not None
             self.render_mismatches += t.final_render_matches is False
+            self.turn_rewards += len(t.turn_rewards)
+            self.turn_reward_micros += sum(round(r * 1e6) for r in t.turn_rewards)
             self.statuses[list(Status).index(t.status)] += 1
 
     def as_vector(self) -> list[int]:
@@ -65,10 +71,13 @@ class AgentCounts:
         """Means over the trajectories (turns, tool calls, segments, seconds awaiting the engine and the environment),
         the fraction ending in each status, the fraction of tool calls that failed or were invalid, the fraction of
         trajectory tokens the policy sampled (trained), and those of turns with drift and of trajectories whose final
-        render check failed (agentic/trajectory.py); {} without trajectories."""
+        render check failed (agentic/trajectory.py); where environments gave per-turn rewards, their mean (to 1e-6;
+        logged only: training uses the trajectory's reward); {} without trajectories."""
         n = self.trajectories
         if not n:
             return {}
+        turn_rewards = {"agent/turn_reward_mean": self.turn_reward_micros / 1e6 / self.turn_rewards} if (
+            self.turn_rewards) else {}
         return {
             "agent/turns_mean": self.turns / n,
             "agent/tool_calls_mean": self.tool_calls / n,
@@ -80,6 +89,7 @@ class AgentCounts:
             "agent/tool_s_mean": self.tool_ms / 1000 / n,
             "agent/drift_turn_fraction": self.drift_turns / max(self.turns, 1),
             "agent/final_render_mismatch": self.render_mismatches / max(self.render_checks, 1),
+            **turn_rewards,
         }
 
 

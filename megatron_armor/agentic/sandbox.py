@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Protocol
 
-from megatron_armor.agentic.tools import Tool
+from megatron_armor.agentic.tools import MAX_OUTPUT_BYTES, Tool
 
 # Run in the child before the user's code (argv: memory limit in bytes, file-size limit in bytes).
 _BOOTSTRAP = """
@@ -84,7 +84,7 @@ class PythonSandbox:
 
     timeout_s: float = 5.0
     memory_mb: int = 512
-    max_output_bytes: int = 64 * 1024
+    max_output_bytes: int = MAX_OUTPUT_BYTES
     python: str = sys.executable
 
     async def run(self, code: str) -> SandboxResult:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
-from typing import Any
 
 from megatron_armor.agentic.environment import EnvReply, Environment, Message
 from megatron_armor.agentic.tools import InvalidCall, Tool, ToolCall, ToolError, ToolRunner, parse_tool_calls
@@ -41,9 +39,6 @@ class ToolEnv(Environment):
             error.calls = len(calls)
             raise error
         invalid = sum(isinstance(c, InvalidCall) for c in calls)
-        return EnvReply([{"role": "tool", "content": _as_text(r)} for r in replies], invalid=invalid > 0,
+        texts = [r if isinstance(c, InvalidCall) else c.tool.result_text(r) for c, r in zip(calls, replies)]
+        return EnvReply([{"role": "tool", "content": text} for text in texts], invalid=invalid > 0,
                         tool_calls=len(calls), tool_errors=invalid)
-
-
-def _as_text(result: Any) -> str:
-    return result if isinstance(result, str) else json.dumps(result)

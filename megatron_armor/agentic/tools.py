@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+MAX_OUTPUT_BYTES = 64 * 1024  # what a tool's result (or the sandbox's output) may hold by default
 
 # Where plain-function tools and synchronous environment methods run: the thread pool `driver.run_rollouts` owns
 # while it runs (a thread per trajectory in flight), else (None) the event loop's default pool.
@@ -52,7 +53,8 @@ class ToolTimeout(ToolError):
 @dataclass(frozen=True)
 class Tool:
     """A function the policy may call. `parameters`: the JSON schema of its keyword arguments (an "object" schema:
-    `properties`, `required`); `timeout_s`: wall-clock limit of one call; `cpu_bound`: run in a process pool."""
+    `properties`, `required`); `timeout_s`: wall-clock limit of one call; `cpu_bound`: run in a process pool;
+    `max_output_bytes`: the result's text is cut to this many UTF-8 bytes, a marker saying so (`result_text`)."""
 
     fn: Callable[..., Any]
     parameters: Mapping[str, Any]
@@ -60,6 +62,7 @@ class Tool:
     name: str = ""
     timeout_s: float = 10.0
     cpu_bound: bool = False
+    max_output_bytes: int = MAX_OUTPUT_BYTES
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -68,6 +71,8 @@ class Tool:
             raise ValueError(f"tool {self.name!r}: parameters must be a JSON schema of type 'object'")
         if self.timeout_s <= 0:
             raise ValueError(f"tool {self.name!r}: timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_output_bytes < 1:
+            raise ValueError(f"tool {self.name!r}: max_output_bytes must be >= 1, got {self.max_output_bytes}")
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -75,6 +80,16 @@ class Tool:
         description = self.description or inspect.getdoc(self.fn) or ""
         return {"type": "function", "function": {"name": self.name, "description": description,
                                                  "parameters": dict(self.parameters)}}
+
+    def result_text(self, result: Any) -> str:
+        """`result` as the policy reads it: a string as it is, anything else as JSON; past `max_output_bytes` (UTF-8)
+        cut there, and "[cut: output limit of N bytes]" appended."""
+        text = result if isinstance(result, str) else json.dumps(result)
+        encoded = text.encode()
+        if len(encoded) <= self.max_output_bytes:
+            return text
+        kept = encoded[:self.max_output_bytes].decode(errors="ignore")  # a character cut in two is dropped
+        return f"{kept}\n[cut: output limit of {self.max_output_bytes} bytes]"
 
     def argument_problem(self, arguments: Any) -> str | None:
         """Why `arguments` do not fit the schema (not an object, a required key missing, an unknown key), or None."""

@@ -193,9 +193,11 @@ class Trajectory:
     """A finished rollout of one row: what the trainer's rollout source turns into samples.
 
     segments: the samples (`Segment`), each sampled token in exactly one, each ending with its last sampled token
-    (`TrajectoryBuilder.trained_segments`); reward: the environment's score
-    (0.0 when the trajectory failed before scoring); turn_rewards: [turns] per-turn rewards where the environment
-    gave them, else empty; messages: the conversation; error: what went wrong for a failed or aborted trajectory.
+    (`TrajectoryBuilder.trained_segments`); reward: the environment's score, or the rollout function's
+    (0.0 when the trajectory failed before scoring): what training uses; turn_rewards: [turns] per-turn rewards where
+    the environment gave them, else empty (logged, not trained on: agentic/metrics.py); messages: the conversation;
+    error: what went wrong for a failed or aborted trajectory. A rollout function of one's own builds it the same way
+    (agentic/driver.py); what breaks this contract raises here.
     """
 
     row: dict
@@ -207,6 +209,18 @@ class Trajectory:
     stats: TrajectoryStats
     final_render_matches: bool | None = None
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, Status):
+            raise ValueError(f"a trajectory's status is a Status ({', '.join(s.name for s in Status)}), got "
+                             f"{self.status!r}")
+        for i, s in enumerate(self.segments):
+            mask = s.loss_mask
+            if not len(s.token_ids) == len(mask) == len(s.logprobs) or not mask or mask[0] != 0 or mask[-1] != 1:
+                raise ValueError(f"segment {i} of a trajectory must start with its prompt (context, mask 0), end with "
+                                 f"a sampled token (mask 1) and give every token a mask and a logprob "
+                                 f"(TrajectoryBuilder.trained_segments() gives such segments), got {len(s.token_ids)} "
+                                 f"tokens, loss mask {mask[:4]}...{mask[-4:]}, {len(s.logprobs)} logprobs")
 
     @property
     def sampled_tokens(self) -> int:

@@ -73,13 +73,19 @@ STATUS_ACTIONS = ("train", "zero_reward", "resample")  # what rollout.agentic.on
 
 @dataclass
 class AgenticConfig:
-    """Multi-turn, tool-using rollouts (docs/guides/agentic.md): with an environment, every training sample (and
-    ARMOR's anchor, sampled by the reference through the same environment) is a trajectory."""
+    """Multi-turn, tool-using rollouts (docs/guides/agentic.md): with an environment or a rollout function (set one
+    of them), every training sample (and ARMOR's anchor, sampled by the reference the same way) is a
+    trajectory."""
 
     environment: str | None = doc(
         None, "the environment class (package.module:Class or path/to/file.py:Class, a subclass of "
         "megatron_armor.agentic.environment.Environment) whose trajectories the policy trains on; null: one "
-        "completion per sample"
+        "completion per sample (unless rollout_fn is set)"
+    )
+    rollout_fn: str | None = doc(
+        None, "instead of an environment, a rollout function of one's own (package.module:function or "
+        "path/to/file.py:function): `async def rollout(ctx: RolloutContext, row: dict) -> Trajectory` "
+        "(megatron_armor.agentic.driver), which samples with ctx.generate and scores its trajectory itself"
     )
     chat_template: str | None = doc(
         None, "a Jinja chat-template file rendering the conversations (null: the tokenizer's own chat_template)"
@@ -122,9 +128,17 @@ class AgenticConfig:
 
     def __post_init__(self) -> None:
         check_choices("rollout.agentic", self)
+        require(self.environment is None or self.rollout_fn is None,
+                f"rollout.agentic.environment ({self.environment}) and rollout.agentic.rollout_fn ({self.rollout_fn}) "
+                f"are two ways to roll a trajectory out: set one of them")
         require_at_least("rollout.agentic", self, ("max_turns", "max_total_tokens", "max_invalid_turns",
                                                    "max_in_flight"), 1)
         require_at_least("rollout.agentic", self, ("max_resamples",), 0)
+
+    @property
+    def rolls_out(self) -> bool:
+        """Whether samples are trajectories: an environment or a rollout function is named."""
+        return self.environment is not None or self.rollout_fn is not None
 
     def action(self, status: str) -> str:
         """What a trajectory ending in `status` (an agentic `Status` value) becomes: one of STATUS_ACTIONS."""
@@ -322,7 +336,7 @@ class RolloutConfig:
                 "rollout.partial_rollouts continues a response under new weights, which route the tokens they re-read "
                 "otherwise than the weights that sampled them: train.routing_replay rollout (R3) would replay a mix "
                 "of both; use routing_replay recompute (R2) or none with partial rollouts")
-        require(self.agentic.environment is None or routing_replay != "rollout",
-                "rollout.agentic.environment: trajectories do not record the engine's routes, which "
+        require(not self.agentic.rolls_out or routing_replay != "rollout",
+                "rollout.agentic.environment / rollout_fn: trajectories do not record the engine's routes, which "
                 "train.routing_replay rollout (R3) replays; use routing_replay recompute (R2) or none with multi-turn "
                 "rollouts")

@@ -186,7 +186,8 @@ def _agentic(value: Any, where: str) -> AgenticConfig:
     except ValueError as error:
         raise EvalSettingsError(f"{where}: {error}") from error
     if settings.environment is None:
-        raise EvalSettingsError(f"{where}: agentic needs an environment (package.module:Class or path/to/file.py:Class)")
+        raise EvalSettingsError(f"{where}: agentic needs an environment (package.module:Class or "
+                                f"path/to/file.py:Class; a rollout_fn is for training only)")
     if settings.chat_template is not None and not Path(settings.chat_template).is_file():
         raise EvalSettingsError(f"{where}: agentic.chat_template {settings.chat_template} does not exist (a relative "
                                 f"path is taken from the working directory {Path.cwd()})")

@@ -1,5 +1,6 @@
 """The environment loop under bad input, all in one concurrent batch: an environment that raises, answers malformed
-messages or never ends; a tool that hangs, crashes or floods its output; malformed tool-call JSON. Each trajectory
+messages or never ends; a tool that hangs, crashes or floods its output (the sandbox's, or a plain function returning
+100 MB); malformed tool-call JSON. Each trajectory
 gets its status and one clear log line, the others finish, and no process or file descriptor is left behind."""
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import pytest
 
 from agentic_helpers import ADD_SCHEMA, PolicyByPrompt, add, play
 from megatron_armor.agentic.chat_templates import make_chat_tokenizer
+from megatron_armor.agentic.driver import RolloutContext, load_rollout, run_rollouts
 from megatron_armor.config import AgenticConfig
 from megatron_armor.agentic.environment import EnvReply, Environment, load_environment
 from megatron_armor.agentic.metrics import agent_metrics
 from megatron_armor.agentic.sandbox import PythonSandbox, python_tool
 from megatron_armor.agentic.tool_env import ToolEnv
-from megatron_armor.agentic.tools import Tool, tool_calls_text
+from megatron_armor.agentic.tools import MAX_OUTPUT_BYTES, Tool, tool_calls_text
 from megatron_armor.agentic.trajectory import Status
+from megatron_armor.rollout.base import SamplingParams
 
 
 def hang(seconds: float) -> str:
@@ -33,13 +36,18 @@ def crash() -> str:
     raise ZeroDivisionError("the tool divided by zero")
 
 
+def flood() -> str:
+    return "x" * 100_000_000
+
+
 class CaseEnv(ToolEnv):
     """Behaves as its row's "case" says."""
 
     def __init__(self) -> None:
         super().__init__([
             Tool(add, ADD_SCHEMA), Tool(hang, {"type": "object", "properties": {"seconds": {}}}, timeout_s=0.2),
-            Tool(crash, {"type": "object"}), python_tool(PythonSandbox(timeout_s=5.0, max_output_bytes=2000)),
+            Tool(crash, {"type": "object"}), Tool(flood, {"type": "object"}),
+            python_tool(PythonSandbox(timeout_s=5.0, max_output_bytes=2000)),
         ])
 
     def reset(self, row):
@@ -66,6 +74,7 @@ CASES = {
     "env never ends": ["more"],
     "tool hangs": [tool_calls_text([("hang", {"seconds": 1.5})])],
     "tool crashes": [tool_calls_text([("crash", {})])],
+    "tool floods": [tool_calls_text([("flood", {})])],
     "python loops": [tool_calls_text([("python", {"code": "while True: pass"})]), "done"],
     "python floods": [tool_calls_text([("python", {"code": "print('x' * 100_000_000)"})]), "done"],
     "bad json": ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'],
@@ -73,6 +82,7 @@ CASES = {
 EXPECTED = {
     "ok": Status.COMPLETED, "env raises": Status.FAILED, "env malformed": Status.FAILED,
     "env never ends": Status.TRUNCATED, "tool hangs": Status.FAILED, "tool crashes": Status.FAILED,
+    "tool floods": Status.TRUNCATED,  # the 64 KiB of its result shown overrun the trajectory's token budget
     "python loops": Status.COMPLETED, "python floods": Status.COMPLETED, "bad json": Status.ABORTED,
 }
 
@@ -105,13 +115,15 @@ def test_bad_input_gives_each_trajectory_its_status_and_one_log_line_and_leaks_n
     assert tool_says["python loops"] == ["[killed: time limit]"]
     assert tool_says["python floods"][0].endswith("[killed: output limit]")
     assert len(tool_says["python floods"][0]) < 2100  # the sandbox limit, not 100 MB
+    assert tool_says["tool floods"] == ["x" * MAX_OUTPUT_BYTES + f"\n[cut: output limit of {MAX_OUTPUT_BYTES} bytes]"]
     assert all("not valid JSON" in m for m in tool_says["bad json"]) and len(tool_says["bad json"]) == 1
     assert by_case["bad json"].error == "2 invalid turns in a row"
     metrics = agent_metrics(trajectories)
-    assert metrics["agent/status_failed"] == pytest.approx(4 / 9)
-    # calls: ok, env raises, hang, crash, python loops, python floods, bad json x2; errors: hang, crash, bad json x2
-    assert metrics["agent/tool_calls_mean"] == pytest.approx(8 / 9)
-    assert metrics["agent/tool_error_rate"] == pytest.approx(4 / 8)
+    assert metrics["agent/status_failed"] == pytest.approx(4 / 10)
+    # calls: ok, env raises, hang, crash, flood, python loops, python floods, bad json x2; errors: hang, crash, bad
+    # json x2
+    assert metrics["agent/tool_calls_mean"] == pytest.approx(9 / 10)
+    assert metrics["agent/tool_error_rate"] == pytest.approx(4 / 9)
     time.sleep(1.5)  # the hung tool's thread returns (a Python function cannot be stopped)
     assert open_fds() == fds
     assert len(psutil.Process().children(recursive=True)) == children
@@ -131,6 +143,36 @@ def test_environment_classes_load_by_module_or_file_path(tmp_path):
         load_environment(f"{file}:NotAnEnv")
     with pytest.raises(ValueError, match="environment 'nowhere:Env': cannot import module 'nowhere'"):
         load_environment("nowhere:Env")
+
+
+def test_rollout_functions_load_from_the_config_and_a_trajectory_breaking_the_contract_fails_its_row(tmp_path,
+                                                                                                     caplog):
+    """rollout.agentic.rollout_fn: one of it and environment; an async function; what it returns is a `Trajectory`
+    whose segments end with a sampled token (what the trainer's samples are cut to), or the row's trajectory fails,
+    logged once."""
+    file = tmp_path / "my_rollout.py"
+    file.write_text("from megatron_armor.agentic.trajectory import Segment, Status, Trajectory, TrajectoryStats\n"
+                    "async def context_last(ctx, row):\n"
+                    "    segment = Segment([1, 2, 3], [0, 1, 0], [0.0, -1.0, 0.0])\n"
+                    "    return Trajectory(row, [segment], Status.COMPLETED, 1.0, [], [], TrajectoryStats())\n"
+                    "async def nothing(ctx, row):\n"
+                    "    return None\n"
+                    "def blocking(ctx, row):\n"
+                    "    return None\n")
+    with pytest.raises(ValueError, match=r"rollout.agentic.environment \(e:E\) and rollout.agentic.rollout_fn \(m:f\) "
+                                         "are two ways to roll a trajectory out: set one of them"):
+        AgenticConfig(environment="e:E", rollout_fn="m:f")
+    with pytest.raises(ValueError, match="blocking' is <function blocking .*>, not an async function"):
+        load_rollout(AgenticConfig(rollout_fn=f"{file}:blocking"))
+    ctx = RolloutContext(generator=None, tokenizer=None, sampling=SamplingParams())
+    with caplog.at_level(logging.ERROR, logger="megatron_armor.agentic.driver"):
+        trajectories = [asyncio.run(run_rollouts(ctx, load_rollout(AgenticConfig(rollout_fn=f"{file}:{name}")),
+                                                 [{"case": name}]))[0] for name in ("context_last", "nothing")]
+    assert [(t.status, t.segments) for t in trajectories] == [(Status.FAILED, [])] * 2
+    assert trajectories[0].error.startswith("ValueError: segment 0 of a trajectory must start with its prompt "
+                                            "(context, mask 0), end with a sampled token (mask 1)")
+    assert trajectories[1].error == "TypeError: the rollout function returned NoneType, not a Trajectory"
+    assert len(caplog.records) == 2
 
 
 async def slow_lookup(key: str) -> str:

@@ -1,8 +1,9 @@
 """ARMOR on multi-turn trajectories through `armor train`'s code path (`run_training`, one process): the policy's
-samples and the anchors are two-turn trajectories of an environment (tests/trainer/agentic_task/), the trained tokens
-are exactly those the policy sampled (checked against the trajectories' own record), the trainer's logprobs equal the
-engine's to the fp32 floor, the agent/* metrics reach metrics.jsonl, and a run resumed mid-way continues with the
-same metrics (each turn's sampling seed derives from its request)."""
+samples and the anchors are two-turn trajectories of an environment or of a rollout function of one's own
+(tests/trainer/agentic_task/), the trained tokens are exactly those the policy sampled (checked against the
+trajectories' own record), the trainer's logprobs equal the engine's to the fp32 floor, the agent/* metrics reach
+metrics.jsonl, and a run resumed mid-way continues with the same metrics (each turn's sampling seed derives from its
+request)."""
 
 import statistics
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from training_runs import resume_from, run_metrics
 
 from megatron_armor.config import load_config
+from megatron_armor.config.plugins import import_attribute
 from megatron_armor.models.tiny import make_char_tokenizer
 from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 from megatron_armor.trainer.run.train import run_training
@@ -145,6 +147,54 @@ def test_armor_trains_every_sampled_token_once_on_trajectories_forked_on_drift(s
     assert {k: resumed_row[k] for k in deterministic} == {k: rows[2][k] for k in deterministic}
     for key in (key for key in rows[2] if key.startswith(floor)):
         assert resumed_row[key] == pytest.approx(rows[2][key], abs=1e-7), key
+
+
+def test_armor_trains_the_tokens_a_rollout_function_sampled_and_monitors_and_audits_its_trajectories(
+        synthetic_cache, tmp_path, monkeypatch):
+    """rollout.agentic.rollout_fn: every sample and anchor is a trajectory of a user's async function that drives
+    `ctx.generate` itself for two turns (agentic_task/two_turn_rollout.py); the trained tokens are exactly the tokens
+    it sampled, with the engine's logprobs. The collapse monitor and an audit verifier (validation every step) run on
+    those trajectories: `never` calls every trajectory wrong, so its hack rate is the fraction the trajectories' own
+    reward calls correct, and the monitor's hack-rate alarm (threshold 0, a window of one step) fires on it."""
+    helper = TASK / "two_turn_rollout.py"
+    record = import_attribute(f"{helper}:SAMPLED", "the rollout function's record")
+    record.clear()
+    batches, build = [], training_batch.build_sequence_batch
+
+    def recorded_build(samples, advantages, **kwargs):
+        batches.append(batch := build(samples, advantages, **kwargs))
+        return batch
+
+    monkeypatch.setattr(training_batch, "build_sequence_batch", recorded_build)
+    audits = tmp_path / "audits.py"
+    audits.write_text("def never(response, row):\n    return 0.0, False\n")
+    run_dir = tmp_path / "run"
+    overrides = [o for o in agentic_overrides(synthetic_cache, run_dir, 1)
+                 if not o.startswith("rollout.agentic.environment=")]
+    overrides += [f"rollout.agentic.rollout_fn={helper}:two_turns", "eval.every=1", "eval.max_prompts=2",
+                  f"reward.audit_fns=[{audits}:never]", "monitor.enabled=true", "monitor.window=1", "monitor.hack_rate=0.0"]
+    assert run_training(load_config(CONFIG, overrides)) == 0
+
+    row = run_metrics(run_dir)[1]
+    assert row["agent/turns_mean"] == 2.0 and row["agent/tool_calls_mean"] == 1.0
+    assert row["mismatch/logprob_abs_diff"] < 1e-5 and row["armor/anchors_used"] > 0
+    assert row["audit/audits_never_accuracy"] == 0.0
+    assert row["audit/audits_never_hack_rate"] == row["audit/hack_rate"] == row["train/accuracy"] > 0
+    assert row["monitor/val_best"] == row["val/accuracy"] and row["monitor/alarm_hack_rate"] == 1.0
+    by_tokens = {}
+    for tokens, turns in record:
+        by_tokens.setdefault(tuple(tokens), []).append(turns)
+    for batch in batches:
+        for i in range(batch.size):
+            length = int(batch.seq_lengths[i])
+            tokens = batch.input_ids[i, :length]
+            labels = (batch.response_mask[i, :length] == 1).nonzero().flatten() + 1  # label t is token t + 1
+            # the tokens trained, and the engine logprobs they carry, are the function's turns' sampled ones in order
+            assert any(tokens[labels].tolist() == [t for ids, _ in turns for t in ids]
+                       and torch.equal(batch.engine_logprobs[i, labels - 1],
+                                       torch.tensor([lp for _, lps in turns for lp in lps]))
+                       for turns in by_tokens[tuple(tokens.tolist())])
+    assert sum(batch.size for batch in batches) > 0
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_armor.agentic.environment import load_environment
+from megatron_armor.agentic.driver import load_rollout
 from megatron_armor.config import AgenticConfig, MicroBatchingConfig, MipuConfig
 from megatron_armor.convert.loading import load_gpt_model
 from megatron_armor.data.datasets import PromptRow
@@ -44,9 +44,8 @@ def forking_scorer() -> TrajectoryScorer:
     environment = f"{TASK / 'two_turns.py'}:TwoTurnParity"
     tokenizer = make_char_tokenizer()
     tokenizer.chat_template = (TASK / "char_chat_strip.jinja").read_text()
-    return TrajectoryScorer(tokenizer, load_environment(environment),
-                            AgenticConfig(environment=environment, on_drift="fork"), stop_token_ids=DIGITS,
-                            in_process=True)
+    settings = AgenticConfig(environment=environment, on_drift="fork")
+    return TrajectoryScorer(tokenizer, load_rollout(settings), settings, stop_token_ids=DIGITS, in_process=True)
 
 
 def by_trajectory(samples) -> list[list]:

@@ -1,20 +1,21 @@
 """Multi-turn rollouts as the trainer's samples: a `SampleScorer` whose response to a prompt is a trajectory of the
-run's environment (rollout.agentic, docs/guides/agentic.md), sampled by the agentic layer (megatron_armor/agentic/).
+run's environment or rollout function (rollout.agentic, docs/guides/agentic.md), sampled by the agentic layer
+(megatron_armor/agentic/).
 
 Every sample the rollout phase asks for goes through it: the policy's training responses and ARMOR's anchors (the
-reference's engine, the same environment). A trajectory becomes one `Sample` per segment (agentic/trajectory.py): one
-when its drift is kept token-exact (rollout.agentic.on_drift keep), one per fork with on_drift fork (a template that
-strips earlier reasoning forks at every turn after one that reasoned). A segment's tokens before its first sampled one
-are the sample's prompt, the rest its response, with `loss_mask` 1 exactly on the tokens the policy sampled (its stop
-tokens included) and the engine's logprobs there (0.0 elsewhere); with partial rollouts (the actor's engine a
-`PausableEngine`: a weight push interrupts a turn, which goes on under the new weights) also the weight version of
-each response token (`Sample.token_versions`: a context token has that of the sampled token before it). Every segment
-carries the trajectory's reward; it is correct (ARMOR's anchors, group filtering) when that is > 0. Its segments
-count as one trajectory in the group statistics (`Sample.trajectory`, numbered by `generate_samples`;
-algorithms/groups.py). Its status decides what it becomes (rollout.agentic.on_<status>): trained as it is, trained
-with reward 0, or rolled out again (as is a trajectory that sampled nothing) at most `max_resamples` times, after which
-the last one is trained with reward 0 (one without sampled tokens: a sample with the dataset prompt and an empty
-response, which trains nothing).
+reference's engine, the same environment or function). A trajectory becomes one `Sample` per segment
+(agentic/trajectory.py): one when its drift is kept token-exact (rollout.agentic.on_drift keep), one per fork with
+on_drift fork (a template that strips earlier reasoning forks at every turn after one that reasoned). A segment's tokens
+before its first sampled one are the sample's prompt, the rest its response, with `loss_mask` 1 exactly on the tokens
+the policy sampled (its stop tokens included) and the engine's logprobs there (0.0 elsewhere); with partial rollouts
+(the actor's engine a `PausableEngine`: a weight push interrupts a turn, which goes on under the new weights) also the
+weight version of each response token (`Sample.token_versions`: a context token has that of the sampled token before
+it). Every segment carries the trajectory's reward (its environment's score, or the one its rollout function gave); it
+is correct (ARMOR's anchors, group filtering) when that is > 0. Its segments count as one trajectory in the group
+statistics (`Sample.trajectory`, numbered by `generate_samples`; algorithms/groups.py). Its status decides what it
+becomes (rollout.agentic.on_<status>): trained as it is, trained with reward 0, or rolled out again (as is a trajectory
+that sampled nothing) at most `max_resamples` times, after which the last one is trained with reward 0 (one without
+sampled tokens: a sample with the dataset prompt and an empty response, which trains nothing).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from typing import ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
-from megatron_armor.agentic.driver import RolloutContext, environment_rollout, run_rollouts
-from megatron_armor.agentic.environment import Environment, load_environment
+from megatron_armor.agentic.driver import RolloutContext, RolloutFunction, load_rollout, run_rollouts
 from megatron_armor.agentic.generate import EngineGenerator
 from megatron_armor.agentic.metrics import AgentCounts
 from megatron_armor.agentic.trajectory import Trajectory
@@ -43,8 +43,9 @@ from megatron_armor.utils.seeding import stable_seed
 
 
 class TrajectoryScorer(SampleScorer):
-    """`respond` rolls out one trajectory of `environment` per prompt (module docstring); the environment scores
-    them, so the run's reward function and overlong penalty do not apply (audits still judge the decoded response).
+    """`respond` rolls out one trajectory per prompt with `rollout` (module docstring), which scores them (an
+    environment's `score`, or a rollout function's own reward), so the run's reward function and overlong penalty do
+    not apply (audits still judge the decoded response).
 
     tokenizer: the policy's, with the chat template the conversations are rendered with; stop_token_ids: what ends
     an assistant turn; in_process: the engine runs in this process (its turns are batched by one worker thread), else
@@ -56,19 +57,19 @@ class TrajectoryScorer(SampleScorer):
     seeds_each_request: ClassVar[bool] = True
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, environment: type[Environment], settings: AgenticConfig, *,
+        self, tokenizer: PreTrainedTokenizerBase, rollout: RolloutFunction, settings: AgenticConfig, *,
         stop_token_ids: tuple[int, ...], in_process: bool, audits: AuditVerifiers = AuditVerifiers(),
     ) -> None:
         super().__init__(tokenizer, reward_fn=None, audits=audits)
-        self.environment, self.settings = environment, settings
+        self.rollout, self.settings = rollout, settings
         self.stop_token_ids, self.in_process = stop_token_ids, in_process
 
     @classmethod
     def load(cls, settings: AgenticConfig, tokenizer: PreTrainedTokenizerBase, *, in_process: bool,
              audits: AuditVerifiers = AuditVerifiers()) -> TrajectoryScorer:
-        """The scorer of rollout.agentic (its environment set), what the section names loaded: the environment class,
-        the tokenizer copied with the chat template file when one is named, the end-of-turn token (else EOS) as the
-        stop token (the section itself is kept whole, not copied)."""
+        """The scorer of rollout.agentic (its environment or rollout_fn set), what the section names loaded: the
+        rollout function (`agentic.driver.load_rollout`), the tokenizer copied with the chat template file when one is
+        named, the end-of-turn token (else EOS) as the stop token (the section itself is kept whole, not copied)."""
         if settings.chat_template is not None:
             tokenizer = copy.deepcopy(tokenizer)
             tokenizer.chat_template = Path(settings.chat_template).read_text()
@@ -76,12 +77,12 @@ class TrajectoryScorer(SampleScorer):
         stop = tokenizer.convert_tokens_to_ids(end)
         if stop is None or stop == tokenizer.unk_token_id and end != tokenizer.unk_token:
             raise ValueError(f"rollout.agentic.end_of_turn {end!r} is not a token of the tokenizer")
-        return cls(tokenizer, load_environment(settings.environment), settings, stop_token_ids=(stop,),
+        return cls(tokenizer, load_rollout(settings), settings, stop_token_ids=(stop,),
                    in_process=in_process, audits=audits)
 
     def respond(self, engine: RolloutEngine, prompts: Sequence[PromptRow], sampling: SamplingParams, *,
                 is_anchor: bool, agent: AgentCounts | None = None) -> list[list[Sample]]:
-        """A trajectory of each of `prompts` (their rows go to the environment's `reset`) sampled by `engine`, as its
+        """A trajectory of each of `prompts` (their rows go to the rollout function) sampled by `engine`, as its
         samples (one per segment), in order; every trajectory rolled out (resampled ones too) is counted into
         `agent`."""
         return [answer for answer, _ in self.respond_with_trajectories(engine, prompts, sampling, is_anchor=is_anchor,
@@ -121,8 +122,7 @@ class TrajectoryScorer(SampleScorer):
         turn = dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids, seeds=None)  # `seeds`: per turn
         ctx = RolloutContext(generator, self.tokenizer, turn, self.settings)
         try:
-            return asyncio.run(run_rollouts(ctx, environment_rollout(self.environment), rows,
-                                            self.settings.max_in_flight, seeds))
+            return asyncio.run(run_rollouts(ctx, self.rollout, rows, self.settings.max_in_flight, seeds))
         finally:
             generator.close()
 

@@ -146,10 +146,10 @@ def _scoring(cfg: ArmorConfig) -> ScoringConfig:
 
 
 def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScorer:
-    """What turns the training prompts into scored samples: one completion each, or with rollout.agentic.environment a
-    trajectory of that environment each (trainer/rollouts/trajectories.py)."""
+    """What turns the training prompts into scored samples: one completion each, or with rollout.agentic.environment
+    (or rollout_fn) a trajectory of that environment (or function) each (trainer/rollouts/trajectories.py)."""
     agentic = cfg.rollout.agentic
-    if agentic.environment is not None:
+    if agentic.rolls_out:
         return TrajectoryScorer.load(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
                                      audits=rewards.audits)
     return SampleScorer(tokenizer, rewards.train, cfg.reward, max_response_length=cfg.rollout.sampling.max_new_tokens,
