@@ -24,9 +24,8 @@ from megatron_armor.convert.mapping import megatron_shards_to_hf
 from megatron_armor.convert.weights import stage_mappings
 from megatron_armor.models.hf_config import ModelShape
 from megatron_armor.models.lora import ADAPTER_SUFFIX, LoRAAdapter
-from megatron_armor.utils.peft_files import write_peft_adapter
+from megatron_armor.utils.peft_files import PEFT_PREFIX, write_peft_adapter
 
-PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
 PEFT_DIR = "peft"  # a LoRA run's checkpoint's export: step_N/peft/ (checkpoint.save_peft)
 
 

@@ -26,8 +26,8 @@ import torch
 from megatron_armor.models.families import model_family
 from megatron_armor.models.families.weights import EngineExpert
 from megatron_armor.models.tensors import checkpoint_tensors
+from megatron_armor.utils.peft_files import PEFT_PREFIX
 
-PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
 FACTOR_SUFFIXES = {"A": ".lora_A.weight", "B": ".lora_B.weight"}
 
 

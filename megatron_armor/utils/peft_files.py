@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped HF model's names
 
 
 def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:

@@ -126,9 +126,13 @@ def build_training(
 def step_plan(cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
     """`algorithm`'s steps by the train, rollout and algorithm sections, with micro-batches padded for this run's
     tensor-parallel size and the on-policy samples per prompt the algorithm fixes (`Algorithm.on_policy_samples`)."""
-    batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))
-    return StepPlan(algorithm, cfg.train, cfg.rollout, cfg.algorithm, batching,
+    return StepPlan(algorithm, cfg.train, cfg.rollout, cfg.algorithm, _micro_batching(cfg),
                     actor_n=algorithm.on_policy_samples(cfg.rollout.sampling))
+
+
+def _micro_batching(cfg: ArmorConfig) -> MicroBatching:
+    """The micro_batching section's micro-batches, padded to the multiple this run's tensor-parallel size needs."""
+    return MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))
 
 
 def _samplings(sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> tuple[SamplingParams, SamplingParams]:
@@ -296,7 +300,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
     scoring = _scoring(cfg)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
         model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
-        batching = MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))  # as the student
+        batching = _micro_batching(cfg)  # as the student's
         return InProcessTeacher(model, micro_batching=batching, scoring=scoring)
     launch = None
     if opd.teacher_layout is not None:
