@@ -119,7 +119,7 @@ def measure(checkpoint: Path, shape: ModelShape, rank: int, batch: SequenceBatch
     model = load_gpt_model(checkpoint, shape, trainable=True)
     if rank:
         apply_lora(model, LoRAConfig(rank=rank, alpha=2.0 * rank), seed=0)
-    ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=1e-5, warmup_steps=0))
+    ddp, optimizer = wrap_for_training(OptimizerConfig(lr=1e-5, warmup_steps=0), model=model)
     micro_batches = MicroBatching(MicroBatchingConfig(args.micro_batch_size)).split(batch)
     times = []
     for _ in range(args.repeats + 1):  # the first, a warm-up, also creates Adam's state

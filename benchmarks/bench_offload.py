@@ -62,7 +62,7 @@ def main() -> None:
     ctx = initialize_distributed(1, 1, 1)
     try:
         shape = load_model_shape(model_dir)
-        ddp, optimizer = wrap_for_training(load_gpt_model(model_dir, shape, trainable=True), OptimizerConfig())
+        ddp, optimizer = wrap_for_training(OptimizerConfig(), model=load_gpt_model(model_dir, shape, trainable=True))
         ref = load_gpt_model(model_dir, shape)
         for buffer in ddp.buffers:
             buffer.grad_data.normal_(std=1e-3)

@@ -65,7 +65,7 @@ def main() -> None:
                                           num_key_value_heads=2)
         shape = load_model_shape(checkpoint)
         optim = OptimizerConfig(lr=1e-5, warmup_steps=0)
-        ddp, optimizer = wrap_for_training(load_gpt_model(checkpoint, shape, trainable=True), optim)
+        ddp, optimizer = wrap_for_training(optim, model=load_gpt_model(checkpoint, shape, trainable=True))
         ref = load_gpt_model(checkpoint, shape)
     algorithm = build_algorithm(load_config(None, ["task.synthetic=arithmetic", "algorithm.name=grpo", "rollout.sampling.actor_n=16"]))
     batch = demo_batch(shape.vocab_size)

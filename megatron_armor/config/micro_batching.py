@@ -10,12 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
+from megatron_armor.config.builders import Buildable
 
 
 @dataclass(frozen=True)
-class MicroBatchingConfig:
+class MicroBatchingConfig(Buildable):
     """Micro-batches of the trainer's forwards and backwards: the old-logprob, reference, in-process teacher and
     update passes and the MIPU gate's."""
+
+    component = "megatron_armor.scoring.micro_batches:MicroBatching"
 
     micro_batch_size: int = doc(8, "sequences per forward/backward (without a max_tokens budget)")
     max_tokens: int | None = doc(

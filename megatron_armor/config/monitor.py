@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
+from megatron_armor.config.builders import Buildable
 
 # anchor: ARMOR restarted from the best checkpoint; anchor_keep: ARMOR from the current weights with the best checkpoint
 # as the reference (trainer/guard/anchor_switch.py)
@@ -14,10 +15,12 @@ SETTINGS = ("enabled", "window", "trend_window", "actions", "reference_reset")  
 
 
 @dataclass
-class MonitorConfig:
+class MonitorConfig(Buildable):
     """Which alarms the collapse monitor raises and what each does. Alarm <kind> has a threshold, field `<kind>`
     (null: off), and an action in `actions` (default warn); it fires (monitor/alarm_<kind> = 1) on the step its
     condition starts to hold, and again only after it stopped holding."""
+
+    component = "megatron_armor.trainer.guard.collapse_watch:CollapseWatch"
 
     enabled: bool | None = doc(
         None, "watch every step's metrics for over-optimization and log monitor/*; null: on when the run validates "

@@ -9,15 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_armor.config.base import doc, require, require_at_least
+from megatron_armor.config.builders import Buildable
 from megatron_armor.config.rollout import MemoryHandoffConfig
 from megatron_armor.config.sections import ParallelConfig
 from megatron_armor.config.subspace import SubspaceConfig
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Buildable):
     """Adam hyper-parameters and the learning-rate schedule (ARMOR recipe defaults: lr 1e-6, 10 warmup RL steps,
     weight decay 0.1, clip 1.0)."""
+
+    component = "megatron_armor.trainer.update.optimizer:wrap_for_training"
 
     lr: float = doc(1e-6, "peak learning rate")
     warmup_steps: int = doc(

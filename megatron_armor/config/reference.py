@@ -1,8 +1,8 @@
 """The configuration reference, `docs/config.md`, generated from the config dataclasses.
 
 `reference_markdown()` returns the page: one table per section and sub-section (field, type, default, help), read
-from `ArmorConfig`'s fields, their `doc(default, help)` metadata and the section classes' docstrings, then the
-renamed fields (`MOVED_FIELDS`). The same input always gives the same text, so `tests/test_docs.py` regenerates it
+from `ArmorConfig`'s fields, their `doc(default, help)` metadata and the section classes' docstrings (and what a
+section builds, `Buildable.component`), then the renamed fields (`MOVED_FIELDS`). The same input always gives the same text, so `tests/test_docs.py` regenerates it
 and compares it with the committed file. Regenerate after changing a field:
 
     .venv/bin/python -m megatron_armor.config.reference > docs/config.md
@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from megatron_armor.config.base import default_of
+from megatron_armor.config.builders import Buildable
 from megatron_armor.config.moved_names import MOVED_FIELDS
 from megatron_armor.config.root import ArmorConfig, config_entries
 
@@ -55,6 +56,8 @@ def _section_markdown(name: str, cls: type) -> str:
     doc = _class_doc(cls)
     if doc:
         lines += [doc, ""]
+    if issubclass(cls, Buildable):
+        lines += [f"Builds `{cls.component}` (`{name}.build(...)`).", ""]
     values = [entry.field for entry in config_entries(cls) if entry.section is None]
     subs = [f"`{name}.{entry.name}`" for entry in config_entries(cls) if entry.section is not None]
     if subs:

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
+from megatron_armor.config.builders import Buildable
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Buildable):
     """Group sizes and sampling of training and validation rollouts."""
+
+    component = "megatron_armor.rollout.base:sampling_params"
 
     n_samples: int = doc(16, "group size per prompt")
     actor_n: int | None = doc(
@@ -45,8 +48,10 @@ class SamplingConfig:
 
 
 @dataclass
-class AnchorsConfig:
+class AnchorsConfig(Buildable):
     """ARMOR's anchors: samples of the reference policy mixed into each group."""
+
+    component = "megatron_armor.trainer.rollouts.anchor_cache:anchor_cache"
 
     ref_n: int = doc(4, "anchor samples per prompt from the reference policy (ARMOR)")
     engine: Literal["separate", "shared"] = doc(
@@ -72,10 +77,12 @@ STATUS_ACTIONS = ("train", "zero_reward", "resample")  # what rollout.agentic.on
 
 
 @dataclass
-class AgenticConfig:
+class AgenticConfig(Buildable):
     """Multi-turn, tool-using rollouts (docs/guides/agentic.md): with an environment or a rollout function (set one
     of them), every training sample (and ARMOR's anchor, sampled by the reference the same way) is a
     trajectory."""
+
+    component = "megatron_armor.trainer.rollouts.trajectories:TrajectoryScorer.load"
 
     environment: str | None = doc(
         None, "the environment class (package.module:Class or path/to/file.py:Class, a subclass of "
@@ -217,8 +224,11 @@ class SGLangClientConfig:
 
 
 @dataclass
-class WeightSyncConfig:
-    """How the trainer's weights reach the SGLang servers (backend sglang)."""
+class WeightSyncConfig(Buildable):
+    """How the trainer's weights reach the SGLang servers (backend sglang); it builds an SGLang client's weight
+    transport (rollout/weight_transport.py)."""
+
+    component = "megatron_armor.rollout.weight_transport:weight_transport"
 
     method: Literal["tensor", "distributed", "disk"] = doc(
         "tensor", "how weights reach the SGLang servers (backend sglang): tensor = /update_weights_from_tensor with "
@@ -243,10 +253,22 @@ class WeightSyncConfig:
         check_choices("rollout.weight_sync", self)
         require(self.bucket_mb > 0, f"rollout.weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
 
+    @property
+    def bucket_bytes(self) -> int:
+        """Weights per update request in bytes (bucket_mb; slime's --update-weight-buffer-size)."""
+        return int(self.bucket_mb * (1 << 20))
+
+    @property
+    def load_format(self) -> Literal["flattened_bucket"] | None:
+        """SGLang's load_format of a push: None (tensor by tensor) for payload per_tensor, else flattened_bucket."""
+        return None if self.payload == "per_tensor" else "flattened_bucket"
+
 
 @dataclass
-class MemoryHandoffConfig:
+class MemoryHandoffConfig(Buildable):
     """Sharing GPUs between the trainer and colocated rollout servers."""
+
+    component = "megatron_armor.trainer.colocation.memory_handoff:memory_handoff"
 
     release_servers: bool = doc(
         False, "servers on the trainer's GPUs (colocated; started with --enable-memory-saver) release their GPU memory "
@@ -262,7 +284,13 @@ class MemoryHandoffConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Buildable):
+    """How responses are generated: the backend (its settings in the sub-section named after it), sampling, ARMOR's
+    anchors, multi-turn rollouts, weight pushes and the GPU memory shared with servers; it builds the rank's on-policy
+    and anchor engines."""
+
+    component = "megatron_armor.rollout.backends:rollout_engines"
+
     backend: Literal["local", "sglang"] = doc(
         "local", "rollout backend (megatron_armor.rollout.backends): local (in-process HF models; settings in "
         "rollout.local) | sglang (HTTP servers; settings in rollout.sglang)"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least, section
+from megatron_armor.config.builders import Buildable
 from megatron_armor.config.lora import LoRAConfig
 from megatron_armor.config.recompute import RecomputeConfig
 
@@ -61,7 +62,12 @@ def check_expert_layout(tp: int, cp: int, dp: int, ep: int, etp: int | None, *, 
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Buildable):
+    """The training layout: tensor, pipeline, context, data and expert parallel sizes (tp x pp x cp x dp processes);
+    it builds the rank's `DistributedContext` (torch.distributed and Megatron's process groups)."""
+
+    component = "megatron_armor.distributed.init:distributed_context"
+
     tensor_parallel_size: int = doc(1, "Megatron tensor-parallel size")
     pipeline_parallel_size: int = doc(1, "Megatron pipeline-parallel size")
     data_parallel_size: int = doc(1, "data-parallel replicas; the job has tp x pp x cp x dp processes")
@@ -113,7 +119,12 @@ class ParallelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Buildable):
+    """The prompt datasets and how their rows are read and tokenized; it builds the run's prompts (the training
+    sampler and the validation rows)."""
+
+    component = "megatron_armor.data.datasets:load_prompts"
+
     train_path: str | None = doc(None, "training prompts (.jsonl or .parquet with prompt/answer fields)")
     val_path: str | None = doc(None, "validation prompts (same format); none disables validation")
     prompt_key: str = doc(
@@ -133,7 +144,12 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Buildable):
+    """The reward functions (training, validation, audit verifiers) and DAPO's overlong penalty; it builds them,
+    loaded (`RewardFns`)."""
+
+    component = "megatron_armor.rewards.reward_fns:RewardFns.load"
+
     train_fn: str = doc(
         "megatron_armor.rewards.math_dapo:verify", "training reward, module:function or path/to/file.py:function (a "
         "file of your own: no package or PYTHONPATH needed); default: DAPO's exact match of "
@@ -248,7 +264,11 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Buildable):
+    """When checkpoints are saved, how many are kept and which is the best; it builds the run's `CheckpointSaver`."""
+
+    component = "megatron_armor.trainer.checkpointing.checkpoint_save:checkpoint_saver"
+
     every: int = doc(20, "save a checkpoint every N steps (and at the end)")
     keep_last: int = doc(2, "keep the newest N checkpoints (0: keep all)")
     save_model: bool = doc(
@@ -337,7 +357,12 @@ class TaskConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Buildable):
+    """Where metrics go (the run directory's metrics.jsonl, TensorBoard, Weights & Biases) and the progress bar;
+    it builds the run's `MetricsLogger`."""
+
+    component = "megatron_armor.utils.metrics:MetricsLogger"
+
     run_dir: str = doc("runs/armor", "run directory: metrics.jsonl, curves.png, checkpoints/")
     tensorboard: bool = doc(True, "write TensorBoard scalars")
     wandb_project: str | None = doc(None, "log to this Weights & Biases project (needs wandb)")

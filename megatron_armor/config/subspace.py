@@ -11,12 +11,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_armor.config.base import check_choices, doc, require, require_at_least
+from megatron_armor.config.builders import Buildable
 from megatron_armor.config.sections import ModelConfig, ParallelConfig
 
 
 @dataclass
-class SubspaceConfig:
+class SubspaceConfig(Buildable):
     """When the constraint starts, its rank K, and what it projects."""
+
+    component = "megatron_armor.trainer.update.optimizer:run_subspace_constraint"
 
     capture_step: int = doc(
         0, "after this RL step, confine updates to the top-K span of the cumulative update so far (0: off)"

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_armor.config import DataConfig
+from megatron_armor.config.builders import builds
+
 
 class DatasetError(ValueError):
     """A dataset file or row that cannot be used; the message names the file and row."""
@@ -188,3 +191,26 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """A run's prompts: the training sampler and every validation row (none without validation prompts)."""
+
+    train: PromptSampler
+    validation: list[PromptRow]
+
+
+@builds(DataConfig)
+def load_prompts(
+    data: DataConfig, *, tokenizer, train_path: str, val_path: str | None, batch_size: int, seed: int,
+) -> Prompts:
+    """The prompts of `train_path` and `val_path` (the data section's files, or those a task prepared), tokenized by
+    `tokenizer` as the data section says (keys, chat template, max_prompt_length); the training ones in a sampler of
+    generation batches of `batch_size` (train.gen_batch_size) seeded with `seed` (train.seed), reshuffled each epoch
+    unless data.shuffle is off."""
+    options = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, tokenizer=tokenizer,
+                   apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length)
+    sampler = PromptSampler(load_prompt_rows(train_path, **options), batch_size, seed=seed, shuffle=data.shuffle)
+    return Prompts(sampler, load_prompt_rows(val_path, **options) if val_path else [])
+

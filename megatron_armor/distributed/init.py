@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_armor.config import check_expert_layout
+from megatron_armor.config import ParallelConfig, check_expert_layout
+from megatron_armor.config.builders import builds
 from megatron_armor.distributed.cpu_compat import enable_cpu_compat
 from megatron_armor.distributed.device import training_device
 from megatron_armor.utils.net import free_port
@@ -49,6 +50,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():  # after torch.manual_seed, which would reseed CUDA again
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+@builds(ParallelConfig)
+def distributed_context(parallel: ParallelConfig, *, seed: int) -> DistributedContext:
+    """`initialize_distributed` at the layout of the parallel section, seeded with `seed` (train.seed)."""
+    return initialize_distributed(
+        parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size, seed=seed,
+        expert_parallel_size=parallel.expert_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+    )
 
 
 def initialize_distributed(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_armor.config import RewardConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.rewards.audit import AuditVerifiers, audit_name
 from megatron_armor.rewards.registry import RewardError, RewardFn, load_reward_fn
 
@@ -31,6 +32,9 @@ class RewardFns:
         return cls(train=_load("reward.train_fn", reward.train_fn),
                    val=_load("reward.val_fn", reward.val_fn or reward.train_fn),
                    audits=AuditVerifiers(tuple(names), audits))
+
+
+builds(RewardConfig)(RewardFns.load)
 
 
 def _load(setting: str, path: str) -> RewardFn:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_armor.config import RolloutConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.rollout.base import RolloutEngine
@@ -99,6 +100,12 @@ class SGLangBackend(RolloutBackend):
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackend] = {"local": LocalBackend(), "sglang": SGLangBackend()}
+
+
+@builds(RolloutConfig)
+def rollout_engines(rollout: RolloutConfig, *, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
+    """(on-policy engine, anchor engine) of rollout.backend at `site` (`RolloutBackend.engines`: collective)."""
+    return ROLLOUT_BACKENDS[rollout.backend].engines(rollout, site)
 
 
 def local_engine(path: str, rollout: RolloutConfig, site: EngineSite, *, record_routes: bool = False) -> LocalEngine:

@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from megatron_armor.config import SamplingConfig
+from megatron_armor.config.builders import builds
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class SamplingParams:
 
     Not a config section: a request's payload, which evaluation, validation datasets and the warm start fill in
     themselves; a training run's join rollout.sampling with the tokenizer's stop tokens (not config) where the run
-    is built (`trainer/run/build.py`'s `_samplings`), and a call adds its seeds.
+    is built (`sampling_params`), and a call adds its seeds.
 
     `top_p` filtering happens after temperature scaling; reported logprobs are taken before it.
     `seed` makes a call reproducible for a given engine state; None draws from the engine's generator.
@@ -43,6 +45,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@builds(SamplingConfig)
+def sampling_params(
+    sampling: SamplingConfig, *, stop_token_ids: tuple[int, ...], validation: bool = False,
+) -> SamplingParams:
+    """A run's sampling as rollout.sampling says, stopping at the tokenizer's `stop_token_ids`: the training
+    rollouts' (temperature, top_p), or with `validation` validation's (val_temperature, val_top_p); max_new_tokens for
+    both."""
+    if validation:
+        return SamplingParams(sampling.val_temperature, sampling.val_top_p, sampling.max_new_tokens, stop_token_ids)
+    return SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, stop_token_ids)
 
 
 GenerationFinish = Literal["stop", "length", "abort"]  # abort: interrupted (`RolloutEngine.interrupt`), partial

@@ -35,7 +35,7 @@ import torch
 from megatron_armor.config import WeightSyncConfig
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout.base import Generation, RolloutEngine, SamplingParams
-from megatron_armor.rollout.weight_transport import TRANSPORTS, TransportConfig
+from megatron_armor.rollout.weight_transport import Transport
 from megatron_armor.utils.net import on_this_host
 
 log = logging.getLogger(__name__)
@@ -66,17 +66,6 @@ class SGLangEngineConfig:
     flush_interval_s: float = 1.0
     routed_experts_shape: tuple[int, int] | None = None  # (L, k): ask for every item's routed experts (servers need
     # --enable-return-routed-experts) and read them as [N, L, k] (`Generation.routed_experts`)
-
-    @property
-    def bucket_bytes(self) -> int:
-        """Weights per update request in bytes (weight_sync.bucket_mb; slime's --update-weight-buffer-size)."""
-        return int(self.weight_sync.bucket_mb * (1 << 20))
-
-    @property
-    def load_format(self) -> proto.LoadFormat:
-        """SGLang's load_format of a push: null (tensor by tensor) for weight_sync.payload per_tensor, else
-        flattened_bucket (a bucket travels as one uint8 tensor); a disk push writes safetensors files either way."""
-        return None if self.weight_sync.payload == "per_tensor" else "flattened_bucket"
 
 
 @dataclass
@@ -275,11 +264,10 @@ class SGLangEngine(RolloutEngine):
         self.wait_until_ready()
         for server in self._servers:
             server.tp_size = int(http_call(server.url, "/server_info", method="GET").get("tp_size", 1))
-        transport = TransportConfig(config.bucket_bytes, config.load_format, config.weight_group_timeout_s,
-                                    config.weight_sync.dir)
         # the push servers the last push reached (the transport's servers: updated in place); the others missed it
         self._live_push_servers = list(self._push_servers)
-        self._transport = TRANSPORTS[config.weight_sync.method](self._live_push_servers, self._on_push_servers, transport)
+        self._transport: Transport = config.weight_sync.build(
+            servers=self._live_push_servers, post_all=self._on_push_servers, group_timeout_s=config.weight_group_timeout_s)
         self._weight_version = 0
         self._interrupted = threading.Event()  # `interrupt`: aborted items come back partial, nothing more is sent
         self._calls_lock = threading.Lock()

@@ -24,7 +24,6 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -32,6 +31,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from safetensors.torch import save_file
 
+from megatron_armor.config import WeightSyncConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.rollout import sglang_protocol as proto
 from megatron_armor.rollout import tensor_serialization, weight_group
 from megatron_armor.utils.net import free_port, local_address_towards
@@ -49,17 +50,18 @@ class Server(Protocol):
 PostAll = Callable[[str, Callable[[Any], Any]], None]  # (path, server -> body): POST to every server, raise on failure
 
 
-@dataclass(frozen=True)
-class TransportConfig:
-    bucket_bytes: int  # weights per request (slime's --update-weight-buffer-size)
-    load_format: proto.LoadFormat  # "flattened_bucket" (a bucket travels as one uint8 tensor) or None (tensor by tensor)
-    group_timeout_s: float = 300.0  # forming the distributed group, and each broadcast in it
-    disk_dir: str | None = None  # weight_sync disk: where each push's safetensors files are written
-
-
 class Transport:
     """One SGLang weight-update path: `push` sends a model's tensors, `close` releases the state kept on either
-    side (the next push sets it up again)."""
+    side (the next push sets it up again).
+
+    servers: the servers pushed to (the engine's list, updated in place); post_all: POST to each of them;
+    settings: the rollout.weight_sync section (bucket_bytes, load_format, dir); group_timeout_s: forming the
+    distributed group, and each broadcast in it (seconds)."""
+
+    def __init__(
+        self, servers: Sequence[Server], post_all: PostAll, settings: WeightSyncConfig, group_timeout_s: float = 300.0,
+    ) -> None:
+        self.servers, self.post_all, self.settings, self.group_timeout_s = servers, post_all, settings, group_timeout_s
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         raise NotImplementedError
@@ -92,14 +94,14 @@ class TensorTransport(Transport):
     live as long as the trainer anyway), so failures leave at most those behind; so does a trainer killed
     while the servers run."""
 
-    def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
-        self.servers, self.post_all, self.config = servers, post_all, config
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._staging: dict[int, torch.Tensor] = {}  # slot 0/1 -> [>= bucket_bytes] uint8; emptied by the finalizer
         weakref.finalize(self, self._staging.clear)  # also runs at exit, when garbage collection may not
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        load_format = self.config.load_format
-        buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes, proto.payload_align(load_format))
+        load_format = self.settings.load_format
+        buckets = proto.bucket_named_tensors(named_tensors, self.settings.bucket_bytes, proto.payload_align(load_format))
         with ThreadPoolExecutor(1) as sender:
             in_flight = None  # the previous bucket's request and payload (referenced until it is answered)
             for n, (bucket, last) in enumerate(buckets):
@@ -125,13 +127,13 @@ class TensorTransport(Transport):
         bucket's payload (None if nothing of it is staged). A smaller (or misplaced) one is replaced by one of
         max(payload, min(bucket_bytes, 2 x payload)) bytes: a model smaller than the budget stages in about its
         own size, a large one reaches the budget in a step or two. No request may reference the slot's buffer."""
-        needed = proto.payload_bytes(bucket, self.config.load_format)
+        needed = proto.payload_bytes(bucket, self.settings.load_format)
         if needed == 0:
             return None
         device = bucket[0][1].device
         buffer = self._staging.get(slot)
         if buffer is None or buffer.numel() < needed or buffer.device != device:
-            size = max(needed, min(self.config.bucket_bytes, 2 * needed))
+            size = max(needed, min(self.settings.bucket_bytes, 2 * needed))
             self._staging.pop(slot, None)  # release the old buffer before allocating its successor
             buffer = self._staging[slot] = (torch.empty(size, dtype=torch.uint8, device=device) if device.type == "cuda"
                                             else tensor_serialization.shared_buffer(size))
@@ -152,20 +154,20 @@ class DistributedTransport(Transport):
     servers leave it, best-effort (a dead or restarted server is in no group). Every formation takes a
     fresh group name, so a server left in an old group never clashes with the new one."""
 
-    def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
-        self.servers, self.post_all, self.config = servers, post_all, config
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.group_name: str | None = None  # of the group formed, or being formed
         self._group: torch.distributed.ProcessGroup | None = None
         self._device: torch.device | None = None
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         try:
-            for bucket, last in proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes):
+            for bucket, last in proto.bucket_named_tensors(named_tensors, self.settings.bucket_bytes):
                 if self._group is None:  # formed once the first bucket is drawn: its device picks the backend
                     self._device = bucket[0][1].device
                     self._group = self._form_group(weight_group.backend_for_device(self._device))
                 update = proto.DistributedUpdate.of(
-                    bucket, group_name=self.group_name, load_format=self.config.load_format, flush_cache=last,
+                    bucket, group_name=self.group_name, load_format=self.settings.load_format, flush_cache=last,
                     weight_version=version if last else None,
                 )
                 self._with_servers(
@@ -185,7 +187,7 @@ class DistributedTransport(Transport):
         for server in self.servers:
             offsets[server.url], offset = offset, offset + server.tp_size
         spec = proto.WeightGroupSpec(address, port, 0, world, self.group_name, backend)
-        timeout = timedelta(seconds=self.config.group_timeout_s)
+        timeout = timedelta(seconds=self.group_timeout_s)
         return self._with_servers(
             "/init_weights_update_group",
             lambda s: proto.WeightGroupSpec(address, port, offsets[s.url], world, spec.group_name, backend).body(),
@@ -199,7 +201,7 @@ class DistributedTransport(Transport):
             try:
                 result = trainer_side()
             except (RuntimeError, torch.distributed.DistError) as error:
-                failure = replies.exception(timeout=self.config.group_timeout_s)
+                failure = replies.exception(timeout=self.group_timeout_s)
                 raise RuntimeError(f"{path}: the trainer side of group {self.group_name!r} failed ({error}); "
                                    f"servers: {failure or 'no error'}") from error
             replies.result()
@@ -218,21 +220,21 @@ class DistributedTransport(Transport):
 
 
 class DiskTransport(Transport):
-    """Each push writes a fresh subdirectory of `disk_dir`, so the servers never read a mix of two pushes;
+    """Each push writes a fresh subdirectory of rollout.weight_sync.dir, so the servers never read a mix of two pushes;
     the previous push's subdirectory is removed once every server has loaded the new one."""
 
-    def __init__(self, servers: Sequence[Server], post_all: PostAll, config: TransportConfig) -> None:
-        if not config.disk_dir:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.settings.dir:
             raise ValueError("weight_sync disk needs a directory the servers can read (rollout.weight_sync.dir)")
-        self.post_all, self.config = post_all, config
         self._loaded: Path | None = None  # the subdirectory the servers loaded last
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         """Write model-NNNNN.safetensors bucket by bucket, then every server loads the subdirectory."""
-        target = Path(self.config.disk_dir) / f"push-{uuid.uuid4().hex[:12]}"
+        target = Path(self.settings.dir) / f"push-{uuid.uuid4().hex[:12]}"
         target.mkdir(parents=True)
         try:
-            buckets = proto.bucket_named_tensors(named_tensors, self.config.bucket_bytes)
+            buckets = proto.bucket_named_tensors(named_tensors, self.settings.bucket_bytes)
             for n, (bucket, _) in enumerate(buckets):
                 save_file({name: t.detach().cpu().contiguous() for name, t in bucket},
                           str(target / f"model-{n:05d}.safetensors"))
@@ -254,4 +256,14 @@ class DiskTransport(Transport):
             self._loaded = None
 
 
-TRANSPORTS = {"tensor": TensorTransport, "distributed": DistributedTransport, "disk": DiskTransport}
+TRANSPORTS: dict[str, type[Transport]] = {
+    "tensor": TensorTransport, "distributed": DistributedTransport, "disk": DiskTransport,
+}
+
+
+@builds(WeightSyncConfig)
+def weight_transport(
+    settings: WeightSyncConfig, *, servers: Sequence[Server], post_all: PostAll, group_timeout_s: float = 300.0,
+) -> Transport:
+    """The transport of rollout.weight_sync.method (`TRANSPORTS`) to `servers` (see `Transport`)."""
+    return TRANSPORTS[settings.method](servers, post_all, settings, group_timeout_s)

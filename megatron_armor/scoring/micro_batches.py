@@ -25,6 +25,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_armor.config import MicroBatchingConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.scoring.batch import SequenceBatch
 
 
@@ -38,6 +39,7 @@ def sequence_multiple(tensor_parallel_size: int) -> int:
     return math.lcm(8, tensor_parallel_size)
 
 
+@builds(MicroBatchingConfig)
 @dataclass(frozen=True)
 class MicroBatching:
     """How a batch is cut into micro-batches (see the module docstring).

@@ -8,8 +8,10 @@ import warnings
 from pathlib import Path
 
 from megatron_armor.config import LoggingConfig
+from megatron_armor.config.builders import builds
 
 
+@builds(LoggingConfig)
 class MetricsLogger:
     """Appends one JSON object per step; non-finite values are written as null and listed under
     `nonfinite`. On resume, lines after `resume_from_step` are dropped so steps never repeat."""

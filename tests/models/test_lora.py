@@ -110,7 +110,7 @@ def test_only_adapters_reach_ddp_buffers_and_the_optimizer(megatron_world, tiny_
     checkpoint = tiny_model_factory()
     model = _model(checkpoint)
     adapters = apply_lora(model, LORA)
-    ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=1e-2, warmup_steps=0), distributed=distributed)
+    ddp, optimizer = wrap_for_training(OptimizerConfig(lr=1e-2, warmup_steps=0), model=model, distributed=distributed)
     expected = {id(p) for adapter in adapters for p in (adapter.lora_a, adapter.lora_b)}
     buffered = {id(p) for buffer in ddp.buffers + ddp.expert_parallel_buffers for p in buffer.params}
     assert buffered == expected
@@ -144,7 +144,7 @@ def test_the_rollback_snapshot_holds_the_adapters_alone_and_restores_them_exactl
     checkpoint = tiny_model_factory()
     model = _model(checkpoint)
     adapters = apply_lora(model, LORA)
-    ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=1e-2, warmup_steps=0))
+    ddp, optimizer = wrap_for_training(OptimizerConfig(lr=1e-2, warmup_steps=0), model=model)
     tokens = _tokens(load_model_shape(checkpoint).vocab_size)
 
     trained = [p for adapter in adapters for p in (adapter.lora_a, adapter.lora_b)]

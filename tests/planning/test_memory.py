@@ -29,7 +29,7 @@ def adam_state_bytes(optimizer) -> int:
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", False), ("llama", True)])
 def test_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, arch, tied):
     shape = load_model_shape(tiny_model_factory(arch, num_layers=3, tie_word_embeddings=tied))
-    ddp, optimizer = wrap_for_training(build_gpt_model(shape, transformer_config(shape), trainable=True), OptimizerConfig())
+    ddp, optimizer = wrap_for_training(OptimizerConfig(), model=build_gpt_model(shape, transformer_config(shape), trainable=True))
     tokens = torch.randint(1, 96, (2, 8))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)  # Adam's moments exist after the first step
@@ -60,7 +60,7 @@ def test_bf16_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, 
     shape = load_model_shape(tiny_model_factory(arch, num_layers=2))
     config = transformer_config(shape, params_dtype=torch.bfloat16)
     model = build_gpt_model(shape, config, trainable=True).to(dtype=torch.bfloat16)
-    ddp, optimizer = wrap_for_training(model, OptimizerConfig(), distributed=distributed)
+    ddp, optimizer = wrap_for_training(OptimizerConfig(), model=model, distributed=distributed)
     tokens = torch.randint(1, 96, (2, 8))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).float().sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)
@@ -109,7 +109,7 @@ def test_lora_state_bytes_equal_the_tensors(megatron_world, tiny_model_factory, 
     model = build_gpt_model(shape, transformer_config(shape, params_dtype=torch.bfloat16), trainable=True)
     model = model.to(dtype=torch.bfloat16)
     apply_lora(model, lora)
-    ddp, optimizer = wrap_for_training(model, OptimizerConfig(), distributed=distributed)
+    ddp, optimizer = wrap_for_training(OptimizerConfig(), model=model, distributed=distributed)
     tokens = torch.randint(1, 96, (2, 8))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).float().sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)

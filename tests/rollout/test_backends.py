@@ -36,9 +36,9 @@ def test_local_backend_builds_one_engine_per_policy_unless_the_anchors_share_it(
 def test_the_sglang_client_pushes_as_the_weight_sync_section_says():
     """Buckets of bucket_mb MiB, SGLang's load_format null for payload per_tensor (a disk push writes files either
     way), and the trainer's storage handed over (kept in shared memory) only by per_tensor pushes of method tensor."""
-    client = SGLangEngineConfig(weight_sync=WeightSyncConfig(payload="per_tensor", bucket_mb=0.5))
+    client = SGLangEngineConfig(weight_sync=WeightSyncConfig(payload="per_tensor", bucket_mb=0.5)).weight_sync
     assert (client.bucket_bytes, client.load_format) == (512 * 1024, None)
-    default = SGLangEngineConfig()
+    default = SGLangEngineConfig().weight_sync
     assert (default.bucket_bytes, default.load_format) == (512 * 1024 * 1024, "flattened_bucket")
     sglang = ROLLOUT_BACKENDS["sglang"]
 

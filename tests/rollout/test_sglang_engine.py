@@ -96,7 +96,7 @@ def test_update_weights_from_tensor_then_from_disk(engine, model_dir, second_tin
     pushes = WeightSyncConfig(method="tensor", payload=payload, bucket_mb=64 / 1024)  # 64 KiB buckets
     pusher = SGLangEngine(engine.urls, replace(FAST, weight_sync=pushes))
     named = list(other.named_parameters())
-    assert len(list(proto.bucket_named_tensors(named, pusher.config.bucket_bytes))) > 1  # several requests
+    assert len(list(proto.bucket_named_tensors(named, pusher.config.weight_sync.bucket_bytes))) > 1  # several requests
     pusher.update_weights(named)
     assert_same_generations(engine.generate(PROMPTS, GREEDY), LocalEngine(other).generate(PROMPTS, GREEDY))
     name = "model.layers.1.mlp.down_proj.weight"

@@ -17,7 +17,7 @@ from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, ServerError, http_call
 from megatron_armor.rollout.weight_group import WORLD_SIZE_KEY
 from megatron_armor.rollout.weight_sync import sync_weights
-from megatron_armor.rollout.weight_transport import TensorTransport, TransportConfig
+from megatron_armor.rollout.weight_transport import TensorTransport
 from megatron_armor.utils.net import free_port
 
 FAST = SGLangEngineConfig(startup_timeout_s=90, poll_interval_s=0.1, weight_group_timeout_s=60,
@@ -114,7 +114,7 @@ def test_every_mode_streams_a_generator_holding_about_two_buckets(
     sizes = [t.nbytes for t in trained.values()]
     assert (report.tensors, report.bytes) == (len(sizes), sum(sizes))
     largest = max(sizes)
-    assert live.peak <= 2 * max(config.bucket_bytes, largest) + largest < sum(sizes) / 3
+    assert live.peak <= 2 * max(config.weight_sync.bucket_bytes, largest) + largest < sum(sizes) / 3
     assert live.alive() == 0  # nothing yielded is kept after the push
     for name, want in trained.items():
         got = http_call(engine.urls[0], "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]})
@@ -124,7 +124,7 @@ def test_every_mode_streams_a_generator_holding_about_two_buckets(
 def test_tensor_staging_grows_to_the_budget_only_as_buckets_need():
     server, sent = SimpleNamespace(url="stub", tp_size=1), []
     transport = TensorTransport([server], lambda path, body_for: sent.append(body_for(server)),
-                                TransportConfig(bucket_bytes=64, load_format="flattened_bucket"))
+                                WeightSyncConfig(bucket_mb=64 / 2**20, payload="flattened_bucket"))
 
     def named():  # buckets of 64, 160 (one tensor over the budget) and 32 bytes
         return iter([("a", torch.zeros(8)), ("b", torch.zeros(8)), ("c", torch.zeros(40)), ("d", torch.zeros(8))])
@@ -143,7 +143,7 @@ def test_tensor_staging_grows_to_the_budget_only_as_buckets_need():
     assert {slot: buffer.numel() for slot, buffer in transport._staging.items()} == {0: 64, 1: 160}
     transport.close()
     small = TensorTransport([server], lambda path, body_for: None,
-                            TransportConfig(bucket_bytes=1 << 20, load_format="flattened_bucket"))
+                            WeightSyncConfig(bucket_mb=1, payload="flattened_bucket"))
     small.push(iter([("a", torch.zeros(16))]), "1")  # a 64-byte model under a 1 MiB budget
     assert {slot: buffer.numel() for slot, buffer in small._staging.items()} == {0: 128}
     small.close()

@@ -50,7 +50,7 @@ def megatron_world():
 def _trainer_state(checkpoint, dtype=torch.float32):
     shape = load_model_shape(checkpoint)
     model = load_gpt_model(checkpoint, shape, params_dtype=dtype, trainable=True)
-    ddp, optimizer = wrap_for_training(model, OPTIM)
+    ddp, optimizer = wrap_for_training(OPTIM, model=model)
     return ddp, optimizer, load_gpt_model(checkpoint, shape, params_dtype=dtype)
 
 

@@ -42,7 +42,7 @@ def checkpoint(tiny_model_factory):
 
 def _step(checkpoint, algorithm, *, two_pass: bool):
     """(update result, old-policy scores, weights after the step) of one update from the checkpoint's weights."""
-    ddp, optimizer = wrap_for_training(load_gpt_model(checkpoint, load_model_shape(checkpoint), trainable=True), OPTIM)
+    ddp, optimizer = wrap_for_training(OPTIM, model=load_gpt_model(checkpoint, load_model_shape(checkpoint), trainable=True))
     batch = _batch()
     separate = None
     if two_pass:
@@ -80,7 +80,7 @@ def test_the_fast_path_is_taken_only_with_one_mini_batch_and_an_algorithm_that_a
     assert plan("grpo", 8).old_logprobs_from_update and plan("armor", 8).old_logprobs_from_update
     assert not plan("grpo", 4).old_logprobs_from_update  # the second mini-batch runs after an optimizer step
     assert not plan("opd", 8).old_logprobs_from_update  # its token advantages read them before the update
-    ddp, optimizer = wrap_for_training(load_gpt_model(checkpoint, load_model_shape(checkpoint), trainable=True), OPTIM)
+    ddp, optimizer = wrap_for_training(OPTIM, model=load_gpt_model(checkpoint, load_model_shape(checkpoint), trainable=True))
     batch = _batch()
     with pytest.raises(ValueError, match="one mini-batch per RL step"):
         update_policy(ddp, optimizer, [batch.select(slice(0, 3)), batch.select(slice(3, 7))], micro_batching=BATCHING,

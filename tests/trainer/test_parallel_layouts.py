@@ -450,7 +450,7 @@ def test_lora_checkpoint_reshards_to_one_process(runs, name, layout):
         model = build_gpt_model(shape, transformer_config(shape), trainable=True)
         load_hf_weights(model, base_dir, shape)
         apply_lora(model, LoRAConfig(rank=4, alpha=8.0), seed=1)  # other draws of A: every adapter tensor is loaded
-        ddp, optimizer = wrap_for_training(model, OptimizerConfig(lr=LR, warmup_steps=0), distributed=False)
+        ddp, optimizer = wrap_for_training(OptimizerConfig(lr=LR, warmup_steps=0), model=model, distributed=False)
         modules = {"actor": Policy("actor", ddp, adapters_only=True), "optimizer": optimizer}
         loaded = load_modules(saved, sharded_modules(modules, is_loading=True))
         for module in restore_order(list(loaded)):

@@ -209,7 +209,7 @@ def run_job(name: str, actor_dir: str, ref_dir: str, tp: int, pp: int, head: str
     lora = "lora" in options
     if lora:
         apply_lora(actor, LoRAConfig(rank=4, alpha=8.0, experts=bool(shape.num_experts)), seed=0)
-    ddp, optimizer = wrap_for_training(actor, optim, distributed="distopt" in options)
+    ddp, optimizer = wrap_for_training(optim, model=actor, distributed="distopt" in options)
     ref = (Policy("ref", ddp, view=functools.partial(adapters_disabled, ddp)) if lora
            else Policy("ref", model(ref_dir, False)))
     handles = PolicyHandles(actor=Policy("actor", ddp, adapters_only=lora), ref=ref, optimizer=optimizer, shape=shape, pad_token_id=0)

@@ -37,7 +37,7 @@ shape = load_model_shape(model_dir)
 model = build_gpt_model(shape, transformer_config(shape), trainable=True)
 load_hf_weights(model, model_dir, shape)
 optim = OptimizerConfig(lr=0.0, warmup_steps=0)  # update_policy for its metrics only: the weights stay put
-ddp, optimizer = wrap_for_training(model, optim)
+ddp, optimizer = wrap_for_training(optim, model=model)
 
 batch = torch.load(batch_path, weights_only=False)
 local = batch.select(torch.arange(ctx.dp_rank, batch.size, ctx.dp_size))
@@ -74,7 +74,7 @@ def armor_run(case: dict) -> dict:
     def fresh():
         m = build_gpt_model(shape, transformer_config(shape), trainable=True)
         load_hf_weights(m, model_dir, shape)
-        return wrap_for_training(m, optim)
+        return wrap_for_training(optim, model=m)
 
     def hf_weights(d):
         return {name: w.clone() for name, w in gather_all_stages_hf_weights(d.module, shape)}

@@ -69,7 +69,7 @@ def context_parallel_activations(shape, heads=("torch", "fused")) -> list:
 def trained(shape, tp: int, distributed: bool, dtype: torch.dtype = torch.float32):
     """A model of this layout wrapped for training after one optimizer step (Adam's state exists)."""
     model = build_gpt_model(shape, transformer_config(shape, tp_size=tp, params_dtype=dtype), trainable=True).to(dtype)
-    ddp, optimizer = wrap_for_training(model, OptimizerConfig(), distributed=distributed)
+    ddp, optimizer = wrap_for_training(OptimizerConfig(), model=model, distributed=distributed)
     tokens = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2))
     ddp(tokens, torch.arange(8).expand_as(tokens), None).float().sum().backward()
     optimizer_step(ddp, optimizer, lr=1e-3)

@@ -28,6 +28,8 @@ from typing import Any
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
+from megatron_armor.config import CheckpointConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.checkpointing.checkpoint import (
     STATE_DIR, barrier, checkpoint_root, process_rank, publish, shared_record, step_dirs,
@@ -91,6 +93,14 @@ class CheckpointSaver:
         for finalize_fn in pending.request.finalize_fns:  # Megatron's global metadata (collective)
             finalize_fn()
         publish(pending.tmp, pending.final, pending.record, keep_last=self.keep_last, best=self.best)
+
+
+@builds(CheckpointConfig)
+def checkpoint_saver(settings: CheckpointConfig, *, run_dir: str | Path) -> CheckpointSaver:
+    """The saver of the run in `run_dir` as the checkpoint section says (keep_last, async_save), with the run's
+    `BestCheckpoint` (its `best`) when checkpoint.keep_best names a metric."""
+    best = BestCheckpoint(settings) if settings.keep_best is not None else None
+    return CheckpointSaver(run_dir, keep_last=settings.keep_last, async_save=settings.async_save, best=best)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, keep_last: int = 0,

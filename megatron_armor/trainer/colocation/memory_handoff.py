@@ -19,6 +19,9 @@ from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
+from megatron_armor.config import MemoryHandoffConfig
+from megatron_armor.config.builders import builds
+from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.sglang_engine import SGLangEngine
 from megatron_armor.rollout.sglang_protocol import MEMORY_TAGS
 
@@ -26,6 +29,23 @@ log = logging.getLogger(__name__)
 
 WEIGHT_TAGS = ("weights",)
 SERVING_TAGS = ("kv_cache", "cuda_graph")  # what generation needs besides the weights
+
+
+@builds(MemoryHandoffConfig)
+def memory_handoff(
+    settings: MemoryHandoffConfig, *, actor_engine: RolloutEngine, ref_engine: RolloutEngine,
+) -> MemoryHandoff | None:
+    """The servers' memory hand-off of a colocated run as rollout.memory says (`release_servers`), or None; the
+    engines are the actor's and the reference's (one object when shared)."""
+    if not settings.release_servers:
+        return None
+    if ref_engine is not actor_engine and not ref_engine.keeps_weights_across_release():
+        raise ValueError(
+            "rollout.memory.release_servers with separate reference servers (rollout.sglang.ref_urls) needs them "
+            "started with --enable-weights-cpu-backup: their weights are pushed once, not after every release, and "
+            "SGLang's memory saver loses them otherwise (armor ray-train --placement colocated starts them so)"
+        )
+    return MemoryHandoff([actor_engine, ref_engine])
 
 
 class MemoryHandoff:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_armor.config import MonitorConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.distributed.reduce import any_rank
 from megatron_armor.monitor import Alarm, CollapseMonitor
 
@@ -28,6 +29,7 @@ class WatchVerdict:
     restarting: bool = False  # one of them (on any rank) is anchor: restart from the best checkpoint, not keep
 
 
+@builds(MonitorConfig)
 class CollapseWatch:
     """Runs a `CollapseMonitor` when the section turns it on for the run (`MonitorConfig.runs`: by default when it
     validates); its state travels with the checkpoints (`state`, `load`)."""

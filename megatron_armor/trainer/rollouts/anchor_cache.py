@@ -18,10 +18,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_armor.config import AnchorsConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 
 PromptKey = tuple[int, ...]  # a prompt's token ids
+
+
+@builds(AnchorsConfig)
+def anchor_cache(settings: AnchorsConfig) -> AnchorCache | None:
+    """The run's anchor cache as rollout.anchors says: None unless its `cache` is on."""
+    return AnchorCache(settings) if settings.cache else None
 
 
 class AnchorCache:

@@ -34,6 +34,7 @@ from megatron_armor.agentic.generate import EngineGenerator
 from megatron_armor.agentic.metrics import AgentCounts
 from megatron_armor.agentic.trajectory import Trajectory
 from megatron_armor.config import AgenticConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.data.datasets import PromptRow
 from megatron_armor.data.types import Sample
 from megatron_armor.rewards.audit import AuditVerifiers
@@ -153,3 +154,6 @@ class TrajectoryScorer(SampleScorer):
                 token_versions=segment.response_versions(),
             ))
         return samples
+
+
+builds(AgenticConfig)(TrajectoryScorer.load)

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, GateSettings
-from megatron_armor.config import ArmorConfig, SamplingConfig
+from megatron_armor.config import ArmorConfig
 from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.peft_export import all_stages_peft_tensors, peft_config
 from megatron_armor.convert.weights import parameters_exported_as_views
-from megatron_armor.data.datasets import PromptRow, PromptSampler, check_tokenizer_fits_model, load_prompt_rows
+from megatron_armor.data.datasets import PromptRow, check_tokenizer_fits_model
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
@@ -43,16 +43,13 @@ from megatron_armor.scoring.micro_batches import MicroBatching, sequence_multipl
 from megatron_armor.trainer.colocation.colocation import Colocation
 from megatron_armor.trainer.colocation.memory_handoff import MemoryHandoff
 from megatron_armor.trainer.colocation.offload import TrainerOffload
-from megatron_armor.trainer.rollouts.anchor_cache import AnchorCache
 from megatron_armor.trainer.rollouts.rollout_phase import RolloutSources
 from megatron_armor.trainer.rollouts.samples import SampleScorer
-from megatron_armor.trainer.rollouts.trajectories import TrajectoryScorer
 from megatron_armor.trainer.run.task_setup import TaskPaths
 from megatron_armor.trainer.step.loop import RLTrainer, TrainerParts
 from megatron_armor.trainer.step.validation import Validation
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import Policy, PolicyHandles
-from megatron_armor.trainer.update.optimizer import subspace_constraint, wrap_for_training
 from megatron_armor.trainer.update.update_gate import InferenceGapGate
 
 log = logging.getLogger("megatron_armor")
@@ -84,19 +81,20 @@ def build_training(
 ) -> TrainingSetup:
     """Models, engines, data, scorers and the `RLTrainer` of this rank, as `cfg` and `algorithm` (built from it)
     say (collective); `rewards` loaded beforehand (`RewardFns.load`), else here, before any model."""
-    rewards = rewards or RewardFns.load(cfg.reward)
+    rewards = rewards or cfg.reward.build()
     tokenizer = load_tokenizer(paths.model_path)
     shape = load_model_shape(paths.model_path)
     check_tokenizer_fits_model(tokenizer, shape.vocab_size)
     if (warning := context_length_warning(cfg, shape)) and ctx.is_main:
         log.warning("%s (%s)", warning, paths.model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    actor_engine, ref_engine = _rollout_engines(cfg, paths, pad_token_id, ctx.rank)
+    actor_engine, ref_engine = cfg.rollout.build(site=_engine_site(cfg, paths, pad_token_id, ctx.rank))
     teacher_engine = _teacher_engine(cfg, paths, pad_token_id) if algorithm.sources.sampler == TEACHER else None
-    handoff = _memory_handoff(cfg, actor_engine, ref_engine)
+    handoff = cfg.rollout.memory.build(actor_engine=actor_engine, ref_engine=ref_engine)
     trainer_models = _build_models(cfg, algorithm, paths, shape, handoff, (actor_engine, ref_engine))
     stop_ids = (tokenizer.eos_token_id,)
-    sampling, val_sampling = _samplings(cfg.rollout.sampling, stop_ids)
+    sampling = cfg.rollout.sampling.build(stop_token_ids=stop_ids)
+    val_sampling = cfg.rollout.sampling.build(stop_token_ids=stop_ids, validation=True)
     teacher = trainer_models.teacher
     teacher_model = teacher.model if isinstance(teacher, InProcessTeacher) else None  # None: a scoring server
     models = PolicyHandles(
@@ -105,20 +103,19 @@ def build_training(
         optimizer=trainer_models.optimizer, shape=shape, pad_token_id=pad_token_id,
         teacher=None if teacher is None else Policy(TEACHER, teacher_model, teacher_engine, teacher),
     )
-    train_rows, all_val_rows = _prompt_rows(cfg, paths, tokenizer)
-    sampler = PromptSampler(train_rows, cfg.train.gen_batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    prompts = cfg.data.build(tokenizer=tokenizer, train_path=paths.train_path, val_path=paths.val_path,
+                             batch_size=cfg.train.gen_batch_size, seed=cfg.train.seed)
     train_scorer = _train_scorer(cfg, tokenizer, rewards)
     val_scorer = SampleScorer(tokenizer, rewards.val)
     gate_scorer = train_scorer if train_scorer.rolls_out_trajectories else val_scorer  # trajectories: the env's reward
-    gate = _update_gate(cfg, algorithm.update_gate(), all_val_rows, gate_scorer, sampling)
-    anchor_cache = AnchorCache(cfg.rollout.anchors) if cfg.rollout.anchors.cache else None
+    gate = _update_gate(cfg, algorithm.update_gate(), prompts.validation, gate_scorer, sampling)
     parts = TrainerParts(gate=gate, constraint=trainer_models.constraint,
-                         constraint_capture_step=cfg.subspace.capture_step, anchor_cache=anchor_cache,
+                         constraint_capture_step=cfg.subspace.capture_step, anchor_cache=cfg.rollout.anchors.build(),
                          colocation=Colocation(handoff, trainer_models.offload),
                          geometry_every=cfg.logging.update_geometry_every)
-    trainer = RLTrainer(ctx, models, step_plan(cfg, algorithm), RolloutSources(sampler, sampling, train_scorer),
+    trainer = RLTrainer(ctx, models, step_plan(cfg, algorithm), RolloutSources(prompts.train, sampling, train_scorer),
                         _scoring(cfg), cfg.optimizer, parts)
-    validation = Validation.load(cfg, tokenizer, stop_ids, all_val_rows, val_scorer, val_sampling,
+    validation = Validation.load(cfg, tokenizer, stop_ids, prompts.validation, val_scorer, val_sampling,
                                  tool_scorer=train_scorer if train_scorer.rolls_out_trajectories else None)
     return TrainingSetup(trainer=trainer, models=models, validation=validation)
 
@@ -132,14 +129,7 @@ def step_plan(cfg: ArmorConfig, algorithm: Algorithm) -> StepPlan:
 
 def _micro_batching(cfg: ArmorConfig) -> MicroBatching:
     """The micro_batching section's micro-batches, padded to the multiple this run's tensor-parallel size needs."""
-    return MicroBatching(cfg.micro_batching, sequence_multiple(cfg.parallel.tensor_parallel_size))
-
-
-def _samplings(sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> tuple[SamplingParams, SamplingParams]:
-    """(training rollouts', validation's) sampling: rollout.sampling's temperature and top_p, or val_temperature and
-    val_top_p; its max_new_tokens for both, stopping at the tokenizer's `stop_ids`."""
-    return (SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, stop_ids),
-            SamplingParams(sampling.val_temperature, sampling.val_top_p, sampling.max_new_tokens, stop_ids))
+    return cfg.micro_batching.build(pad_to_multiple_of=sequence_multiple(cfg.parallel.tensor_parallel_size))
 
 
 def _scoring(cfg: ArmorConfig) -> ScoringConfig:
@@ -154,8 +144,8 @@ def _train_scorer(cfg: ArmorConfig, tokenizer, rewards: RewardFns) -> SampleScor
     (or rollout_fn) a trajectory of that environment (or function) each (trainer/rollouts/trajectories.py)."""
     agentic = cfg.rollout.agentic
     if agentic.rolls_out:
-        return TrajectoryScorer.load(agentic, tokenizer, in_process=cfg.rollout.backend_settings.in_process,
-                                     audits=rewards.audits)
+        return agentic.build(tokenizer=tokenizer, in_process=cfg.rollout.backend_settings.in_process,
+                             audits=rewards.audits)
     return SampleScorer(tokenizer, rewards.train, cfg.reward, max_response_length=cfg.rollout.sampling.max_new_tokens,
                         audits=rewards.audits)
 
@@ -186,28 +176,6 @@ def _reference(models: TrainerModels, engine: RolloutEngine) -> Policy:
         return Policy(REFERENCE, models.ddp, engine, checkpoint_prefix="ref.",
                       view=functools.partial(adapters_disabled, models.ddp))
     return Policy(REFERENCE, models.ref, engine, checkpoint_prefix="ref.")
-
-
-def _memory_handoff(cfg: ArmorConfig, actor_engine: RolloutEngine, ref_engine: RolloutEngine) -> MemoryHandoff | None:
-    """The servers' memory hand-off of a colocated run (rollout.memory.release_servers), or None."""
-    if not cfg.rollout.memory.release_servers:
-        return None
-    if ref_engine is not actor_engine and not ref_engine.keeps_weights_across_release():
-        raise ValueError(
-            "rollout.memory.release_servers with separate reference servers (rollout.sglang.ref_urls) needs them "
-            "started with --enable-weights-cpu-backup: their weights are pushed once, not after every release, and "
-            "SGLang's memory saver loses them otherwise (armor ray-train --placement colocated starts them so)"
-        )
-    return MemoryHandoff([actor_engine, ref_engine])
-
-
-def _prompt_rows(cfg: ArmorConfig, paths: TaskPaths, tokenizer) -> tuple[list[PromptRow], list[PromptRow]]:
-    """(training prompts, every validation prompt: none without data.val_path)."""
-    data = cfg.data
-    options = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, tokenizer=tokenizer,
-                   apply_chat_template=data.apply_chat_template, max_prompt_length=data.max_prompt_length)
-    train_rows = load_prompt_rows(paths.train_path, **options)
-    return train_rows, load_prompt_rows(paths.val_path, **options) if paths.val_path else []
 
 
 @dataclass
@@ -241,12 +209,12 @@ def _build_models(
         lora = cfg.model.lora
         if lora.enabled:
             apply_lora(actor, lora, seed=cfg.train.seed)
-        ddp, optimizer = wrap_for_training(
-            actor, cfg.optimizer, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.subspace, cfg.rollout.memory))
+        ddp, optimizer = cfg.optimizer.build(
+            model=actor, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.subspace, cfg.rollout.memory))
         ref = None if lora.enabled else load_gpt_model(paths.ref_path, shape, params_dtype=dtype,
                                                         sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.sources.uses(TEACHER) else None
-        constraint = subspace_constraint(ddp.module, cfg.subspace.k, cfg.subspace.mode) if cfg.subspace.enabled else None
+        constraint = cfg.subspace.build(model=ddp.module)
         offload = None
         if cfg.rollout.memory.offload_trainer:
             frozen = {REFERENCE: ref, **({TEACHER: teacher.model} if isinstance(teacher, InProcessTeacher) else {})}
@@ -326,17 +294,15 @@ def _update_gate(
     return InferenceGapGate(config, val_rows, val_scorer, sampling, seed=cfg.train.seed, adv_eps=cfg.algorithm.adv_eps)
 
 
-def _rollout_engines(cfg: ArmorConfig, paths, pad_token_id: int, rank: int) -> tuple[RolloutEngine, RolloutEngine]:
-    """(on-policy engine, anchor engine) of rollout.backend (`rollout.backends.ROLLOUT_BACKENDS`), one object with
-    rollout.anchors.engine shared or model.lora.weight_sync adapter (collective; the actor samples it through its
-    adapter, `_actor`). In-process engines run where `_engine_placement` says; under
-    train.routing_replay rollout the actor's engine records the experts it routes to; SGLang clients' routers log
-    to the run directory."""
-    site = EngineSite(model_path=paths.model_path, ref_path=paths.ref_path, pad_token_id=pad_token_id, rank=rank,
+def _engine_site(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int, rank: int) -> EngineSite:
+    """Where this rank's rollout engines are built (`RolloutConfig.build`: one engine for both policies with
+    rollout.anchors.engine shared or model.lora.weight_sync adapter, which the actor samples through its adapter,
+    `_actor`). In-process engines run where `_engine_placement` says; under train.routing_replay rollout the actor's
+    engine records the experts it routes to; SGLang clients' routers log to the run directory."""
+    return EngineSite(model_path=paths.model_path, ref_path=paths.ref_path, pad_token_id=pad_token_id, rank=rank,
                       placement=_engine_placement(cfg),
-                      record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record, log_dir=cfg.logging.run_dir,
-                      reference_engine=not cfg.model.lora.adapter_sync)
-    return ROLLOUT_BACKENDS[cfg.rollout.backend].engines(cfg.rollout, site)
+                      record_routes=REPLAY_MODES[cfg.train.routing_replay].engines_record,
+                      log_dir=cfg.logging.run_dir, reference_engine=not cfg.model.lora.adapter_sync)
 
 
 def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> LocalEngine:

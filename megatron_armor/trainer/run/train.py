@@ -16,15 +16,13 @@ from megatron_armor.algorithms import TEACHER, Algorithm, build_algorithm
 from megatron_armor.config import ArmorConfig, save_config
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint, save_model_checkpoint
 from megatron_armor.convert.peft_export import PEFT_DIR, save_peft_adapter
-from megatron_armor.distributed.init import DistributedContext, destroy_distributed, initialize_distributed
+from megatron_armor.distributed.init import DistributedContext, destroy_distributed
 from megatron_armor.monitor import CollapseAlarmError
-from megatron_armor.rewards.reward_fns import RewardFns
 from megatron_armor.trainer.checkpointing.best_checkpoint import BestCheckpoint
 from megatron_armor.trainer.checkpointing.checkpoint import guard_run_dir, load_checkpoint, saved_modules
 from megatron_armor.trainer.checkpointing.checkpoint_save import CheckpointSaver
 from megatron_armor.trainer.checkpointing.lora_base import LoRABase
 from megatron_armor.trainer.guard.anchor_switch import AnchorSwitch
-from megatron_armor.trainer.guard.collapse_watch import CollapseWatch
 from megatron_armor.trainer.guard.adapter_reset import AdapterReset
 from megatron_armor.trainer.guard.reference_reset import ReferenceReset
 from megatron_armor.trainer.guard.run_guard import RunGuard
@@ -51,14 +49,8 @@ class RunTracker(Protocol):
 
 def run_training(cfg: ArmorConfig, *, resume: bool = False, overwrite: bool = False) -> int:
     """Entry point of `armor train` on every rank; returns the process exit code."""
-    layout = cfg.parallel
     try:
-        ctx = initialize_distributed(
-            layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size, seed=cfg.train.seed,
-            expert_parallel_size=layout.expert_parallel_size,
-            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-            context_parallel_size=layout.context_parallel_size,
-        )
+        ctx = cfg.parallel.build(seed=cfg.train.seed)
     except ValueError as error:  # a layout that does not fit the launched processes
         print(f"error: {error}", file=sys.stderr)
         destroy_distributed()
@@ -82,15 +74,14 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
     `CollapseAlarmError`; on one whose action is anchor it restarts as ARMOR from the best checkpoint, on anchor_keep
     it goes on as ARMOR with the best checkpoint as the reference (trainer/guard/anchor_switch.py)."""
     algorithm = build_algorithm(cfg)
-    rewards = RewardFns.load(cfg.reward)  # a missing module, file or function fails before any model loads
+    rewards = cfg.reward.build()  # a missing module, file or function fails before any model loads
     run_dir = Path(cfg.logging.run_dir)
     resume_from = guard_run_dir(run_dir, resume=resume, overwrite=overwrite)
     paths = _prepare_run(ctx, cfg, algorithm, run_dir)
     setup = build_training(ctx, cfg, algorithm, paths, rewards)
     trainer = setup.trainer
-    best = BestCheckpoint(cfg.checkpoint) if cfg.checkpoint.keep_best is not None else None
-    saver = CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
-                            best=best)
+    saver = cfg.checkpoint.build(run_dir=run_dir)
+    best = saver.best
     guard = _guard(ctx, cfg, setup, paths, best, saver)
     # a LoRA run's checkpoints name the base their adapters belong to; a resume on another base is refused
     trackers = [*guard.trackers, *([LoRABase.of(paths.model_path)] if cfg.model.lora.enabled else [])]
@@ -98,8 +89,7 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
                                                  ref_restored=ref_restored, adapter_sync=cfg.model.lora.adapter_sync))
-    metrics_log = MetricsLogger(cfg.logging, enabled=ctx.is_main,
-                                resume_from_step=start_step if resume_from is not None else None)
+    metrics_log = cfg.logging.build(enabled=ctx.is_main, resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
@@ -141,7 +131,7 @@ def _guard(
     `best` (the start's weights read again from model.path when it is the best) when an alarm's action is anchor or
     anchor_keep, the reference reset with monitor.reference_reset while the monitor runs, and under LoRA with
     algorithm.ref_reset_period the adapters' reset to `best`."""
-    watch = CollapseWatch(cfg.monitor, validates=setup.validation.validates, is_main=ctx.is_main)
+    watch = cfg.monitor.build(validates=setup.validation.validates, is_main=ctx.is_main)
     start = functools.partial(start_weights, cfg, paths, setup.models.shape)
     anchor = (AnchorSwitch(cfg, setup.trainer, best, saver, watch, start, is_main=ctx.is_main)
               if cfg.monitor.anchors and best is not None else None)

@@ -20,14 +20,16 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
-from megatron_armor.config import OptimizerConfig
+from megatron_armor.config import OptimizerConfig, SubspaceConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.convert.weights import splitting_group
 from megatron_armor.diagnostics.subspace import Sharding, SubspaceConstraint
 from megatron_armor.distributed.cpu_compat import megatron_device_scope
 
 
+@builds(OptimizerConfig)
 def wrap_for_training(
-    model: GPTModel, settings: OptimizerConfig, distributed: bool = False,
+    settings: OptimizerConfig, *, model: GPTModel, distributed: bool = False,
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Wrap `model` in Megatron DDP (fp32 grad buffers, grads all-reduced over data-parallel ranks
     and divided by the loss callback's global token or sequence count) and build its Megatron optimizer from
@@ -178,6 +180,13 @@ def reset_optimizer(optimizer) -> None:
             group.update({"step": 0} if "step" in group else {})  # fused Adams keep the step per group
     with megatron_device_scope():
         megatron.reload_model_params()
+
+
+@builds(SubspaceConfig)
+def run_subspace_constraint(settings: SubspaceConfig, *, model: GPTModel) -> SubspaceConstraint | None:
+    """The run's constraint over `model`'s weights as the subspace section says (`subspace_constraint` with its k and
+    mode), or None while subspace-constrained training is off."""
+    return subspace_constraint(model, settings.k, settings.mode) if settings.enabled else None
 
 
 def subspace_constraint(model: GPTModel, k: int, mode: str) -> SubspaceConstraint:
