@@ -12,13 +12,13 @@ as drawn, as those that filtering drops). So no step trains on a sample older th
 Without partial rollouts the actor engine's weights change only between generation batches: `settle` (before every
 weight push) stops the generator after the batch in flight, not the whole buffer, and waits only until the actor's
 engine is done with it (ARMOR's anchors, sampled ahead by the reference's engine, which no push changes, may still be
-coming: `RolloutPhase.sample_ahead`, trainer/rollouts/anchor_prefetch.py); `take` lets it go on with the new weights. Every rank's generator
-must make the same collective calls, so the point where it stops is agreed: `settle` takes the largest number of
-batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
-many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
-whether a batch began before or after a push is agreed, so its version is the same on every rank too. Stopped, the
-generator begins no batch through the push, the MIPU gate, validation and checkpoints until the next `take` (it may
-still be waiting for the anchors of the batch in flight).
+coming: `RolloutPhase.sample_ahead`, trainer/rollouts/anchor_prefetch.py); `take` lets it go on with the new weights.
+Every rank's generator must make the same collective calls, so the point where it stops is agreed: `settle` takes the
+largest number of batches any rank's generator has begun (one collective on the trainer's thread) and every generator
+runs up to that many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on
+every rank, and whether a batch began before or after a push is agreed, so its version is the same on every rank too.
+Stopped, the generator begins no batch through the push, the MIPU gate, validation and checkpoints until the next
+`take` (it may still be waiting for the anchors of the batch in flight).
 
 With rollout.partial_rollouts the actor's engine is a `PausableEngine` (rollout/pausable.py): `settle` agrees on the
 batches begun as above but does not wait for them to finish; it pauses the engine, which interrupts the generations

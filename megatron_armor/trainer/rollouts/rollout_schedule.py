@@ -9,15 +9,15 @@ hold the weights from before it again) or one skipped for a non-finite loss or g
 (staleness 0).
 
 `one_step_off`: step t takes the rollout prepared during step t-1 and starts step t+1's in a background thread, from
-the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it
-pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate
-find no rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own
-(`RolloutPhase.sample_ahead`; trainer/rollouts/anchor_prefetch.py): the next rollout's while this one is generated. Samples are one weight version
+the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it pushes
+its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate find no
+rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own (`RolloutPhase.sample_ahead`;
+trainer/rollouts/anchor_prefetch.py): the next rollout's while this one is generated. Samples are one weight version
 old: the loss corrects them with the behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1
 weight against the engine's logprobs). When the gate rejects step t's update, the queued rollout is kept: the rollback
 restores theta_t, the weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an accepted
-update leaves it one version old. The background rollout's collectives run over a gloo group of their own, so they never
-interleave with the trainer's on the default group.
+update leaves it one version old. The background rollout's collectives run over a gloo group of their own, so they
+never interleave with the trainer's on the default group.
 
 A checkpoint saves the sampler's position from before the queued rollout, so a resumed run regenerates it
 (with the checkpoint's weights): no prompt is trained twice or skipped. A reference reset drops the queued
