@@ -123,14 +123,13 @@ class RolloutPhase:
         prompts = draw_prompts(self.sampler)
         drawn = DrawnBatch(prompts, position, self.sampler, counters, self.group,
                            self.models.policy(plan.algorithm.sources.sampler))
-        extras = [self.extra_sources[name].open(drawn) for name in plan.algorithm.sources.extra_samples]
-        taken = [extra.take() if extra.before_on_policy else None for extra in extras]
+        opened = [self.extra_sources[name].open(drawn) for name in plan.algorithm.sources.extra_samples]
+        early = [samples.take() if samples.before_on_policy else None for samples in opened]
         on_policy = self.sample_on_policy(prompts, self.seed(key), counters)
         if on_actor_done is not None:
             on_actor_done()
-        extra = [s for source, samples in zip(extras, taken)
-                 for s in (source.take() if samples is None else samples)]
-        groups, stats = build_groups(on_policy + extra, require_anchor=bool(extras),
+        extra = [s for samples, taken in zip(opened, early) for s in (samples.take() if taken is None else taken)]
+        groups, stats = build_groups(on_policy + extra, require_anchor=bool(opened),
                                      filter_groups=plan.algorithm.filters_groups)
         return GenerationBatch(groups, stats, on_policy, extra, counters)
 
