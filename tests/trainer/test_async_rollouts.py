@@ -21,34 +21,25 @@ from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollo
 from megatron_armor.trainer.rollouts.rollout_schedule import ROLLOUT_SCHEDULES
 from megatron_armor.trainer.rollouts.samples import RolloutCounters, draw_prompts
 
+from ahead_calls import RecordsAheadCalls
+
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 
 
-class BatchPhase:
+class BatchPhase(RecordsAheadCalls):
     """`generation_batch` draws the sampler's next 3 prompts (one group each) in `seconds` and records (prompts, the
-    engine's weights at the start and at the end, thread); a step takes `train_batch_size` groups. It has no extra
-    sources: `sample_ahead` records what the schedule asked for, and there is nothing to drain or drop."""
+    engine's weights at the start and at the end, thread); a step takes `train_batch_size` groups."""
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, max_staleness: int, buffer_batches: int,
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
         self.plan = SimpleNamespace(rollout=RolloutConfig(mode="async", max_staleness=max_staleness,
                                                           async_buffer_batches=buffer_batches))
-        self.ahead: tuple | None = None  # `sample_ahead`'s (group, depth)
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
         self.fail_at: int | None = None  # the batch (0-based) that raises
 
     def new_collector(self) -> GroupCollector:
         return GroupCollector(target_prompts=self.train_batch_size, max_num_gen_batches=100)
-
-    def sample_ahead(self, group, depth: int) -> None:
-        self.ahead = (group, depth)
-
-    def drain_ahead(self) -> None:
-        pass
-
-    def drop_ahead(self) -> None:
-        pass
 
     def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
         if len(self.calls) == self.fail_at:
@@ -121,9 +112,11 @@ class AnchoredPhase(BatchPhase):
         self.prefetch = AnchorPrefetch(self, group, depth)
 
     def drain_ahead(self) -> None:
+        super().drain_ahead()
         self.prefetch.drain()
 
     def drop_ahead(self) -> None:
+        super().drop_ahead()
         self.prefetch.reset()
 
     @staticmethod
@@ -154,7 +147,7 @@ def test_a_weight_push_waits_for_the_actor_s_part_of_a_batch_not_for_its_anchors
     engine = {"weights": 0}
     phase = AnchoredPhase(sampler, engine, anchor_seconds=1.0)
     schedule = ROLLOUT_SCHEDULES["async"](phase, sampler, 100)
-    assert phase.ahead == (None, 2)  # up to the buffer's batches ahead, over no process group (no torch.distributed)
+    assert phase.ahead_calls == [("sample_ahead", None, 2)]  # the buffer's batches ahead (no torch.distributed)
     schedule.take(0)  # waits for batch 0's anchors; batch 1's are being sampled meanwhile
     start = time.perf_counter()
     _train(schedule, engine, 0)
@@ -186,6 +179,7 @@ def test_a_resumed_async_run_trains_every_prompt_of_the_epoch_once():
         trained += [group[0] for group in schedule.take(step).groups]
         _train(schedule, engine, step, seconds=0.05)
     saved = schedule.sampler_state()
+    assert phase.ahead_calls[-1] == "drain_ahead"  # what the checkpoint reads of the anchor cache stands still
     assert len(phase.calls) > 2  # batches generated ahead, lost with the process
     sampler = PromptSampler(ROWS, 3, seed=0)
     sampler.load_state_dict(saved)
@@ -203,6 +197,7 @@ def test_discarding_the_buffer_draws_its_prompts_again_from_the_current_weights(
     _train(schedule, engine, 0, seconds=0.05)
     buffered = [prompts for prompts, *_ in phase.calls[1:]]
     schedule.discard_queued()  # e.g. a reference reset: the anchors were the old reference's
+    assert phase.ahead_calls[-1] == "drop_ahead"
     rollout = schedule.take(1)
     assert [group[0] for group in rollout.groups] == buffered[0] and rollout.versions == [1, 1, 1]
 
