@@ -15,16 +15,18 @@ from megatron_armor.data.types import Sample
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.rollout.local import LocalEngine
 from megatron_armor.rollout.pausable import PausableEngine
-from megatron_armor.trainer.rollouts.anchor_prefetch import anchor_key
+from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch
 from megatron_armor.trainer.rollouts.async_rollouts import AsyncRollouts
-from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollout, RolloutPhase
+from megatron_armor.trainer.rollouts.rollout_phase import GenerationBatch, Rollout
 from megatron_armor.trainer.rollouts.rollout_schedule import ROLLOUT_SCHEDULES
-from megatron_armor.trainer.rollouts.samples import RolloutCounters
+from megatron_armor.trainer.rollouts.samples import RolloutCounters, draw_prompts
+
+from ahead_calls import RecordsAheadCalls
 
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 
 
-class BatchPhase:
+class BatchPhase(RecordsAheadCalls):
     """`generation_batch` draws the sampler's next 3 prompts (one group each) in `seconds` and records (prompts, the
     engine's weights at the start and at the end, thread); a step takes `train_batch_size` groups."""
 
@@ -32,7 +34,6 @@ class BatchPhase:
                  seconds: float = 0.0, train_batch_size: int = 3) -> None:
         self.plan = SimpleNamespace(rollout=RolloutConfig(mode="async", max_staleness=max_staleness,
                                                           async_buffer_batches=buffer_batches))
-        self.samples_anchors_ahead = False
         self.sampler, self.engine, self.seconds, self.train_batch_size = sampler, engine, seconds, train_batch_size
         self.calls: list[tuple[list[int], int, int, str]] = []
         self.fail_at: int | None = None  # the batch (0-based) that raises
@@ -96,19 +97,31 @@ def test_async_never_trains_a_sample_older_than_max_staleness_when_the_generator
 
 
 class AnchoredPhase(BatchPhase):
-    """BatchPhase for ARMOR: a batch submits its anchors to the anchor thread (`anchors_ahead`, which the schedule
-    sets) when it draws its prompts and takes them after its on-policy part; the reference's engine takes
-    `anchor_seconds` a batch to sample them (the phase is its own anchor source: `sample`)."""
+    """BatchPhase for ARMOR: a batch submits its anchors to the anchor thread (an `AnchorPrefetch` made when the
+    schedule asks the phase to sample ahead) when it draws its prompts and takes them after its on-policy part; the
+    reference's engine takes `anchor_seconds` a batch to sample them (the phase is the thread's anchor source: `seed`,
+    `sample`)."""
 
     def __init__(self, sampler: PromptSampler, engine: dict, *, anchor_seconds: float) -> None:
         super().__init__(sampler, engine, max_staleness=1, buffer_batches=2, seconds=0.05)
-        self.samples_anchors_ahead, self.anchor_seconds = True, anchor_seconds
-        self.anchors = self
+        self.anchor_seconds = anchor_seconds
+        self.prefetch: AnchorPrefetch | None = None
 
-    draw_prompts = staticmethod(RolloutPhase.draw_prompts)
+    def sample_ahead(self, group, depth: int) -> None:
+        super().sample_ahead(group, depth)
+        self.prefetch = AnchorPrefetch(self, group, depth)
 
-    def seed(self, key: tuple, policy: str) -> tuple:
-        return (*key, policy)
+    def drain_ahead(self) -> None:
+        super().drain_ahead()
+        self.prefetch.drain()
+
+    def drop_ahead(self) -> None:
+        super().drop_ahead()
+        self.prefetch.reset()
+
+    @staticmethod
+    def seed(position: dict) -> tuple:
+        return (*position.values(), "ref")
 
     def sample(self, prompts, seed, counters, *, group) -> list[Sample]:
         time.sleep(self.anchor_seconds)
@@ -116,13 +129,13 @@ class AnchoredPhase(BatchPhase):
 
     def generation_batch(self, key: tuple, on_actor_done=None) -> GenerationBatch:
         position = self.sampler.state_dict()
-        prompts = self.draw_prompts(self.sampler)
-        self.anchors_ahead.submit_ahead(self, position)
+        prompts = draw_prompts(self.sampler)
+        self.prefetch.submit_ahead(self.sampler, position)
         weights = self.engine["weights"]
         time.sleep(self.seconds)
         self.calls.append(([p.prompt_ids[1] for p in prompts], weights, self.engine["weights"], "actor"))
         on_actor_done()
-        anchors = self.anchors_ahead.take(anchor_key(position), RolloutCounters())
+        anchors = self.prefetch.take(position, RolloutCounters())
         assert [a.prompt_ids[1] for a in anchors] == self.calls[-1][0]  # the batch's own prompts
         return GenerationBatch([[p] for p in self.calls[-1][0]], GroupStats(prompts_seen=3, kept=3), [], anchors, None)
 
@@ -134,6 +147,7 @@ def test_a_weight_push_waits_for_the_actor_s_part_of_a_batch_not_for_its_anchors
     engine = {"weights": 0}
     phase = AnchoredPhase(sampler, engine, anchor_seconds=1.0)
     schedule = ROLLOUT_SCHEDULES["async"](phase, sampler, 100)
+    assert phase.ahead_calls == [("sample_ahead", None, 2)]  # the buffer's batches ahead (no torch.distributed)
     schedule.take(0)  # waits for batch 0's anchors; batch 1's are being sampled meanwhile
     start = time.perf_counter()
     _train(schedule, engine, 0)
@@ -165,6 +179,7 @@ def test_a_resumed_async_run_trains_every_prompt_of_the_epoch_once():
         trained += [group[0] for group in schedule.take(step).groups]
         _train(schedule, engine, step, seconds=0.05)
     saved = schedule.sampler_state()
+    assert phase.ahead_calls[-1] == "drain_ahead"  # what the checkpoint reads of the anchor cache stands still
     assert len(phase.calls) > 2  # batches generated ahead, lost with the process
     sampler = PromptSampler(ROWS, 3, seed=0)
     sampler.load_state_dict(saved)
@@ -182,6 +197,7 @@ def test_discarding_the_buffer_draws_its_prompts_again_from_the_current_weights(
     _train(schedule, engine, 0, seconds=0.05)
     buffered = [prompts for prompts, *_ in phase.calls[1:]]
     schedule.discard_queued()  # e.g. a reference reset: the anchors were the old reference's
+    assert phase.ahead_calls[-1] == "drop_ahead"
     rollout = schedule.take(1)
     assert [group[0] for group in rollout.groups] == buffered[0] and rollout.versions == [1, 1, 1]
 

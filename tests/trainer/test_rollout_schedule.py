@@ -9,10 +9,12 @@ from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.trainer.rollouts.rollout_phase import Rollout
 from megatron_armor.trainer.rollouts.rollout_schedule import ROLLOUT_SCHEDULES, OneStepOffRollouts, SyncRollouts
 
+from ahead_calls import RecordsAheadCalls
+
 ROWS = [PromptRow(i, [1, i], {}) for i in range(12)]
 
 
-class RecordingPhase:
+class RecordingPhase(RecordsAheadCalls):
     """`collect(step)` draws one generation batch and records (step, prompt indices, engine weights, thread)."""
 
     def __init__(self, sampler: PromptSampler, engine: dict) -> None:
@@ -57,6 +59,7 @@ def test_sync_generates_each_step_from_the_weights_it_starts_with():
 def test_one_step_off_samples_step_t_plus_1_from_the_weights_before_step_t_s_update():
     schedule, phase, engine = _schedule("one_step_off", last_step=4)
     assert isinstance(schedule, OneStepOffRollouts)
+    assert phase.ahead_calls == [("sample_ahead", None, 1)]  # the next rollout's first batch (no torch.distributed)
     taken = []
     for step in range(4):
         rollout = schedule.take(step)
@@ -95,6 +98,7 @@ def test_a_resumed_one_step_off_run_trains_every_prompt_of_the_epoch_once():
         trained += [group[0] for group in schedule.take(step).groups]
         _train(schedule, engine, step)
     saved = schedule.sampler_state()
+    assert phase.ahead_calls[-1] == "drain_ahead"  # what the checkpoint reads of the anchor cache stands still
     assert phase.calls[-1][0] == 2  # step 2's rollout was generated ahead and is lost with the process
     sampler = PromptSampler(ROWS, 3, seed=0)
     sampler.load_state_dict(saved)
@@ -112,6 +116,7 @@ def test_discarding_the_queued_rollout_draws_its_prompts_again():
     _train(schedule, engine, 0)
     queued_prompts = phase.calls[-1][1]
     schedule.discard_queued()  # e.g. a reference reset: its anchors were the old reference's
+    assert phase.ahead_calls[-1] == "drop_ahead"
     rollout = schedule.take(1)
     assert [group[0] for group in rollout.groups] == queued_prompts
     assert rollout.version == 1 and phase.calls[-2][3] == threading.current_thread().name  # regenerated, new weights

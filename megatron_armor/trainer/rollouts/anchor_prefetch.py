@@ -1,14 +1,15 @@
 """ARMOR's anchors sampled ahead of the generation batches that use them (the overlapped rollout modes).
 
 The reference is frozen between resets, and a generation batch's anchors are seeded by the sampler position its
-prompts are drawn at (`anchor_key`), so they can be sampled before the batch is. In rollout.mode one_step_off and
-async a thread of its own (its collectives over a gloo group of its own) samples them: each generation batch
-(`RolloutPhase.generation_batch`) submits its own anchors and those of the `depth` batches the sampler draws next
-(`submit_ahead`: a twin of the prompt sampler, `PromptSampler.at`, draws their prompts), and takes its own once its
-on-policy samples are drawn. So the reference's engine samples while the actor's does, and ahead of it: a batch waits
-for its anchors only when the reference's engine falls behind, and in async a weight push waits only for the actor's
-part of a batch (trainer/rollouts/async_rollouts.py). The sampler's draws do not depend on RL steps, so anchors sampled
-ahead serve whichever step draws those prompts (one_step_off's next rollout, async's next batches).
+prompts are drawn at (`AnchorSource.seed`), so they can be sampled before the batch is. In rollout.mode one_step_off
+and async, with a reference engine of its own, the anchor source (trainer/rollouts/anchors.py) has them sampled on a
+thread of their own (its collectives over a gloo group of its own): each generation batch submits its own anchors and
+those of the `depth` batches the sampler draws next (`submit_ahead`: a twin of the prompt sampler, `PromptSampler.at`,
+draws their prompts), and takes its own once its on-policy samples are drawn. So the reference's engine samples while
+the actor's does, and ahead of it: a batch waits for its anchors only when the reference's engine falls behind, and in
+async a weight push waits only for the actor's part of a batch (trainer/rollouts/async_rollouts.py). The sampler's
+draws do not depend on RL steps, so anchors sampled ahead serve whichever step draws those prompts (one_step_off's
+next rollout, async's next batches).
 
 Every rank submits the same jobs in the same order (the positions are the same on every rank), so every rank's thread
 makes the same collective calls. `reset` (a reference reset or the anchor action: the queued anchors came from the old
@@ -22,7 +23,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,46 +30,32 @@ import torch.distributed as dist
 
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
-from megatron_armor.trainer.rollouts.samples import RolloutCounters
-
-
-ANCHOR_SEED_TAG = "ref"  # the anchors' seeds' tag (`RolloutPhase.seed`): the reference samples them
-
-
-def anchor_key(position: dict[str, Any]) -> tuple:
-    """The key of the anchors of the generation batch drawn at sampler `position` (their seed derives from it)."""
-    return ("anchors", *position.values())
+from megatron_armor.trainer.rollouts.samples import RolloutCounters, draw_prompts
 
 
 class AnchorSampler(Protocol):
-    """The anchor source the thread samples from (trainer/rollouts/anchors.py `AnchorSource`)."""
+    """The anchor source the thread samples from (trainer/rollouts/anchors.py `AnchorSource`): the seed of the anchors
+    of the generation batch drawn at a sampler position, and how it samples them."""
+
+    def seed(self, position: dict[str, Any]) -> tuple: ...
 
     def sample(
         self, prompts: list[PromptRow], seed: tuple, counters: RolloutCounters, *, group: dist.ProcessGroup | None,
     ) -> list[Sample]: ...
 
 
-class AnchorSampling(Protocol):
-    """What the thread needs of a rollout phase (trainer/rollouts/rollout_phase.py `RolloutPhase`): its prompt
-    sampler, how it draws a batch of prompts, its seeds and its anchor source."""
-
-    sampler: PromptSampler
-    anchors: AnchorSampler
-
-    def seed(self, key: tuple, policy: str) -> tuple: ...
-
-    def draw_prompts(self, sampler: PromptSampler) -> list[PromptRow]: ...
+def _key(position: dict[str, Any]) -> tuple:
+    """The key of the generation batch drawn at sampler `position`."""
+    return tuple(position.values())
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One generation batch's anchors to sample: its key, prompts and seed (the phase's at submission), and the
-    anchor source that samples them."""
+    """One generation batch's anchors to sample: its key (`_key`), prompts and seed."""
 
     key: tuple
     prompts: list[PromptRow]
     seed: tuple
-    source: AnchorSampler
 
     @property
     def prompt_ids(self) -> list[list[int]]:
@@ -77,54 +63,55 @@ class _Job:
 
 
 class AnchorPrefetch:
-    """Anchor jobs of generation batches, sampled in submission order by a daemon thread whose collectives run over
-    `group` (None: the default group, or no torch.distributed), up to `depth` batches ahead of the one in use."""
+    """The anchors of generation batches, sampled from `source` in submission order by a daemon thread whose
+    collectives run over `group` (None: the default group, or no torch.distributed), up to `depth` batches ahead of the
+    one in use. A batch is named by the sampler position its prompts are drawn at."""
 
-    def __init__(self, group: dist.ProcessGroup | None, depth: int) -> None:
-        self.group, self.depth = group, depth
+    def __init__(self, source: AnchorSampler, group: dist.ProcessGroup | None, depth: int) -> None:
+        self.source, self.group, self.depth = source, group, depth
         self._cond = threading.Condition()
         self._jobs: collections.deque[_Job] = collections.deque()
         self._submitted: dict[tuple, list[list[int]]] = {}  # keys submitted and not yet taken -> their prompts
         self._ready: dict[tuple, tuple[list[Sample], RolloutCounters]] = {}
         self._busy = False  # the thread is sampling a job
-        self._ahead: PromptSampler | None = None  # async: at the first position not yet submitted
+        self._ahead: PromptSampler | None = None  # at the first position not yet submitted
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def submit(self, key: tuple, prompts: list[PromptRow], phase: AnchorSampling) -> None:
-        """Sample the anchors of the generation batch `key` (its `prompts`, seeded `phase.seed(key, ANCHOR_SEED_TAG)`) on the
-        thread; nothing to do if it was submitted (ahead) already, for the same prompts (else RuntimeError: the
-        batches drawn ahead are not the ones the generator draws)."""
-        job = _Job(key, prompts, phase.seed(key, ANCHOR_SEED_TAG), phase.anchors)
+    def submit(self, position: dict[str, Any], prompts: list[PromptRow]) -> None:
+        """Sample the anchors of the generation batch drawn at `position` (its `prompts`, seeded
+        `source.seed(position)`) on the thread; nothing to do if it was submitted (ahead) already, for the same
+        prompts (else RuntimeError: the batches drawn ahead are not the ones the generator draws)."""
+        job = _Job(_key(position), prompts, self.source.seed(position))
         with self._cond:
-            if key in self._submitted:
-                if self._submitted[key] != job.prompt_ids:
-                    raise RuntimeError(f"anchors of generation batch {key} were sampled ahead for other prompts")
+            if job.key in self._submitted:
+                if self._submitted[job.key] != job.prompt_ids:
+                    raise RuntimeError(f"anchors of generation batch {position} were sampled ahead for other prompts")
                 return
-            self._submitted[key] = job.prompt_ids
+            self._submitted[job.key] = job.prompt_ids
             self._jobs.append(job)
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._sample, name="anchor-prefetch", daemon=True)
                 self._thread.start()
 
-    def submit_ahead(self, phase: AnchorSampling, position: dict[str, Any]) -> None:
-        """Submit the anchors of the generation batches drawn from sampler `position` on: the one there and the
-        `depth` after it, as far as they are not submitted yet."""
+    def submit_ahead(self, sampler: PromptSampler, position: dict[str, Any]) -> None:
+        """Submit the anchors of the generation batches `sampler` (a twin of it) draws from `position` on: the one
+        there and the `depth` after it, as far as they are not submitted yet."""
         with self._cond:
             if self._ahead is None or not self._submitted:  # the first batch, or nothing ahead: start at `position`
-                self._ahead = phase.sampler.at(position)
+                self._ahead = sampler.at(position)
             while len(self._submitted) <= self.depth:
-                key = anchor_key(self._ahead.state_dict())
-                self.submit(key, phase.draw_prompts(self._ahead), phase)
+                self.submit(self._ahead.state_dict(), draw_prompts(self._ahead))
 
-    def take(self, key: tuple, counters: RolloutCounters) -> list[Sample]:
-        """The anchors of generation batch `key` (submitted before), once sampled; the wait counts in
-        `counters.anchor_seconds`, the thread's cache hits in `anchor_cache_hits`."""
+    def take(self, position: dict[str, Any], counters: RolloutCounters) -> list[Sample]:
+        """The anchors of the generation batch drawn at `position` (submitted before), once sampled; the wait counts
+        in `counters.anchor_seconds`, the thread's cache hits in `anchor_cache_hits`."""
         start = time.perf_counter()
+        key = _key(position)
         with self._cond:
             if key not in self._submitted:
-                raise RuntimeError(f"anchors of generation batch {key} were never submitted")
+                raise RuntimeError(f"anchors of generation batch {position} were never submitted")
             self._cond.wait_for(lambda: key in self._ready or self._error is not None)
             self._raise_failure()
             anchors, own = self._ready.pop(key)
@@ -141,7 +128,7 @@ class AnchorPrefetch:
                     self._cond.wait_for(lambda: bool(self._jobs))
                     job, self._busy = self._jobs.popleft(), True
                 own = RolloutCounters()
-                anchors = job.source.sample(job.prompts, job.seed, own, group=self.group)
+                anchors = self.source.sample(job.prompts, job.seed, own, group=self.group)
                 with self._cond:
                     self._ready[job.key], self._busy = (anchors, own), False
                     self._cond.notify_all()

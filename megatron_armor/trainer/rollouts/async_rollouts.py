@@ -12,13 +12,13 @@ as drawn, as those that filtering drops). So no step trains on a sample older th
 Without partial rollouts the actor engine's weights change only between generation batches: `settle` (before every
 weight push) stops the generator after the batch in flight, not the whole buffer, and waits only until the actor's
 engine is done with it (ARMOR's anchors, sampled ahead by the reference's engine, which no push changes, may still be
-coming: trainer/rollouts/anchor_prefetch.py); `take` lets it go on with the new weights. Every rank's generator
-must make the same collective calls, so the point where it stops is agreed: `settle` takes the largest number of
-batches any rank's generator has begun (one collective on the trainer's thread) and every generator runs up to that
-many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on every rank, and
-whether a batch began before or after a push is agreed, so its version is the same on every rank too. Stopped, the
-generator begins no batch through the push, the MIPU gate, validation and checkpoints until the next `take` (it may
-still be waiting for the anchors of the batch in flight).
+coming: `RolloutPhase.sample_ahead`, trainer/rollouts/anchor_prefetch.py); `take` lets it go on with the new weights.
+Every rank's generator must make the same collective calls, so the point where it stops is agreed: `settle` takes the
+largest number of batches any rank's generator has begun (one collective on the trainer's thread) and every generator
+runs up to that many. Which batches the generator may begin (`_issued`) grows with what `take` consumed, the same on
+every rank, and whether a batch began before or after a push is agreed, so its version is the same on every rank too.
+Stopped, the generator begins no batch through the push, the MIPU gate, validation and checkpoints until the next
+`take` (it may still be waiting for the anchors of the batch in flight).
 
 With rollout.partial_rollouts the actor's engine is a `PausableEngine` (rollout/pausable.py): `settle` agrees on the
 batches begun as above but does not wait for them to finish; it pauses the engine, which interrupts the generations
@@ -181,7 +181,7 @@ class AsyncRollouts(OverlappedRollouts):
                 self._cond.notify_all()
 
     @staticmethod
-    def anchor_depth(phase: RolloutPhase) -> int:
+    def ahead_depth(phase: RolloutPhase) -> int:
         """The batches the generator may have begun beyond the one in use: the buffer's."""
         return phase.plan.rollout.async_buffer_batches
 
@@ -228,11 +228,11 @@ class AsyncRollouts(OverlappedRollouts):
         self._wait_until(lambda: self._finished >= self._limit)
         if self.pausable is not None:
             self.pausable.pause()
-        self.anchors.drain()
+        self.phase.drain_ahead()
 
     def discard_queued(self) -> None:
         self.close()
-        self.anchors.reset()
+        self.phase.drop_ahead()
         if self._positions:
             self.sampler.load_state_dict(self._positions[0])
         self._buffer.clear()
@@ -241,7 +241,7 @@ class AsyncRollouts(OverlappedRollouts):
 
     def sampler_state(self) -> dict[str, Any]:
         self.settle()
-        self.anchors.drain()  # no batch is begun until the next take: the anchor cache is still while it is read
+        self.phase.drain_ahead()  # no batch is begun until the next take: the anchor cache is still while it is read
         with self._cond:  # a paused generator may still begin an agreed batch: it records the position first
             return dict(self._positions[0] if self._positions else self.sampler.state_dict())
 

@@ -1,33 +1,32 @@
 """The rollout phase of an RL step: generate and score samples, group them, until the batch is full.
 
 Generation batches of prompts are sampled from the rollout sources the algorithm asks for (`Algorithm.sources`: the
-policy that samples the training responses, and the sources whose samples join the groups, ARMOR's anchors:
-trainer/rollouts/anchors.py), scored (`samples.generate_samples`) and grouped (`algorithms.build_groups`), one
-`GenerationBatch` at a time, until `train_batch_size` prompts survive filtering (ARMOR §1); `assemble` turns the
-batches into the step's `Rollout`.
+policy that samples the training responses, and the extra sources whose samples join the groups, ARMOR's anchors:
+trainer/rollouts/anchors.py, behind the protocol of trainer/rollouts/extra_sources.py), scored
+(`samples.generate_samples`) and grouped (`algorithms.build_groups`), one `GenerationBatch` at a time, until
+`train_batch_size` prompts survive filtering (ARMOR §1); `assemble` turns the batches into the step's `Rollout`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron_armor.agentic.metrics import AgentCounts
 from megatron_armor.algorithms import (
-    ACTOR, ANCHORS, GroupCollector, GroupStats, anchor_trajectories, build_groups, trajectories,
+    ACTOR, GroupCollector, GroupStats, anchor_trajectories, build_groups, trajectories,
 )
 from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.rollout.base import SamplingParams
 from megatron_armor.trainer.colocation.engine_weights import EngineWeights
-from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch, anchor_key
-from megatron_armor.trainer.rollouts.anchors import AnchorSource
+from megatron_armor.trainer.rollouts.extra_sources import DrawnBatch, ExtraSampleSource
 from megatron_armor.trainer.rollouts.samples import (
-    RolloutCounters, SampleScorer, engine_counters, generate_samples, mean,
+    RolloutCounters, SampleScorer, draw_prompts, engine_counters, generate_samples, mean,
 )
 from megatron_armor.trainer.step_inputs.plan import StepPlan
 from megatron_armor.trainer.step_inputs.policies import PolicyHandles
@@ -79,23 +78,21 @@ class GenerationBatch:
 class RolloutPhase:
     """Generates, scores and groups a step's samples (collective: every rank makes the same calls).
 
-    Holds no state of its own: the prompt position is the `sampler`'s, cached anchors the anchor source's, what the
-    engines hold the policies' (`Policy.holds_weights`, kept by `engine_weights`) and anchors sampled ahead
-    `anchors_ahead`'. Its collectives run over `group` (default: the default group; background rollouts,
+    Holds no state of its own: the prompt position is the `sampler`'s, what the engines hold the policies'
+    (`Policy.holds_weights`, kept by `engine_weights`), and what its `extra_sources` cache or sample ahead theirs.
+    Its collectives run over `group` (default: the default group; background rollouts,
     trainer/rollouts/rollout_schedule.py, have one of their own).
     """
 
     def __init__(
         self, plan: StepPlan, models: PolicyHandles, sources: RolloutSources, engine_weights: EngineWeights,
-        anchors: AnchorSource, dp_size: int, group: dist.ProcessGroup | None = None,
+        extra_sources: Sequence[ExtraSampleSource], dp_size: int, group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan, self.models = plan, models
         self.sampler, self.sampling, self.scorer = sources.sampler, sources.sampling, sources.scorer
         self.engine_weights, self.dp_size = engine_weights, dp_size
-        self.anchors = anchors  # the source `anchors_ahead` samples from
-        self.extra_sources = {anchors.name: anchors}  # the sources an algorithm may add samples from, by name
+        self.extra_sources = {source.name: source for source in extra_sources}  # what an algorithm may name
         self.group = group
-        self.anchors_ahead: AnchorPrefetch | None = None  # set by the overlapped rollout modes
 
     def collect(self, step: int) -> Rollout:
         """Generate until `train_batch_size` prompts survive filtering (ARMOR §1); the rollout's metrics are summed
@@ -115,59 +112,47 @@ class RolloutPhase:
 
     def generation_batch(self, key: tuple, on_actor_done: Callable[[], None] | None = None) -> GenerationBatch:
         """Draw the sampler's next batch of prompts, sample, score and group it (collective over this phase's
-        group): the training responses from the algorithm's sampler, then its extra sources' samples (ARMOR's
-        anchors), those first when the sampler's engine holds another policy's weights (an engine shared by two
-        policies samples first with the weights it holds, so a batch swaps them at most once: with one generation
-        batch per step one reference push per step, the actor's weights being pushed after the update anyway).
-
-        The training responses' sampling seeds derive from train.seed and `key`, the anchors' from train.seed and the
-        sampler position the prompts were drawn at (`anchor_key`: anchors can be sampled before the batch is, in any
-        mode). With `anchors_ahead` (the overlapped rollout modes) the anchors are sampled on a thread of their own,
-        ahead of the batch or while the actor samples it (trainer/rollouts/anchor_prefetch.py). `on_actor_done()` is
-        called once the training responses are drawn (the actor's engine is done with the batch)."""
+        group): the training responses from the algorithm's sampler, seeded from train.seed and `key`, and the
+        samples of its extra sources (ARMOR's anchors), each taken before or after the training responses as its
+        source decides when the batch opens it (`ExtraSampleSource.open`). `on_actor_done()` is called once the
+        training responses are drawn (the sampler's engine is done with the batch)."""
         plan = self.plan  # the anchor action may switch it while the batch waits for its anchors
         counters = RolloutCounters(audit=self.scorer.audits.new_counts() if self.scorer.audits.names else None,
                                    agent=AgentCounts() if self.scorer.rolls_out_trajectories else None)
         position = self.sampler.state_dict()
-        prompts = self.draw_prompts(self.sampler)
-        extras = [self.extra_sources[name] for name in plan.algorithm.sources.extra_samples]
-        ahead = self.anchors_ahead if extras and self.samples_anchors_ahead else None
-        if ahead is not None:
-            ahead.submit_ahead(self, position)
-
-        def sample_extras() -> list[Sample]:
-            if ahead is not None:
-                return ahead.take(anchor_key(position), counters)
-            seeds = [self.seed(source.key(position), source.seed_tag) for source in extras]
-            return [s for source, seed in zip(extras, seeds)
-                    for s in source.sample(prompts, seed, counters, group=self.group)]
-
-        sampler_first = self.models.policy(plan.algorithm.sources.sampler).holds_weights
-        extra = [] if sampler_first else sample_extras()
-        on_policy = self.sample_on_policy(prompts, self.seed(key, ACTOR), counters)
+        prompts = draw_prompts(self.sampler)
+        drawn = DrawnBatch(prompts, position, self.sampler, counters, self.group,
+                           self.models.policy(plan.algorithm.sources.sampler))
+        opened = [self.extra_sources[name].open(drawn) for name in plan.algorithm.sources.extra_samples]
+        early = [samples.take() if samples.before_on_policy else None for samples in opened]
+        on_policy = self.sample_on_policy(prompts, self.seed(key), counters)
         if on_actor_done is not None:
             on_actor_done()
-        if sampler_first:
-            extra = sample_extras()
-        groups, stats = build_groups(on_policy + extra, require_anchor=bool(extras),
+        extra = [s for samples, taken in zip(opened, early) for s in (samples.take() if taken is None else taken)]
+        groups, stats = build_groups(on_policy + extra, require_anchor=bool(opened),
                                      filter_groups=plan.algorithm.filters_groups)
         return GenerationBatch(groups, stats, on_policy, extra, counters)
 
-    @property
-    def samples_anchors_ahead(self) -> bool:
-        """Whether `generation_batch` takes its anchors from `anchors_ahead`: with a reference engine of its own (a
-        shared one samples them after the actor's samples, with the reference's weights swapped in)."""
-        return self.anchors_ahead is not None and not self.models.shared_engine
+    def sample_ahead(self, group: dist.ProcessGroup | None, depth: int) -> None:
+        """Let the extra sources sample ahead of the generation batches that use them, on a thread whose collectives
+        run over `group` (a process group of its own), up to `depth` batches beyond the one in use (the overlapped
+        rollout modes)."""
+        for source in self.extra_sources.values():
+            source.sample_ahead(group, depth)
 
-    @staticmethod
-    def draw_prompts(sampler: PromptSampler) -> list[PromptRow]:
-        """`sampler`'s next batch of prompts, each indexed by its place in the batch."""
-        return [dataclasses.replace(p, index=i) for i, p in enumerate(sampler.next_batch())]
+    def drain_ahead(self) -> None:
+        """Wait until what the extra sources sample ahead is sampled (the run's end, before a checkpoint)."""
+        for source in self.extra_sources.values():
+            source.drain_ahead()
 
-    def seed(self, key: tuple, tag: str) -> tuple:
-        """The sampling seed of the samples tagged `tag` in the generation batch `key`: ACTOR for the training
-        responses, an extra source's `seed_tag` for its samples."""
-        return (self.plan.train.seed, *key, tag)
+    def drop_ahead(self) -> None:
+        """Drop what the extra sources sampled ahead, once sampled (a reference reset, the anchor action)."""
+        for source in self.extra_sources.values():
+            source.drop_ahead()
+
+    def seed(self, key: tuple) -> tuple:
+        """The sampling seed of the training responses of generation batch `key`."""
+        return (self.plan.train.seed, *key, ACTOR)
 
     def assemble(
         self, collector: GroupCollector, batches: list[GenerationBatch], group: dist.ProcessGroup | None,
@@ -219,9 +204,10 @@ class RolloutPhase:
         if counters.agent is not None:
             metrics.update(AgentCounts.from_vector(sum_over_ranks(counters.agent.as_vector(), group)).metrics())
         metrics.update(engine_counters(self.models.actor.engine, group))
-        for name in self.plan.algorithm.sources.extra_samples:
+        sources = self.plan.algorithm.sources
+        for name in sources.extra_samples:
             metrics.update(self.extra_sources[name].metrics(groups, extra, counters,
-                                                            shared_engine=self.models.shared_engine, group=group))
+                                                            policy=self.models.policy(sources.sampler), group=group))
         return metrics
 
 

@@ -9,15 +9,15 @@ hold the weights from before it again) or one skipped for a non-finite loss or g
 (staleness 0).
 
 `one_step_off`: step t takes the rollout prepared during step t-1 and starts step t+1's in a background thread, from
-the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it
-pushes its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate
-find no rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own
-(trainer/rollouts/anchor_prefetch.py): the next rollout's while this one is generated. Samples are one weight version
+the weights before step t's update (theta_t), while step t trains; the trainer waits for it to finish before it pushes
+its new weights (the engine never changes weights mid-rollout), so validation, checkpoints and the MIPU gate find no
+rollout in flight. ARMOR's anchors are sampled ahead, on a thread of their own (`RolloutPhase.sample_ahead`;
+trainer/rollouts/anchor_prefetch.py): the next rollout's while this one is generated. Samples are one weight version
 old: the loss corrects them with the behaviour importance weight (algorithm.behaviour_correction; MIPU's own Step 1
 weight against the engine's logprobs). When the gate rejects step t's update, the queued rollout is kept: the rollback
 restores theta_t, the weights that sampled it, so step t+1 trains on it exactly on-policy (staleness 0); an accepted
-update leaves it one version old. The background rollout's collectives run over a gloo group of their own, so they never
-interleave with the trainer's on the default group.
+update leaves it one version old. The background rollout's collectives run over a gloo group of their own, so they
+never interleave with the trainer's on the default group.
 
 A checkpoint saves the sampler's position from before the queued rollout, so a resumed run regenerates it
 (with the checkpoint's weights): no prompt is trained twice or skipped. A reference reset drops the queued
@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from megatron_armor.data.datasets import PromptSampler
-from megatron_armor.trainer.rollouts.anchor_prefetch import AnchorPrefetch
 from megatron_armor.trainer.rollouts.rollout_phase import Rollout, RolloutPhase
 from megatron_armor.trainer.rollouts.samples import mean
 
@@ -119,28 +118,27 @@ class SyncRollouts(RolloutSchedule):
 class OverlappedRollouts(RolloutSchedule):
     """What the modes that generate beside training (one_step_off, async) share: their rollout phase's collectives run
     over a gloo group of their own, its work runs on a daemon thread whose failure is raised on the trainer's thread
-    (`_raise_failure`), ARMOR's anchors are sampled ahead (`anchors`, the phase's `anchors_ahead`), and the step's
-    overlap figures (`_perf`, `step_metrics`)."""
+    (`_raise_failure`), the phase's extra sources (ARMOR's anchors) sample ahead over a gloo group of their own
+    (`RolloutPhase.sample_ahead`), and the step's overlap figures (`_perf`, `step_metrics`)."""
 
     def __init__(self, phase: RolloutPhase, sampler: PromptSampler, last_step: int | None) -> None:
         super().__init__(phase, sampler, last_step)
         self._cond = threading.Condition()  # guards the background thread's state; notified when it fails
         self._error: BaseException | None = None
         self._perf = _StepPerf()
-        # ARMOR's anchors, sampled ahead on a thread of their own (its gloo group: collective)
-        self.anchors = AnchorPrefetch(self.rollout_group(), self.anchor_depth(phase))
-        phase.anchors_ahead = self.anchors
+        # what the extra sources sample ahead (ARMOR's anchors) runs over a gloo group of its own (collective to make)
+        phase.sample_ahead(self.rollout_group(), self.ahead_depth(phase))
 
     @staticmethod
-    def anchor_depth(phase: RolloutPhase) -> int:
-        """How many generation batches beyond the one in use have their anchors sampled ahead (one_step_off: the
-        next rollout's first)."""
+    def ahead_depth(phase: RolloutPhase) -> int:
+        """How many generation batches beyond the one in use the phase's extra sources sample ahead (one_step_off:
+        the next rollout's first)."""
         return 1
 
     def close(self) -> None:
-        """Let the rollout generating finish, and the anchors sampled ahead."""
+        """Let the rollout generating finish, and what the extra sources sample ahead."""
         super().close()
-        self.anchors.drain()
+        self.phase.drain_ahead()
 
     @classmethod
     def rollout_group(cls) -> dist.ProcessGroup | None:
@@ -237,14 +235,14 @@ class OneStepOffRollouts(OverlappedRollouts):
 
     def discard_queued(self) -> None:
         self.settle()
-        self.anchors.reset()
+        self.phase.drop_ahead()
         if self._sampler_before_queue is not None:
             self.sampler.load_state_dict(self._sampler_before_queue)
         self._queued, self._sampler_before_queue = None, None
 
     def sampler_state(self) -> dict[str, Any]:
         self.settle()
-        self.anchors.drain()
+        self.phase.drain_ahead()
         return dict(self._sampler_before_queue or self.sampler.state_dict())
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_armor.agentic.metrics import AgentCounts
 from megatron_armor.agentic.trajectory import Trajectory
 from megatron_armor.config import RewardConfig
-from megatron_armor.data.datasets import PromptRow
+from megatron_armor.data.datasets import PromptRow, PromptSampler
 from megatron_armor.data.types import Sample
 from megatron_armor.distributed.reduce import sum_over_ranks
 from megatron_armor.distributed.sample_exchange import all_gather_samples
@@ -226,6 +226,11 @@ def generate_samples(
     if share.world == 1:
         return samples
     return sorted(all_gather_samples(samples, group), key=lambda sample: sample.trajectory)  # stable: segments in order
+
+
+def draw_prompts(sampler: PromptSampler) -> list[PromptRow]:
+    """`sampler`'s next batch of prompts, each indexed by its place in the batch: a generation batch's prompts."""
+    return [dataclasses.replace(p, index=i) for i, p in enumerate(sampler.next_batch())]
 
 
 def engine_counters(engine: RolloutEngine, group: dist.ProcessGroup | None) -> dict[str, float]:

@@ -85,13 +85,13 @@ class RLTrainer:
         # ARMOR's anchors: the rollout source an algorithm may ask for (ARMOR, or a run the anchor action switched)
         self.anchors = AnchorSource(models.ref, plan.rollout.anchors.ref_n, parts.anchor_cache,
                                     engine_weights=self.engine_weights, sampling=sources.sampling,
-                                    scorer=sources.scorer)
+                                    scorer=sources.scorer, train_seed=plan.train.seed)
         # partial rollouts: the rollout phase samples through an engine a weight push pauses (the schedule's)
         phase_models = (dataclasses.replace(models, actor=dataclasses.replace(
             models.actor, engine=PausableEngine(models.actor.engine))) if plan.rollout.partial_rollouts else models)
         self.rollouts = RolloutSchedule.build(
             plan.rollout.mode, lambda group: RolloutPhase(plan, phase_models, sources, self.engine_weights,
-                                                          self.anchors, dp_size=ctx.dp_size, group=group),
+                                                          [self.anchors], dp_size=ctx.dp_size, group=group),
             sources.sampler, plan.train.max_steps,
         )
         self.optimizer_steps = 0
