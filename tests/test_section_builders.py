@@ -10,18 +10,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_armor.config import (
     AnchorsConfig, ArmorConfig, CheckpointConfig, DataConfig, LoggingConfig, MemoryHandoffConfig, MicroBatchingConfig,
-    RewardConfig, SamplingConfig, SubspaceConfig, WeightSyncConfig,
+    ModelConfig, RewardConfig, SamplingConfig, SubspaceConfig, WeightSyncConfig,
 )
 from megatron_armor.config.builders import Buildable, builder_of, builds
 from megatron_armor.config.root import config_entries
 
-# The components issue 28 names, by the section that builds them: all of them build from their section.
+# The sections that build a component of the run (the ones issue 28 names among them).
 BUILT_BY_SECTIONS = {
     "optimizer", "rollout", "rollout.weight_sync", "checkpoint", "monitor", "data", "logging", "rollout.memory",
     "micro_batching", "subspace", "rollout.sampling", "rollout.anchors", "rollout.agentic", "reward", "parallel",
+    "model", "rollout.local", "rollout.sglang",
 }
 
 # Run in a fresh interpreter: what importing `armor train`'s entry point registers, nothing this process imported.
@@ -180,3 +182,27 @@ def test_the_data_section_builds_the_training_sampler_and_the_validation_rows(tm
                                batch_size=2, seed=0)
     assert no_validation.validation == []
     assert no_validation.train.next_batch()[0].prompt_ids == expected[0].prompt_ids
+
+
+def test_the_model_section_builds_a_policy_s_model_in_its_dtype_with_its_routing_for_the_actor(tiny_model_factory):
+    from megatron_armor.convert.loading import load_policy_model
+    from megatron_armor.distributed.init import destroy_distributed, initialize_distributed
+    from megatron_armor.models.hf_config import load_model_shape
+
+    path = tiny_model_factory("qwen2_moe")
+    shape = load_model_shape(path)
+    section = ModelConfig(params_dtype="bfloat16", moe_load_balancing="seq_aux_loss", moe_aux_loss_coeff=0.01)
+    assert builder_of(ModelConfig) is load_policy_model
+    initialize_distributed(1, 1, 1)
+    try:
+        actor = section.build(path=path, shape=shape, trainable=True)
+        frozen = section.build(path=path, shape=shape)
+    finally:
+        destroy_distributed()
+    assert {p.dtype for p in actor.parameters()} == {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    assert (actor.config.moe_router_load_balancing_type, actor.config.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+    assert frozen.config.moe_aux_loss_coeff == 0.0
+    assert all(p.requires_grad for p in actor.parameters()) and not any(p.requires_grad for p in frozen.parameters())
+    scored = dict(frozen.named_parameters())
+    for name, trained in actor.named_parameters():
+        assert torch.equal(trained, scored[name]), name  # the same checkpoint loaded into both

@@ -153,8 +153,10 @@ class AgenticConfig(Buildable):
 
 
 @dataclass
-class LocalEngineConfig:
-    """Backend local: an in-process HF model per policy on every trainer rank."""
+class LocalEngineConfig(Buildable):
+    """Backend local: an in-process HF model per policy on every trainer rank; it builds one such engine."""
+
+    component = "megatron_armor.rollout.local:LocalEngine.load"
 
     in_process: ClassVar[bool] = True  # its engines live in the trainer's processes
 
@@ -176,8 +178,11 @@ class LocalEngineConfig:
 
 
 @dataclass
-class SGLangClientConfig:
-    """Backend sglang: the SGLang servers the trainer talks to and how requests are dispatched over them."""
+class SGLangClientConfig(Buildable):
+    """Backend sglang: the SGLang servers the trainer talks to and how requests are dispatched over them; it builds
+    the client of one policy's servers (with the router it starts when one is wanted)."""
+
+    component = "megatron_armor.rollout.backends:sglang_client"
 
     in_process: ClassVar[bool] = False  # its engines are clients of servers
 

@@ -17,7 +17,12 @@ from megatron_armor.config.recompute import RecomputeConfig
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Buildable):
+    """The policies' checkpoints and how their Megatron models are built; it builds this rank's shard of a policy's
+    model."""
+
+    component = "megatron_armor.convert.loading:load_policy_model"
+
     path: str | None = doc(
         None, "initial policy: HF checkpoint dir or Megatron checkpoint (`armor convert`); also the reference unless ref_path"
     )

@@ -11,7 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron_armor.convert.megatron_checkpoint import load_model_weights
 from megatron_armor.distributed.device import training_device
 from megatron_armor.models.gpt import build_gpt_model
-from megatron_armor.config import RecomputeConfig
+from megatron_armor.config import ModelConfig, RecomputeConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.models.hf_config import ModelShape, MoERouting, transformer_config
 
 # model.params_dtype / serve-teacher --params-dtype -> torch dtype
@@ -44,3 +45,17 @@ def load_gpt_model(
     model = build_gpt_model(shape, config, trainable=trainable).to(device=device, dtype=params_dtype)
     load_model_weights(model, path, shape)
     return model
+
+
+@builds(ModelConfig)
+def load_policy_model(
+    model: ModelConfig, *, path: str | Path, shape: ModelShape, trainable: bool = False,
+    recompute: RecomputeConfig = RecomputeConfig(), sequence_parallel: bool = False,
+) -> GPTModel:
+    """This rank's shard of a policy's model at `path` (model.path, ref_path, a teacher's) in model.params_dtype
+    (`load_gpt_model`). The model that trains (`trainable`: the actor) routes MoE tokens with model.moe_load_balancing
+    and moe_aux_loss_coeff; frozen ones score with the default routing (no auxiliary loss)."""
+    moe = MoERouting(model.moe_load_balancing, model.moe_aux_loss_coeff) if trainable else MoERouting()
+    return load_gpt_model(path, shape, params_dtype=PARAMS_DTYPES[model.params_dtype], trainable=trainable,
+                          recompute=recompute, sequence_parallel=sequence_parallel, moe=moe)
+

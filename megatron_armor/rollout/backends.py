@@ -1,7 +1,8 @@
 """The rollout backends by name (`rollout.backend`), as `weight_transport.TRANSPORTS` names the SGLang
-weight-update paths: each builds a rank's on-policy and anchor engines from the `rollout` section, whose
-sub-section named after the backend holds its own settings (`config.rollout`: `rollout.local`,
-`rollout.sglang`, which also check the rules the backend needs when the config is loaded).
+weight-update paths: each builds a rank's on-policy and anchor engines from the `rollout` section (`rollout.build`,
+`rollout_engines`), whose sub-section named after the backend holds its own settings and builds one policy's engine
+(`rollout.local.build`: `LocalEngine.load`; `rollout.sglang.build`: `sglang_client`, with the router it starts), and
+checks the rules the backend needs when the config is loaded.
 
 A new backend is one `RolloutBackend` subclass in `ROLLOUT_BACKENDS`, its settings sub-section and its name
 among `RolloutConfig.backend`'s choices; the trainer's set-up (`trainer/run/build.py`) only looks it up.
@@ -9,18 +10,21 @@ among `RolloutConfig.backend`'s choices; the trainer's set-up (`trainer/run/buil
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_armor.config import RolloutConfig
+from megatron_armor.config import RolloutConfig, SGLangClientConfig
 from megatron_armor.config.builders import builds
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.models.hf_config import load_model_shape
 from megatron_armor.rollout.base import RolloutEngine
 from megatron_armor.rollout.local import LocalEngine
-from megatron_armor.rollout.sglang_engine import SGLangEngineConfig
+from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
+from megatron_armor.rollout.router import RouterConfig, SGLangRouter, use_sglang_router
+from megatron_armor.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 
 
 @dataclass(frozen=True)
@@ -75,15 +79,12 @@ class SGLangBackend(RolloutBackend):
     whatever its servers loaded, and the trainer pushes the weights before the first rollout."""
 
     def engines(self, rollout: RolloutConfig, site: EngineSite) -> tuple[RolloutEngine, RolloutEngine]:
-        from megatron_armor.rollout.push_assignment import push_urls_of_this_rank
-        from megatron_armor.rollout.router import make_sglang_engine
-
         client, sglang = SGLangEngineConfig(weight_sync=rollout.weight_sync), rollout.sglang
 
         def engine(urls: str, router_url: str | None, client: SGLangEngineConfig = client):
             push_urls = push_urls_of_this_rank(urls.split(","), rollout.weight_sync.method)  # collective
-            return make_sglang_engine(urls, router_url, sglang, client, log_dir=site.log_dir, push_urls=push_urls,
-                                      first_server=site.rank)
+            return sglang.build(urls=urls, router_url=router_url, client=client, log_dir=site.log_dir,
+                                push_urls=push_urls, first_server=site.rank)
 
         actor_client = client
         if site.record_routes:
@@ -114,5 +115,26 @@ def local_engine(path: str, rollout: RolloutConfig, site: EngineSite, *, record_
     model = path
     if is_megatron_checkpoint(path):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    return LocalEngine.load(model, rollout.local, pad_token_id=site.pad_token_id, record_routes=record_routes,
-                                   **site.placement)
+    return rollout.local.build(model=model, pad_token_id=site.pad_token_id, record_routes=record_routes,
+                               **site.placement)
+
+
+@builds(SGLangClientConfig)
+def sglang_client(
+    sglang: SGLangClientConfig, *, urls: str, router_url: str | None, client: SGLangEngineConfig = SGLangEngineConfig(),
+    log_dir: str | None = None, push_urls: list[str] | None = None, first_server: int = 0,
+) -> SGLangEngine:
+    """The client of the servers at comma-separated `urls` (rollout.sglang's urls or ref_urls), generating through a
+    router if one is wanted.
+
+    `router_url`: a router already in front of `urls` (set by `armor ray-train`). Without one, this
+    process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `sglang.router`
+    (rollout.sglang) asks for it. `push_urls`: the servers this process pushes weights to (default: all);
+    `first_server`: see `SGLangEngine`.
+    """
+    servers = urls.split(",")
+    if router_url is None and use_sglang_router(sglang.router, len(servers)):
+        router = SGLangRouter(servers, RouterConfig(policy=sglang.router_policy), log_dir=log_dir)
+        atexit.register(router.stop)
+        router_url = router.url
+    return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls, first_server=first_server)

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from megatron_armor.config import LocalEngineConfig
+from megatron_armor.config.builders import builds
 from megatron_armor.models.families import model_family
 from megatron_armor.models.tensors import checkpoint_tensors
 from megatron_armor.rollout.kv_cache import PreallocatedCache
@@ -225,7 +226,7 @@ class LocalEngine(RolloutEngine):
 
     @classmethod
     def load(
-        cls, model: str | Path | PreTrainedModel, settings: LocalEngineConfig, *, pad_token_id: int,
+        cls, settings: LocalEngineConfig, *, model: str | Path | PreTrainedModel, pad_token_id: int,
         device: torch.device | None = None, dtype: torch.dtype = torch.float32, record_routes: bool = False,
     ) -> LocalEngine:
         """An in-process engine of a training run: `model` (a checkpoint directory, loaded, or a model) with the
@@ -406,3 +407,6 @@ class LocalEngine(RolloutEngine):
 
     def flush_cache(self) -> None:
         """Nothing to drop: the KV cache lives only inside one `generate` call."""
+
+
+builds(LocalEngineConfig)(LocalEngine.load)

@@ -15,7 +15,6 @@ and added in the background, so `add_workers` waits until `GET /workers` lists t
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import sys
 import tempfile
@@ -24,11 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_armor.config import SGLangClientConfig
 from megatron_armor.rollout.process import ManagedProcess, NotReady, wait_until
-from megatron_armor.rollout.sglang_engine import (
-    TRANSPORT_ERRORS, SGLangEngine, SGLangEngineConfig, http_call,
-)
+from megatron_armor.rollout.sglang_engine import TRANSPORT_ERRORS, http_call
 from megatron_armor.utils.net import free_port
 
 
@@ -177,22 +173,3 @@ class SGLangRouter:
     def _exited(self) -> RouterError:
         return RouterError(f"SGLang router {self.url} exited with code {self._process.returncode}; generation requests "
                            f"cannot be dispatched (its log says why)\n{self._process.log_tail()}")
-
-
-def make_sglang_engine(
-    urls: str, router_url: str | None, sglang: SGLangClientConfig, client: SGLangEngineConfig = SGLangEngineConfig(),
-    *, log_dir: str | None = None, push_urls: list[str] | None = None, first_server: int = 0,
-) -> SGLangEngine:
-    """The client of the servers at comma-separated `urls`, generating through a router if one is wanted.
-
-    `router_url`: a router already in front of `urls` (set by `armor ray-train`). Without one, this
-    process starts its own router (on loopback, stopped at exit; log in `log_dir`) when `sglang.router`
-    (rollout.sglang) asks for it. `push_urls`: the servers this process pushes weights to (default: all);
-    `first_server`: see `SGLangEngine`.
-    """
-    servers = urls.split(",")
-    if router_url is None and use_sglang_router(sglang.router, len(servers)):
-        router = SGLangRouter(servers, RouterConfig(policy=sglang.router_policy), log_dir=log_dir)
-        atexit.register(router.stop)
-        router_url = router.url
-    return SGLangEngine(servers, client, router_url=router_url, push_urls=push_urls, first_server=first_server)

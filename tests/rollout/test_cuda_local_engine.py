@@ -18,7 +18,7 @@ PROMPTS = [[5, 9, 17, 3], [40, 41, 42], [7, 8, 9, 10, 11, 12, 13], [99]]
 def test_engine_samples_on_the_gpu_in_the_trainers_dtype(prepackable_model, dtype):
     path = prepackable_model
     device = torch.device("cuda", torch.cuda.current_device())
-    engine = LocalEngine.load(str(path), LocalEngineConfig(), pad_token_id=0, device=device, dtype=dtype)
+    engine = LocalEngineConfig().build(model=str(path), pad_token_id=0, device=device, dtype=dtype)
     assert {(p.device, p.dtype) for p in engine.model.parameters()} == {(device, dtype)}
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=16))

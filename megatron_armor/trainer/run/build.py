@@ -15,7 +15,7 @@ import torch
 
 from megatron_armor.algorithms import ACTOR, REFERENCE, TEACHER, Algorithm, GateSettings
 from megatron_armor.config import ArmorConfig
-from megatron_armor.convert.loading import PARAMS_DTYPES, load_gpt_model
+from megatron_armor.convert.loading import PARAMS_DTYPES
 from megatron_armor.convert.megatron_checkpoint import is_megatron_checkpoint
 from megatron_armor.convert.peft_export import all_stages_peft_tensors, peft_config
 from megatron_armor.convert.weights import parameters_exported_as_views
@@ -23,9 +23,7 @@ from megatron_armor.data.datasets import PromptRow, check_tokenizer_fits_model
 from megatron_armor.diagnostics.subspace import SubspaceConstraint
 from megatron_armor.distributed.device import training_device
 from megatron_armor.distributed.init import DistributedContext
-from megatron_armor.models.hf_config import (
-    ModelShape, MoERouting, check_parallel_layout, load_model_shape,
-)
+from megatron_armor.models.hf_config import ModelShape, check_parallel_layout, load_model_shape
 from megatron_armor.models.lora import adapter_entries, adapters_disabled, apply_lora
 from megatron_armor.models.tokenizer import load_tokenizer
 from megatron_armor.rewards.reward_fns import RewardFns
@@ -200,19 +198,17 @@ def _build_models(
     models are built (`handoff`), and an offloaded trainer parks them before the servers take it back
     (the servers get their weights from the first pushes, which bring the trainer's copy of each back
     for the push alone)."""
-    dtype = PARAMS_DTYPES[cfg.model.params_dtype]
     with handoff.training_phase() if handoff else contextlib.nullcontext():
         sequence_parallel = _sequence_parallel(cfg, shape)
-        moe = MoERouting(cfg.model.moe_load_balancing, cfg.model.moe_aux_loss_coeff)
-        actor = load_gpt_model(paths.model_path, shape, params_dtype=dtype, trainable=True, recompute=cfg.recompute,
-                               sequence_parallel=sequence_parallel, moe=moe)
+        actor = cfg.model.build(path=paths.model_path, shape=shape, trainable=True, recompute=cfg.recompute,
+                                sequence_parallel=sequence_parallel)
         lora = cfg.model.lora
         if lora.enabled:
             apply_lora(actor, lora, seed=cfg.train.seed)
         ddp, optimizer = cfg.optimizer.build(
             model=actor, distributed=cfg.optimizer.distributed(cfg.parallel, cfg.subspace, cfg.rollout.memory))
-        ref = None if lora.enabled else load_gpt_model(paths.ref_path, shape, params_dtype=dtype,
-                                                        sequence_parallel=sequence_parallel)
+        ref = None if lora.enabled else cfg.model.build(path=paths.ref_path, shape=shape,
+                                                         sequence_parallel=sequence_parallel)
         teacher = _teacher(cfg, paths, shape) if algorithm.sources.uses(TEACHER) else None
         constraint = cfg.subspace.build(model=ddp.module)
         offload = None
@@ -238,8 +234,7 @@ def start_weights(cfg: ArmorConfig, paths: TaskPaths, shape: ModelShape) -> dict
     """The weights the run's actor started from (model.path), at this rank's layout and under the actor's state-dict
     keys (collective): what the anchor actions restore when the best checkpoint is the start. Under LoRA its adapters
     alone, as `apply_lora` built them (the same seed: A as drawn, B zero)."""
-    model = load_gpt_model(paths.model_path, shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype],
-                           sequence_parallel=_sequence_parallel(cfg, shape))
+    model = cfg.model.build(path=paths.model_path, shape=shape, sequence_parallel=_sequence_parallel(cfg, shape))
     if not cfg.model.lora.enabled:
         return model.state_dict()
     apply_lora(model, cfg.model.lora, seed=cfg.train.seed)
@@ -267,7 +262,7 @@ def _teacher(cfg: ArmorConfig, paths: TaskPaths, student: ModelShape) -> Teacher
         check_teacher_vocab(teacher_shape.vocab_size, student.vocab_size, f"opd.teacher_path {paths.teacher_path}")
     scoring = _scoring(cfg)  # as the student's
     if opd.teacher_url is None and opd.teacher_layout is None:
-        model = load_gpt_model(paths.teacher_path, teacher_shape, params_dtype=PARAMS_DTYPES[cfg.model.params_dtype])
+        model = cfg.model.build(path=paths.teacher_path, shape=teacher_shape)
         batching = _micro_batching(cfg)  # as the student's
         return InProcessTeacher(model, micro_batching=batching, scoring=scoring)
     launch = None
@@ -315,7 +310,7 @@ def _teacher_engine(cfg: ArmorConfig, paths: TaskPaths, pad_token_id: int) -> Lo
             f"Megatron checkpoint (the teacher's engine receives no weights): export it with `armor convert "
             f"megatron-to-hf`"
         )
-    return LocalEngine.load(paths.teacher_path, cfg.rollout.local, pad_token_id=pad_token_id, **_engine_placement(cfg))
+    return cfg.rollout.local.build(model=paths.teacher_path, pad_token_id=pad_token_id, **_engine_placement(cfg))
 
 
 def _engine_placement(cfg: ArmorConfig) -> dict:
