@@ -13,16 +13,17 @@ from megatron_armor.config import load_config  # noqa: E402
 from megatron_armor.rollout.local import LocalEngine  # noqa: E402
 from megatron_armor.trainer.run.train import run_training  # noqa: E402
 
-build = LocalEngine.load.__func__
+# Every engine is biased as it is made (the run builds its engines through rollout.local's registered builder,
+# `LocalEngine.load`, which constructs them).
+build = LocalEngine.__init__
 
 
-def biased_engine(cls, *args, **kwargs) -> LocalEngine:
-    engine = build(cls, *args, **kwargs)
-    bias_routing(engine.model, ENGINE_BIAS)
-    return engine
+def biased_engine(self, *args, **kwargs) -> None:
+    build(self, *args, **kwargs)
+    bias_routing(self.model, ENGINE_BIAS)
 
 
-LocalEngine.load = classmethod(biased_engine)
+LocalEngine.__init__ = biased_engine
 out_dir, config_path, *overrides = sys.argv[1:]
 code = run_training(load_config(config_path, overrides))
 write_result(out_dir, {"exit_code": code})
