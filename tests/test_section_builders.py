@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_armor.config import (
-    AnchorsConfig, ArmorConfig, CheckpointConfig, DataConfig, LoggingConfig, MemoryHandoffConfig, MicroBatchingConfig,
+    AnchorsConfig, CheckpointConfig, DataConfig, LoggingConfig, MemoryHandoffConfig, MicroBatchingConfig,
     ModelConfig, RewardConfig, SamplingConfig, SubspaceConfig, WeightSyncConfig,
 )
 from megatron_armor.config.builders import Buildable, builder_of, builds
-from megatron_armor.config.root import config_entries
+from megatron_armor.config.root import config_sections
 
 # The sections that build a component of the run (the ones issue 28 names among them).
 BUILT_BY_SECTIONS = {
@@ -48,22 +48,12 @@ print(json.dumps(found))
 """
 
 
-def _sections(cls: type = ArmorConfig, prefix: str = "") -> dict[str, type]:
-    """Dotted section name -> class, every section and sub-section of the run's config."""
-    out = {}
-    for entry in config_entries(cls):
-        if entry.section is not None:
-            out[prefix + entry.name] = entry.section
-            out.update(_sections(entry.section, f"{prefix}{entry.name}."))
-    return out
-
-
 def test_importing_the_run_registers_the_component_every_section_names():
-    buildable = {name for name, cls in _sections().items() if issubclass(cls, Buildable)}
+    buildable = {name for name, cls in config_sections() if issubclass(cls, Buildable)}
     assert buildable == BUILT_BY_SECTIONS
     result = subprocess.run([sys.executable, "-c", _REGISTRY_PROBE], capture_output=True, text=True, check=True)
     found = json.loads(result.stdout.strip().splitlines()[-1])
-    by_class = {cls.__qualname__: name for name, cls in _sections().items() if name in buildable}
+    by_class = {cls.__qualname__: name for name, cls in config_sections() if name in buildable}
     assert set(found) >= set(by_class)
     unregistered = [by_class[c] for c, (registered, named) in found.items() if c in by_class and not registered]
     misnamed = [by_class[c] for c, (registered, named) in found.items() if c in by_class and registered and not named]

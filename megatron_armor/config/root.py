@@ -130,4 +130,15 @@ def config_fields(cls: type = ArmorConfig, prefix: str = "") -> list[tuple[str, 
     return out
 
 
+def config_sections(cls: type = ArmorConfig, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted name, dataclass) of every section and sub-section of `cls`, in declaration order, each before its
+    sub-sections."""
+    out = []
+    for entry in config_entries(cls):
+        if entry.section is not None:
+            out.append((f"{prefix}{entry.name}", entry.section))
+            out.extend(config_sections(entry.section, f"{prefix}{entry.name}."))
+    return out
+
+
 reserve_names({f.name for f in dataclasses.fields(ArmorConfig)} | set(vars(ArmorConfig)))

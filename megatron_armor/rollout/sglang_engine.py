@@ -267,7 +267,9 @@ class SGLangEngine(RolloutEngine):
         # the push servers the last push reached (the transport's servers: updated in place); the others missed it
         self._live_push_servers = list(self._push_servers)
         self._transport: Transport = config.weight_sync.build(
-            servers=self._live_push_servers, post_all=self._on_push_servers, group_timeout_s=config.weight_group_timeout_s)
+            servers=self._live_push_servers, post_all=self._on_push_servers,
+            group_timeout_s=config.weight_group_timeout_s,
+        )
         self._weight_version = 0
         self._interrupted = threading.Event()  # `interrupt`: aborted items come back partial, nothing more is sent
         self._calls_lock = threading.Lock()

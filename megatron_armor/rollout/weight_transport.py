@@ -101,7 +101,8 @@ class TensorTransport(Transport):
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         load_format = self.settings.load_format
-        buckets = proto.bucket_named_tensors(named_tensors, self.settings.bucket_bytes, proto.payload_align(load_format))
+        buckets = proto.bucket_named_tensors(named_tensors, self.settings.bucket_bytes,
+                                             proto.payload_align(load_format))
         with ThreadPoolExecutor(1) as sender:
             in_flight = None  # the previous bucket's request and payload (referenced until it is answered)
             for n, (bucket, last) in enumerate(buckets):

@@ -89,7 +89,8 @@ def train(ctx: DistributedContext, cfg: ArmorConfig, *, resume: bool, overwrite:
                                 else (0, False))
     trainer.push_initial_weights(_stale_policies(setup.models, paths, resumed=resume_from is not None,
                                                  ref_restored=ref_restored, adapter_sync=cfg.model.lora.adapter_sync))
-    metrics_log = cfg.logging.build(enabled=ctx.is_main, resume_from_step=start_step if resume_from is not None else None)
+    metrics_log = cfg.logging.build(enabled=ctx.is_main,
+                                    resume_from_step=start_step if resume_from is not None else None)
     validate = functools.partial(_validate, ctx, cfg, setup)
     if start_step == 0 and cfg.eval.before_train:
         initial = validate(0)
